@@ -1,0 +1,117 @@
+"""Text for the demo model family, built from what every Python install has.
+
+Three sources, all deterministic given a seed:
+- prose: `pydoc_data.topics` (the reference manual's help topics),
+- code: the top-level modules of the standard library,
+- facts: synthetic documents about fictional people, with extractive questions whose answers are spans of
+  the document (the QA specialist's task and its exact F1/EM metric).
+Held-out material is disjoint from training material: topics and modules are split by a hash of their name,
+facts documents by seed.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import sysconfig
+from dataclasses import dataclass
+
+_SYLLABLES = ["ka", "lo", "mi", "ra", "ven", "dor", "sel", "tu", "bri", "on", "ash", "el", "mar", "quin", "zo",
+              "fen", "gal", "ri", "tam", "ul", "bex", "cor", "dri", "ny", "pol", "sta", "wen", "yor"]
+_CITIES = ["Quenby", "Marlow Heath", "Tessary", "Oldwick", "Brenmoor", "Caltrop Bay", "Ivel", "Saltmere",
+           "Dunhollow", "Pellam", "Rookford", "Vask", "Elderpoint", "Ferrow", "Galen Cross", "Hythe"]
+_JOBS = ["baker", "clockmaker", "pilot", "gardener", "librarian", "surgeon", "carpenter", "chemist",
+         "sailor", "painter", "teacher", "weaver", "miner", "judge", "brewer", "cartographer"]
+_COLORS = ["teal", "crimson", "amber", "violet", "olive", "silver", "ochre", "indigo", "scarlet", "ivory"]
+_OBJECTS = ["bicycle", "lantern", "violin", "telescope", "kettle", "compass", "typewriter", "canoe",
+            "harp", "umbrella", "chess set", "sled"]
+_PETS = ["a cat", "a parrot", "two dogs", "a tortoise", "three goats", "a ferret", "an owl", "no pets"]
+
+
+def _held_out(name: str, fraction: float = 0.15) -> bool:
+    """Stable split by name: the same item is held out on every machine and every run."""
+    h = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+    return h / 2**32 < fraction
+
+
+def prose_texts(split: str) -> list[str]:
+    """Help topics of the reference manual, split by topic name ('train' or 'heldout')."""
+    from pydoc_data.topics import topics
+    want_held = split == "heldout"
+    return [topics[k] for k in sorted(topics) if _held_out(k) == want_held]
+
+
+def code_texts(split: str, max_chars: int = 1_500_000) -> list[str]:
+    """Standard-library module sources, split by module name, capped in total size."""
+    root = sysconfig.get_paths()["stdlib"]
+    want_held = split == "heldout"
+    out, total = [], 0
+    for name in sorted(os.listdir(root)):
+        if not name.endswith(".py") or _held_out(name) != want_held:
+            continue
+        with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        out.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    return out
+
+
+@dataclass(frozen=True)
+class QAExample:
+    document: str          # the shared prefix
+    question: str          # "Question: ...\nAnswer:" suffix
+    answer: str            # gold span, present verbatim in the document
+
+
+def _name(rng: random.Random) -> str:
+    first = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+    last = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+    return f"{first} {last}"
+
+
+def facts_document(rng: random.Random, n_people: int) -> tuple[str, list[tuple[str, str]]]:
+    """One synthetic document and its (question, answer) pairs; every answer is a span of the document."""
+    sentences, qas = [], []
+    for _ in range(n_people):
+        who = _name(rng)
+        city, job = rng.choice(_CITIES), rng.choice(_JOBS)
+        year, obj = str(rng.randint(1700, 1999)), f"{rng.choice(_COLORS)} {rng.choice(_OBJECTS)}"
+        pet = rng.choice(_PETS)
+        facts = [
+            (f"{who} lives in {city}.", f"Where does {who} live?", city),
+            (f"{who} works as a {job}.", f"What is the job of {who}?", job),
+            (f"{who} was born in {year}.", f"When was {who} born?", year),
+            (f"{who} owns a {obj}.", f"What does {who} own?", obj),
+            (f"{who} keeps {pet}.", f"Which pets does {who} keep?", pet),
+        ]
+        for sentence, q, a in rng.sample(facts, rng.randint(3, 5)):
+            sentences.append(sentence)
+            qas.append((q, a))
+    rng.shuffle(sentences)
+    return "Notes:\n" + " ".join(sentences) + "\n", qas
+
+
+def qa_examples(split: str, n: int, seed: int = 0) -> list[QAExample]:
+    """`n` (document, question, answer) triples; held-out documents come from a disjoint seed stream."""
+    rng = random.Random(f"qa-{split}-{seed}")
+    out = []
+    while len(out) < n:
+        doc, qas = facts_document(rng, rng.randint(3, 5))
+        q, a = rng.choice(qas)
+        out.append(QAExample(doc, f"Question: {q}\nAnswer:", f" {a}"))
+    return out
+
+
+def qa_training_text(rng: random.Random) -> str:
+    """A document followed by several of its questions with answers: the QA specialist's fine-tuning text."""
+    doc, qas = facts_document(rng, rng.randint(3, 5))
+    picked = rng.sample(qas, min(len(qas), rng.randint(2, 4)))
+    return doc + "".join(f"Question: {q}\nAnswer: {a}\n" for q, a in picked)
+
+
+def facts_texts(n: int, seed: int) -> list[str]:
+    """Plain synthetic documents (no questions) for the base model."""
+    rng = random.Random(f"facts-{seed}")
+    return [facts_document(rng, rng.randint(3, 6))[0] for _ in range(n)]

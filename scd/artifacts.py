@@ -1,0 +1,102 @@
+"""The learned artifacts of one producer->consumer pair, as tensors + a JSON description.
+
+This is the numeric content only; the registry (versions, fingerprints, checksums) wraps it. The layer
+plan says how each layer is rebuilt: "exact" (layer 0 from token ids, zero payload), "reuse" or "patch".
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from scd.models import ModelSpec
+from scd.patch import Aligner
+from scd.reuse import LinearCodec
+
+FORMAT_VERSION = 1
+KINDS = ("exact", "reuse", "patch")
+
+
+@dataclass
+class PairArtifacts:
+    pair: str                                   # "producer:consumer"
+    spec: ModelSpec
+    r_k: int
+    r_v: int
+    r_h: int
+    aligner_width: int
+    plan: list[str]                             # per layer, one of KINDS
+    reuse_k: dict[int, LinearCodec]
+    reuse_v: dict[int, LinearCodec]
+    patch_enc: dict[int, LinearCodec] = field(default_factory=dict)
+    aligners: dict[int, Aligner] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)    # policy curves, calibration metrics: free-form JSON
+
+    def __post_init__(self):
+        if len(self.plan) != self.spec.num_layers or any(k not in KINDS for k in self.plan):
+            raise ValueError(f"plan must name one of {KINDS} for each of {self.spec.num_layers} layers: {self.plan}")
+        for l, kind in enumerate(self.plan):
+            if kind == "exact" and l != 0:
+                raise ValueError(f"only layer 0 can be regenerated exactly from token ids, not layer {l}")
+            if kind == "reuse" and (l not in self.reuse_k or l not in self.reuse_v):
+                raise ValueError(f"layer {l} is planned as reuse but has no Reuse codecs")
+            if kind == "patch" and (l not in self.patch_enc or l not in self.aligners):
+                raise ValueError(f"layer {l} is planned as patch but has no encoder/aligner")
+
+    @property
+    def patch_layers(self) -> list[int]:
+        return [l for l, k in enumerate(self.plan) if k == "patch"]
+
+    def with_plan(self, plan: list[str]) -> "PairArtifacts":
+        """The same learned tensors under another layer plan (e.g. Reuse-only)."""
+        return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(plan),
+                             self.reuse_k, self.reuse_v, self.patch_enc, self.aligners, self.info)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for l, c in self.reuse_k.items():
+            out.update(c.tensors(f"reuse.{l}.k"))
+        for l, c in self.reuse_v.items():
+            out.update(c.tensors(f"reuse.{l}.v"))
+        for l, c in self.patch_enc.items():
+            out.update(c.tensors(f"patch.{l}.enc"))
+        for l, g in self.aligners.items():
+            out.update({f"patch.{l}.aligner.{k}": v for k, v in g.state_dict().items()})
+        return {k: v.detach().contiguous() for k, v in out.items()}
+
+    def description(self) -> dict:
+        return {"format_version": FORMAT_VERSION, "pair": self.pair, "spec": asdict(self.spec),
+                "r_k": self.r_k, "r_v": self.r_v, "r_h": self.r_h, "aligner_width": self.aligner_width,
+                "plan": self.plan, "info": self.info}
+
+    def save(self, directory: str | Path) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(self.tensors(), str(d / "tensors.safetensors"))
+        (d / "artifact.json").write_text(json.dumps(self.description(), indent=2))
+
+    @classmethod
+    def from_parts(cls, desc: dict, t: dict[str, torch.Tensor]) -> "PairArtifacts":
+        if desc.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"artifact format_version {desc.get('format_version')!r}, expected {FORMAT_VERSION}")
+        spec = ModelSpec(**desc["spec"])
+        layers = lambda pre: sorted({int(k.split(".")[1]) for k in t if k.startswith(pre)})  # noqa: E731
+        reuse_k = {l: LinearCodec.from_tensors(t, f"reuse.{l}.k") for l in layers("reuse.")}
+        reuse_v = {l: LinearCodec.from_tensors(t, f"reuse.{l}.v") for l in layers("reuse.")}
+        patch_enc, aligners = {}, {}
+        for l in layers("patch."):
+            patch_enc[l] = LinearCodec.from_tensors(t, f"patch.{l}.enc")
+            g = Aligner(desc["r_h"], spec.hidden_size, desc["aligner_width"])
+            pre = f"patch.{l}.aligner."
+            g.load_state_dict({k[len(pre):]: v for k, v in t.items() if k.startswith(pre)})
+            aligners[l] = g.eval()
+        return cls(desc["pair"], spec, desc["r_k"], desc["r_v"], desc["r_h"], desc["aligner_width"], desc["plan"],
+                   reuse_k, reuse_v, patch_enc, aligners, desc.get("info", {}))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "PairArtifacts":
+        d = Path(directory)
+        return cls.from_parts(json.loads((d / "artifact.json").read_text()), load_file(str(d / "tensors.safetensors")))

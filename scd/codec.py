@@ -1,0 +1,135 @@
+"""Wire format for one request's codes: versioned, self-describing, checked on decode.
+
+Layout (little-endian):
+  magic   b"SCDC"              4 bytes
+  version u16                  2 bytes
+  hlen    u32                  4 bytes
+  header  JSON, hlen bytes     {"pair", "artifact", "dtype", "batch", "tokens", "plan", "dims"}
+  body    token_ids (int32, B*T) | mask (uint8, B*T) | per coded layer, in plan order, each code tensor
+  crc32   u32 of everything before it
+Code tensors are fp16 or bf16, or int8 with a per-row fp16 scale (row = last dim), stored scales first.
+The decoder checks magic, version, lengths, crc, and that pair/artifact/plan/dims match what it expects.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import torch
+
+from scd.rebuild import Codes
+
+MAGIC = b"SCDC"
+VERSION = 1
+DTYPES = ("fp16", "bf16", "int8")
+_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# code tensor names per layer kind, and which dims of the artifact give their last axis
+FIELDS = {"reuse": (("z_k", "r_k"), ("z_v", "r_v")), "patch": (("z_h", "r_h"),), "exact": ()}
+
+
+class PayloadError(ValueError):
+    """A payload that cannot be decoded for this pair: truncated, corrupted, or for something else."""
+
+
+def _shape(kind_field: str, b: int, t: int, n_kv: int, r: int) -> tuple[int, ...]:
+    return (b, t, r) if kind_field == "z_h" else (b, n_kv, t, r)
+
+
+def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
+    x = x.detach().float().contiguous()
+    if dtype == "int8":
+        rows = x.reshape(-1, x.shape[-1])
+        scale = (rows.abs().amax(-1) / 127.0).clamp(min=1e-8).half()
+        q = torch.round(rows / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return scale.numpy().tobytes() + q.numpy().tobytes()
+    return x.to(_TORCH[dtype]).view(torch.int16).numpy().tobytes()
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n + 2 * (n // shape[-1]) if dtype == "int8" else 2 * n
+
+
+def _from_bytes(buf: memoryview, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    if dtype == "int8":
+        rows = n // shape[-1]
+        scale = torch.frombuffer(bytearray(buf[:2 * rows]), dtype=torch.float16).float()
+        q = torch.frombuffer(bytearray(buf[2 * rows:]), dtype=torch.int8).float().reshape(rows, shape[-1])
+        return (q * scale[:, None]).reshape(shape)
+    raw = torch.frombuffer(bytearray(buf), dtype=torch.int16).view(_TORCH[dtype])
+    return raw.float().reshape(shape)
+
+
+def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: str = "fp16") -> bytes:
+    """Serialise codes. dims = {"n_kv", "r_k", "r_v", "r_h"} of the artifact that produced them."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    b, t = codes.token_ids.shape
+    header = {"pair": pair, "artifact": artifact, "dtype": dtype, "batch": b, "tokens": t, "plan": codes.plan,
+              "dims": dims}
+    hb = json.dumps(header, sort_keys=True).encode()
+    parts = [MAGIC, struct.pack("<HI", VERSION, len(hb)), hb,
+             codes.token_ids.to(torch.int32).numpy().tobytes(), codes.mask.to(torch.uint8).numpy().tobytes()]
+    for l, kind in enumerate(codes.plan):
+        for name, dim in FIELDS[kind]:
+            x = codes.layers[l][name]
+            want = _shape(name, b, t, dims["n_kv"], dims[dim])
+            if tuple(x.shape) != want:
+                raise ValueError(f"layer {l} {name} has shape {tuple(x.shape)}, expected {want}")
+            parts.append(_to_bytes(x, dtype))
+    blob = b"".join(parts)
+    return blob + struct.pack("<I", zlib.crc32(blob))
+
+
+def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: dict[str, int]) -> Codes:
+    """Parse and validate a payload against the consumer's expectation; raise PayloadError on any mismatch."""
+    mv = memoryview(payload)
+    if len(mv) < 14:
+        raise PayloadError(f"payload truncated: {len(mv)} bytes is shorter than the fixed header")
+    if bytes(mv[:4]) != MAGIC:
+        raise PayloadError(f"not an SCD payload (magic {bytes(mv[:4])!r})")
+    version, hlen = struct.unpack("<HI", mv[4:10])
+    if version != VERSION:
+        raise PayloadError(f"payload version {version}, this decoder reads version {VERSION}")
+    if 10 + hlen + 4 > len(mv):
+        raise PayloadError(f"payload truncated: header says {hlen} bytes, only {len(mv) - 14} left")
+    (crc,) = struct.unpack("<I", mv[-4:])
+    if zlib.crc32(mv[:-4]) != crc:
+        raise PayloadError("payload checksum mismatch (corrupted or truncated in transit)")
+    try:
+        h = json.loads(bytes(mv[10:10 + hlen]))
+        b, t, dtype = int(h["batch"]), int(h["tokens"]), h["dtype"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise PayloadError(f"malformed payload header: {e}") from None
+    wrong = [f"{k}: payload={h.get(k)!r} expected={v!r}" for k, v in
+             (("pair", pair), ("artifact", artifact), ("plan", plan), ("dims", dims)) if h.get(k) != v]
+    if dtype not in DTYPES:
+        wrong.append(f"dtype: {dtype!r} not in {DTYPES}")
+    if wrong:
+        raise PayloadError("payload does not match this consumer: " + "; ".join(wrong))
+    layout = [(l, name, _shape(name, b, t, dims["n_kv"], dims[dim]))
+              for l, kind in enumerate(plan) for name, dim in FIELDS[kind]]
+    expected = 10 + hlen + 5 * b * t + sum(_nbytes(s, dtype) for _, _, s in layout) + 4
+    if expected != len(mv):
+        raise PayloadError(f"payload is {len(mv)} bytes, its header implies {expected}")
+    off = 10 + hlen
+    ids = torch.frombuffer(bytearray(mv[off:off + 4 * b * t]), dtype=torch.int32).long().reshape(b, t)
+    off += 4 * b * t
+    mask = torch.frombuffer(bytearray(mv[off:off + b * t]), dtype=torch.uint8).long().reshape(b, t)
+    off += b * t
+    codes = Codes(ids, mask, list(plan))
+    for l, name, shape in layout:
+        n = _nbytes(shape, dtype)
+        codes.layers.setdefault(l, {})[name] = _from_bytes(mv[off:off + n], shape, dtype)
+        off += n
+    return codes
+
+
+def artifact_dims(art) -> dict[str, int]:
+    return {"n_kv": art.spec.num_kv_heads, "r_k": art.r_k, "r_v": art.r_v, "r_h": art.r_h}

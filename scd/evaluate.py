@@ -1,0 +1,116 @@
+"""Evaluation harness: every method on the same held-out samples, measured against the oracle in one run.
+
+A sample is a prefix (what gets cached) plus a continuation fed on top of the cache. KL/TV/top-1 compare
+the next-token distributions over the teacher-forced continuation; greedy agreement compares N generated
+tokens; QA samples also generate an answer after their question and score F1/EM against the gold span.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from scd import cache, metrics
+from scd.methods import Built, Method, Oracle
+from scd.trace import capture
+
+
+@dataclass
+class Sample:
+    prefix: torch.Tensor                    # (T,) token ids, cached
+    cont: torch.Tensor                      # (N,) teacher-forced continuation (QA: question + answer)
+    question: torch.Tensor | None = None    # (S,) QA only: the suffix the answer is generated after
+    answer: str | None = None               # QA only: gold span
+
+
+@dataclass
+class SampleResult:
+    method: str
+    kl: float
+    tv: float
+    top1: float
+    nll: float
+    greedy: float
+    f1: float | None
+    em: float | None
+    payload_bytes: int
+    consumer_ms: float
+    oracle_ms: float
+    raw_bytes: int
+
+
+class Evaluator:
+    def __init__(self, producer, consumer, tokenizer=None, greedy_tokens: int = 16, answer_tokens: int = 12):
+        self.producer, self.consumer, self.tok = producer, consumer, tokenizer
+        self.greedy_tokens, self.answer_tokens = greedy_tokens, answer_tokens
+        self.newline = set() if tokenizer is None else {
+            i for t, i in tokenizer.get_vocab().items() if "\n" in tokenizer.convert_tokens_to_string([t])}
+
+    def _answer(self, built: Built, mask: torch.Tensor, question: torch.Tensor) -> str:
+        c = cache.assemble(self.consumer, built.kv)
+        out = cache.generate(self.consumer, c, mask, question[None], self.answer_tokens)[0].tolist()
+        cut = next((i for i, t in enumerate(out) if t in self.newline), len(out))
+        return self.tok.decode(out[:cut])
+
+    @torch.no_grad()
+    def sample(self, s: Sample, methods: list[Method]) -> list[SampleResult]:
+        ids = s.prefix[None]
+        mask = torch.ones_like(ids)
+        ptrace = capture(self.producer, ids, mask, want_hidden=True)
+        oracle = Oracle().build(self.consumer, ids, mask, ptrace)
+        raw = len(oracle.kv) * 2 * oracle.kv[0][0].numel() * 2          # all layers, K and V, bf16
+        ref_logits, _ = cache.extend(self.consumer, cache.assemble(self.consumer, oracle.kv), mask, s.cont[None])
+        first = (s.question if s.question is not None else s.cont[:1])[None]
+        ref_gen = cache.generate(self.consumer, cache.assemble(self.consumer, oracle.kv), mask, first, self.greedy_tokens)
+        out = []
+        for m in methods:
+            built = oracle if m.name == "oracle" else m.build(self.consumer, ids, mask, ptrace)
+            logits, _ = cache.extend(self.consumer, cache.assemble(self.consumer, built.kv), mask, s.cont[None])
+            kl, tv, top1 = metrics.kl_tv_top1(ref_logits, logits)
+            gen = cache.generate(self.consumer, cache.assemble(self.consumer, built.kv), mask, first, self.greedy_tokens)
+            f1 = em = None
+            if s.answer is not None:
+                f1, em = metrics.f1_em(self._answer(built, mask, s.question), s.answer)
+            out.append(SampleResult(m.name, kl, tv, top1, metrics.nll(logits[0, :-1], s.cont[1:]),
+                                    metrics.greedy_agreement(ref_gen, gen), f1, em, built.payload_bytes,
+                                    built.consumer_ms, oracle.consumer_ms, raw))
+        return out
+
+    def run(self, samples: list[Sample], methods: list[Method], desc: str = "eval") -> list[dict]:
+        per = [r for s in tqdm(samples, desc=desc) for r in self.sample(s, methods)]
+        return summarize(per, [m.name for m in methods])
+
+
+def summarize(results: list[SampleResult], order: list[str]) -> list[dict]:
+    """One row per method: means over samples; ratios of totals for payload and time (same run)."""
+    rows = []
+    for name in order:
+        rs = [r for r in results if r.method == name]
+        mean = lambda f: statistics.fmean(getattr(r, f) for r in rs)  # noqa: E731
+        qa = [r for r in rs if r.f1 is not None]
+        consumer = statistics.median(r.consumer_ms for r in rs)
+        oracle = statistics.median(r.oracle_ms for r in rs)
+        rows.append({
+            "method": name, "payload_bytes": round(mean("payload_bytes")),
+            "payload_ratio": sum(r.payload_bytes for r in rs) / sum(r.raw_bytes for r in rs),
+            "kl": mean("kl"), "tv": mean("tv"), "top1": mean("top1"), "greedy": mean("greedy"),
+            "ppl": float(torch.tensor(mean("nll")).exp()),
+            "f1": statistics.fmean(r.f1 for r in qa) if qa else None,
+            "em": statistics.fmean(r.em for r in qa) if qa else None,
+            "consumer_ms": consumer, "prefill_ratio": consumer / oracle, "samples": len(rs)})
+    return rows
+
+
+def table(rows: list[dict], title: str = "") -> str:
+    """Plain-text table shaped like the paper's Table 2."""
+    head = f"{'method':<11} {'payload KB':>10} {'ratio':>6} {'KL':>7} {'TV':>6} {'top-1':>6} {'greedy':>6} " \
+           f"{'PPL':>7} {'F1':>6} {'EM':>6} {'cons ms':>8} {'/prefill':>8}"
+    lines = ([title] if title else []) + [head, "-" * len(head)]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in rows:
+        lines.append(f"{r['method']:<11} {r['payload_bytes'] / 1024:>10.1f} {r['payload_ratio']:>6.3f} {r['kl']:>7.4f} "
+                     f"{r['tv']:>6.3f} {r['top1']:>6.3f} {r['greedy']:>6.3f} {r['ppl']:>7.2f} {fmt(r['f1'], '>6.3f')} "
+                     f"{fmt(r['em'], '>6.3f')} {r['consumer_ms']:>8.2f} {r['prefill_ratio']:>8.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""Every way a consumer can get a KV cache for a prefix, behind one interface.
+
+A method turns a prefix (token ids + mask, and the producer's trace computed once and shared) into the
+consumer's per-layer (K, V), the bytes that had to cross the wire, and the consumer-side time:
+  oracle      the consumer prefills the prefix itself (the reference; payload 0)
+  raw_kv      the producer's KV as is, bf16 on the wire
+  int4_kv     the producer's KV, group-wise asymmetric int4
+  droidspeak  producer KV except a contiguous block of layers the consumer recomputes from the producer's
+              hidden state entering the block (block chosen by profiling on calibration prefixes)
+  reuse_only  SCD codes with every layer (but exact layer 0) rebuilt by Reuse
+  scd         SCD codes: Reuse + Patch by the artifact's plan
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from scd import codec
+from scd.artifacts import PairArtifacts
+from scd.rebuild import encode, rebuild
+from scd.rope import cos_sin
+from scd.trace import Trace, capture
+
+KV = tuple[torch.Tensor, torch.Tensor]
+METHODS = ("oracle", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd")
+
+
+@dataclass
+class Built:
+    kv: list[KV]
+    payload_bytes: int
+    consumer_ms: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class Method:
+    name = "method"
+
+    def build(self, consumer, ids: torch.Tensor, mask: torch.Tensor, producer_trace: Trace) -> Built:
+        raise NotImplementedError
+
+
+class Oracle(Method):
+    name = "oracle"
+
+    def build(self, consumer, ids, mask, producer_trace):
+        t = time.perf_counter()
+        tr = capture(consumer, ids, mask, want_xnorm=False)
+        return Built(list(zip(tr.keys, tr.values)), 0, (time.perf_counter() - t) * 1e3)
+
+
+def _bf16_bytes(kv_shape: tuple[int, ...], layers: int) -> int:
+    b, h, t, d = kv_shape
+    return layers * 2 * b * h * t * d * 2
+
+
+class RawKV(Method):
+    name = "raw_kv"
+
+    def build(self, consumer, ids, mask, producer_trace):
+        wire = [(k.bfloat16(), v.bfloat16()) for k, v in zip(producer_trace.keys, producer_trace.values)]
+        t = time.perf_counter()
+        kv = [(k.float(), v.float()) for k, v in wire]
+        return Built(kv, _bf16_bytes(tuple(wire[0][0].shape), len(wire)), (time.perf_counter() - t) * 1e3)
+
+
+def int4_roundtrip(x: torch.Tensor, group: int) -> tuple[torch.Tensor, int]:
+    """Asymmetric int4 with an fp16 scale and zero per `group` values of the last dim. (dequantized, bytes)."""
+    g = x.reshape(-1, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-8).half().float()
+    lo = lo.half().float()
+    q = torch.round((g - lo) / scale).clamp(0, 15)
+    return (q * scale + lo).reshape(x.shape), g.numel() // 2 + g.shape[0] * 4
+
+
+class Int4KV(Method):
+    name = "int4_kv"
+
+    def __init__(self, group: int = 32):
+        self.group = group
+
+    def build(self, consumer, ids, mask, producer_trace):
+        t = time.perf_counter()
+        kv, nbytes = [], 0
+        group = min(self.group, producer_trace.keys[0].shape[-1])
+        for k, v in zip(producer_trace.keys, producer_trace.values):
+            (kq, nk), (vq, nv) = int4_roundtrip(k, group), int4_roundtrip(v, group)
+            kv.append((kq, vq))
+            nbytes += nk + nv
+        # the quantize half runs on the producer; time it all as consumer work (an upper bound, it is tiny)
+        return Built(kv, nbytes, (time.perf_counter() - t) * 1e3)
+
+
+class DroidSpeak(Method):
+    """Reuse the producer's KV everywhere except layers [start, start+n), which the consumer recomputes."""
+    name = "droidspeak"
+
+    def __init__(self, n_layers: int = 2, start: int | None = None):
+        self.n, self.start = n_layers, start
+        self.profile: dict[int, float] = {}
+
+    @torch.no_grad()
+    def recompute(self, consumer, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> list[KV]:
+        """Run the consumer's layers of the block over the prefix from the producer's hidden state."""
+        t = hidden.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        allowed = causal[None, None] & mask.bool()[:, None, None, :]              # (B, 1, T, T)
+        attn_mask = torch.zeros(allowed.shape, dtype=hidden.dtype).masked_fill(~allowed, torch.finfo(hidden.dtype).min)
+        emb = cos_sin(consumer, positions, hidden.dtype)
+        from transformers import DynamicCache
+        cache = DynamicCache(config=consumer.config)
+        x = hidden
+        for l in range(self.start, self.start + self.n):
+            x = consumer.model.layers[l](x, attention_mask=attn_mask, position_ids=positions, past_key_values=cache,
+                                         use_cache=True, position_embeddings=emb)
+            x = x[0] if isinstance(x, tuple) else x
+        return [(cache.layers[l].keys, cache.layers[l].values) for l in range(self.start, self.start + self.n)]
+
+    def build(self, consumer, ids, mask, producer_trace):
+        if self.start is None:
+            raise RuntimeError("droidspeak needs its block chosen (profile it, or pass start=)")
+        tr = producer_trace
+        s, e = self.start, self.start + self.n
+        t = time.perf_counter()
+        block = self.recompute(consumer, tr.hidden[s], mask, tr.positions)
+        kv = list(zip(tr.keys, tr.values))
+        kv[s:e] = block
+        ms = (time.perf_counter() - t) * 1e3
+        b, _, tok, _ = tr.keys[0].shape
+        payload = _bf16_bytes(tuple(tr.keys[0].shape), len(kv) - self.n) + b * tok * tr.hidden[s].shape[-1] * 2
+        return Built(kv, payload, ms)
+
+
+class SCDMethod(Method):
+    """Codes through the real wire format: producer encode -> bytes -> consumer decode + rebuild."""
+
+    def __init__(self, art: PairArtifacts, name: str = "scd", dtype: str = "fp16", artifact_id: str = "local"):
+        self.art, self.name, self.dtype, self.artifact_id = art, name, dtype, artifact_id
+
+    def build(self, consumer, ids, mask, producer_trace):
+        t0 = time.perf_counter()
+        payload = codec.encode(encode(self.art, producer_trace, ids), self.art.pair, self.artifact_id,
+                               codec.artifact_dims(self.art), self.dtype)
+        t1 = time.perf_counter()
+        codes = codec.decode(payload, self.art.pair, self.artifact_id, self.art.plan, codec.artifact_dims(self.art))
+        kv, phases = rebuild(consumer, self.art, codes)
+        t2 = time.perf_counter()
+        phases = {"encode_ms": (t1 - t0) * 1e3, **phases}
+        return Built(kv, len(payload), (t2 - t1) * 1e3, phases)
+
+
+def reuse_only(art: PairArtifacts) -> SCDMethod:
+    plan = ["exact" if k == "exact" else "reuse" for k in art.plan]
+    return SCDMethod(art.with_plan(plan), name="reuse_only")

@@ -1,0 +1,85 @@
+"""Reuse: a shared low-rank latent between producer and consumer features, fitted in closed form.
+
+For one layer and one stream (content keys or values), rows are flattened batch x heads x tokens:
+A (N, d) producer, B (N, d) consumer, X = [A B] (N, 2d). A truncated SVD of the centred X gives
+the shared latent Z = (X - mu) V_r (N, r) with decoders X ~ mu + Z V_r^T. The producer cannot see B
+online, so its encoder is a ridge regression from A alone: W_enc = argmin |(A - mu_A) W - Z|^2 + lam |W|^2.
+Everything is computed from the (2d x 2d) Gram matrix, accumulated in float64 over streamed chunks.
+
+Online: Z = (A - mu_A) W_enc  (producer) ;  B_hat = mu_B + Z W_dec_B  (consumer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LinearCodec:
+    """Producer encoder and consumer decoder for one layer/stream. Shapes: enc (d_a, r), dec (r, d_b)."""
+    mu_a: torch.Tensor
+    enc: torch.Tensor
+    mu_b: torch.Tensor
+    dec: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return self.enc.shape[1]
+
+    def encode(self, a: torch.Tensor) -> torch.Tensor:
+        """(..., d_a) -> (..., r)"""
+        return (a - self.mu_a) @ self.enc
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """(..., r) -> (..., d_b)"""
+        return z @ self.dec + self.mu_b
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.mu_a": self.mu_a, f"{prefix}.enc": self.enc, f"{prefix}.mu_b": self.mu_b,
+                f"{prefix}.dec": self.dec}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> "LinearCodec":
+        return cls(t[f"{prefix}.mu_a"], t[f"{prefix}.enc"], t[f"{prefix}.mu_b"], t[f"{prefix}.dec"])
+
+
+class JointGram:
+    """Streaming sufficient statistics of X = [A B]: sum of rows and X^T X, in float64."""
+
+    def __init__(self, d_a: int, d_b: int):
+        self.d_a, self.d_b = d_a, d_b
+        self.n = 0
+        self.s = torch.zeros(d_a + d_b, dtype=torch.float64)
+        self.g = torch.zeros(d_a + d_b, d_a + d_b, dtype=torch.float64)
+
+    def update(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """a: (..., d_a), b: (..., d_b) with the same leading shape (rows paired)."""
+        x = torch.cat([a.reshape(-1, self.d_a), b.reshape(-1, self.d_b)], dim=1).double()
+        self.n += x.shape[0]
+        self.s += x.sum(0)
+        self.g += x.T @ x
+
+    def spectrum(self) -> torch.Tensor:
+        """Eigenvalues of the joint covariance, descending (for choosing ranks)."""
+        return torch.linalg.eigvalsh(self._cov()).flip(0).clamp(min=0)
+
+    def _cov(self) -> torch.Tensor:
+        mu = self.s / self.n
+        return self.g / self.n - torch.outer(mu, mu)
+
+    def fit(self, rank: int, ridge: float = 1e-4) -> LinearCodec:
+        """Truncated joint SVD at `rank` + ridge encoder; `ridge` is relative to the mean variance of A."""
+        if self.n == 0:
+            raise ValueError("no rows accumulated")
+        if not 1 <= rank <= self.d_a + self.d_b:
+            raise ValueError(f"rank must be in [1, {self.d_a + self.d_b}], got {rank}")
+        da = self.d_a
+        mu, cov = self.s / self.n, self._cov()
+        _, vecs = torch.linalg.eigh(cov)                    # ascending eigenvalues
+        v = vecs[:, -rank:].flip(1)                         # (2d, r) top-r right singular vectors
+        c_aa = cov[:da, :da]
+        lam = ridge * c_aa.diagonal().mean().clamp(min=1e-12)
+        # cov(A, Z) = cov(A, X) V_r ; W_enc = (C_AA + lam I)^-1 cov(A, Z)
+        enc = torch.linalg.solve(c_aa + lam * torch.eye(da, dtype=cov.dtype), cov[:da, :] @ v)
+        return LinearCodec(mu[:da].float(), enc.float(), mu[da:].float(), v[da:].T.contiguous().float())

@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny random Llama pairs (seconds on a CPU) and the committed demo family."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+DEMO = Path(__file__).resolve().parents[1] / "demo_models"
+
+
+def tiny_llama(seed: int = 0, layers: int = 3, vocab: int = 97) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def perturbed(model: LlamaForCausalLM, scale: float, seed: int = 1) -> LlamaForCausalLM:
+    """A 'fine-tuned' copy: same architecture, every weight moved by relative noise of size `scale`."""
+    other = LlamaForCausalLM(model.config).eval()
+    other.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp(min=1e-3))
+    return other
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    a = tiny_llama(0)
+    return a, perturbed(a, 0.3)
+
+
+def left_padded_batch(vocab: int = 97, lengths=(12, 7, 9), seed: int = 3):
+    """Token ids (B, T) left-padded with 0 and the matching 0/1 mask."""
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    ids = torch.zeros(len(lengths), t, dtype=torch.long)
+    mask = torch.zeros(len(lengths), t, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, t - n:] = torch.randint(2, vocab, (n,), generator=g)
+        mask[i, t - n:] = 1
+    return ids, mask
