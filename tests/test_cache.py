@@ -57,3 +57,26 @@ def test_generate_from_cache_matches_generate_from_scratch_greedy():
             ref.append(nxt)
             seq, m = torch.cat([seq, nxt[:, None]], 1), torch.cat([m, torch.ones(3, 1, dtype=m.dtype)], 1)
     assert torch.equal(got, torch.stack(ref, 1)), f"cached greedy {got.tolist()} != reference {torch.stack(ref, 1).tolist()}"
+
+
+def test_sampling_is_seeded_and_tiny_top_p_is_greedy():
+    model = tiny_llama()
+    ids, mask = left_padded_batch()
+    tr = trace.capture(model, ids[:, :-1], mask[:, :-1])
+    kv = list(zip(tr.keys, tr.values))
+    run = lambda **kw: cache.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 8, **kw)  # noqa: E731
+    greedy = run()
+    assert torch.equal(run(temperature=1.0, top_p=1e-6, generator=torch.Generator().manual_seed(0)), greedy)
+    s1 = run(temperature=1.5, generator=torch.Generator().manual_seed(7))
+    s2 = run(temperature=1.5, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(s1, s2) and s1.shape == (3, 8)
+
+
+def test_eos_stops_rows_and_pads_them():
+    model = tiny_llama()
+    ids, mask = left_padded_batch()
+    tr = trace.capture(model, ids[:, :-1], mask[:, :-1])
+    kv = list(zip(tr.keys, tr.values))
+    first = cache.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 1)[:, 0]
+    out = cache.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 5, eos_id=int(first[0]))
+    assert out.shape[1] >= 1 and bool((out[0] == first[0]).all()), out.tolist()

@@ -51,3 +51,25 @@ def test_identical_pair_full_rank_scd_reproduces_kv(tmp_path):
     exact = max(max((k - tk).abs().max().item(), (v - tv).abs().max().item()) for (k, v), tk, tv in zip(kv, tr.keys, tr.values))
     assert exact < 1e-4, f"full-rank Reuse of an identical pair: max KV error {exact:.2e}"
     assert err < 1e-2, f"through the fp16 codec: max KV error {err:.2e}"
+
+
+def test_rebuild_of_a_left_padded_batch_matches_rebuilding_each_row(tmp_path):
+    from scd.rebuild import encode, rebuild
+    from scd.trace import capture
+    from tests.conftest import left_padded_batch
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    spec = ModelSpec.from_config(a.config)
+    cfg = CalibConfig(r_k=4, r_v=4, r_h=16, aligner_epochs=3, pool=2, patch_cost=0.0, batch=16)
+    art = calibrate(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], _samples(3, 2), tmp_path, cfg,
+                    progress=False)
+    assert "patch" in art.plan, art.info["policy"]          # exercise both rebuild paths
+    ids, mask = left_padded_batch()
+    kv_batch, _ = rebuild(b, art, encode(art, capture(a, ids, mask), ids))
+    for i in range(ids.shape[0]):
+        keep = mask[i].bool()
+        row = ids[i, keep][None]
+        kv_row, _ = rebuild(b, art, encode(art, capture(a, row), row))
+        for l, ((kb, vb), (kr, vr)) in enumerate(zip(kv_batch, kv_row)):
+            err = max((kb[i][:, keep] - kr[0]).abs().max().item(), (vb[i][:, keep] - vr[0]).abs().max().item())
+            assert err < 1e-4, f"row {i} layer {l} ({art.plan[l]}): batched vs single rebuild differ by {err:.2e}"

@@ -1,0 +1,12 @@
+# The two commands a new user needs: `make demo` (the main job) and `make test`.
+PY ?= python3
+
+.PHONY: install demo test
+install:
+	$(PY) -m pip install -q -e '.[dev]'
+
+demo: install
+	$(PY) -m cli.main eval --pair base:qa
+
+test: install
+	$(PY) -m pytest -q

@@ -1,0 +1,32 @@
+"""The `scd` command. Each subcommand lives with the package that owns the work and is imported lazily,
+so `scd --help` stays instant and a subcommand pulls in only what it needs."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with main(argv), one-line help)
+COMMANDS = {
+    "eval": ("jobs.evaluate", "calibrate a pair and compare SCD with the baselines on held-out prefixes"),
+    "bench": ("jobs.bench_rebuild", "consumer rebuild + patch vs the consumer's own prefill, side by side"),
+    "train-demo": ("jobs.train_family", "train the demo model family (base + specialists)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="scd", description="Semantic Cache Distillation serving toolkit")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        p.print_help()
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    module.main(argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Calibration prefixes and evaluation samples for a pair, from the demo corpora or a user's text file."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from jobs import demo_data
+from scd.evaluate import Sample
+
+
+def _ids(tok, text: str) -> torch.Tensor:
+    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def qa_samples(tok, split: str, n: int, seed: int = 0) -> list[Sample]:
+    out = []
+    for ex in demo_data.qa_examples(split, n, seed):
+        q, a = _ids(tok, ex.question), _ids(tok, ex.answer)
+        out.append(Sample(_ids(tok, ex.document), torch.cat([q, a]), q, ex.answer.strip()))
+    return out
+
+
+def lm_samples(tok, texts: list[str], n: int, prefix_tokens: int, cont_tokens: int, seed: int = 0) -> list[Sample]:
+    """Windows of `prefix_tokens` + `cont_tokens` from texts long enough to hold one, chosen with a seed."""
+    need = prefix_tokens + cont_tokens
+    streams = [ids for ids in (_ids(tok, t) for t in texts) if len(ids) >= need]
+    if not streams:
+        raise ValueError(f"no text holds {need} tokens; lower --prefix-tokens or give longer text")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = streams[int(torch.randint(len(streams), (1,), generator=g))]
+        s = int(torch.randint(len(ids) - need + 1, (1,), generator=g))
+        out.append(Sample(ids[s:s + prefix_tokens], ids[s + prefix_tokens:s + need]))
+    return out
+
+
+def domain_texts(domain: str, split: str, text_file: str | None = None) -> list[str]:
+    if text_file:
+        p = Path(text_file).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"--text {p}: no such file")
+        paras = [t for t in p.read_text(encoding="utf-8", errors="replace").split("\n\n") if t.strip()]
+        cut = max(1, len(paras) // 5)                       # last fifth held out
+        return ["\n\n".join(paras[:-cut])] if split == "train" else ["\n\n".join(paras[-cut:])]
+    if domain == "code":
+        return demo_data.code_texts(split)
+    return demo_data.prose_texts(split)
+
+
+def pair_data(consumer_name: str, tok, n_calib: int, n_val: int, n_eval: int, prefix_tokens: int = 160,
+              cont_tokens: int = 32, text_file: str | None = None, seed: int = 0):
+    """(calibration prefixes, policy validation samples, held-out evaluation samples) for a consumer."""
+    if consumer_name == "qa" and not text_file:
+        calib = [s.prefix for s in qa_samples(tok, "calib", n_calib, seed)]
+        return calib, qa_samples(tok, "val", n_val, seed), qa_samples(tok, "heldout", n_eval, seed)
+    train = domain_texts(consumer_name, "train", text_file)
+    calib = [s.prefix for s in lm_samples(tok, train, n_calib, prefix_tokens, 1, seed)]
+    val = lm_samples(tok, train, n_val, prefix_tokens, cont_tokens, seed + 1)
+    return calib, val, lm_samples(tok, domain_texts(consumer_name, "heldout", text_file), n_eval, prefix_tokens,
+                                  cont_tokens, seed + 2)

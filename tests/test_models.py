@@ -1,0 +1,77 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from scd.models import IncompatiblePairError, ModelSpec, check_pair, load, load_pair
+
+
+def _tokenizer(vocab: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1", pad_token="w0")
+
+
+def _save(path, model_type: str, seed: int = 0, **over):
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    kw.update(over)
+    cfg = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    _tokenizer(kw["vocab_size"]).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_local_checkpoints_load_and_pair(tmp_path, model_type):
+    a = _save(tmp_path / "a", model_type, 0)
+    b = _save(tmp_path / "b", model_type, 1)
+    producer, consumer, tok, spec = load_pair(a, b)
+    assert spec.model_type == model_type and spec.num_kv_heads == 2 and spec.head_dim == 8
+    assert not torch.equal(producer.lm_head.weight, consumer.lm_head.weight)
+
+
+def test_incompatible_pairs_are_refused_naming_each_mismatch(tmp_path):
+    a = _save(tmp_path / "a", "llama")
+    b = _save(tmp_path / "b", "llama", num_hidden_layers=3, num_key_value_heads=4, vocab_size=65)
+    with pytest.raises(IncompatiblePairError) as e:
+        load_pair(a, b)
+    msg = str(e.value)
+    for needle in ("num_layers: producer=2 consumer=3", "num_kv_heads: producer=2 consumer=4",
+                   "vocab_size: producer=64 consumer=65", "tokenizer"):
+        assert needle in msg, f"{needle!r} not in {msg!r}"
+    q = _save(tmp_path / "q", "qwen2")
+    with pytest.raises(IncompatiblePairError, match="model_type: producer='llama' consumer='qwen2'"):
+        load_pair(a, q)
+
+
+def test_unsupported_architecture_and_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load(tmp_path / "nothing")
+    cfg = AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=10)
+    with pytest.raises(IncompatiblePairError, match="not supported"):
+        ModelSpec.from_config(cfg)
+    spec = ModelSpec("llama", 2, 4, 2, 8, 32, 64, 10000.0)
+    check_pair(spec, spec)
+
+
+def test_scd_core_imports_without_ray_fastapi_or_distributed():
+    # torch itself loads torch.distributed on import, so that one is checked in the source: no scd module
+    # may import it. ray and fastapi are checked at run time too.
+    import ast
+    import pathlib
+    banned = ("ray", "fastapi", "torch.distributed", "starlette")
+    for path in pathlib.Path(__file__).resolve().parents[1].joinpath("scd").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            hits = [n for n in names if any(n == b or n.startswith(b + ".") for b in banned)]
+            assert not hits, f"{path.name} imports {hits}"
+    code = ("import sys, scd.calibrate, scd.evaluate, scd.methods, scd.codec, scd.policy, scd.artifacts;"
+            "bad = [m for m in ('ray', 'fastapi') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, f"scd pulled in {r.stdout.strip()} {r.stderr[-500:]}"
