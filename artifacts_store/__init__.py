@@ -1,0 +1,19 @@
+"""Versioned, checksummed, fingerprinted storage of per-pair SCD artifacts on any pyarrow filesystem.
+
+    store = ArtifactStore("s3://bucket/scd")          # or a local path, or ArtifactStore(root, filesystem=fs)
+    m = store.publish(art, Fingerprints.of(producer, consumer, tok), CalibrationData(...), metrics, extra_files)
+    art, m = store.load("base:qa@latest", expect=Fingerprints.of(consumer=specialist, tokenizer=tok))
+"""
+from artifacts_store.errors import (ArtifactNotFound, ArtifactStoreError, ChecksumMismatch, FingerprintMismatch,
+                                    InvalidReference, ManifestError)
+from artifacts_store.fingerprints import Fingerprints, ModelFingerprint, calibration_digest, weights_digest
+from artifacts_store.manifest import SCHEMA_VERSION, CalibrationData, FileEntry, Manifest, upgrade
+from artifacts_store.refs import Ref, new_version_id, parse_ref
+from artifacts_store.store import ArtifactStore, FileProblem, GcReport, VerifyResult, VersionInfo
+
+__all__ = [
+    "ArtifactNotFound", "ArtifactStore", "ArtifactStoreError", "CalibrationData", "ChecksumMismatch", "FileEntry",
+    "FileProblem", "FingerprintMismatch", "Fingerprints", "GcReport", "InvalidReference", "Manifest", "ManifestError",
+    "ModelFingerprint", "Ref", "SCHEMA_VERSION", "VerifyResult", "VersionInfo", "calibration_digest",
+    "new_version_id", "parse_ref", "upgrade", "weights_digest",
+]

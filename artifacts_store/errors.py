@@ -1,0 +1,34 @@
+"""Exceptions of the artifact store. Each message says what was wrong and what the user can do about it."""
+from __future__ import annotations
+
+
+class ArtifactStoreError(Exception):
+    """Base class: catch this to handle any store failure."""
+
+
+class InvalidReference(ArtifactStoreError, ValueError):
+    """A pair name, version reference or file name that is malformed or could escape the store root."""
+
+
+class ArtifactNotFound(ArtifactStoreError, LookupError):
+    """No complete (manifest-bearing) version matches the reference."""
+
+
+class ManifestError(ArtifactStoreError, ValueError):
+    """A manifest that cannot be read: bad JSON, a schema this code does not know, or fields that disagree."""
+
+
+class ChecksumMismatch(ArtifactStoreError):
+    """Stored bytes differ from what the manifest recorded. `problems` names each file and what is wrong."""
+
+    def __init__(self, message: str, problems: list | None = None):
+        super().__init__(message)
+        self.problems = list(problems or [])
+
+
+class FingerprintMismatch(ArtifactStoreError):
+    """Artifacts were calibrated for other models than the ones loaded. `differences` names each fingerprint."""
+
+    def __init__(self, message: str, differences: list[str] | None = None):
+        super().__init__(message)
+        self.differences = list(differences or [])

@@ -1,0 +1,98 @@
+"""Fingerprints of the models an artifact was calibrated for, and the check against the models loaded.
+
+Artifacts are only valid for the exact producer/consumer weights and tokenizer they were fitted on: a codec
+fitted for one fine-tune silently produces a wrong cache for another. So every artifact records
+  config hash     = ModelSpec.fingerprint() (architecture fields that shape the KV cache),
+  weights digest  = sha256 over the state_dict (names, dtypes, shapes, bytes; sorted by name),
+  tokenizer       = scd.models.tokenizer_fingerprint (vocabulary),
+and loading with `expect=` refuses any difference, naming which one.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from artifacts_store.errors import FingerprintMismatch
+
+DIGEST_HEX = 32                 # 128 bits: collisions are not a practical concern, manifests stay readable
+
+
+def weights_digest(model: "torch.nn.Module | Mapping[str, torch.Tensor]") -> str:
+    """sha256 over (name, dtype, shape, raw bytes) of every state_dict entry in sorted name order."""
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        # a uint8 view is a zero-copy byte image that works for every dtype (bf16 included)
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()[:DIGEST_HEX]
+
+
+def calibration_digest(prefixes: Iterable[torch.Tensor]) -> str:
+    """sha256 over the token ids of the calibration prefixes, in order (same data -> same digest)."""
+    h = hashlib.sha256()
+    for p in prefixes:
+        t = torch.as_tensor(p).detach().to("cpu", torch.int64).contiguous()
+        h.update(f"{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()[:DIGEST_HEX]
+
+
+class ModelFingerprint(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    config_hash: str = Field(description="ModelSpec.fingerprint(): the architecture fields that shape the KV cache")
+    weights_digest: str = Field(description="weights_digest() of the model's state_dict")
+
+    @classmethod
+    def of(cls, model) -> "ModelFingerprint":
+        """Fingerprint of a loaded transformers model (its config must be one ModelSpec supports)."""
+        from scd.models import ModelSpec
+        return cls(config_hash=ModelSpec.from_config(model.config).fingerprint(), weights_digest=weights_digest(model))
+
+
+class Fingerprints(BaseModel):
+    """Both models and the shared tokenizer. As an expectation, a field left None is not checked
+    (a consumer replica may hold only its own model)."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    producer: ModelFingerprint | None = Field(default=None, description="the base model that prefills and encodes")
+    consumer: ModelFingerprint | None = Field(default=None, description="the specialist that rebuilds its cache")
+    tokenizer: str | None = Field(default=None, description="scd.models.tokenizer_fingerprint of the shared tokenizer")
+
+    @classmethod
+    def of(cls, producer=None, consumer=None, tokenizer=None) -> "Fingerprints":
+        from scd.models import tokenizer_fingerprint
+        return cls(producer=ModelFingerprint.of(producer) if producer is not None else None,
+                   consumer=ModelFingerprint.of(consumer) if consumer is not None else None,
+                   tokenizer=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None)
+
+    @property
+    def complete(self) -> bool:
+        return self.producer is not None and self.consumer is not None and self.tokenizer is not None
+
+
+def differences(recorded: Fingerprints, loaded: Fingerprints) -> list[str]:
+    """One line per fingerprint that differs, e.g. 'consumer weights digest: artifact=ab12 loaded=cd34'."""
+    out = []
+    for side in ("producer", "consumer"):
+        a, b = getattr(recorded, side), getattr(loaded, side)
+        if a is None or b is None:
+            continue
+        if a.config_hash != b.config_hash:
+            out.append(f"{side} config hash: artifact={a.config_hash} loaded={b.config_hash}")
+        if a.weights_digest != b.weights_digest:
+            out.append(f"{side} weights digest: artifact={a.weights_digest} loaded={b.weights_digest}")
+    if recorded.tokenizer is not None and loaded.tokenizer is not None and recorded.tokenizer != loaded.tokenizer:
+        out.append(f"tokenizer fingerprint: artifact={recorded.tokenizer} loaded={loaded.tokenizer}")
+    return out
+
+
+def check(what: str, recorded: Fingerprints, loaded: Fingerprints) -> None:
+    diffs = differences(recorded, loaded)
+    if diffs:
+        raise FingerprintMismatch(f"{what} was calibrated for other models than the ones loaded: " + "; ".join(diffs)
+                                  + ". Load the models it was calibrated for, or recalibrate and publish the pair "
+                                  "for these models.", diffs)

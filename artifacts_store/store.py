@@ -1,0 +1,351 @@
+"""ArtifactStore: publish, list, show, verify, load and gc versioned pair artifacts on any pyarrow filesystem.
+
+Layout under the root:
+    <producer>__<consumer>/LATEST                      text: the newest complete version id
+    <producer>__<consumer>/<version>/manifest.json     written last; its presence makes the version visible
+    <producer>__<consumer>/<version>/tensors.safetensors, artifact.json, report/...
+    <producer>__<consumer>/.tmp-<id>/...               a publish (or pointer write) in progress
+
+Invariants, which hold without atomic rename or conditional writes (S3 has neither):
+- a version is visible iff its manifest.json exists, and manifest.json only appears after every file it lists
+  is in place and was verified; gc deletes manifest.json first, so a visible version is never partial;
+- version ids are unique (time + random) and sort by commit time, so concurrent publishers never collide;
+- LATEST is rewritten until a read-back equals the newest listed version: once publishers are quiet it names
+  the newest complete version (a lagging pointer still names a complete one; the next publish or gc fixes it).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pyarrow.fs as pafs
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from artifacts_store import fingerprints as fp
+from artifacts_store.errors import (ArtifactNotFound, ChecksumMismatch, FingerprintMismatch, InvalidReference,
+                                    ManifestError)
+from artifacts_store.fsio import Storage, open_root
+from artifacts_store.manifest import CalibrationData, FileEntry, Manifest, PairNames, Ranks, code_version
+from artifacts_store.refs import (LATEST, RESERVED_FILES, Ref, check_file_name, is_version_id, new_version_id,
+                                  parse_pair_dir, parse_ref, version_time)
+from scd.artifacts import PairArtifacts
+
+MANIFEST, TENSORS, DESCRIPTION = "manifest.json", "tensors.safetensors", "artifact.json"
+POINTER, TMP = "LATEST", ".tmp-"
+_POINTER_TRIES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class VersionInfo:
+    pair: str
+    version: str
+    index: int                  # 1-based position in sorted order; shifts when gc removes older versions
+    latest: bool
+
+    @property
+    def ref(self) -> str:
+        return f"{self.pair}@{self.version}"
+
+
+@dataclass(frozen=True, slots=True)
+class FileProblem:
+    name: str
+    kind: str                   # "missing" | "bad" | "extra"
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.kind} ({self.detail})"
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    ref: str
+    problems: list[FileProblem]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        return f"{self.ref}: ok" if self.ok else f"{self.ref}: " + "; ".join(map(str, self.problems))
+
+
+@dataclass(slots=True)
+class GcReport:
+    removed_versions: list[str] = field(default_factory=list)     # refs of complete versions removed
+    removed_incomplete: list[str] = field(default_factory=list)   # stale version dirs without a manifest
+    removed_temp: list[str] = field(default_factory=list)         # stale .tmp-* dirs
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check_publish_fingerprints(art: PairArtifacts, f: fp.Fingerprints) -> None:
+    """Both models must have the architecture the artifacts were fitted for (same ModelSpec fingerprint)."""
+    if not f.complete:
+        raise ValueError("publish needs producer, consumer and tokenizer fingerprints "
+                         "(Fingerprints.of(producer_model, consumer_model, tokenizer))")
+    spec = art.spec.fingerprint()
+    diffs = [f"{side} config hash: artifact spec={spec} given={getattr(f, side).config_hash}"
+             for side in ("producer", "consumer") if getattr(f, side).config_hash != spec]
+    if diffs:
+        raise FingerprintMismatch(f"publishing {art.pair}: fingerprints are not of models with the artifact's "
+                                  "architecture: " + "; ".join(diffs), diffs)
+
+
+class ArtifactStore:
+    """Versioned pair artifacts under `uri`: a local path (default), or any pyarrow URI (s3://bucket/prefix,
+    gs://..., hdfs://...). With `filesystem=` (e.g. a configured S3FileSystem), `uri` is the root path inside it."""
+
+    def __init__(self, uri: "str | Path", filesystem: pafs.FileSystem | None = None):
+        self.storage = Storage(*open_root(uri, filesystem))
+
+    def __repr__(self) -> str:
+        return f"ArtifactStore({self.storage})"
+
+    # ---- publish -------------------------------------------------------------------------------------------
+
+    def publish(self, art: PairArtifacts, fingerprints: fp.Fingerprints, calibration: CalibrationData,
+                metrics: Mapping[str, float] | None = None, extra_files: Mapping[str, bytes] | None = None) -> Manifest:
+        """Write a new version of art.pair and return its manifest. Safe to call concurrently from anywhere."""
+        pair = parse_ref(art.pair)
+        if pair.version is not None:
+            raise InvalidReference(f"artifact pair {art.pair!r} must be producer:consumer without a version")
+        _check_publish_fingerprints(art, fingerprints)
+        files = {TENSORS: st_save(art.tensors()), DESCRIPTION: json.dumps(art.description(), indent=2).encode()}
+        for name, data in (extra_files or {}).items():
+            if check_file_name(name) in RESERVED_FILES:
+                raise InvalidReference(f"extra file {name!r} would overwrite a file the store writes itself")
+            files[name] = bytes(data)
+        entries = {name: FileEntry(sha256=_sha(data), size=len(data)) for name, data in files.items()}
+
+        tmp = f"{pair.pair_dir}/{TMP}{new_version_id()}"
+        try:
+            for name, data in files.items():
+                self.storage.write(f"{tmp}/{name}", data)
+            for name, entry in entries.items():                 # what landed is what we meant to write
+                sha, size = self.storage.sha256(f"{tmp}/{name}")
+                if (sha, size) != (entry.sha256, entry.size):
+                    raise ChecksumMismatch(f"publishing {pair.pair}: {name} read back as {size} bytes sha256 {sha}, "
+                                           f"wrote {entry.size} bytes sha256 {entry.sha256}; storage is unreliable, "
+                                           "retry the publish", [FileProblem(name, "bad", "read-back differs")])
+            # the version id is taken only now, so its time is within seconds of the manifest appearing:
+            # gc's grace period then protects a commit in progress however long the upload took
+            version = self._fresh_version(pair)
+            manifest = Manifest(
+                pair=PairNames(producer=pair.producer, consumer=pair.consumer), version=version,
+                producer=fingerprints.producer, consumer=fingerprints.consumer, tokenizer=fingerprints.tokenizer,
+                ranks=Ranks(r_k=art.r_k, r_v=art.r_v, r_h=art.r_h), patch_layers=art.patch_layers,
+                aligner_shapes={l: [list(t.shape) for t in g.state_dict().values()]
+                                for l, g in sorted(art.aligners.items())},
+                calibration=calibration, metrics=dict(metrics or {}), code_version=code_version(),
+                created=datetime.now(timezone.utc), files=entries)
+            body = manifest.to_bytes()
+            self.storage.write(f"{tmp}/{MANIFEST}", body)
+            if self.storage.read(f"{tmp}/{MANIFEST}") != body:
+                raise ChecksumMismatch(f"publishing {pair.pair}: the manifest read back differs from what was written; "
+                                       "storage is unreliable, retry the publish", [FileProblem(MANIFEST, "bad", "")])
+            final = f"{pair.pair_dir}/{version}"
+            for name in files:                                   # data first ...
+                self.storage.move(f"{tmp}/{name}", f"{final}/{name}")
+            missing = [n for n in files if not self.storage.is_file(f"{final}/{n}")]
+            if missing:
+                raise ArtifactNotFound(f"publishing {pair.pair}@{version}: {missing} vanished before commit "
+                                       "(a gc with a grace period shorter than the publish?); retry the publish")
+            self.storage.move(f"{tmp}/{MANIFEST}", f"{final}/{MANIFEST}")   # ... manifest last: now visible
+        finally:
+            # on failure, data already moved into the version dir stays invisible (no manifest) until gc
+            self.storage.delete_dir(tmp)
+        self._advance_latest(pair)
+        return manifest
+
+    def _fresh_version(self, pair: Ref) -> str:
+        for _ in range(3):
+            version = new_version_id()
+            if not self.storage.files(f"{pair.pair_dir}/{version}"):
+                return version
+        raise ManifestError(f"could not find an unused version id for {pair.pair}; is the clock stuck?")
+
+    # ---- LATEST pointer ------------------------------------------------------------------------------------
+
+    def _pointer(self, pair: Ref) -> str | None:
+        try:
+            text = self.storage.read(f"{pair.pair_dir}/{POINTER}").decode().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return text if is_version_id(text) else None
+
+    def _advance_latest(self, pair: Ref) -> None:
+        # No compare-and-swap exists, so: write the newest listed version, read back, repeat until the pointer
+        # equals the newest listed version. The last writer re-lists after its write and therefore sees every
+        # manifest committed before it, so once publishers stop the pointer names the newest version.
+        for _ in range(_POINTER_TRIES):
+            versions = self._versions(pair)
+            if not versions or self._pointer(pair) == versions[-1]:
+                return
+            tmp = f"{pair.pair_dir}/{TMP}{new_version_id()}"
+            try:
+                self.storage.write(f"{tmp}/{POINTER}", (versions[-1] + "\n").encode())
+                # a move, not a write: readers never see a half-written pointer
+                self.storage.move(f"{tmp}/{POINTER}", f"{pair.pair_dir}/{POINTER}")
+            finally:
+                self.storage.delete_dir(tmp)
+
+    # ---- lookup --------------------------------------------------------------------------------------------
+
+    def _versions(self, pair: Ref) -> list[str]:
+        """Complete versions of a pair, oldest first (one recursive listing)."""
+        found = set()
+        for rel in self.storage.files(pair.pair_dir):
+            head, _, tail = rel.partition("/")
+            if tail == MANIFEST and is_version_id(head):
+                found.add(head)
+        return sorted(found)
+
+    def _pairs(self) -> list[Ref]:
+        return [r for r in map(parse_pair_dir, self.storage.subdirs("")) if r is not None]
+
+    def resolve(self, ref: "str | Ref") -> Ref:
+        """The same reference with a full version id; raises ArtifactNotFound if no complete version matches."""
+        r = parse_ref(ref)
+        if r.version is None or r.version == LATEST:
+            pointer = self._pointer(r)
+            if pointer is not None and self.storage.is_file(f"{r.pair_dir}/{pointer}/{MANIFEST}"):
+                return r.at(pointer)
+            versions = self._versions(r)
+            if not versions:
+                raise self._no_versions(r)
+            return r.at(versions[-1])
+        if r.version.isdigit():
+            versions, i = self._versions(r), int(r.version)
+            if not versions:
+                raise self._no_versions(r)
+            if i > len(versions):
+                raise ArtifactNotFound(f"{r}: {r.pair} has {len(versions)} versions; use an index 1..{len(versions)} "
+                                       "(1 = oldest), 'latest', or a full version id")
+            return r.at(versions[i - 1])
+        if not self.storage.is_file(f"{r.pair_dir}/{r.version}/{MANIFEST}"):
+            raise ArtifactNotFound(f"{r}: no complete version {r.version} of {r.pair} in {self.storage} (removed by "
+                                   "gc, never published, or still being published); `list` shows what exists")
+        return r
+
+    def _no_versions(self, r: Ref) -> ArtifactNotFound:
+        pairs = ", ".join(p.pair for p in self._pairs()) or "none"
+        return ArtifactNotFound(f"{r}: no published version of {r.pair} in {self.storage} (pairs present: {pairs}); "
+                                "calibrate and publish it first")
+
+    def _manifest(self, r: Ref) -> Manifest:
+        where = f"manifest of {r}"
+        try:
+            data = self.storage.read(f"{r.pair_dir}/{r.version}/{MANIFEST}")
+        except FileNotFoundError:
+            raise ArtifactNotFound(f"{r}: manifest disappeared while reading (removed by gc?)") from None
+        m = Manifest.from_bytes(data, where)
+        if m.ref != r:
+            raise ManifestError(f"{where} describes {m.ref}, not the version it is stored as; the store was edited "
+                                "by hand: remove or republish this version")
+        return m
+
+    # ---- read operations -----------------------------------------------------------------------------------
+
+    def list(self, pair: "str | Ref | None" = None) -> list[VersionInfo]:
+        """Complete versions of one pair (or of all pairs), oldest first; `latest` marks what `@latest` resolves to."""
+        pairs = [parse_ref(pair)] if pair is not None else self._pairs()
+        out = []
+        for p in pairs:
+            p = p.at(None)
+            versions = self._versions(p)
+            if not versions:
+                continue
+            latest = self.resolve(p).version
+            out += [VersionInfo(p.pair, v, i, v == latest) for i, v in enumerate(versions, 1)]
+        return out
+
+    def show(self, ref: "str | Ref") -> Manifest:
+        return self._manifest(self.resolve(ref))
+
+    def verify(self, ref: "str | Ref") -> VerifyResult:
+        """Check every file against the manifest: names each missing, bad (checksum/size) and extra file."""
+        r = self.resolve(ref)
+        m = self._manifest(r)
+        vdir = f"{r.pair_dir}/{r.version}"
+        present = set(self.storage.files(vdir))
+        problems = []
+        for name, entry in sorted(m.files.items()):
+            if name not in present:
+                problems.append(FileProblem(name, "missing", f"manifest lists {entry.size} bytes"))
+                continue
+            try:
+                sha, size = self.storage.sha256(f"{vdir}/{name}")
+            except FileNotFoundError:
+                problems.append(FileProblem(name, "missing", "removed while verifying"))
+                continue
+            if (sha, size) != (entry.sha256, entry.size):
+                problems.append(FileProblem(name, "bad", f"sha256 manifest={entry.sha256[:16]} stored={sha[:16]}, "
+                                                         f"size manifest={entry.size} stored={size}"))
+        for name in sorted(present - set(m.files) - {MANIFEST}):
+            problems.append(FileProblem(name, "extra", "not listed in the manifest"))
+        return VerifyResult(str(r), problems)
+
+    def load(self, ref: "str | Ref", expect: fp.Fingerprints | None = None) -> tuple[PairArtifacts, Manifest]:
+        """The artifacts and manifest of a version, after checking the files it needs against their checksums and,
+        with `expect`, the recorded fingerprints against the models actually loaded (None fields are skipped)."""
+        r = self.resolve(ref)
+        m = self._manifest(r)
+        if expect is not None:          # before downloading tensors: a wrong model fails fast and cheaply
+            fp.check(str(r), m.fingerprints, expect)
+        data, problems = {}, []
+        for name in (TENSORS, DESCRIPTION):
+            entry = m.files.get(name)
+            if entry is None:
+                raise ManifestError(f"manifest of {r} does not list {name}; republish this version")
+            try:
+                data[name] = self.storage.read(f"{r.pair_dir}/{r.version}/{name}")
+            except FileNotFoundError:
+                problems.append(FileProblem(name, "missing", f"manifest lists {entry.size} bytes"))
+                continue
+            sha = _sha(data[name])
+            if (sha, len(data[name])) != (entry.sha256, entry.size):     # checked on the very bytes parsed below
+                problems.append(FileProblem(name, "bad", f"sha256 manifest={entry.sha256[:16]} stored={sha[:16]}"))
+        if problems:
+            raise ChecksumMismatch(f"refusing to load {r}: " + "; ".join(map(str, problems)) + ". The stored copy is "
+                                   "damaged: republish the pair or load another version", problems)
+        art = PairArtifacts.from_parts(json.loads(data[DESCRIPTION]), st_load(data[TENSORS]))
+        if parse_ref(art.pair).pair != r.pair or art.spec.fingerprint() != m.producer.config_hash:
+            raise ManifestError(f"{r}: artifact.json (pair {art.pair}, spec {art.spec.fingerprint()}) disagrees with "
+                                f"its manifest (pair {r.pair}, spec {m.producer.config_hash}); republish this version")
+        return art, m
+
+    # ---- gc ------------------------------------------------------------------------------------------------
+
+    def gc(self, keep: int = 3, pair: "str | Ref | None" = None, grace: timedelta = timedelta(hours=1)) -> GcReport:
+        """Remove complete versions beyond the newest `keep` per pair (never the one LATEST names), and version
+        or temp dirs without a manifest older than `grace` (younger ones may be publishes in progress)."""
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
+        report, cutoff = GcReport(), datetime.now(timezone.utc) - grace
+        for p in ([parse_ref(pair).at(None)] if pair is not None else self._pairs()):
+            self._advance_latest(p)     # repair a lagging or dangling pointer before deciding what it protects
+            versions = self._versions(p)
+            protected = set(versions[len(versions) - keep:] if keep else []) | {self._pointer(p)}
+            for v in versions:
+                if v not in protected:
+                    self.storage.delete_file(f"{p.pair_dir}/{v}/{MANIFEST}")   # invisible first, then removed
+                    self.storage.delete_dir(f"{p.pair_dir}/{v}")
+                    report.removed_versions.append(f"{p.pair}@{v}")
+            complete = set(versions)
+            for d in self.storage.subdirs(p.pair_dir):
+                stamp = d[len(TMP):] if d.startswith(TMP) else d
+                if d in complete or not is_version_id(stamp) or version_time(stamp) >= cutoff:
+                    continue
+                if self.storage.is_file(f"{p.pair_dir}/{d}/{MANIFEST}"):
+                    continue            # committed since we listed: not stale
+                self.storage.delete_dir(f"{p.pair_dir}/{d}")
+                (report.removed_temp if d.startswith(TMP) else report.removed_incomplete).append(f"{p.pair}/{d}")
+        return report
