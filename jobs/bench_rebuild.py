@@ -10,7 +10,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb)
     pair = f"{na}:{nb}"
-    art = calibrated(args, producer, consumer, spec, tok, pair, Path(args.work_dir) / pair.replace(":", "__"))
+    art = calibrated(args, producer, consumer, spec, tok, pair)
     text = "\n\n".join(demo_data.prose_texts("heldout"))
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][:args.tokens])[None]
     if ids.shape[1] < args.tokens:

@@ -16,8 +16,10 @@ import random
 import sysconfig
 from dataclasses import dataclass
 
-_SYLLABLES = ["ka", "lo", "mi", "ra", "ven", "dor", "sel", "tu", "bri", "on", "ash", "el", "mar", "quin", "zo",
-              "fen", "gal", "ri", "tam", "ul", "bex", "cor", "dri", "ny", "pol", "sta", "wen", "yor"]
+_FIRST = ["Alba", "Bruno", "Clara", "Dmitri", "Edith", "Felix", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Leon",
+          "Mira", "Nils", "Olga", "Pavel", "Rosa", "Sven", "Tilda", "Ugo", "Vera", "Walt", "Yara", "Zeno"]
+_LAST = ["Korin", "Marsh", "Oakes", "Petrov", "Quill", "Rowe", "Sato", "Thorne", "Vance", "Wilde", "Brandt",
+         "Castell", "Dunn", "Ebert", "Frost", "Gale", "Holt", "Ives", "Jansen", "Lund"]
 _CITIES = ["Quenby", "Marlow Heath", "Tessary", "Oldwick", "Brenmoor", "Caltrop Bay", "Ivel", "Saltmere",
            "Dunhollow", "Pellam", "Rookford", "Vask", "Elderpoint", "Ferrow", "Galen Cross", "Hythe"]
 _JOBS = ["baker", "clockmaker", "pilot", "gardener", "librarian", "surgeon", "carpenter", "chemist",
@@ -61,34 +63,33 @@ def code_texts(split: str, max_chars: int = 1_500_000) -> list[str]:
 @dataclass(frozen=True)
 class QAExample:
     document: str          # the shared prefix
-    question: str          # "Question: ...\nAnswer:" suffix
+    question: str          # suffix "Question: ...?\nAnswer: <restated stem>"; the answer span follows
     answer: str            # gold span, present verbatim in the document
 
 
-def _name(rng: random.Random) -> str:
-    first = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
-    last = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
-    return f"{first} {last}"
+def _names(rng: random.Random, n: int) -> list[str]:
+    """n people with distinct first and last names: either name alone identifies a person in a document."""
+    return [f"{f} {l}" for f, l in zip(rng.sample(_FIRST, n), rng.sample(_LAST, n))]
 
 
 def facts_document(rng: random.Random, n_people: int) -> tuple[str, list[tuple[str, str]]]:
     """One synthetic document and its (question, answer) pairs; every answer is a span of the document."""
     sentences, qas = [], []
-    for _ in range(n_people):
-        who = _name(rng)
+    for who in _names(rng, n_people):
         city, job = rng.choice(_CITIES), rng.choice(_JOBS)
         year, obj = str(rng.randint(1700, 1999)), f"{rng.choice(_COLORS)} {rng.choice(_OBJECTS)}"
         pet = rng.choice(_PETS)
+        # (statement stem, answer, question): the answer line restates the stem, then the span follows
         facts = [
-            (f"{who} lives in {city}.", f"Where does {who} live?", city),
-            (f"{who} works as a {job}.", f"What is the job of {who}?", job),
-            (f"{who} was born in {year}.", f"When was {who} born?", year),
-            (f"{who} owns a {obj}.", f"What does {who} own?", obj),
-            (f"{who} keeps {pet}.", f"Which pets does {who} keep?", pet),
+            (f"{who} lives in", city, f"Where does {who} live?"),
+            (f"{who} works as a", job, f"What is the job of {who}?"),
+            (f"{who} was born in", year, f"When was {who} born?"),
+            (f"{who} owns a", obj, f"What does {who} own?"),
+            (f"{who} keeps", pet, f"Which pets does {who} keep?"),
         ]
-        for sentence, q, a in rng.sample(facts, rng.randint(3, 5)):
-            sentences.append(sentence)
-            qas.append((q, a))
+        for stem, a, q in rng.sample(facts, rng.randint(3, 5)):
+            sentences.append(f"{stem} {a}.")
+            qas.append((f"Question: {q}\nAnswer: {stem}", a))
     rng.shuffle(sentences)
     return "Notes:\n" + " ".join(sentences) + "\n", qas
 
@@ -98,17 +99,30 @@ def qa_examples(split: str, n: int, seed: int = 0) -> list[QAExample]:
     rng = random.Random(f"qa-{split}-{seed}")
     out = []
     while len(out) < n:
-        doc, qas = facts_document(rng, rng.randint(3, 5))
+        doc, qas = facts_document(rng, rng.randint(2, 4))
         q, a = rng.choice(qas)
-        out.append(QAExample(doc, f"Question: {q}\nAnswer:", f" {a}"))
+        out.append(QAExample(doc, q, f" {a}"))
     return out
 
 
 def qa_training_text(rng: random.Random) -> str:
-    """A document followed by several of its questions with answers: the QA specialist's fine-tuning text."""
-    doc, qas = facts_document(rng, rng.randint(3, 5))
-    picked = rng.sample(qas, min(len(qas), rng.randint(2, 4)))
-    return doc + "".join(f"Question: {q}\nAnswer: {a}\n" for q, a in picked)
+    """A document followed by many of its questions with answers: the QA specialist's fine-tuning text.
+    Dense questions give the retrieval skill many supervised answers per document."""
+    doc, qas = facts_document(rng, rng.randint(2, 4))
+    picked = rng.sample(qas, min(len(qas), 8))
+    return doc + "".join(f"{q} {a}\n" for q, a in picked)
+
+
+def repeat_texts(n: int, seed: int) -> list[str]:
+    """Random word sequences shown twice. Copying the second half is only possible by looking back, which
+    teaches the base model induction heads early; without them no in-context retrieval (QA) can be learned."""
+    rng = random.Random(f"repeat-{seed}")
+    words = _FIRST + _LAST + _CITIES + _JOBS + _COLORS + _OBJECTS + [str(y) for y in range(1700, 2000, 7)]
+    out = []
+    for _ in range(n):
+        seq = " ".join(rng.choice(words) for _ in range(rng.randint(8, 30)))
+        out.append(f"{seq}\n{seq}\n")
+    return out
 
 
 def facts_texts(n: int, seed: int) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from jobs import samples
 from scd import methods
 from scd.artifacts import PairArtifacts
-from scd.calibrate import CalibConfig, calibrate
+from scd.calibrate import CalibConfig, Calibration
 from scd.evaluate import Evaluator, table
 from scd.models import load_pair
 
@@ -61,19 +61,14 @@ def resolve_pair(args) -> tuple[str, str, str, str]:
     return args.producer, args.consumer, Path(args.producer).name, Path(args.consumer).name
 
 
-def calibrated(args, producer, consumer, spec, tok, pair: str, work: Path) -> PairArtifacts:
+def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
+    """Calibrate the pair under --work-dir; a finished (or partly finished) calibration is resumed."""
     cfg = CalibConfig(**{f.name: getattr(args, f.name) for f in fields(CalibConfig) if f.name != "seed"},
                       seed=args.seed)
-    cache_dir = work / "artifact"
-    if (cache_dir / "artifact.json").is_file():
-        art = PairArtifacts.load(cache_dir)
-        if art.info.get("calibration", {}).get("config") == asdict(cfg):
-            return art
     calib, val, _ = samples.pair_data(pair.split(":")[1], tok, args.calib, args.val, 0, args.prefix_tokens,
                                       text_file=args.text, seed=args.seed)
-    art = calibrate(producer, consumer, spec, pair, calib, val, work, cfg, pad_id=tok.pad_token_id)
-    art.save(cache_dir)
-    return art
+    return Calibration(producer, consumer, spec, pair, calib, args.work_dir, cfg, pad_id=tok.pad_token_id,
+                       log=lambda line: print(line, file=sys.stderr)).run(val)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -94,8 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb)
     pair = f"{na}:{nb}"
-    work = Path(args.work_dir) / pair.replace(":", "__")
-    art = calibrated(args, producer, consumer, spec, tok, pair, work)
+    art = calibrated(args, producer, consumer, spec, tok, pair)
     _, val, held = samples.pair_data(nb, tok, 0, args.val, args.samples, args.prefix_tokens, text_file=args.text,
                                      seed=args.seed)
     ds = methods.DroidSpeak(args.droidspeak_layers)

@@ -37,10 +37,13 @@ class TrainConfig:
     intermediate: int = 384
     seq_len: int = 256
     batch: int = 16
+    copy_max_steps: int = 2500
     base_steps: int = 1400
-    base_lr: float = 3e-3
-    specialist_steps: int = 700
+    base_lr: float = 1e-3
+    specialist_steps: int = 600
     specialist_lr: float = 3e-3
+    qa_steps: int = 1800
+    qa_lr: float = 1e-3
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -55,18 +58,30 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
 
 
 class TokenStream:
-    """Samples (batch, seq_len) windows from texts joined by EOS: an endless, seeded language-modelling feed."""
+    """An endless, seeded language-modelling feed of (input ids, labels), each (batch, seq_len).
 
-    def __init__(self, tokenizer, texts: list[str], seed: int):
-        ids: list[int] = []
-        for t in texts:
-            ids.extend(tokenizer(t)["input_ids"] + [tokenizer.eos_token_id])
-        self.ids = torch.tensor(ids, dtype=torch.long)
+    Default: random windows of the texts joined by EOS. aligned=True: each row is one text from its start
+    (truncated, EOS-padded, padding not scored), so a document is always seen with its questions.
+    """
+
+    def __init__(self, tokenizer, texts: list[str], seed: int, aligned: bool = False):
+        eos = tokenizer.eos_token_id
+        self.docs = [torch.tensor(tokenizer(t)["input_ids"] + [eos], dtype=torch.long) for t in texts]
+        self.ids = torch.cat(self.docs)
+        self.aligned, self.eos = aligned, eos
         self.gen = torch.Generator().manual_seed(seed)
 
-    def batch(self, batch: int, seq_len: int) -> torch.Tensor:
-        starts = torch.randint(0, len(self.ids) - seq_len - 1, (batch,), generator=self.gen)
-        return torch.stack([self.ids[s:s + seq_len] for s in starts.tolist()])  # (B, T)
+    def batch(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.aligned:
+            starts = torch.randint(0, len(self.ids) - seq_len - 1, (batch,), generator=self.gen)
+            x = torch.stack([self.ids[s:s + seq_len] for s in starts.tolist()])
+            return x, x
+        x = torch.full((batch, seq_len), self.eos, dtype=torch.long)
+        labels = torch.full((batch, seq_len), -100, dtype=torch.long)
+        for row, i in enumerate(torch.randint(0, len(self.docs), (batch,), generator=self.gen).tolist()):
+            d = self.docs[i][:seq_len]
+            x[row, :len(d)] = labels[row, :len(d)] = d
+        return x, labels
 
 
 def corpus(name: str, seed: int, n_facts: int) -> list[str]:
@@ -83,23 +98,85 @@ def corpus(name: str, seed: int, n_facts: int) -> list[str]:
     raise ValueError(f"unknown family member {name!r}")
 
 
-def fit(model, stream: TokenStream, steps: int, lr: float, cfg: TrainConfig, desc: str) -> float:
+class MixedStream:
+    """Rows from several streams in fixed proportions: (stream, rows per batch) pairs, rows summing to batch."""
+
+    def __init__(self, parts: list[tuple[TokenStream, int]]):
+        self.parts = parts
+
+    def batch(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ls = zip(*(s.batch(n, seq_len) for s, n in self.parts))
+        return torch.cat(xs), torch.cat(ls)
+
+
+class CopyTask:
+    """Random token sequences shown twice: the second half is predictable only by looking back."""
+
+    def __init__(self, vocab: int, seed: int):
+        self.vocab, self.gen = vocab, torch.Generator().manual_seed(seed)
+
+    def batch(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randint(100, self.vocab, (batch, seq_len // 2), generator=self.gen)
+        x = torch.cat([x, x], 1)
+        return x, x
+
+    @torch.no_grad()
+    def copy_loss(self, model, seq_len: int) -> float:
+        """Loss on the repeated half; near 0 once induction heads exist, ~log(vocab) before."""
+        x, _ = self.batch(8, seq_len)
+        logits = model(input_ids=x).logits[:, seq_len // 2:-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, seq_len // 2 + 1:].reshape(-1)).item()
+
+
+def grow_induction_heads(model, cfg: TrainConfig, vocab: int) -> int:
+    """Train on the copy task until copying works (loss on the repeat < 1 nat) or the step cap.
+
+    Induction heads form in a sudden phase change whose onset varied between 200 and 400+ steps across
+    seeds here, so the phase runs to a measured criterion instead of a fixed step count. Returns steps used."""
+    task = CopyTask(vocab, cfg.seed)
+    stopped_at = [cfg.copy_max_steps]
+
+    def copying(step: int) -> bool:
+        if step % 50 == 49 and task.copy_loss(model, 128) < 1.0:
+            stopped_at[0] = step + 1
+            return True
+        return False
+
+    fit(model, task, cfg.copy_max_steps, cfg.base_lr, cfg, "induction", seq_len=128, stop=copying)
+    return stopped_at[0]
+
+
+@torch.no_grad()
+def qa_exact_match(model, tokenizer, n: int = 40) -> float:
+    """Greedy answers to held-out questions; the fraction that equals the gold span."""
+    hits = 0
+    for ex in demo_data.qa_examples("heldout", n):
+        ids = tokenizer(ex.document + ex.question, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        hits += tokenizer.decode(out[0, ids.shape[1]:]).split("\n")[0].strip() == ex.answer.strip()
+    return hits / n
+
+
+def fit(model, stream, steps: int, lr: float, cfg: TrainConfig, desc: str, seq_len: int | None = None,
+        stop=None) -> float:
     """AdamW with linear warm-up then constant lr; returns the mean loss of the last 20 steps."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    warm = max(1, steps // 20)
+    warm = max(1, min(steps // 20, 100))
     losses = []
     model.train()
     for step in (bar := tqdm(range(steps), desc=desc)):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / warm)
-        x = stream.batch(cfg.batch, cfg.seq_len)
-        loss = model(input_ids=x, labels=x).loss
+        x, labels = stream.batch(cfg.batch, seq_len or cfg.seq_len)
+        loss = model(input_ids=x, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if stop is not None and stop(step):
+            break
     model.eval()
     tail = losses[-20:]
     return sum(tail) / len(tail)
@@ -122,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
     if args.tiny:
         cfg.hidden, cfg.layers, cfg.intermediate, cfg.vocab_size, cfg.seq_len, cfg.batch = 64, 2, 128, 512, 64, 4
+        cfg.qa_steps = cfg.specialist_steps
     n_facts = 3000 if not args.tiny else 50
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
@@ -137,17 +215,27 @@ def main(argv: list[str] | None = None) -> dict:
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     base = LlamaForCausalLM(mcfg)
     report = {"config": asdict(cfg), "params": sum(p.numel() for p in base.parameters()), "final_loss": {}}
-    report["final_loss"]["base"] = fit(base, TokenStream(tokenizer, texts["base"], cfg.seed), cfg.base_steps,
-                                       cfg.base_lr, cfg, "base")
+    report["induction_steps"] = grow_induction_heads(base, cfg, len(tokenizer))
+    # a quarter of every base batch is repeated random word sequences: they teach induction heads, which
+    # the QA specialist needs for in-context retrieval (plain text alone did not produce them at this budget)
+    repeat = max(1, cfg.batch // 4)
+    stream = MixedStream([(TokenStream(tokenizer, texts["base"], cfg.seed), cfg.batch - repeat),
+                          (TokenStream(tokenizer, demo_data.repeat_texts(n_facts, cfg.seed), cfg.seed), repeat)])
+    report["final_loss"]["base"] = fit(base, stream, cfg.base_steps, cfg.base_lr, cfg, "base")
     save(base, tokenizer, out / "base")
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
     for i, name in enumerate(SPECIALISTS):
         base.load_state_dict(base_state)
-        stream = TokenStream(tokenizer, texts[name], cfg.seed + 1 + i)
-        report["final_loss"][name] = fit(base, stream, cfg.specialist_steps, cfg.specialist_lr, cfg, name)
+        stream = TokenStream(tokenizer, texts[name], cfg.seed + 1 + i, aligned=name == "qa")
+        steps, lr = (cfg.qa_steps, cfg.qa_lr) if name == "qa" else (cfg.specialist_steps, cfg.specialist_lr)
+        report["final_loss"][name] = fit(base, stream, steps, lr, cfg, name)
+        if name == "qa":
+            report["qa_exact_match"] = {"base": qa_exact_match(LlamaForCausalLM.from_pretrained(out / "base", dtype=torch.float32),
+                                                               tokenizer), "qa": qa_exact_match(base, tokenizer)}
+            print("held-out QA exact match", report["qa_exact_match"])
         save(base, tokenizer, out / name)
     (out / "family.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(report["final_loss"]))
+    print(json.dumps({k: report[k] for k in ("final_loss", "induction_steps", "qa_exact_match") if k in report}))
     return report
 
 

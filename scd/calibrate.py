@@ -1,19 +1,23 @@
-"""Offline calibration of one producer->consumer pair: traces -> Reuse -> layer policy -> Patch.
+"""Offline calibration of one producer->consumer pair, as resumable stages in a work directory.
 
-Each stage is a function so a job can checkpoint between them:
-  collect_traces   paired traces of calibration prefixes, streamed to disk in chunks
-  fit_linear       Reuse codecs (K, V) for every layer, and Patch encoders (x_norm) for every layer >= 1
-  PlanScorer       KL of a candidate plan on validation samples (for the policy and its curves)
-  train_aligners   MLP aligners for the candidate patch layers
-  calibrate        all of the above -> PairArtifacts
+  traces    paired traces of the calibration prefixes, one safetensors chunk per batch (atomic writes)
+  linear    joint Gram matrices -> Reuse codecs (K, V) at every layer, Patch encoders at layers >= 1
+  policy    restore-one sensitivity -> pool -> aligners trained for the pool -> greedy -> k*
+  artifacts the PairArtifacts under the chosen plan
+Every stage checkpoints its result (safetensors + JSON, never pickle) and, when called again in the same
+work directory, loads the checkpoint instead of recomputing: a killed calibration resumes where it stopped.
+The work directory is keyed by the config and the calibration data, so changing either starts afresh.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from scd import cache, metrics, policy
@@ -22,7 +26,10 @@ from scd.models import ModelSpec
 from scd.patch import Aligner, train_aligner
 from scd.rebuild import encode, rebuild
 from scd.reuse import JointGram, LinearCodec
-from scd.trace import TraceWriter, capture, read_chunks
+from scd.trace import capture, chunk_path, read_chunks, trace_rows, write_chunk
+
+# capture_pair(ids, mask) -> (producer rows, consumer rows) as named by scd.trace.trace_rows
+CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]
 
 
 @dataclass
@@ -53,51 +60,11 @@ def pad_left(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def collect_traces(producer, consumer, prefixes: list[torch.Tensor], out_dir: str | Path, batch: int,
-                   pad_id: int = 0, progress: bool = True) -> int:
-    """Run both models on identical token batches; write paired chunks. Returns the number of rows."""
-    w, rows = TraceWriter(out_dir), 0
-    for i in tqdm(range(0, len(prefixes), batch), desc="traces", disable=not progress):
-        ids, mask = pad_left(prefixes[i:i + batch], pad_id)
-        w.write(capture(producer, ids, mask), capture(consumer, ids, mask))
-        rows += int(mask.sum())
-    return rows
-
-
-def fit_linear(trace_dir: str | Path, spec: ModelSpec, cfg: CalibConfig):
-    """Reuse codecs for K (content) and V at every layer; Patch encoders on x_norm at layers >= 1."""
-    L, d, hid = spec.num_layers, spec.head_dim, spec.hidden_size
-    gk = [JointGram(d, d) for _ in range(L)]
-    gv = [JointGram(d, d) for _ in range(L)]
-    gx = [JointGram(hid, hid) for _ in range(L)]
-    for chunk in read_chunks(trace_dir):
-        for l in range(L):
-            gk[l].update(chunk[f"ka.{l}"], chunk[f"kb.{l}"])
-            gv[l].update(chunk[f"va.{l}"], chunk[f"vb.{l}"])
-            if l:
-                gx[l].update(chunk[f"xa.{l}"], chunk[f"xb.{l}"])
-    reuse_k = {l: gk[l].fit(cfg.r_k, cfg.ridge) for l in range(L)}
-    reuse_v = {l: gv[l].fit(cfg.r_v, cfg.ridge) for l in range(L)}
-    patch_enc = {l: gx[l].fit(cfg.r_h, cfg.ridge) for l in range(1, L)}
-    spectra = {"k": [gk[l].spectrum()[:d].tolist() for l in range(L)],
-               "v": [gv[l].spectrum()[:d].tolist() for l in range(L)]}
-    return reuse_k, reuse_v, patch_enc, spectra
-
-
-def train_aligners(trace_dir: str | Path, layers: list[int], patch_enc: dict[int, LinearCodec],
-                   cfg: CalibConfig, progress: bool = True) -> tuple[dict[int, Aligner], dict[int, dict]]:
-    """One aligner per layer on (Z_H, x_norm_B) rows from the traces; returns aligners and their loss curves."""
-    aligners, curves = {}, {}
-    for l in tqdm(layers, desc="aligners", disable=not progress):
-        xa, xb = zip(*((c[f"xa.{l}"], c[f"xb.{l}"]) for c in read_chunks(trace_dir)))
-        enc = patch_enc[l]
-        with torch.no_grad():
-            z = enc.encode(torch.cat(xa))
-        fit = train_aligner(z, torch.cat(xb), enc.dec, enc.mu_b, width=cfg.aligner_width,
-                            epochs=cfg.aligner_epochs, seed=cfg.seed + l)
-        aligners[l] = fit.aligner.eval()
-        curves[l] = {"train": fit.train_loss, "val": fit.val_loss, "best_epoch": fit.best_epoch}
-    return aligners, curves
+def data_digest(prefixes: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for p in prefixes:
+        h.update(p.to(torch.int64).numpy().tobytes() + b"|")
+    return h.hexdigest()[:16]
 
 
 class PlanScorer:
@@ -110,8 +77,9 @@ class PlanScorer:
             ids = s.prefix[None]
             mask = torch.ones_like(ids)
             o = capture(consumer, ids, mask, want_xnorm=False)
-            ref, _ = cache.extend(consumer, cache.assemble(consumer, list(zip(o.keys, o.values))), mask, s.cont[None])
-            self.items.append((ids, mask, capture(producer, ids, mask), list(zip(o.keys, o.values)), s.cont[None], ref))
+            oracle_kv = list(zip(o.keys, o.values))
+            ref, _ = cache.extend(consumer, cache.assemble(consumer, oracle_kv), mask, s.cont[None])
+            self.items.append((ids, mask, capture(producer, ids, mask), oracle_kv, s.cont[None], ref))
 
     @torch.no_grad()
     def kl(self, plan: list[str], restore: int | None = None) -> float:
@@ -126,42 +94,148 @@ class PlanScorer:
         return total / len(self.items)
 
 
+class Calibration:
+    def __init__(self, producer, consumer, spec: ModelSpec, pair: str, prefixes: list[torch.Tensor],
+                 work_root: str | Path, cfg: CalibConfig = CalibConfig(), pad_id: int = 0, progress: bool = True,
+                 log: Callable[[str], None] = print, exact_layer0: bool = True):
+        self.producer, self.consumer, self.spec, self.pair, self.cfg = producer, consumer, spec, pair, cfg
+        self.prefixes, self.pad_id, self.progress, self.log = prefixes, pad_id, progress, log
+        key = {"pair": pair, "config": asdict(cfg), "data": data_digest(prefixes), "spec": spec.fingerprint(),
+               "exact_layer0": exact_layer0}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+        self.dir = Path(work_root) / pair.replace(":", "__") / digest
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "key.json").write_text(json.dumps(key, indent=1))
+        self.base_plan = ["exact" if exact_layer0 else "reuse"] + ["reuse"] * (spec.num_layers - 1)
+        self._linear = None
+
+    # -- stage 1 -------------------------------------------------------------------------------------
+    def traces(self, capture_pair: CapturePair | None = None) -> int:
+        """Write one chunk per batch of prefixes; batches already on disk are skipped. Returns total rows."""
+        done_file = self.dir / "traces.json"
+        if done_file.is_file():
+            rows = json.loads(done_file.read_text())["rows"]
+            self.log(f"stage traces: resumed from checkpoint ({rows} rows)")
+            return rows
+        capture_pair = capture_pair or self._capture_local
+        tdir = self.dir / "traces"
+        batches = range(0, len(self.prefixes), self.cfg.batch)
+        have = sum(chunk_path(tdir, i).is_file() for i in range(len(batches)))
+        if have:
+            self.log(f"stage traces: {have}/{len(batches)} chunks already on disk, resuming")
+        for i, start in enumerate(tqdm(batches, desc="traces", disable=not self.progress)):
+            if chunk_path(tdir, i).is_file():
+                continue
+            ids, mask = pad_left(self.prefixes[start:start + self.cfg.batch], self.pad_id)
+            a, b = capture_pair(ids, mask)
+            write_chunk(tdir, i, {**a, **b})
+        rows = sum(len(p) for p in self.prefixes)
+        done_file.write_text(json.dumps({"rows": rows, "chunks": len(batches)}))
+        self.log(f"stage traces: done ({rows} rows in {len(batches)} chunks)")
+        return rows
+
+    def _capture_local(self, ids, mask):
+        return trace_rows(capture(self.producer, ids, mask), "a"), trace_rows(capture(self.consumer, ids, mask), "b")
+
+    # -- stage 2 -------------------------------------------------------------------------------------
+    def linear(self) -> tuple[dict[int, LinearCodec], dict[int, LinearCodec], dict[int, LinearCodec]]:
+        """Reuse codecs for K (content) and V at every layer; Patch encoders on x_norm at layers >= 1."""
+        if self._linear is not None:
+            return self._linear
+        path = self.dir / "linear.safetensors"
+        L = self.spec.num_layers
+        if path.is_file():
+            t = load_file(str(path))
+            self.log("stage linear: resumed from checkpoint")
+        else:
+            d, hid = self.spec.head_dim, self.spec.hidden_size
+            gk, gv = [JointGram(d, d) for _ in range(L)], [JointGram(d, d) for _ in range(L)]
+            gx = [JointGram(hid, hid) for _ in range(L)]
+            for chunk in tqdm(read_chunks(self.dir / "traces"), desc="gram", disable=not self.progress):
+                for l in range(L):
+                    gk[l].update(chunk[f"ka.{l}"], chunk[f"kb.{l}"])
+                    gv[l].update(chunk[f"va.{l}"], chunk[f"vb.{l}"])
+                    if l:
+                        gx[l].update(chunk[f"xa.{l}"], chunk[f"xb.{l}"])
+            t = {}
+            for l in range(L):
+                t.update(gk[l].fit(self.cfg.r_k, self.cfg.ridge).tensors(f"k.{l}"))
+                t.update(gv[l].fit(self.cfg.r_v, self.cfg.ridge).tensors(f"v.{l}"))
+                if l:
+                    t.update(gx[l].fit(self.cfg.r_h, self.cfg.ridge).tensors(f"x.{l}"))
+            save_file(t, str(path))
+            self.log(f"stage linear: fitted Reuse (r_k={self.cfg.r_k}, r_v={self.cfg.r_v}) and Patch encoders "
+                     f"(r_h={self.cfg.r_h}) for {L} layers")
+        self._linear = ({l: LinearCodec.from_tensors(t, f"k.{l}") for l in range(L)},
+                        {l: LinearCodec.from_tensors(t, f"v.{l}") for l in range(L)},
+                        {l: LinearCodec.from_tensors(t, f"x.{l}") for l in range(1, L)})
+        return self._linear
+
+    # -- stage 3 -------------------------------------------------------------------------------------
+    def aligner(self, layer: int) -> tuple[Aligner, dict]:
+        """Train (or load) the Patch aligner of one layer on the traced (Z_H, x_norm_B) rows."""
+        path = self.dir / "aligners" / f"layer_{layer}.safetensors"
+        enc = self.linear()[2][layer]
+        g = Aligner(self.cfg.r_h, self.spec.hidden_size, self.cfg.aligner_width)
+        if path.is_file():
+            g.load_state_dict(load_file(str(path)))
+            return g.eval(), json.loads(path.with_suffix(".json").read_text())
+        xa, xb = zip(*((c[f"xa.{layer}"], c[f"xb.{layer}"]) for c in read_chunks(self.dir / "traces")))
+        with torch.no_grad():
+            z = enc.encode(torch.cat(xa))
+        fit = train_aligner(z, torch.cat(xb), enc.dec, enc.mu_b, width=self.cfg.aligner_width,
+                            epochs=self.cfg.aligner_epochs, seed=self.cfg.seed + layer)
+        curve = {"train": fit.train_loss, "val": fit.val_loss, "best_epoch": fit.best_epoch}
+        path.parent.mkdir(exist_ok=True)
+        save_file({k: v.contiguous() for k, v in fit.aligner.state_dict().items()}, str(path))
+        path.with_suffix(".json").write_text(json.dumps(curve))
+        self.log(f"stage policy: aligner for layer {layer} trained (best val {min(fit.val_loss):.4f} "
+                 f"at epoch {fit.best_epoch})")
+        return fit.aligner.eval(), curve
+
+    def artifacts_for(self, plan: list[str]) -> PairArtifacts:
+        reuse_k, reuse_v, patch_enc = self.linear()
+        patched = [l for l, k in enumerate(plan) if k == "patch"]
+        aligners = {l: self.aligner(l)[0] for l in patched}
+        return PairArtifacts(self.pair, self.spec, self.cfg.r_k, self.cfg.r_v, self.cfg.r_h, self.cfg.aligner_width,
+                             list(plan), reuse_k, reuse_v, {l: patch_enc[l] for l in patched}, aligners)
+
+    def plan_with(self, layers) -> list[str]:
+        return [("patch" if l in layers else k) for l, k in enumerate(self.base_plan)]
+
+    def policy(self, val_samples) -> dict:
+        """Run the layer policy on validation samples (or load its checkpoint). Returns its JSON record."""
+        path = self.dir / "policy.json"
+        if path.is_file():
+            self.log("stage policy: resumed from checkpoint")
+            return json.loads(path.read_text())
+        scorer = PlanScorer(self.producer, self.consumer, val_samples, self.artifacts_for)
+        base_kl = scorer.kl(self.base_plan)
+        layers = list(range(1, self.spec.num_layers))
+        res = policy.plan_layers(layers, lambda l: scorer.kl(self.base_plan, restore=l),
+                                 lambda ls: scorer.kl(self.plan_with(ls)), base_kl, min(self.cfg.pool, len(layers)),
+                                 self.cfg.patch_cost, train_pool=lambda pool: [self.aligner(l) for l in pool])
+        record = {"base_kl": res.base_kl, "sensitivity": {str(k): v for k, v in res.sensitivity.items()},
+                  "pool": res.pool, "order": res.order, "curve": res.curve, "k_star": res.k_star,
+                  "efficiency": res.efficiency, "chosen": res.chosen,
+                  "aligner_curves": {str(l): self.aligner(l)[1] for l in res.pool}}
+        path.write_text(json.dumps(record, indent=1))
+        self.log(f"stage policy: patch layers {res.chosen} (k*={res.k_star}); KL reuse-only {base_kl:.4f} -> "
+                 f"{res.curve[res.k_star]:.4f}")
+        return record
+
+    # -- all -----------------------------------------------------------------------------------------
+    def run(self, val_samples, capture_pair: CapturePair | None = None) -> PairArtifacts:
+        rows = self.traces(capture_pair)
+        record = self.policy(val_samples)
+        art = self.artifacts_for(self.plan_with(record["chosen"]))
+        art.info = {"calibration": {"prefixes": len(self.prefixes), "rows": rows, "data_digest": data_digest(
+            self.prefixes), "config": asdict(self.cfg)}, "policy": record}
+        return art
+
+
 def calibrate(producer, consumer, spec: ModelSpec, pair: str, prefixes: list[torch.Tensor], val_samples,
               work_dir: str | Path, cfg: CalibConfig = CalibConfig(), pad_id: int = 0, progress: bool = True,
-              exact_layer0: bool = True) -> PairArtifacts:
-    """The whole offline pipeline in one process. Returns artifacts whose plan is the policy's choice."""
-    torch.manual_seed(cfg.seed)
-    trace_dir = Path(work_dir) / "traces"
-    rows = collect_traces(producer, consumer, prefixes, trace_dir, cfg.batch, pad_id, progress)
-    reuse_k, reuse_v, patch_enc, spectra = fit_linear(trace_dir, spec, cfg)
-    aligners: dict[int, Aligner] = {}
-    curves: dict[int, dict] = {}
-    first = ["exact"] if exact_layer0 else ["reuse"]
-    base_plan = first + ["reuse"] * (spec.num_layers - 1)
-
-    def art_for(plan):
-        return PairArtifacts(pair, spec, cfg.r_k, cfg.r_v, cfg.r_h, cfg.aligner_width, plan, reuse_k, reuse_v,
-                             {l: patch_enc[l] for l in aligners}, aligners)
-
-    def plan_with(layers):
-        return [("patch" if l in layers else k) for l, k in enumerate(base_plan)]
-
-    def train_pool(pool):
-        a, c = train_aligners(trace_dir, pool, patch_enc, cfg, progress)
-        aligners.update(a)
-        curves.update(c)
-
-    scorer = PlanScorer(producer, consumer, val_samples, art_for)
-    base_kl = scorer.kl(base_plan)
-    layers = list(range(1, spec.num_layers))
-    res = policy.plan_layers(layers, lambda l: scorer.kl(base_plan, restore=l), lambda ls: scorer.kl(plan_with(ls)),
-                             base_kl, min(cfg.pool, len(layers)), cfg.patch_cost, train_pool)
-    final = art_for(plan_with(res.chosen))
-    final.aligners = {l: aligners[l] for l in res.chosen}
-    final.patch_enc = {l: patch_enc[l] for l in res.chosen}
-    final.info = {"calibration": {"prefixes": len(prefixes), "rows": rows, "config": asdict(cfg)},
-                  "policy": {"base_kl": res.base_kl, "sensitivity": res.sensitivity, "pool": res.pool,
-                             "order": res.order, "curve": res.curve, "k_star": res.k_star,
-                             "efficiency": res.efficiency},
-                  "aligner_curves": curves, "spectra": spectra}
-    return final
+              log: Callable[[str], None] = lambda s: None) -> PairArtifacts:
+    """The whole offline pipeline in one process (resumable through `work_dir`)."""
+    return Calibration(producer, consumer, spec, pair, prefixes, work_dir, cfg, pad_id, progress, log).run(val_samples)

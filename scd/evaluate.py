@@ -71,7 +71,7 @@ class Evaluator:
             kl, tv, top1 = metrics.kl_tv_top1(ref_logits, logits)
             gen = cache.generate(self.consumer, cache.assemble(self.consumer, built.kv), mask, first, self.greedy_tokens)
             f1 = em = None
-            if s.answer is not None:
+            if s.answer is not None and self.tok is not None:
                 f1, em = metrics.f1_em(self._answer(built, mask, s.question), s.answer)
             out.append(SampleResult(m.name, kl, tv, top1, metrics.nll(logits[0, :-1], s.cont[1:]),
                                     metrics.greedy_agreement(ref_gen, gen), f1, em, built.payload_bytes,

@@ -36,8 +36,8 @@ class LinearCodec:
         return z @ self.dec + self.mu_b
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.mu_a": self.mu_a, f"{prefix}.enc": self.enc, f"{prefix}.mu_b": self.mu_b,
-                f"{prefix}.dec": self.dec}
+        return {f"{prefix}.{k}": v.contiguous() for k, v in
+                (("mu_a", self.mu_a), ("enc", self.enc), ("mu_b", self.mu_b), ("dec", self.dec))}
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> "LinearCodec":

@@ -65,27 +65,29 @@ def valid_rows(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return t[keep]
 
 
-class TraceWriter:
-    """Writes paired (producer, consumer) traces as numbered safetensors chunks of valid rows."""
+def trace_rows(tr: Trace, side: str) -> dict[str, torch.Tensor]:
+    """One side's valid rows, named for a chunk: k{side}.{l} (N, n_kv, d_h) de-RoPE'd, v{side}.{l}, x{side}.{l} (N, H)."""
+    out = {}
+    for l in range(len(tr.keys)):
+        out[f"k{side}.{l}"] = valid_rows(tr.content[l], tr.mask).float().contiguous()
+        out[f"v{side}.{l}"] = valid_rows(tr.values[l], tr.mask).float().contiguous()
+        if tr.xnorm:
+            out[f"x{side}.{l}"] = valid_rows(tr.xnorm[l], tr.mask).float().contiguous()
+    return out
 
-    def __init__(self, directory: str | Path):
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.n = len(list(self.dir.glob("chunk_*.safetensors")))
 
-    def write(self, a: Trace, b: Trace) -> Path:
-        m = a.mask
-        tensors = {}
-        for l in range(len(a.keys)):
-            for side, tr in (("a", a), ("b", b)):
-                tensors[f"k{side}.{l}"] = valid_rows(tr.content[l], m).float().contiguous()
-                tensors[f"v{side}.{l}"] = valid_rows(tr.values[l], m).float().contiguous()
-                if tr.xnorm:
-                    tensors[f"x{side}.{l}"] = valid_rows(tr.xnorm[l], m).float().contiguous()
-        path = self.dir / f"chunk_{self.n:05d}.safetensors"
-        save_file(tensors, str(path))
-        self.n += 1
-        return path
+def chunk_path(directory: str | Path, index: int) -> Path:
+    return Path(directory) / f"chunk_{index:05d}.safetensors"
+
+
+def write_chunk(directory: str | Path, index: int, rows: dict[str, torch.Tensor]) -> Path:
+    """Write atomically (temp file + rename) so a killed job never leaves a half chunk that looks done."""
+    path = chunk_path(directory, index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(rows, str(tmp))
+    tmp.replace(path)
+    return path
 
 
 def read_chunks(directory: str | Path):

@@ -80,3 +80,17 @@ def test_eos_stops_rows_and_pads_them():
     first = cache.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 1)[:, 0]
     out = cache.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 5, eos_id=int(first[0]))
     assert out.shape[1] >= 1 and bool((out[0] == first[0]).all()), out.tolist()
+
+
+def test_xnorm_errors_are_zero_for_the_oracle_and_start_after_a_corrupted_layer():
+    from scd.diagnostics import xnorm_errors
+    model = tiny_llama()
+    ids, mask = left_padded_batch()
+    tr = trace.capture(model, ids, mask)
+    kv = list(zip(tr.keys, tr.values))
+    cont = torch.randint(2, 97, (3, 4), generator=torch.Generator().manual_seed(1))
+    assert max(xnorm_errors(model, kv, kv, mask, cont)) < 1e-5
+    bad = list(kv)
+    bad[1] = (kv[1][0] + 1.0, kv[1][1])
+    errs = xnorm_errors(model, bad, kv, mask, cont)
+    assert errs[0] < 1e-5 and errs[1] < 1e-5 and errs[2] > 1e-3, errs   # layer 1's cache first affects layer 2's input

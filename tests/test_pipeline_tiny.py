@@ -2,7 +2,7 @@
 import torch
 
 from scd import methods
-from scd.calibrate import CalibConfig, calibrate
+from scd.calibrate import CalibConfig, Calibration, calibrate
 from scd.evaluate import Evaluator, Sample
 from scd.models import ModelSpec
 from tests.conftest import perturbed, tiny_llama
@@ -60,10 +60,10 @@ def test_rebuild_of_a_left_padded_batch_matches_rebuilding_each_row(tmp_path):
     a = tiny_llama(0)
     b = perturbed(a, 0.3)
     spec = ModelSpec.from_config(a.config)
-    cfg = CalibConfig(r_k=4, r_v=4, r_h=16, aligner_epochs=3, pool=2, patch_cost=0.0, batch=16)
-    art = calibrate(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], _samples(3, 2), tmp_path, cfg,
-                    progress=False)
-    assert "patch" in art.plan, art.info["policy"]          # exercise both rebuild paths
+    cfg = CalibConfig(r_k=4, r_v=4, r_h=16, aligner_epochs=3, batch=16)
+    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path, cfg, progress=False)
+    cal.traces()
+    art = cal.artifacts_for(["exact", "patch", "reuse"])     # exercise every rebuild path
     ids, mask = left_padded_batch()
     kv_batch, _ = rebuild(b, art, encode(art, capture(a, ids, mask), ids))
     for i in range(ids.shape[0]):
@@ -73,3 +73,30 @@ def test_rebuild_of_a_left_padded_batch_matches_rebuilding_each_row(tmp_path):
         for l, ((kb, vb), (kr, vr)) in enumerate(zip(kv_batch, kv_row)):
             err = max((kb[i][:, keep] - kr[0]).abs().max().item(), (vb[i][:, keep] - vr[0]).abs().max().item())
             assert err < 1e-4, f"row {i} layer {l} ({art.plan[l]}): batched vs single rebuild differ by {err:.2e}"
+
+
+def test_calibration_resumes_from_its_checkpoints(tmp_path):
+    a = tiny_llama(0)
+    b = perturbed(a, 0.5)
+    spec = ModelSpec.from_config(a.config)
+    prefixes = [s.prefix for s in _samples(20, 1)]
+    cfg = CalibConfig(r_k=2, r_v=3, r_h=16, aligner_epochs=3, pool=2, batch=8)
+    logs = []
+    first = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)
+    first.traces()
+    # simulate a kill after the first chunk: drop the done marker and the later chunks
+    (first.dir / "traces.json").unlink()
+    for p in sorted((first.dir / "traces").glob("chunk_*"))[1:]:
+        p.unlink()
+    calls = []
+    second = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)
+    second.traces(capture_pair=lambda ids, mask: calls.append(ids.shape) or second._capture_local(ids, mask))
+    assert len(calls) == 2, f"resumed run recomputed {len(calls)} batches, expected the 2 missing ones"
+    assert any("1/3 chunks already on disk" in line for line in logs), logs
+    art1 = second.run(_samples(3, 2))
+    logs.clear()
+    art2 = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append).run(_samples(3, 2))
+    assert any("traces: resumed" in line for line in logs) and any("policy: resumed" in line for line in logs), logs
+    assert art1.plan == art2.plan
+    for k, v in art1.tensors().items():
+        assert torch.equal(v, art2.tensors()[k]), k
