@@ -11,6 +11,8 @@ COMMANDS = {
     "eval": ("jobs.evaluate", "calibrate a pair and compare SCD with the baselines on held-out prefixes"),
     "bench": ("jobs.bench_rebuild", "consumer rebuild + patch vs the consumer's own prefill, side by side"),
     "train-demo": ("jobs.train_family", "train the demo model family (base + specialists)"),
+    "artifacts": ("cli.artifacts", "list | show | verify | gc the artifact registry"),
+    "calibrate": ("cli.calibrate", "submit one Ray Job per pair to calibrate and publish it, and follow them"),
 }
 
 
@@ -24,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         p.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    module.main(argv[1:])
-    return 0
+    rc = module.main(argv[1:])
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

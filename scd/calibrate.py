@@ -1,7 +1,8 @@
 """Offline calibration of one producer->consumer pair, as resumable stages in a work directory.
 
   traces    paired traces of the calibration prefixes, one safetensors chunk per batch (atomic writes)
-  linear    joint Gram matrices -> Reuse codecs (K, V) at every layer, Patch encoders at layers >= 1
+  grams     joint Gram matrices of every layer's K, V, x_norm; Reuse codecs and Patch encoders at any
+            rank follow in closed form (linear), so rank sweeps need no second pass over the traces
   policy    restore-one sensitivity -> pool -> aligners trained for the pool -> greedy -> k*
   artifacts the PairArtifacts under the chosen plan
 Every stage checkpoints its result (safetensors + JSON, never pickle) and, when called again in the same
@@ -107,7 +108,9 @@ class Calibration:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "key.json").write_text(json.dumps(key, indent=1))
         self.base_plan = ["exact" if exact_layer0 else "reuse"] + ["reuse"] * (spec.num_layers - 1)
-        self._linear = None
+        self._grams = None
+        self._linear: dict[tuple[int, int], tuple] = {}
+        self._patch_enc: dict[int, LinearCodec] = {}
 
     # -- stage 1 -------------------------------------------------------------------------------------
     def traces(self, capture_pair: CapturePair | None = None) -> int:
@@ -138,19 +141,21 @@ class Calibration:
         return trace_rows(capture(self.producer, ids, mask), "a"), trace_rows(capture(self.consumer, ids, mask), "b")
 
     # -- stage 2 -------------------------------------------------------------------------------------
-    def linear(self) -> tuple[dict[int, LinearCodec], dict[int, LinearCodec], dict[int, LinearCodec]]:
-        """Reuse codecs for K (content) and V at every layer; Patch encoders on x_norm at layers >= 1."""
-        if self._linear is not None:
-            return self._linear
-        path = self.dir / "linear.safetensors"
-        L = self.spec.num_layers
+    def grams(self) -> tuple[list[JointGram], list[JointGram], list[JointGram | None]]:
+        """Joint Gram matrices of every layer's paired K, V and x_norm rows (one pass over the chunks)."""
+        if self._grams is not None:
+            return self._grams
+        path = self.dir / "grams.safetensors"
+        L, d, hid = self.spec.num_layers, self.spec.head_dim, self.spec.hidden_size
         if path.is_file():
             t = load_file(str(path))
+            gk = [JointGram.from_tensors(t, f"k.{l}", d) for l in range(L)]
+            gv = [JointGram.from_tensors(t, f"v.{l}", d) for l in range(L)]
+            gx = [None] + [JointGram.from_tensors(t, f"x.{l}", hid) for l in range(1, L)]
             self.log("stage linear: resumed from checkpoint")
         else:
-            d, hid = self.spec.head_dim, self.spec.hidden_size
             gk, gv = [JointGram(d, d) for _ in range(L)], [JointGram(d, d) for _ in range(L)]
-            gx = [JointGram(hid, hid) for _ in range(L)]
+            gx = [None] + [JointGram(hid, hid) for _ in range(1, L)]
             for chunk in tqdm(read_chunks(self.dir / "traces"), desc="gram", disable=not self.progress):
                 for l in range(L):
                     gk[l].update(chunk[f"ka.{l}"], chunk[f"kb.{l}"])
@@ -159,17 +164,27 @@ class Calibration:
                         gx[l].update(chunk[f"xa.{l}"], chunk[f"xb.{l}"])
             t = {}
             for l in range(L):
-                t.update(gk[l].fit(self.cfg.r_k, self.cfg.ridge).tensors(f"k.{l}"))
-                t.update(gv[l].fit(self.cfg.r_v, self.cfg.ridge).tensors(f"v.{l}"))
+                t.update(gk[l].tensors(f"k.{l}"))
+                t.update(gv[l].tensors(f"v.{l}"))
                 if l:
-                    t.update(gx[l].fit(self.cfg.r_h, self.cfg.ridge).tensors(f"x.{l}"))
+                    t.update(gx[l].tensors(f"x.{l}"))
             save_file(t, str(path))
-            self.log(f"stage linear: fitted Reuse (r_k={self.cfg.r_k}, r_v={self.cfg.r_v}) and Patch encoders "
-                     f"(r_h={self.cfg.r_h}) for {L} layers")
-        self._linear = ({l: LinearCodec.from_tensors(t, f"k.{l}") for l in range(L)},
-                        {l: LinearCodec.from_tensors(t, f"v.{l}") for l in range(L)},
-                        {l: LinearCodec.from_tensors(t, f"x.{l}") for l in range(1, L)})
-        return self._linear
+            self.log(f"stage linear: accumulated joint Gram matrices of {L} layers")
+        self._grams = (gk, gv, gx)
+        return self._grams
+
+    def linear(self, r_k: int | None = None, r_v: int | None = None):
+        """Reuse codecs for K (content) and V at every layer (ranks default to the config's) and Patch
+        encoders on x_norm at layers >= 1. Closed form from the Gram matrices: cheap, not checkpointed."""
+        r_k, r_v = r_k or self.cfg.r_k, r_v or self.cfg.r_v
+        if (r_k, r_v) not in self._linear:
+            gk, gv, gx = self.grams()
+            self._linear[(r_k, r_v)] = ({l: g.fit(r_k, self.cfg.ridge) for l, g in enumerate(gk)},
+                                        {l: g.fit(r_v, self.cfg.ridge) for l, g in enumerate(gv)},
+                                        self._patch_enc or {l: g.fit(self.cfg.r_h, self.cfg.ridge)
+                                                            for l, g in enumerate(gx) if g is not None})
+            self._patch_enc = self._linear[(r_k, r_v)][2]
+        return self._linear[(r_k, r_v)]
 
     # -- stage 3 -------------------------------------------------------------------------------------
     def aligner(self, layer: int) -> tuple[Aligner, dict]:
@@ -193,12 +208,13 @@ class Calibration:
                  f"at epoch {fit.best_epoch})")
         return fit.aligner.eval(), curve
 
-    def artifacts_for(self, plan: list[str]) -> PairArtifacts:
-        reuse_k, reuse_v, patch_enc = self.linear()
+    def artifacts_for(self, plan: list[str], r_k: int | None = None, r_v: int | None = None) -> PairArtifacts:
+        reuse_k, reuse_v, patch_enc = self.linear(r_k, r_v)
         patched = [l for l, k in enumerate(plan) if k == "patch"]
         aligners = {l: self.aligner(l)[0] for l in patched}
-        return PairArtifacts(self.pair, self.spec, self.cfg.r_k, self.cfg.r_v, self.cfg.r_h, self.cfg.aligner_width,
-                             list(plan), reuse_k, reuse_v, {l: patch_enc[l] for l in patched}, aligners)
+        return PairArtifacts(self.pair, self.spec, r_k or self.cfg.r_k, r_v or self.cfg.r_v, self.cfg.r_h,
+                             self.cfg.aligner_width, list(plan), reuse_k, reuse_v, {l: patch_enc[l] for l in patched},
+                             aligners)
 
     def plan_with(self, layers) -> list[str]:
         return [("patch" if l in layers else k) for l, k in enumerate(self.base_plan)]

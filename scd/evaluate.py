@@ -55,6 +55,18 @@ class Evaluator:
         return self.tok.decode(out[:cut])
 
     @torch.no_grad()
+    def kl(self, s: Sample, method: Method) -> float:
+        """Teacher-forced KL(oracle || method) only: the cheap score used to profile a method's settings."""
+        ids = s.prefix[None]
+        mask = torch.ones_like(ids)
+        ptrace = capture(self.producer, ids, mask, want_hidden=True)
+        oracle = Oracle().build(self.consumer, ids, mask, ptrace)
+        ref, _ = cache.extend(self.consumer, cache.assemble(self.consumer, oracle.kv), mask, s.cont[None])
+        got, _ = cache.extend(self.consumer, cache.assemble(self.consumer, method.build(
+            self.consumer, ids, mask, ptrace).kv), mask, s.cont[None])
+        return metrics.kl_tv_top1(ref, got)[0]
+
+    @torch.no_grad()
     def sample(self, s: Sample, methods: list[Method]) -> list[SampleResult]:
         ids = s.prefix[None]
         mask = torch.ones_like(ids)

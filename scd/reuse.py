@@ -60,6 +60,16 @@ class JointGram:
         self.s += x.sum(0)
         self.g += x.T @ x
 
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.n": torch.tensor([self.n], dtype=torch.float64), f"{prefix}.s": self.s,
+                f"{prefix}.g": self.g}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, d_a: int) -> "JointGram":
+        g = cls(d_a, t[f"{prefix}.s"].shape[0] - d_a)
+        g.n, g.s, g.g = int(t[f"{prefix}.n"].item()), t[f"{prefix}.s"], t[f"{prefix}.g"]
+        return g
+
     def spectrum(self) -> torch.Tensor:
         """Eigenvalues of the joint covariance, descending (for choosing ranks)."""
         return torch.linalg.eigvalsh(self._cov()).flip(0).clamp(min=0)

@@ -45,3 +45,34 @@ def left_padded_batch(vocab: int = 97, lengths=(12, 7, 9), seed: int = 3):
         ids[i, t - n:] = torch.randint(2, vocab, (n,), generator=g)
         mask[i, t - n:] = 1
     return ids, mask
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> str:
+    """One embedded Ray cluster for the whole test session; yields its dashboard URL (the Jobs API).
+    4 logical CPUs so two calibration jobs (two model actors each) can run side by side."""
+    import ray
+    ctx = ray.init(num_cpus=4, include_dashboard=True, dashboard_port=free_port(), namespace="scd-test",
+                   log_to_driver=False)
+    yield "http://" + ctx.dashboard_url
+    ray.shutdown()
+
+
+def write_config(tmp_path, **calibration) -> Path:
+    """A ray_config.yaml for the demo family with a reduced calibration budget and stores under tmp_path."""
+    import yaml
+    cal = {"prefixes": 16, "val": 3, "heldout": 2, "aligner_epochs": 3, "pool": 2, "prefix_tokens": 96,
+           "work_dir": str(tmp_path / "work"), **calibration}
+    cfg = {"producer": {"name": "base", "path": str(DEMO / "base")},
+           "specialists": [{"name": n, "path": str(DEMO / n)} for n in ("qa", "prose", "code")],
+           "artifacts": {"uri": str(tmp_path / "store")}, "calibration": cal}
+    path = tmp_path / "ray_config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path

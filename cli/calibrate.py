@@ -1,0 +1,79 @@
+"""`scd calibrate --pair base:qa --pair base:prose`: one Ray Job per pair, run concurrently, logs followed.
+
+Wraps JobSubmissionClient against a running cluster (`ray start --head`); exits non-zero if any job fails.
+Arguments after `--` go to every job (e.g. `-- --prefixes 32` for a quick run).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+from cluster.config import ConfigError, load_config
+from cluster.runtime import auth_token_path
+
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def _client(address: str):
+    # Ray 2.60 clusters require a bearer token; the SDK attaches it when RAY_AUTH_MODE=token
+    if "RAY_AUTH_MODE" not in os.environ and auth_token_path().is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+    from ray.job_submission import JobSubmissionClient
+    return JobSubmissionClient(address)
+
+
+async def _follow(client, job_id: str, pair: str) -> None:
+    async for chunk in client.tail_job_logs(job_id):
+        for line in chunk.splitlines():
+            if line.strip():
+                print(f"[{pair}] {line}", flush=True)
+
+
+async def _follow_all(client, jobs: dict[str, str]) -> None:
+    await asyncio.gather(*(_follow(client, job_id, pair) for pair, job_id in jobs.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="scd calibrate", description=__doc__)
+    p.add_argument("--pair", action="append", required=True, help="PRODUCER:CONSUMER (repeatable)")
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or "http://127.0.0.1:8265",
+                   help="Ray dashboard address of the cluster")
+    p.add_argument("--config", default="ray_config.yaml")
+    p.add_argument("--working-dir", default=".")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+    for pair in args.pair:
+        if pair not in cfg.pairs():
+            raise SystemExit(f"unknown pair {pair!r}; the config has {cfg.pairs()}")
+    # absolute paths: the job runs from a copy of the working dir, results must land in this one
+    common = ["--config", str(Path(args.config).resolve()), "--store", cfg.artifacts.uri,
+              "--work-dir", cfg.calibration.work_dir, *extra]
+    client = _client(args.address)
+    env = {"working_dir": args.working_dir, "excludes": ["/runs/", "/.git/", "__pycache__"]}
+    jobs = {}
+    for pair in args.pair:
+        entry = " ".join(["python -m jobs.calibrate --pair", pair, *common])
+        jobs[pair] = client.submit_job(entrypoint=entry, runtime_env=env,
+                                       submission_id=f"calibrate-{pair.replace(':', '-')}-{int(time.time())}")
+        print(f"submitted {jobs[pair]} for {pair}", flush=True)
+    asyncio.run(_follow_all(client, jobs))
+    failed = 0
+    for pair, job_id in jobs.items():
+        status = client.get_job_status(job_id)
+        while str(status.value if hasattr(status, "value") else status) not in TERMINAL:
+            time.sleep(1)
+            status = client.get_job_status(job_id)
+        name = str(status.value if hasattr(status, "value") else status)
+        print(f"{pair}: {name}")
+        failed += name != "SUCCEEDED"
+    return 1 if failed else 0

@@ -1,0 +1,153 @@
+"""`ray_config.yaml` -> a validated DeploymentConfig (pydantic). One error lists every problem with its path.
+
+Relative paths in the file are resolved against the file's own folder, so a config works from any cwd.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message lists every problem as `path.in.file: reason`."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RaySettings(_Strict):
+    address: str = Field("", description="Ray address to connect to; empty starts an embedded local cluster")
+    namespace: str = Field("scd", description="Ray namespace of the named actors and jobs")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the embedded cluster (default: all)")
+    num_gpus: int | None = Field(None, ge=0, description="GPUs of the embedded cluster (default: detected)")
+
+
+class ModelSettings(_Strict):
+    name: str = Field(pattern=NAME, description="short name used in URLs, pair ids and artifact refs")
+    path: str = Field(description="local HF model folder (config.json, weights, tokenizer)")
+    num_gpus: float = Field(0, ge=0, description="GPUs per replica; 0 runs on CPU")
+
+
+class Autoscaling(_Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float = Field(2.0, ge=0)
+    downscale_delay_s: float = Field(10.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        return self
+
+
+class SpecialistSettings(ModelSettings):
+    artifact: str = Field("latest", description="artifact version of the producer->this pair, or 'latest'")
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+
+
+class HttpSettings(_Strict):
+    host: str = Field("127.0.0.1", description="bind address of the HTTP proxy")
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class ArtifactSettings(_Strict):
+    uri: str = Field("runs/artifacts", description="artifact store: local path or pyarrow URI (s3://, gs://, hdfs://)")
+
+
+class CalibrationSettings(_Strict):
+    prefixes: int = Field(128, ge=1, description="calibration prefixes per pair")
+    val: int = Field(12, ge=1, description="validation samples for the layer policy")
+    heldout: int = Field(48, ge=1, description="held-out samples for the published metrics")
+    prefix_tokens: int = Field(160, ge=8)
+    r_k: int = Field(8, ge=1)
+    r_v: int = Field(16, ge=1)
+    r_h: int = Field(32, ge=1)
+    pool: int = Field(4, ge=1)
+    patch_cost: float = Field(0.25, ge=0)
+    aligner_epochs: int = Field(60, ge=1)
+    work_dir: str = Field("runs/calibrate", description="checkpoints of running/finished calibrations")
+
+
+class TelemetrySettings(_Strict):
+    exporter: Literal["none", "console", "file", "otlp"] = "none"
+    path: str | None = Field(None, description="file exporter: where spans are appended (JSON lines)")
+    endpoint: str | None = Field(None, description="otlp exporter: collector endpoint")
+
+    @model_validator(mode="after")
+    def _needs(self):
+        if self.exporter == "file" and not self.path:
+            raise ValueError("exporter 'file' needs a path")
+        if self.exporter == "otlp" and not self.endpoint:
+            raise ValueError("exporter 'otlp' needs an endpoint")
+        return self
+
+
+class DeploymentConfig(_Strict):
+    ray: RaySettings = Field(default_factory=RaySettings)
+    producer: ModelSettings
+    specialists: list[SpecialistSettings] = Field(min_length=1)
+    transport: Literal["auto", "object_store", "nccl"] = "auto"
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
+    calibration: CalibrationSettings = Field(default_factory=CalibrationSettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+
+    @model_validator(mode="after")
+    def _unique(self):
+        names = [s.name for s in self.specialists]
+        dup = sorted({n for n in names if names.count(n) > 1} | ({self.producer.name} & set(names)))
+        if dup:
+            raise ValueError(f"model names must be unique across producer and specialists: {dup}")
+        return self
+
+    def specialist(self, name: str) -> SpecialistSettings:
+        for s in self.specialists:
+            if s.name == name:
+                return s
+        raise KeyError(f"no specialist {name!r}; have {[s.name for s in self.specialists]}")
+
+    def pairs(self) -> list[str]:
+        return [f"{self.producer.name}:{s.name}" for s in self.specialists]
+
+
+def _where(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def parse(raw: dict, base_dir: str | Path = ".") -> DeploymentConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config must be a mapping at the top level, got {type(raw).__name__}")
+    try:
+        cfg = DeploymentConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"  {_where(err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"{len(lines)} problem(s) in the config:\n" + "\n".join(lines)) from None
+    base = Path(base_dir)
+    for m in [cfg.producer, *cfg.specialists]:
+        m.path = str((base / Path(m.path).expanduser()).resolve())
+    if "://" not in cfg.artifacts.uri:
+        cfg.artifacts.uri = str((base / Path(cfg.artifacts.uri).expanduser()).resolve())
+    cfg.calibration.work_dir = str((base / cfg.calibration.work_dir).resolve())
+    return cfg
+
+
+def load_config(path: str | Path) -> DeploymentConfig:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {e}") from None
+    return parse(raw, p.resolve().parent)

@@ -1,0 +1,61 @@
+"""Connecting to Ray (an address, the job's cluster, or an embedded local one) and placement decisions.
+
+Placement lives here and nowhere else: actor bodies receive their options and ask `device()` which device
+Ray gave them; they never choose GPUs themselves.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+
+from cluster.config import RaySettings
+
+
+def connect(settings: RaySettings, **overrides) -> dict:
+    """Idempotent: reuse an initialised Ray, join `settings.address` (or the job's RAY_ADDRESS, set by
+    `ray job submit`), else start an embedded local cluster. Returns the cluster's resources."""
+    if not ray.is_initialized():
+        address = settings.address or os.environ.get("RAY_ADDRESS", "")
+        kwargs = {"namespace": settings.namespace, "log_to_driver": True, **overrides}
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            kwargs.setdefault("include_dashboard", False)
+            ray.init(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, **kwargs)
+    return ray.cluster_resources()
+
+
+def actor_options(num_gpus: float, name: str | None = None, detached: bool = False,
+                  namespace: str | None = None) -> dict:
+    """Ray actor options for a model-holding actor: GPUs from the config; on CPU one core, so that a
+    producer and a consumer can run side by side on a small machine."""
+    opts: dict = {"num_gpus": num_gpus, "num_cpus": 0 if num_gpus > 0 else 1}
+    if name:
+        opts.update(name=name, get_if_exists=True)
+    if detached:
+        opts["lifetime"] = "detached"
+    if namespace:
+        opts["namespace"] = namespace
+    return opts
+
+
+def device() -> str:
+    """Inside an actor: 'cuda' when Ray assigned it a GPU that torch can see, else 'cpu'."""
+    if ray.get_gpu_ids():
+        import torch
+        if torch.cuda.is_available():
+            return "cuda"
+    return "cpu"
+
+
+def cpu_threads() -> int:
+    """Inside an actor: the CPU cores Ray granted (torch would otherwise use every core of the node)."""
+    ctx = ray.get_runtime_context()
+    return max(1, int(ctx.get_assigned_resources().get("CPU", 1)))
+
+
+def auth_token_path() -> Path:
+    """Where Ray keeps the cluster token that CLI clients need (RAY_AUTH_MODE=token)."""
+    return Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token")).expanduser()

@@ -1,0 +1,181 @@
+"""Ray Job: calibrate one producer->consumer pair and publish it to the artifact store.
+
+    ray job submit --working-dir . -- python -m jobs.calibrate --pair base:qa
+    python -m jobs.calibrate --pair base:qa          # same, on an embedded local Ray
+
+Stages (each checkpointed under calibration.work_dir, so a killed job resubmitted for the same pair
+resumes): paired traces from a producer and a consumer TraceActor pinned by num_gpus from the config ->
+joint Gram matrices -> layer policy with Patch aligners -> held-out evaluation -> (r_K, r_V) Pareto sweep
+-> x_norm layer errors -> report -> publish (manifest written last).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import ray
+import torch
+
+from artifacts_store import ArtifactStore, CalibrationData, Fingerprints, calibration_digest
+from cluster.config import load_config
+from cluster.runtime import actor_options, connect
+from jobs import report, samples
+from scd import methods
+from scd.calibrate import CalibConfig, Calibration, PlanScorer
+from scd.diagnostics import xnorm_errors
+from scd.evaluate import Evaluator
+from scd.models import load_pair
+from scd.rebuild import encode, rebuild
+from scd.trace import capture
+
+PARETO_GRID = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 24), (16, 24), (24, 32)]
+
+
+def log(msg: str) -> None:
+    print(f"[calibrate] {msg}", flush=True)
+
+
+def checkpointed(path: Path, compute):
+    """JSON stage checkpoint: load if present, else compute, write, return."""
+    if path.is_file():
+        log(f"stage {path.stem}: resumed from checkpoint")
+        return json.loads(path.read_text())
+    value = compute()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.replace(path)
+    return value
+
+
+def actor_capture(producer_path: str, consumer_path: str, gpus: tuple[float, float]):
+    """capture_pair backed by two TraceActors; both models run on each batch concurrently."""
+    from actors.tracer import TraceActor
+    a = TraceActor.options(**actor_options(gpus[0])).remote(producer_path, "a")
+    b = TraceActor.options(**actor_options(gpus[1])).remote(consumer_path, "b")
+    log(f"trace actors on {ray.get(a.where.remote())} (producer) and {ray.get(b.where.remote())} (consumer)")
+
+    def capture_pair(ids, mask):
+        return tuple(ray.get([a.rows.remote(ids, mask), b.rows.remote(ids, mask)]))
+    return capture_pair
+
+
+def pareto(cal: Calibration, val, budget_bytes_per_token: int) -> list[dict]:
+    """Reuse-only KL and payload ratio for a grid of (r_K, r_V): the rank trade-off behind the defaults."""
+    base = cal.base_plan
+    coded = sum(k == "reuse" for k in base)
+    scorer = None
+    out = []
+    for r_k, r_v in PARETO_GRID:
+        if max(r_k, r_v) > 2 * cal.spec.head_dim:
+            continue
+        scorer = scorer or PlanScorer(cal.producer, cal.consumer, val, cal.artifacts_for)
+        scorer.art_for = lambda plan, rk=r_k, rv=r_v: cal.artifacts_for(plan, rk, rv)
+        per_token = coded * cal.spec.num_kv_heads * (r_k + r_v) * 2          # fp16 codes
+        out.append({"r_k": r_k, "r_v": r_v, "kl": scorer.kl(base), "payload_ratio": per_token / budget_bytes_per_token})
+    return out
+
+
+def xnorm_profile(cal: Calibration, art, samples_) -> dict[str, list[float]]:
+    """Mean relative x_norm error per layer on held-out continuations: Reuse-only vs SCD."""
+    plans = {"reuse_only": art.with_plan(cal.base_plan), "scd": art}
+    sums = {k: None for k in plans}
+    for s in samples_:
+        ids = s.prefix[None]
+        mask = torch.ones_like(ids)
+        ptrace = capture(cal.producer, ids, mask)
+        o = capture(cal.consumer, ids, mask, want_xnorm=False)
+        oracle = list(zip(o.keys, o.values))
+        for name, a in plans.items():
+            kv, _ = rebuild(cal.consumer, a, encode(a, ptrace, ids))
+            errs = torch.tensor(xnorm_errors(cal.consumer, kv, oracle, mask, s.cont[None]))
+            sums[name] = errs if sums[name] is None else sums[name] + errs
+    return {k: (v / len(samples_)).tolist() for k, v in sums.items()}
+
+
+def main(argv: list[str] | None = None) -> str:
+    p = argparse.ArgumentParser(prog="jobs.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", required=True, help="PRODUCER:CONSUMER, names from the config")
+    p.add_argument("--config", default="ray_config.yaml")
+    p.add_argument("--store", help="artifact store URI (default: the config's artifacts.uri)")
+    p.add_argument("--work-dir", help="checkpoint folder (default: the config's calibration.work_dir)")
+    p.add_argument("--prefixes", type=int, help="override calibration.prefixes (e.g. a reduced test budget)")
+    p.add_argument("--heldout", type=int, help="override calibration.heldout")
+    p.add_argument("--no-actors", action="store_true", help="trace in this process instead of two Ray actors")
+    args = p.parse_args(argv)
+
+    for flag in ("prefixes", "heldout"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    cfg = load_config(args.config)
+    if args.pair.count(":") != 1:
+        raise SystemExit(f"--pair must look like PRODUCER:CONSUMER, got {args.pair!r}")
+    prod_name, cons_name = args.pair.split(":")
+    if prod_name != cfg.producer.name:
+        raise SystemExit(f"producer {prod_name!r} is not the config's producer {cfg.producer.name!r}")
+    try:
+        spec_cfg = cfg.specialist(cons_name)
+    except KeyError as e:
+        raise SystemExit(str(e.args[0])) from None
+    c = cfg.calibration
+    n_prefixes, n_held = args.prefixes or c.prefixes, args.heldout or c.heldout
+    work = args.work_dir or c.work_dir
+    store = ArtifactStore(args.store or cfg.artifacts.uri)
+
+    torch.manual_seed(0)
+    producer, consumer, tok, spec = load_pair(cfg.producer.path, spec_cfg.path)
+    calib, val, held = samples.pair_data(cons_name, tok, n_prefixes, c.val, n_held, c.prefix_tokens)
+    ccfg = CalibConfig(r_k=c.r_k, r_v=c.r_v, r_h=c.r_h, pool=c.pool, patch_cost=c.patch_cost,
+                       aligner_epochs=c.aligner_epochs)
+    cal = Calibration(producer, consumer, spec, args.pair, calib, work, ccfg, pad_id=tok.pad_token_id, log=log)
+    log(f"pair {args.pair}: {len(calib)} calibration prefixes, {len(val)} validation, {len(held)} held-out; "
+        f"checkpoints in {cal.dir}")
+
+    published = cal.dir / "published.json"
+    if published.is_file():
+        ref = json.loads(published.read_text())["ref"]
+        log(f"already published as {ref}; nothing to do")
+        return ref
+
+    if args.no_actors:
+        capture_pair = None
+    else:
+        connect(cfg.ray)
+        capture_pair = actor_capture(cfg.producer.path, spec_cfg.path, (cfg.producer.num_gpus, spec_cfg.num_gpus))
+    art = cal.run(val, capture_pair)
+    log(f"plan {art.plan}")
+
+    def evaluate():
+        ms = [methods.Oracle(), methods.RawKV(), methods.reuse_only(art), methods.SCDMethod(art)]
+        return Evaluator(producer, consumer, tok).run(held, ms, desc=f"held-out {args.pair}")
+    rows = checkpointed(cal.dir / "eval.json", evaluate)
+    by = {r["method"]: r for r in rows}
+    log("held-out: " + ", ".join(f"{m} kl={r['kl']:.4f} ratio={r['payload_ratio']:.3f}"
+                                 + (f" f1={r['f1']:.3f}" if r["f1"] is not None else "") for m, r in by.items()))
+    grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val, spec.kv_bytes_per_token))
+    xn = checkpointed(cal.dir / "xnorm.json", lambda: xnorm_profile(cal, art, held[:8]))
+
+    info = art.info["calibration"]
+    extra = {"r_k": art.r_k, "r_v": art.r_v, "r_h": art.r_h, "calibration prefixes": info["prefixes"],
+             "trace rows": info["rows"], "data digest": info["data_digest"]}
+    files = report.build_report(args.pair, art.info["policy"], rows, grid, xn, extra)
+    metrics = {"kl": by["scd"]["kl"], "kl_reuse_only": by["reuse_only"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"],
+               "payload_bytes": float(by["scd"]["payload_bytes"]), "payload_ratio": by["scd"]["payload_ratio"],
+               "top1": by["scd"]["top1"]}
+    if by["scd"]["f1"] is not None:
+        metrics.update(f1=by["scd"]["f1"], f1_oracle=by["oracle"]["f1"], f1_raw_kv=by["raw_kv"]["f1"])
+    manifest = store.publish(
+        art, Fingerprints.of(producer=producer, consumer=consumer, tokenizer=tok),
+        CalibrationData(digest=calibration_digest(calib), n_prefixes=len(calib), rows=info["rows"]),
+        metrics, {f"report/{k}": v for k, v in files.items()})
+    ref = f"{args.pair}@{manifest.version}"
+    published.write_text(json.dumps({"ref": ref}))
+    log(f"published {ref} to {args.store or cfg.artifacts.uri}")
+    return ref
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,242 @@
+"""Calibration report for one producer->consumer pair: a markdown summary plus PNG plots.
+
+`build_report(...)` returns {file name: bytes}; the artifact registry stores each entry as `report/<name>`.
+The figures mirror the SCD paper's Figures 4-7:
+
+- `sensitivity.png` (Fig. 4): restore-one sensitivity. One bar per layer: the KL gain obtained by making that
+  single layer exact on top of the Reuse-only plan. Layers in the candidate pool are drawn in a second colour.
+- `greedy.png` (Fig. 5): greedy forward selection. KL after k patch layers (k = 0..len(order)); each point is
+  labelled with the layer added at that step, a dashed line marks the chosen budget k*, and the efficiency
+  (gain / cost per k, whose argmax gives k*) is drawn on a twin axis.
+- `pareto.png` (Fig. 6, optional): Reuse-only KL vs payload ratio over a grid of ranks (r_K, r_V). Every point is
+  annotated with its ranks, the Pareto frontier (points no other point beats on both payload and KL) is joined by
+  a line, and the ranks actually chosen (`extra["r_k"]`, `extra["r_v"]`) are circled.
+- `xnorm_error.png` (Fig. 7, optional): relative error of the consumer's pre-attention input x_norm per layer
+  (list index = layer number), Reuse-only vs SCD; the patch layers are shaded, showing where SCD resets the error.
+
+`summary.md` has the evaluation table, the layer plan, the `extra` items and links to the figures produced.
+Only stdlib, numpy and matplotlib (Agg backend) are used.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+DPI = 110
+METHOD_ORDER = ["oracle", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd"]
+EVAL_KEYS = ["method", "payload_bytes", "payload_ratio", "kl", "tv", "top1", "greedy", "ppl", "f1", "em",
+             "consumer_ms", "prefill_ratio", "samples"]
+POLICY_KEYS = ["base_kl", "sensitivity", "pool", "order", "curve", "k_star", "efficiency", "chosen"]
+
+
+def build_report(pair: str, policy: dict, eval_rows: list[dict], pareto: list[dict] | None = None,
+                 xnorm: dict[str, list[float]] | None = None, extra: dict | None = None) -> dict[str, bytes]:
+    """Render the report. Raises ValueError on malformed inputs; optional figures are skipped when absent."""
+    _check_policy(policy)
+    _check_rows(eval_rows)
+    extra = dict(extra or {})
+    files: dict[str, bytes] = {
+        "sensitivity.png": _png(_fig_sensitivity(pair, policy)),
+        "greedy.png": _png(_fig_greedy(pair, policy)),
+    }
+    if pareto:
+        _check_pareto(pareto)
+        files["pareto.png"] = _png(_fig_pareto(pair, pareto, extra))
+    if xnorm:
+        _check_xnorm(xnorm)
+        files["xnorm_error.png"] = _png(_fig_xnorm(pair, xnorm, policy["chosen"]))
+    figures = [n for n in ("sensitivity.png", "greedy.png", "pareto.png", "xnorm_error.png") if n in files]
+    return {"summary.md": _summary(pair, policy, eval_rows, extra, figures).encode()} | files
+
+
+# ----------------------------------------------------------------------------------------------- validation
+def _check_policy(policy: dict) -> None:
+    if not isinstance(policy, dict):
+        raise ValueError(f"policy must be a dict, got {type(policy).__name__}")
+    missing = [k for k in POLICY_KEYS if k not in policy]
+    if missing:
+        raise ValueError(f"policy is missing keys: {missing}")
+    sens = policy["sensitivity"]
+    if not isinstance(sens, dict) or not sens:
+        raise ValueError("policy['sensitivity'] must be a non-empty dict {layer (str): gain}")
+    try:
+        [int(k) for k in sens]
+    except (TypeError, ValueError):
+        raise ValueError(f"policy['sensitivity'] keys must be layer numbers, got {list(sens)}") from None
+    order, curve, eff, k_star = policy["order"], policy["curve"], policy["efficiency"], policy["k_star"]
+    if len(curve) != len(order) + 1:
+        raise ValueError(f"policy['curve'] length {len(curve)} must equal len(order)+1 = {len(order) + 1}")
+    if len(eff) != len(curve):
+        raise ValueError(f"policy['efficiency'] length {len(eff)} must equal len(curve) = {len(curve)}")
+    if not isinstance(k_star, int) or not 0 <= k_star <= len(order):
+        raise ValueError(f"policy['k_star'] = {k_star!r} must be an int in [0, {len(order)}]")
+    if not math.isclose(curve[0], policy["base_kl"], rel_tol=1e-6, abs_tol=1e-12):
+        raise ValueError(f"policy['curve'][0] = {curve[0]} must equal policy['base_kl'] = {policy['base_kl']}")
+
+
+def _check_rows(rows: list[dict]) -> None:
+    if not isinstance(rows, list):
+        raise ValueError(f"eval_rows must be a list of dicts, got {type(rows).__name__}")
+    for i, r in enumerate(rows):
+        missing = [k for k in EVAL_KEYS if k not in r] if isinstance(r, dict) else EVAL_KEYS
+        if missing:
+            raise ValueError(f"eval_rows[{i}] is missing keys: {missing}")
+
+
+def _check_pareto(points: list[dict]) -> None:
+    for i, p in enumerate(points):
+        missing = [k for k in ("r_k", "r_v", "payload_ratio", "kl") if k not in p]
+        if missing:
+            raise ValueError(f"pareto[{i}] is missing keys: {missing}")
+
+
+def _check_xnorm(xnorm: dict) -> None:
+    for k in ("reuse_only", "scd"):
+        if not xnorm.get(k):
+            raise ValueError(f"xnorm[{k!r}] must be a non-empty list of per-layer errors")
+    if len(xnorm["reuse_only"]) != len(xnorm["scd"]):
+        raise ValueError("xnorm['reuse_only'] and xnorm['scd'] must have one value per layer (same length)")
+
+
+# ------------------------------------------------------------------------------------------------- figures
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return buf.getvalue()
+
+
+def _fig_sensitivity(pair: str, policy: dict):
+    layers = sorted(int(k) for k in policy["sensitivity"])
+    gains = [float(policy["sensitivity"][str(l)]) for l in layers]
+    pool = set(policy["pool"])
+    colours = ["tab:orange" if l in pool else "tab:blue" for l in layers]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.22 * len(layers) + 2), 3.6))
+    ax.bar(layers, gains, color=colours)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set(xlabel="layer", ylabel="KL gain (restore one layer)", title=f"Restore-one sensitivity — {pair}")
+    ax.set_xticks(layers if len(layers) <= 40 else layers[::2])
+    ax.legend(handles=[Patch(color="tab:orange", label="candidate pool"), Patch(color="tab:blue", label="other")],
+              frameon=False, fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def _fig_greedy(pair: str, policy: dict):
+    curve, order, k_star = policy["curve"], policy["order"], policy["k_star"]
+    ks = list(range(len(curve)))
+    fig, ax = plt.subplots(figsize=(6.8, 3.8))
+    ax.plot(ks, curve, "o-", color="tab:blue", label="KL after k patches")
+    for k in ks[1:]:
+        ax.annotate(f"+L{order[k - 1]}", (k, curve[k]), textcoords="offset points", xytext=(0, 7),
+                    ha="center", fontsize=8, color="tab:blue")
+    ax.axvline(k_star, color="tab:red", ls="--", lw=1, label=f"k* = {k_star}")
+    ax.set(xlabel="number of patch layers k", ylabel="KL(oracle ‖ SCD)", title=f"Greedy layer selection — {pair}")
+    ax.set_xticks(ks)
+    ax.grid(alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.plot(ks, policy["efficiency"], "s:", color="tab:green", ms=4, label="efficiency (gain / cost)")
+    ax2.set_ylabel("efficiency", color="tab:green")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, frameon=False, fontsize=8, loc="upper right")
+    return fig
+
+
+def _frontier(points: list[dict]) -> list[dict]:
+    """Points not dominated in (payload_ratio, kl): sweep by payload, keep each strict KL improvement."""
+    front, best = [], math.inf
+    for p in sorted(points, key=lambda p: (p["payload_ratio"], p["kl"])):
+        if p["kl"] < best:
+            front.append(p)
+            best = p["kl"]
+    return front
+
+
+def _fig_pareto(pair: str, points: list[dict], extra: dict):
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    xs, ys = [p["payload_ratio"] for p in points], [p["kl"] for p in points]
+    ax.scatter(xs, ys, color="tab:gray", s=18, label="(r_K, r_V) grid")
+    for p in points:
+        ax.annotate(f"({p['r_k']},{p['r_v']})", (p["payload_ratio"], p["kl"]), textcoords="offset points",
+                    xytext=(4, 3), fontsize=7, color="dimgray")
+    front = _frontier(points)
+    ax.plot([p["payload_ratio"] for p in front], [p["kl"] for p in front], "o-", color="tab:blue", ms=5,
+            label="Pareto frontier")
+    chosen = [p for p in points if (p["r_k"], p["r_v"]) == (extra.get("r_k"), extra.get("r_v"))]
+    if chosen:
+        ax.scatter([chosen[0]["payload_ratio"]], [chosen[0]["kl"]], s=160, facecolors="none",
+                   edgecolors="tab:red", linewidths=2, label="chosen ranks", zorder=5)
+    if min(ys) > 0 and max(ys) / min(ys) > 10:
+        ax.set_yscale("log")
+    ax.set(xlabel="payload ratio (vs raw KV)", ylabel="KL(oracle ‖ Reuse-only)",
+           title=f"Rank sweep: KL vs payload — {pair}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(frameon=False, fontsize=8)
+    return fig
+
+
+def _fig_xnorm(pair: str, xnorm: dict, chosen: list[int]):
+    fig, ax = plt.subplots(figsize=(6.8, 3.8))
+    layers = list(range(len(xnorm["reuse_only"])))
+    for i, l in enumerate(sorted(chosen)):
+        ax.axvspan(l - 0.5, l + 0.5, color="tab:orange", alpha=0.2, lw=0, label="patch layer" if i == 0 else None)
+    ax.plot(layers, xnorm["reuse_only"], "o-", ms=3, color="tab:gray", label="Reuse-only")
+    ax.plot(layers, xnorm["scd"], "o-", ms=3, color="tab:blue", label="SCD (Reuse + Patch)")
+    ax.set(xlabel="layer", ylabel="relative x_norm error", title=f"Per-layer x_norm error — {pair}")
+    ax.set_xlim(-0.5, len(layers) - 0.5)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------- summary
+def _fmt(v, spec: str = ".4g") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def _summary(pair: str, policy: dict, rows: list[dict], extra: dict, figures: list[str]) -> str:
+    rank = {m: i for i, m in enumerate(METHOD_ORDER)}
+    rows = sorted(rows, key=lambda r: rank.get(r["method"], len(rank)))
+    out = [f"# SCD calibration report — `{pair}`", "", "## Evaluation", ""]
+    if rows:
+        n = sorted({r["samples"] for r in rows})
+        out += [f"Held-out samples: {', '.join(map(str, n))}. KL/TV against the oracle (consumer prefill).", ""]
+        out += ["| method | payload KB | ratio | KL | TV | top-1 | greedy | PPL | F1 | EM | consumer ms | /prefill |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            kb = None if r["payload_bytes"] is None else r["payload_bytes"] / 1024
+            cells = [r["method"], _fmt(kb, ".1f"), _fmt(r["payload_ratio"], ".3f"), _fmt(r["kl"]), _fmt(r["tv"]),
+                     _fmt(r["top1"], ".3f"), _fmt(r["greedy"], ".3f"), _fmt(r["ppl"], ".3f"), _fmt(r["f1"], ".3f"),
+                     _fmt(r["em"], ".3f"), _fmt(r["consumer_ms"], ".1f"), _fmt(r["prefill_ratio"], ".2f")]
+            out.append("| " + " | ".join(cells) + " |")
+    else:
+        out.append("_No evaluation rows._")
+    chosen = sorted(policy["chosen"])
+    k_star = policy["k_star"]
+    out += ["", "## Layer plan", "",
+            f"- Patch layers: {', '.join(map(str, chosen)) if chosen else 'none'} (k* = {k_star})",
+            f"- Candidate pool: {', '.join(map(str, policy['pool'])) or 'none'}; "
+            f"greedy order: {', '.join(map(str, policy['order'])) or 'none'}",
+            f"- KL reuse-only {_fmt(policy['base_kl'])} -> with patches {_fmt(policy['curve'][k_star])}"]
+    if extra:
+        out += ["", "## Calibration", ""]
+        for key, val in extra.items():
+            text = val if isinstance(val, str) else json.dumps(val, default=str)
+            out.append(f"- {key}: {text if len(text) <= 120 else text[:117] + '...'}")
+    out += ["", "## Figures"]
+    for name in figures:
+        out += ["", f"![]({name})"]
+    return "\n".join(out) + "\n"

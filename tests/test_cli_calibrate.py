@@ -1,0 +1,29 @@
+"""`scd calibrate` submits one Ray Job per pair through the Jobs API and follows them to completion."""
+from pathlib import Path
+
+from artifacts_store import ArtifactStore
+from cli.main import main as scd
+from tests.conftest import write_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_two_pairs_calibrated_as_concurrent_jobs(ray_cluster, tmp_path, capsys):
+    cfg = write_config(tmp_path, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
+    rc = scd(["calibrate", "--pair", "base:qa", "--pair", "base:prose", "--address", ray_cluster,
+              "--config", str(cfg), "--working-dir", str(REPO)])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    assert "base:qa: SUCCEEDED" in out and "base:prose: SUCCEEDED" in out, out[-3000:]
+    assert "[base:qa] [calibrate] published" in out and "[base:prose] [calibrate] published" in out
+    store = ArtifactStore(tmp_path / "store")
+    assert {v.pair for v in store.list()} == {"base:qa", "base:prose"}
+    assert all(store.verify(v.ref).ok for v in store.list())
+
+
+def test_a_failing_job_makes_the_command_fail(ray_cluster, tmp_path, capsys):
+    cfg = write_config(tmp_path, prefixes=8, val=2, heldout=1)
+    rc = scd(["calibrate", "--pair", "base:qa", "--address", ray_cluster, "--config", str(cfg),
+              "--working-dir", str(REPO), "--", "--prefixes", "-3"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "base:qa: FAILED" in out, out[-2000:]

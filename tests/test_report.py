@@ -1,0 +1,94 @@
+"""jobs.report: file set, valid PNGs, summary content, input validation (synthetic inputs, no models)."""
+from __future__ import annotations
+
+import copy
+import io
+
+import matplotlib.image as mpimg
+import pytest
+
+from jobs.report import build_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+METHODS = ["oracle", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd"]
+
+
+def _policy() -> dict:
+    curve = [0.40, 0.22, 0.15, 0.12, 0.11]
+    return {"base_kl": 0.40, "sensitivity": {str(l): 0.02 * ((l * 7) % 5) - 0.01 for l in range(1, 12)},
+            "pool": [3, 5, 8, 10], "order": [5, 8, 3, 10], "curve": curve, "k_star": 2,
+            "efficiency": [0.0, 0.18, 0.125, 0.093, 0.072], "chosen": [5, 8]}
+
+
+def _rows() -> list[dict]:
+    return [{"method": m, "payload_bytes": 1000 * (i + 1), "payload_ratio": 0.1 * i, "kl": 0.01 * i, "tv": 0.02 * i,
+             "top1": 1 - 0.05 * i, "greedy": 1 - 0.04 * i, "ppl": 10 + i, "f1": None if i % 2 else 0.5,
+             "em": None, "consumer_ms": 3.5 * (i + 1), "prefill_ratio": 0.2 * i, "samples": 8}
+            for i, m in enumerate(METHODS)]
+
+
+def _pareto() -> list[dict]:
+    return [{"r_k": rk, "r_v": rv, "payload_ratio": (rk + rv) / 256, "kl": 2.0 / (rk + 0.5 * rv)}
+            for rk in (8, 16, 32) for rv in (16, 32, 64)]
+
+
+def _xnorm() -> dict[str, list[float]]:
+    reuse = [0.0] + [0.05 * l for l in range(1, 12)]
+    scd = [e if l < 5 else (0.01 if l in (5, 8) else e * 0.4) for l, e in enumerate(reuse)]
+    return {"reuse_only": reuse, "scd": scd}
+
+
+def _check_png(data: bytes) -> None:
+    assert data.startswith(PNG_MAGIC)
+    img = mpimg.imread(io.BytesIO(data), format="png")
+    assert img.ndim == 3 and img.shape[1] > 200
+
+
+def test_full_report():
+    extra = {"r_k": 16, "r_v": 32, "calib_prefixes": 128, "data_digest": "sha256:abc123"}
+    files = build_report("base:qa", _policy(), _rows(), pareto=_pareto(), xnorm=_xnorm(), extra=extra)
+    assert set(files) == {"summary.md", "sensitivity.png", "greedy.png", "pareto.png", "xnorm_error.png"}
+    for name, data in files.items():
+        if name.endswith(".png"):
+            _check_png(data)
+    md = files["summary.md"].decode()
+    assert "base:qa" in md
+    for m in METHODS:
+        assert f"| {m} |" in md
+    assert "Patch layers: 5, 8 (k* = 2)" in md
+    assert "sha256:abc123" in md and "calib_prefixes" in md
+    for name in ("sensitivity.png", "greedy.png", "pareto.png", "xnorm_error.png"):
+        assert f"![]({name})" in md
+    assert "| - |" in md  # None F1/EM rendered as "-"
+
+
+def test_optional_inputs_absent():
+    files = build_report("base:code", _policy(), _rows()[-2:])
+    assert set(files) == {"summary.md", "sensitivity.png", "greedy.png"}
+    md = files["summary.md"].decode()
+    assert "pareto.png" not in md and "xnorm_error.png" not in md
+    assert "reuse_only" in md and "scd" in md
+    _check_png(files["greedy.png"])
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda p: p["curve"].pop(), "curve"),
+    (lambda p: p.pop("order"), "order"),
+    (lambda p: p["efficiency"].append(0.0), "efficiency"),
+    (lambda p: p.update(k_star=9), "k_star"),
+    (lambda p: p["sensitivity"].update(x=1.0), "sensitivity"),
+])
+def test_malformed_policy(mutate, needle):
+    policy = copy.deepcopy(_policy())
+    mutate(policy)
+    with pytest.raises(ValueError, match=needle):
+        build_report("base:qa", policy, _rows())
+
+
+def test_malformed_rows_and_xnorm():
+    rows = _rows()
+    del rows[1]["kl"]
+    with pytest.raises(ValueError, match=r"eval_rows\[1\].*kl"):
+        build_report("base:qa", _policy(), rows)
+    with pytest.raises(ValueError, match="xnorm"):
+        build_report("base:qa", _policy(), _rows(), xnorm={"reuse_only": [0.1, 0.2], "scd": [0.1]})
