@@ -55,6 +55,13 @@ class PairArtifacts:
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(plan),
                              self.reuse_k, self.reuse_v, self.patch_enc, self.aligners, self.info)
 
+    def to(self, device) -> "PairArtifacts":
+        """A copy whose tensors live on `device` (where the model that uses them runs)."""
+        move = lambda d: {l: c.to(device) for l, c in d.items()}  # noqa: E731
+        return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(self.plan),
+                             move(self.reuse_k), move(self.reuse_v), move(self.patch_enc),
+                             {l: g.to(device) for l, g in self.aligners.items()}, self.info)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for l, c in self.reuse_k.items():
@@ -65,7 +72,7 @@ class PairArtifacts:
             out.update(c.tensors(f"patch.{l}.enc"))
         for l, g in self.aligners.items():
             out.update({f"patch.{l}.aligner.{k}": v for k, v in g.state_dict().items()})
-        return {k: v.detach().contiguous() for k, v in out.items()}
+        return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
     def description(self) -> dict:
         return {"format_version": FORMAT_VERSION, "pair": self.pair, "spec": asdict(self.spec),

@@ -44,7 +44,7 @@ def generate(model, cache, prefix_mask: torch.Tensor, first_ids: torch.Tensor, m
     logits, mask = extend(model, cache, prefix_mask, first_ids)
     out, done = [], torch.zeros(first_ids.shape[0], dtype=torch.bool)
     for _ in range(max_new_tokens):
-        nxt = _pick(logits[:, -1].float(), temperature, top_p, generator)
+        nxt = pick(logits[:, -1].float(), temperature, top_p, generator)
         if eos_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
             done |= nxt == eos_id
@@ -55,7 +55,7 @@ def generate(model, cache, prefix_mask: torch.Tensor, first_ids: torch.Tensor, m
     return torch.stack(out, dim=1) if out else first_ids[:, :0]
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+def pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, -1)

@@ -37,7 +37,7 @@ def _shape(kind_field: str, b: int, t: int, n_kv: int, r: int) -> tuple[int, ...
 
 
 def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
-    x = x.detach().float().contiguous()
+    x = x.detach().float().cpu().contiguous()
     if dtype == "int8":
         rows = x.reshape(-1, x.shape[-1])
         scale = (rows.abs().amax(-1) / 127.0).clamp(min=1e-8).half()
@@ -75,7 +75,7 @@ def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: 
               "dims": dims}
     hb = json.dumps(header, sort_keys=True).encode()
     parts = [MAGIC, struct.pack("<HI", VERSION, len(hb)), hb,
-             codes.token_ids.to(torch.int32).numpy().tobytes(), codes.mask.to(torch.uint8).numpy().tobytes()]
+             codes.token_ids.to(torch.int32).cpu().numpy().tobytes(), codes.mask.to(torch.uint8).cpu().numpy().tobytes()]
     for l, kind in enumerate(codes.plan):
         for name, dim in FIELDS[kind]:
             x = codes.layers[l][name]

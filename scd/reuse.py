@@ -35,6 +35,9 @@ class LinearCodec:
         """(..., r) -> (..., d_b)"""
         return z @ self.dec + self.mu_b
 
+    def to(self, device) -> "LinearCodec":
+        return LinearCodec(self.mu_a.to(device), self.enc.to(device), self.mu_b.to(device), self.dec.to(device))
+
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {f"{prefix}.{k}": v.contiguous() for k, v in
                 (("mu_a", self.mu_a), ("enc", self.enc), ("mu_b", self.mu_b), ("dec", self.dec))}

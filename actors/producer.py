@@ -1,0 +1,84 @@
+"""Producer side of serving: one prefill per prefix, codes for every requested pair, a prefix code cache.
+
+ProducerEngine is plain Python (tested without Ray); the Ray actor that pins it to a device is a thin shim.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.prefix_cache import PrefixCodeCache, prefix_key
+from scd import codec
+from scd.artifacts import PairArtifacts
+from scd.rebuild import encode
+from scd.trace import capture
+
+
+@dataclass
+class Encoded:
+    """Codes for one pair, or why there are none."""
+    payload: bytes | None
+    version: str | None
+    error: str | None = None          # fallback reason for the specialist when payload is None
+    cache_hit: bool = False
+
+
+@dataclass
+class EncodeResult:
+    per_pair: dict[str, Encoded]
+    prefill_ms: float = 0.0
+    encode_ms: float = 0.0
+    prefilled: bool = False           # False when every pair was served from the prefix code cache
+    timings: dict = field(default_factory=dict)
+
+
+class ProducerEngine:
+    def __init__(self, model, tokenizer, artifacts: dict[str, tuple[PairArtifacts, str]],
+                 cache_bytes: int = 64 << 20, dtype: str = "fp16", device: str = "cpu"):
+        self.model, self.tok, self.dtype, self.device = model, tokenizer, dtype, device
+        self.artifacts = dict(artifacts)          # pair -> (artifacts, version)
+        self.cache = PrefixCodeCache(cache_bytes)
+        self.prefills = 0
+
+    def set_artifact(self, pair: str, art: PairArtifacts, version: str) -> None:
+        self.artifacts[pair] = (art, version)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def encode(self, prefix_ids: list[int], pairs: list[str]) -> EncodeResult:
+        """Codes of one prefix for each pair; the prefix is prefilled at most once for all of them."""
+        res = EncodeResult({})
+        todo = []
+        for pair in pairs:
+            if pair not in self.artifacts:
+                res.per_pair[pair] = Encoded(None, None, "no_artifact")
+                continue
+            _, version = self.artifacts[pair]
+            hit = self.cache.get(prefix_key(prefix_ids, pair, version))
+            if hit is not None:
+                res.per_pair[pair] = Encoded(hit, version, cache_hit=True)
+            else:
+                todo.append(pair)
+        if not todo:
+            return res
+        ids = torch.tensor([prefix_ids], device=self.device)
+        t0 = time.perf_counter()
+        trace = capture(self.model, ids, torch.ones_like(ids))
+        t1 = time.perf_counter()
+        self.prefills += 1
+        for pair in todo:
+            art, version = self.artifacts[pair]
+            payload = codec.encode(encode(art, trace, ids.cpu()), pair, version, codec.artifact_dims(art), self.dtype)
+            self.cache.put(prefix_key(prefix_ids, pair, version), payload)
+            res.per_pair[pair] = Encoded(payload, version)
+        res.prefilled, res.prefill_ms, res.encode_ms = True, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        return res
+
+    def stats(self) -> dict:
+        s = self.cache.stats
+        return {"prefills": self.prefills, "cache_hits": s.hits, "cache_misses": s.misses,
+                "cache_bytes": s.bytes, "cache_entries": s.entries, "pairs": sorted(self.artifacts)}

@@ -1,0 +1,134 @@
+"""Specialist side of serving: rebuild the cache from codes (or prefill as a stated fallback) and decode.
+
+SpecialistEngine is plain Python (tested without Ray); Serve replicas hold one. Every result says how it
+was served: mode "scd", or "fallback" with the reason, plus the phase timings.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from scd import cache, codec
+from scd.artifacts import PairArtifacts
+from scd.rebuild import rebuild
+from scd.trace import capture
+
+FALLBACK_REASONS = ("no_artifact", "artifact_mismatch", "producer_unavailable", "producer_timeout",
+                    "transport_error", "codec_error", "prefix_too_short")
+
+
+@dataclass
+class GenParams:
+    max_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class ServedInfo:
+    mode: str                                   # "scd" | "fallback"
+    reason: str | None
+    artifact: str | None
+    payload_bytes: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "reason": self.reason, "artifact": self.artifact,
+                "payload_bytes": self.payload_bytes, "timings_ms": {k: round(v, 3) for k, v in self.timings.items()}}
+
+
+class SpecialistEngine:
+    def __init__(self, name: str, model, tokenizer, art: PairArtifacts | None = None, version: str | None = None,
+                 unavailable_reason: str = "no_artifact", device: str = "cpu"):
+        self.name, self.model, self.tok, self.device = name, model, tokenizer, device
+        self.art, self.version, self.unavailable_reason = art, version, unavailable_reason
+
+    def set_artifact(self, art: PairArtifacts | None, version: str | None, reason: str = "no_artifact") -> None:
+        self.art, self.version, self.unavailable_reason = art, version, reason
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def _prefix_kv(self, prefix_ids: list[int], payload: bytes | None, reason: str | None, timings: dict):
+        """(kv, ServedInfo). Uses the codes when it can; otherwise prefills and says why."""
+        ids = torch.tensor([prefix_ids], device=self.device)
+        if payload is not None and reason is None:
+            if self.art is None:
+                reason = self.unavailable_reason
+            else:
+                t0 = time.perf_counter()
+                try:
+                    codes = codec.decode(payload, self.art.pair, self.version, self.art.plan,
+                                         codec.artifact_dims(self.art))
+                except codec.PayloadError:
+                    reason = "codec_error"
+                else:
+                    codes.token_ids, codes.mask = codes.token_ids.to(self.device), codes.mask.to(self.device)
+                    for fields_ in codes.layers.values():
+                        for k in fields_:
+                            fields_[k] = fields_[k].to(self.device)
+                    if codes.token_ids.tolist() != [prefix_ids]:
+                        reason = "codec_error"
+                    else:
+                        timings["decode"] = (time.perf_counter() - t0) * 1e3
+                        kv, ph = rebuild(self.model, self.art, codes)
+                        timings["rebuild"], timings["patch"] = ph["rebuild_ms"], ph["patch_ms"]
+                        return kv, ServedInfo("scd", None, self.version, len(payload), timings)
+        t0 = time.perf_counter()
+        tr = capture(self.model, ids, torch.ones_like(ids), want_xnorm=False)
+        timings["prefill"] = (time.perf_counter() - t0) * 1e3
+        return list(zip(tr.keys, tr.values)), ServedInfo("fallback", reason or "no_artifact", self.version,
+                                                         0, timings)
+
+    @torch.no_grad()
+    def stream(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
+               params: GenParams, timings: dict | None = None) -> Iterator[tuple[str, object]]:
+        """Events: ("token", text piece) per generated token, then one ("done", (info, finish_reason)).
+        finish_reason is "stop" (stop string or EOS) or "length" (max_tokens)."""
+        if not suffix_ids:
+            raise ValueError("the suffix must hold at least one token")
+        t_start = time.perf_counter()
+        kv, info = self._prefix_kv(prefix_ids, payload, reason, dict(timings or {}))
+        mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
+        c = cache.assemble(self.model, kv)
+        gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
+        logits, mask = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device))
+        text, out_ids, finish = "", [], "length"
+        for i in range(params.max_tokens):
+            nxt = cache.pick(logits[:, -1].float(), params.temperature, params.top_p, gen)
+            if i == 0:
+                info.timings["first_token"] = (time.perf_counter() - t_start) * 1e3
+            if int(nxt[0]) == self.tok.eos_token_id:
+                finish = "stop"
+                break
+            out_ids.append(int(nxt[0]))
+            new_text = self.tok.decode(out_ids)
+            piece, text = new_text[len(text):], new_text
+            hit = next((s for s in params.stop if s and s in text), None)
+            if hit is not None:                      # emit up to the stop string, never the string itself
+                keep = len(piece) - (len(text) - text.index(hit))
+                if keep > 0:
+                    yield "token", piece[:keep]
+                finish = "stop"
+                break
+            yield "token", piece
+            logits, mask = cache.extend(self.model, c, mask, nxt[:, None])
+        info.timings["total"] = (time.perf_counter() - t_start) * 1e3
+        yield "done", (info, finish)
+
+    def complete(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
+                 params: GenParams, timings: dict | None = None) -> tuple[str, ServedInfo, str]:
+        """(text, info, finish_reason) of a whole completion."""
+        pieces = []
+        for kind, value in self.stream(prefix_ids, suffix_ids, payload, reason, params, timings):
+            if kind == "token":
+                pieces.append(value)
+            else:
+                info, finish = value
+        return "".join(pieces), info, finish

@@ -1,0 +1,96 @@
+"""Producer and specialist engines (no Ray): one prefill for many pairs, the code cache, every fallback."""
+import pytest
+import torch
+
+from actors.producer import ProducerEngine
+from actors.specialist import GenParams, SpecialistEngine
+from scd.calibrate import CalibConfig, Calibration
+from scd.models import ModelSpec
+from tests.conftest import perturbed, tiny_llama
+from tests.test_models import _tokenizer
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    a = tiny_llama(0)
+    b, c = perturbed(a, 0.3, seed=1), perturbed(a, 0.3, seed=2)
+    spec = ModelSpec.from_config(a.config)
+    g = torch.Generator().manual_seed(0)
+    prefixes = [torch.randint(2, 97, (20,), generator=g) for _ in range(16)]
+    cfg = CalibConfig(r_k=4, r_v=4, r_h=16, aligner_epochs=2, batch=8)
+    arts = {}
+    for name, m in (("b", b), ("c", c)):
+        cal = Calibration(a, m, spec, f"a:{name}", prefixes, tmp_path_factory.mktemp(name), cfg, progress=False)
+        cal.traces()
+        arts[name] = cal.artifacts_for(["exact", "patch", "reuse"])
+    tok = _tokenizer(97)
+    producer = ProducerEngine(a, tok, {f"a:{n}": (arts[n], "v1") for n in arts}, cache_bytes=1 << 20)
+    specialists = {n: SpecialistEngine(n, m, tok, arts[n], "v1") for n, m in (("b", b), ("c", c))}
+    return producer, specialists, tok
+
+
+PREFIX = [5, 9, 14, 3, 22, 40, 41, 7, 8, 19, 60, 2]
+
+
+def test_one_prefill_serves_every_pair_and_the_cache_serves_repeats(setup):
+    producer, specialists, _ = setup
+    before = producer.prefills
+    res = producer.encode(PREFIX, ["a:b", "a:c"])
+    assert producer.prefills == before + 1 and res.prefilled
+    assert all(e.payload and not e.cache_hit for e in res.per_pair.values())
+    again = producer.encode(PREFIX, ["a:b", "a:c"])
+    assert producer.prefills == before + 1 and not again.prefilled
+    assert all(e.cache_hit and e.payload == res.per_pair[p].payload for p, e in again.per_pair.items())
+    for name in ("b", "c"):
+        text, info, finish = specialists[name].complete(PREFIX, [11], res.per_pair[f"a:{name}"].payload, None,
+                                                        GenParams(max_tokens=5))
+        assert info.mode == "scd" and info.reason is None and info.payload_bytes == len(res.per_pair[f"a:{name}"].payload)
+        assert {"decode", "rebuild", "patch", "first_token"} <= set(info.timings), info.timings
+        assert finish in ("stop", "length")
+
+
+def test_unknown_pair_has_no_artifact(setup):
+    producer, _, _ = setup
+    assert producer.encode(PREFIX, ["a:zzz"]).per_pair["a:zzz"].error == "no_artifact"
+
+
+@pytest.mark.parametrize("case", ["corrupt", "other_prefix", "given_reason", "no_artifact"])
+def test_fallbacks_prefill_say_why_and_match_the_oracle(setup, case):
+    producer, specialists, _ = setup
+    spec_b = specialists["b"]
+    payload = producer.encode(PREFIX, ["a:b"]).per_pair["a:b"].payload
+    reason = None
+    if case == "corrupt":
+        payload = payload[:-1] + bytes([payload[-1] ^ 1])
+    elif case == "other_prefix":
+        payload = producer.encode(PREFIX[::-1], ["a:b"]).per_pair["a:b"].payload
+    elif case == "given_reason":
+        payload, reason = None, "producer_timeout"
+    params = GenParams(max_tokens=6)
+    if case == "no_artifact":
+        engine = SpecialistEngine("b", spec_b.model, spec_b.tok, None, None)
+    else:
+        engine = spec_b
+    text, info, _ = engine.complete(PREFIX, [11], payload, reason, params)
+    want = {"corrupt": "codec_error", "other_prefix": "codec_error", "given_reason": "producer_timeout",
+            "no_artifact": "no_artifact"}[case]
+    assert info.mode == "fallback" and info.reason == want and "prefill" in info.timings, info
+    # a fallback is the consumer's own prefill: exactly the oracle's greedy output
+    oracle = SpecialistEngine("b", spec_b.model, spec_b.tok).complete(PREFIX, [11], None, "no_artifact", params)[0]
+    assert text == oracle
+
+
+def test_stop_strings_and_max_tokens(setup):
+    producer, specialists, tok = setup
+    payload = producer.encode(PREFIX, ["a:b"]).per_pair["a:b"].payload
+    eng = specialists["b"]
+    full, _, finish = eng.complete(PREFIX, [11], payload, None, GenParams(max_tokens=8))
+    assert finish == "length" or len(full.split()) < 8
+    words = full.split()
+    if len(words) >= 3:
+        cut, _, finish = eng.complete(PREFIX, [11], payload, None, GenParams(max_tokens=8, stop=[words[2]]))
+        assert finish == "stop" and words[2] not in cut and cut.strip() == " ".join(words[:2])
+    streamed = [v for k, v in eng.stream(PREFIX, [11], payload, None, GenParams(max_tokens=8)) if k == "token"]
+    assert "".join(streamed) == full
+    with pytest.raises(ValueError, match="suffix"):
+        eng.complete(PREFIX, [], payload, None, GenParams())
