@@ -82,3 +82,4 @@ class ProducerEngine:
         s = self.cache.stats
         return {"prefills": self.prefills, "cache_hits": s.hits, "cache_misses": s.misses,
                 "cache_bytes": s.bytes, "cache_entries": s.entries, "pairs": sorted(self.artifacts)}
+

@@ -32,6 +32,7 @@ class ModelSettings(_Strict):
     name: str = Field(pattern=NAME, description="short name used in URLs, pair ids and artifact refs")
     path: str = Field(description="local HF model folder (config.json, weights, tokenizer)")
     num_gpus: float = Field(0, ge=0, description="GPUs per replica; 0 runs on CPU")
+    num_cpus: float = Field(1, gt=0, description="logical CPUs per replica when it runs on CPU")
 
 
 class Autoscaling(_Strict):
@@ -95,6 +96,8 @@ class DeploymentConfig(_Strict):
     producer: ModelSettings
     specialists: list[SpecialistSettings] = Field(min_length=1)
     transport: Literal["auto", "object_store", "nccl"] = "auto"
+    producer_timeout_s: float = Field(10.0, gt=0, description="router waits this long for codes, then the "
+                                                                "specialists prefill themselves (fallback)")
     http: HttpSettings = Field(default_factory=HttpSettings)
     artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
     calibration: CalibrationSettings = Field(default_factory=CalibrationSettings)

@@ -28,10 +28,10 @@ def connect(settings: RaySettings, **overrides) -> dict:
 
 
 def actor_options(num_gpus: float, name: str | None = None, detached: bool = False,
-                  namespace: str | None = None) -> dict:
-    """Ray actor options for a model-holding actor: GPUs from the config; on CPU one core, so that a
-    producer and a consumer can run side by side on a small machine."""
-    opts: dict = {"num_gpus": num_gpus, "num_cpus": 0 if num_gpus > 0 else 1}
+                  namespace: str | None = None, num_cpus: float = 1) -> dict:
+    """Ray actor options for a model-holding actor: GPUs from the config, else `num_cpus` logical CPUs
+    (one by default, so that a producer and a consumer can run side by side on a small machine)."""
+    opts: dict = {"num_gpus": num_gpus, "num_cpus": 0 if num_gpus > 0 else num_cpus}
     if name:
         opts.update(name=name, get_if_exists=True)
     if detached:

@@ -1,0 +1,90 @@
+"""ProducerActor: the Ray shim around ProducerEngine. Detached and named, pinned by cluster/ (num_gpus).
+
+It loads each pair's artifact through the registry actor (verified, fingerprints checked against the base
+model it holds), prefills a prefix once per request, and puts every pair's payload on the transport.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import ray
+import torch
+
+from actors.producer import ProducerEngine
+from actors.registry import fetch, registry
+from actors.transport import ObjectStoreTransport, TransportError
+from artifacts_store import ArtifactStoreError, Fingerprints
+from cluster.runtime import cpu_threads, device
+from scd.models import load
+
+PRODUCER_NAME = "scd-producer"
+
+
+@ray.remote
+class ProducerActor:
+    def __init__(self, model_path: str, pairs: dict[str, str], store_uri: str, namespace: str | None = None,
+                 cache_bytes: int = 64 << 20, dtype: str = "fp16"):
+        torch.set_num_threads(cpu_threads())
+        dev = device()
+        model, tok, _ = load(model_path)
+        self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dtype, dev)
+        self.registry = registry(store_uri, namespace)
+        self.expect = Fingerprints.of(producer=model, tokenizer=tok)
+        self.transport = ObjectStoreTransport()
+        self.problems: dict[str, str] = {}
+        self.fault: str | None = None
+        for pair, version in pairs.items():
+            self.reload(pair, version)
+
+    def reload(self, pair: str, version: str = "latest") -> str | None:
+        """(Re)load a pair's artifact; returns the version in use, or None (the reason is kept in stats)."""
+        try:
+            art, manifest = fetch(self.registry, f"{pair}@{version}", self.expect)
+        except ArtifactStoreError as e:
+            self.engine.artifacts.pop(pair, None)
+            self.problems[pair] = f"{type(e).__name__}: {e}"
+            return None
+        self.engine.set_artifact(pair, art.to(self.engine.device), manifest.version)
+        self.problems.pop(pair, None)
+        return manifest.version
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.tokenize(text)
+
+    def inject(self, fault: str | None) -> None:
+        """Fault drills, so every fallback path can be produced on purpose (tests, the demo, game days):
+        "delay:<seconds>" stalls encode, "corrupt" flips a byte of each payload, "misdeliver" hands out
+        tickets that disagree with what the transport holds; None clears."""
+        if fault is not None and not (fault in ("corrupt", "misdeliver") or fault.startswith("delay:")):
+            raise ValueError(f"unknown fault {fault!r}")
+        self.fault = fault
+
+    def encode(self, prefix: str | list[int], pairs: list[str]) -> dict:
+        """Prefill once, encode for every pair, put each payload on the transport; tickets come back."""
+        if self.fault and self.fault.startswith("delay:"):
+            time.sleep(float(self.fault.split(":", 1)[1]))
+        ids = self.engine.tokenize(prefix) if isinstance(prefix, str) else list(prefix)
+        res = self.engine.encode(ids, pairs)
+        t0 = time.perf_counter()
+        out = {}
+        for pair, e in res.per_pair.items():
+            entry = {"version": e.version, "error": e.error, "cache_hit": e.cache_hit,
+                     "payload_bytes": len(e.payload) if e.payload else 0, "ticket": None}
+            if e.payload is not None:
+                payload = e.payload
+                if self.fault == "corrupt":
+                    payload = payload[:-1] + bytes([payload[-1] ^ 0xFF])
+                try:
+                    entry["ticket"] = self.transport.send(payload)
+                except TransportError:
+                    entry["error"] = "transport_error"
+                if self.fault == "misdeliver" and entry["ticket"] is not None:   # ticket and object disagree
+                    entry["ticket"] = dataclasses.replace(entry["ticket"], nbytes=entry["ticket"].nbytes + 1)
+            out[pair] = entry
+        return {"prefix_ids": ids, "per_pair": out, "prefilled": res.prefilled,
+                "timings": {"prefill": res.prefill_ms, "encode": res.encode_ms,
+                            "transfer_put": (time.perf_counter() - t0) * 1e3}}
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), "problems": dict(self.problems)}

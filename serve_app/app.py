@@ -1,0 +1,58 @@
+"""Builds the Serve application from a DeploymentConfig; placement comes from cluster/, nothing here guesses.
+
+    producer actor (detached, named)  <-  router (FastAPI ingress)  ->  one deployment per specialist
+"""
+from __future__ import annotations
+
+from ray import serve
+
+from actors.producer_actor import PRODUCER_NAME, ProducerActor
+from cluster.config import DeploymentConfig
+from cluster.runtime import actor_options, connect
+from serve_app.router import Router
+from serve_app.specialist import SpecialistServer
+
+APP_NAME = "scd"
+
+
+def telemetry_settings(cfg: DeploymentConfig) -> dict:
+    return cfg.telemetry.model_dump()
+
+
+def specialist_options(cfg: DeploymentConfig, name: str) -> dict:
+    s = cfg.specialist(name)
+    a = s.autoscaling
+    return {"name": f"specialist-{s.name}",
+            "ray_actor_options": actor_options(s.num_gpus, num_cpus=s.num_cpus),
+            "autoscaling_config": {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+                                   "initial_replicas": max(1, a.min_replicas),
+                                   "target_ongoing_requests": a.target_ongoing_requests,
+                                   "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s},
+            "user_config": {"artifact": s.artifact}}
+
+
+def build(cfg: DeploymentConfig):
+    """The Serve application (router bound to every specialist deployment)."""
+    ns, base = cfg.ray.namespace, cfg.producer.name
+    handles = {s.name: serve.deployment(SpecialistServer).options(**specialist_options(cfg, s.name)).bind(
+        s.name, s.path, f"{base}:{s.name}", cfg.artifacts.uri, ns, telemetry_settings(cfg))
+        for s in cfg.specialists}
+    return Router.options(ray_actor_options={"num_cpus": 0}).bind(handles, PRODUCER_NAME, ns, base, cfg.producer_timeout_s,
+                                                                  telemetry_settings(cfg))
+
+
+def start_producer(cfg: DeploymentConfig):
+    """The detached, named producer actor (reused if it already runs)."""
+    pairs = {f"{cfg.producer.name}:{s.name}": s.artifact for s in cfg.specialists}
+    opts = actor_options(cfg.producer.num_gpus, name=PRODUCER_NAME, detached=True, namespace=cfg.ray.namespace,
+                         num_cpus=cfg.producer.num_cpus)
+    return ProducerActor.options(**opts).remote(cfg.producer.path, pairs, cfg.artifacts.uri, cfg.ray.namespace)
+
+
+def deploy(cfg: DeploymentConfig, blocking: bool = False):
+    """Connect (or start Ray), start the producer, start Serve's HTTP proxy and run the app."""
+    connect(cfg.ray)
+    producer = start_producer(cfg)
+    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    serve.run(build(cfg), name=APP_NAME, route_prefix="/", blocking=blocking)
+    return producer
