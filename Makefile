@@ -6,7 +6,7 @@ install:
 	$(PY) -m pip install -q -e '.[dev]'
 
 demo: install
-	$(PY) -m cli.main eval --pair base:qa
+	$(PY) -m cli.main demo
 
 test: install
 	$(PY) -m pytest -q

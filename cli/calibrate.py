@@ -37,6 +37,40 @@ async def _follow_all(client, jobs: dict[str, str]) -> None:
     await asyncio.gather(*(_follow(client, job_id, pair) for pair, job_id in jobs.items()))
 
 
+def submit_and_follow(address: str, pairs: list[str], config_path: str, working_dir: str = ".",
+                      extra: list[str] | None = None) -> int:
+    """Submit one calibration job per pair, stream their logs prefixed by pair, return the failure count."""
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+    for pair in pairs:
+        if pair not in cfg.pairs():
+            raise SystemExit(f"unknown pair {pair!r}; the config has {cfg.pairs()}")
+    # absolute paths: the job runs from a copy of the working dir, results must land in this one
+    common = ["--config", str(Path(config_path).resolve()), "--store", cfg.artifacts.uri,
+              "--work-dir", cfg.calibration.work_dir, *(extra or [])]
+    client = _client(address)
+    env = {"working_dir": working_dir, "excludes": ["/runs/", "/.git/", "__pycache__"]}
+    jobs = {}
+    for pair in pairs:
+        entry = " ".join(["python -m jobs.calibrate --pair", pair, *common])
+        jobs[pair] = client.submit_job(entrypoint=entry, runtime_env=env,
+                                       submission_id=f"calibrate-{pair.replace(':', '-')}-{int(time.time())}")
+        print(f"submitted {jobs[pair]} for {pair}", flush=True)
+    asyncio.run(_follow_all(client, jobs))
+    failed = 0
+    for pair, job_id in jobs.items():
+        status = client.get_job_status(job_id)
+        while str(getattr(status, "value", status)) not in TERMINAL:
+            time.sleep(1)
+            status = client.get_job_status(job_id)
+        name = str(getattr(status, "value", status))
+        print(f"{pair}: {name}", flush=True)
+        failed += name != "SUCCEEDED"
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -48,32 +82,4 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="ray_config.yaml")
     p.add_argument("--working-dir", default=".")
     args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        raise SystemExit(str(e)) from None
-    for pair in args.pair:
-        if pair not in cfg.pairs():
-            raise SystemExit(f"unknown pair {pair!r}; the config has {cfg.pairs()}")
-    # absolute paths: the job runs from a copy of the working dir, results must land in this one
-    common = ["--config", str(Path(args.config).resolve()), "--store", cfg.artifacts.uri,
-              "--work-dir", cfg.calibration.work_dir, *extra]
-    client = _client(args.address)
-    env = {"working_dir": args.working_dir, "excludes": ["/runs/", "/.git/", "__pycache__"]}
-    jobs = {}
-    for pair in args.pair:
-        entry = " ".join(["python -m jobs.calibrate --pair", pair, *common])
-        jobs[pair] = client.submit_job(entrypoint=entry, runtime_env=env,
-                                       submission_id=f"calibrate-{pair.replace(':', '-')}-{int(time.time())}")
-        print(f"submitted {jobs[pair]} for {pair}", flush=True)
-    asyncio.run(_follow_all(client, jobs))
-    failed = 0
-    for pair, job_id in jobs.items():
-        status = client.get_job_status(job_id)
-        while str(status.value if hasattr(status, "value") else status) not in TERMINAL:
-            time.sleep(1)
-            status = client.get_job_status(job_id)
-        name = str(status.value if hasattr(status, "value") else status)
-        print(f"{pair}: {name}")
-        failed += name != "SUCCEEDED"
-    return 1 if failed else 0
+    return 1 if submit_and_follow(args.address, args.pair, args.config, args.working_dir, extra) else 0

@@ -12,6 +12,8 @@ COMMANDS = {
     "bench": ("jobs.bench_rebuild", "consumer rebuild + patch vs the consumer's own prefill, side by side"),
     "train-demo": ("jobs.train_family", "train the demo model family (base + specialists)"),
     "artifacts": ("cli.artifacts", "list | show | verify | gc the artifact registry"),
+    "serve": ("cli.serve", "run the Serve app (or print a `serve deploy` config)"),
+    "demo": ("jobs.demo", "the main job: calibrate if needed, serve, fan out, print TTFT vs oracle"),
     "calibrate": ("cli.calibrate", "submit one Ray Job per pair to calibrate and publish it, and follow them"),
 }
 

@@ -56,3 +56,20 @@ def deploy(cfg: DeploymentConfig, blocking: bool = False):
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
     serve.run(build(cfg), name=APP_NAME, route_prefix="/", blocking=blocking)
     return producer
+
+
+def app_builder(args: dict):
+    """`serve deploy` entry (import_path serve_app.app:app_builder, args: {config: PATH}): starts the
+    producer actor on the cluster and returns the application."""
+    from cluster.config import load_config
+    cfg = load_config(args["config"])
+    start_producer(cfg)
+    return build(cfg)
+
+
+def serve_deploy_config(cfg: DeploymentConfig, config_path: str) -> dict:
+    """A `serve deploy`-compatible config for an existing cluster, generated from ray_config.yaml."""
+    deployments = [{k: v for k, v in specialist_options(cfg, s.name).items()} for s in cfg.specialists]
+    return {"http_options": {"host": cfg.http.host, "port": cfg.http.port},
+            "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "serve_app.app:app_builder",
+                              "args": {"config": config_path}, "deployments": deployments}]}

@@ -111,7 +111,12 @@ class Router:
                   "stop": stops, "seed": body.seed}
         with telemetry.span("router.completions", model=body.model):
             trace = telemetry.carrier()
-            enc, reason = await self._encode(prefix, [body.model]) if prefix else (None, "prefix_too_short")
+            if body.oracle:
+                enc, reason = None, "oracle"
+            elif prefix:
+                enc, reason = await self._encode(prefix, [body.model])
+            else:
+                enc, reason = None, "prefix_too_short"
             req = await self._request(body.model, prefix, suffix, params, enc, reason, trace)
         cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:

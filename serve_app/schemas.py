@@ -11,6 +11,8 @@ class CompletionRequest(BaseModel):
     prompt: str = Field(min_length=1, description="text to complete")
     prefix: str | None = Field(None, description="scd extension: a shared prefix the producer prefills; "
                                                  "the prompt is then the suffix the specialist reads after it")
+    oracle: bool = Field(False, description="scd extension: the specialist prefills the prefix itself (the "
+                                            "reference path), e.g. to compare time to first token")
     max_tokens: int = Field(16, ge=1, le=1024)
     temperature: float = Field(0.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

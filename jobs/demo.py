@@ -1,0 +1,97 @@
+"""The main job (`make demo`): an embedded local Ray, demo artifacts (calibrated through Ray Jobs when
+missing), the Serve app, one fan-out and one request per specialist, TTFT next to the oracle's, shutdown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+from artifacts_store import ArtifactStore
+from cluster.config import load_config
+from jobs import demo_data
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _call(url: str, body: dict | None = None, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode() if body else None,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def demo_prompts() -> tuple[str, dict[str, str]]:
+    """A shared prefix (a fact document) and one suffix per demo specialist."""
+    ex = demo_data.qa_examples("heldout", 1, seed=7)[0]
+    return ex.document, {"qa": ex.question, "prose": "\nIn short, the", "code": "\ndef "}
+
+
+def breakdown(scd: dict) -> tuple[float, str]:
+    """(end-to-end time to first token including the producer's share, the phases as text)."""
+    t = scd["timings_ms"]
+    keys = ("prefill", "encode", "transfer_put", "transfer", "decode", "rebuild", "patch", "first_token")
+    e2e = sum(t.get(k, 0.0) for k in ("prefill", "encode", "transfer_put", "transfer")) + t["first_token"] \
+        if scd["mode"] == "scd" else t["first_token"]
+    return e2e, "  ".join(f"{k}={t[k]:.1f}" for k in keys if k in t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="scd demo", description=__doc__)
+    p.add_argument("--config", default=str(REPO / "ray_config.yaml"))
+    args = p.parse_args(argv)
+    cfg = load_config(args.config)
+
+    import ray
+    from ray import serve
+
+    from cli.calibrate import submit_and_follow
+    from cluster.runtime import connect
+    from serve_app.app import deploy
+
+    ctx = ray.init(num_cpus=cfg.ray.num_cpus or 8, include_dashboard=True, namespace=cfg.ray.namespace)
+    try:
+        connect(cfg.ray)
+        store = ArtifactStore(cfg.artifacts.uri)
+        missing = [pair for pair in cfg.pairs() if not store.list(pair)]
+        if missing:
+            print(f"calibrating {missing} as Ray Jobs (first run only; checkpoints in {cfg.calibration.work_dir})")
+            if submit_and_follow("http://" + ctx.dashboard_url, missing, args.config, str(REPO)):
+                print("calibration failed; see the job logs above")
+                return 1
+        deploy(cfg)
+        url = f"http://{cfg.http.host}:{cfg.http.port}"
+        for _ in range(180):
+            try:
+                if _call(url + "/healthz")["status"] == "ok":
+                    break
+            except Exception:
+                time.sleep(1)
+        prefix, suffixes = demo_prompts()
+        names = [s.name for s in cfg.specialists if s.name in suffixes]
+        print(f"\nshared prefix ({len(prefix)} chars):\n{prefix}")
+        fan = _call(url + "/v1/fanout", {"prefix": prefix, "requests": [
+            {"specialist": n, "suffix": suffixes[n], "max_tokens": 16, "stop": ["\n"] if n == "qa" else []}
+            for n in names]})
+        print(f"fan-out to {names}: one producer prefill (prefilled={fan['prefilled']})")
+        for r in fan["results"]:
+            print(f"  {r['specialist']:<6} [{r['scd']['mode']}] {r['text']!r}")
+        print("\nper specialist, time to first token (ms): SCD vs the specialist's own prefill (oracle)")
+        for n in names:
+            body = {"model": n, "prefix": prefix, "prompt": suffixes[n], "max_tokens": 16}
+            s, o = _call(url + "/v1/completions", body), _call(url + "/v1/completions", {**body, "oracle": True})
+            (se, sp), (oe, op) = breakdown(s["scd"]), breakdown(o["scd"])
+            print(f"  {n:<6} scd    ttft={se:7.1f}  {sp}  payload={s['scd']['payload_bytes']}B\n"
+                  f"  {'':<6} oracle ttft={oe:7.1f}  {op}\n"
+                  f"  {'':<6} answers: scd={s['choices'][0]['text']!r} oracle={o['choices'][0]['text']!r}")
+        return 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        print("shut down cleanly")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
