@@ -128,7 +128,7 @@ class CopyTask:
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, seq_len // 2 + 1:].reshape(-1)).item()
 
 
-def grow_induction_heads(model, cfg: TrainConfig, vocab: int) -> int:
+def grow_induction_heads(model, cfg: TrainConfig, vocab: int, lr: float) -> int:
     """Train on the copy task until copying works (loss on the repeat < 1 nat) or the step cap.
 
     Induction heads form in a sudden phase change whose onset varied between 200 and 400+ steps across
@@ -142,7 +142,7 @@ def grow_induction_heads(model, cfg: TrainConfig, vocab: int) -> int:
             return True
         return False
 
-    fit(model, task, cfg.copy_max_steps, cfg.base_lr, cfg, "induction", seq_len=128, stop=copying)
+    fit(model, task, cfg.copy_max_steps, lr, cfg, "induction", seq_len=128, stop=copying)
     return stopped_at[0]
 
 
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     for k, v in asdict(TrainConfig()).items():
         p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide family for smoke tests")
+    p.add_argument("--reuse-base", action="store_true", help="keep OUT/base if this job trained it with the same config")
     args = p.parse_args(argv)
     cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
     if args.tiny:
@@ -214,21 +215,36 @@ def main(argv: list[str] | None = None) -> dict:
                        tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     base = LlamaForCausalLM(mcfg)
-    report = {"config": asdict(cfg), "params": sum(p.numel() for p in base.parameters()), "final_loss": {}}
-    report["induction_steps"] = grow_induction_heads(base, cfg, len(tokenizer))
-    # a quarter of every base batch is repeated random word sequences: they teach induction heads, which
-    # the QA specialist needs for in-context retrieval (plain text alone did not produce them at this budget)
-    repeat = max(1, cfg.batch // 4)
-    stream = MixedStream([(TokenStream(tokenizer, texts["base"], cfg.seed), cfg.batch - repeat),
-                          (TokenStream(tokenizer, demo_data.repeat_texts(n_facts, cfg.seed), cfg.seed), repeat)])
-    report["final_loss"]["base"] = fit(base, stream, cfg.base_steps, cfg.base_lr, cfg, "base")
-    save(base, tokenizer, out / "base")
+    report = {"config": asdict(cfg), "params": sum(p.numel() for p in base.parameters()), "final_loss": {},
+              "induction_steps": {}}
+    base_dir = out / "base"
+    if args.reuse_base and (base_dir / "train_config.json").is_file() and \
+            json.loads((base_dir / "train_config.json").read_text()) == asdict(cfg):
+        base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        print(f"reusing {base_dir} (trained by this job with the same config)")
+    else:
+        report["induction_steps"]["base"] = grow_induction_heads(base, cfg, len(tokenizer), cfg.base_lr)
+        repeat = max(1, cfg.batch // 4)
+        stream = MixedStream([(TokenStream(tokenizer, texts["base"], cfg.seed), cfg.batch - repeat),
+                              (TokenStream(tokenizer, demo_data.repeat_texts(n_facts, cfg.seed), cfg.seed), repeat)])
+        report["final_loss"]["base"] = fit(base, stream, cfg.base_steps, cfg.base_lr, cfg, "base")
+        save(base, tokenizer, base_dir)
+        (base_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1))
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
     for i, name in enumerate(SPECIALISTS):
         base.load_state_dict(base_state)
-        stream = TokenStream(tokenizer, texts[name], cfg.seed + 1 + i, aligned=name == "qa")
-        steps, lr = (cfg.qa_steps, cfg.qa_lr) if name == "qa" else (cfg.specialist_steps, cfg.specialist_lr)
-        report["final_loss"][name] = fit(base, stream, steps, lr, cfg, name)
+        if name == "qa":
+            # The base keeps no induction heads through plain-text training (measured: copy loss back at
+            # chance), and extractive QA is in-context retrieval. So the QA specialist grows them first,
+            # then trains on dense QA with a quarter of each batch still copy rows to keep them.
+            report["induction_steps"]["qa"] = grow_induction_heads(base, cfg, len(tokenizer), cfg.qa_lr)
+            copy = max(1, cfg.batch // 4)
+            stream = MixedStream([(TokenStream(tokenizer, texts[name], cfg.seed + 1 + i, aligned=True),
+                                   cfg.batch - copy), (CopyTask(len(tokenizer), cfg.seed + 1), copy)])
+            report["final_loss"][name] = fit(base, stream, cfg.qa_steps, cfg.qa_lr, cfg, name)
+        else:
+            stream = TokenStream(tokenizer, texts[name], cfg.seed + 1 + i)
+            report["final_loss"][name] = fit(base, stream, cfg.specialist_steps, cfg.specialist_lr, cfg, name)
         if name == "qa":
             report["qa_exact_match"] = {"base": qa_exact_match(LlamaForCausalLM.from_pretrained(out / "base", dtype=torch.float32),
                                                                tokenizer), "qa": qa_exact_match(base, tokenizer)}
