@@ -37,6 +37,18 @@ async def _follow_all(client, jobs: dict[str, str]) -> None:
     await asyncio.gather(*(_follow(client, job_id, pair) for pair, job_id in jobs.items()))
 
 
+def _submit(client, entry: str, env: dict, submission_id: str, wait_s: float = 120.0) -> str:
+    """Submit, retrying while a freshly started cluster's job agent is not up yet."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entry, runtime_env=env, submission_id=submission_id)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
 def submit_and_follow(address: str, pairs: list[str], config_path: str, working_dir: str = ".",
                       extra: list[str] | None = None) -> int:
     """Submit one calibration job per pair, stream their logs prefixed by pair, return the failure count."""
@@ -55,8 +67,7 @@ def submit_and_follow(address: str, pairs: list[str], config_path: str, working_
     jobs = {}
     for pair in pairs:
         entry = " ".join(["python -m jobs.calibrate --pair", pair, *common])
-        jobs[pair] = client.submit_job(entrypoint=entry, runtime_env=env,
-                                       submission_id=f"calibrate-{pair.replace(':', '-')}-{int(time.time())}")
+        jobs[pair] = _submit(client, entry, env, f"calibrate-{pair.replace(':', '-')}-{int(time.time())}")
         print(f"submitted {jobs[pair]} for {pair}", flush=True)
     asyncio.run(_follow_all(client, jobs))
     failed = 0

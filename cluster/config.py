@@ -74,6 +74,7 @@ class CalibrationSettings(_Strict):
     pool: int = Field(4, ge=1)
     patch_cost: float = Field(0.25, ge=0)
     aligner_epochs: int = Field(60, ge=1)
+    aligner_context: int = Field(3, ge=1, description="codes per Patch aligner input (1 = per token)")
     work_dir: str = Field("runs/calibrate", description="checkpoints of running/finished calibrations")
 
 

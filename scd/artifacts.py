@@ -34,6 +34,7 @@ class PairArtifacts:
     patch_enc: dict[int, LinearCodec] = field(default_factory=dict)
     aligners: dict[int, Aligner] = field(default_factory=dict)
     info: dict = field(default_factory=dict)    # policy curves, calibration metrics: free-form JSON
+    aligner_context: int = 1                    # codes per aligner input window (1 = per token)
 
     def __post_init__(self):
         if len(self.plan) != self.spec.num_layers or any(k not in KINDS for k in self.plan):
@@ -53,14 +54,14 @@ class PairArtifacts:
     def with_plan(self, plan: list[str]) -> "PairArtifacts":
         """The same learned tensors under another layer plan (e.g. Reuse-only)."""
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(plan),
-                             self.reuse_k, self.reuse_v, self.patch_enc, self.aligners, self.info)
+                             self.reuse_k, self.reuse_v, self.patch_enc, self.aligners, self.info, self.aligner_context)
 
     def to(self, device) -> "PairArtifacts":
         """A copy whose tensors live on `device` (where the model that uses them runs)."""
         move = lambda d: {l: c.to(device) for l, c in d.items()}  # noqa: E731
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(self.plan),
                              move(self.reuse_k), move(self.reuse_v), move(self.patch_enc),
-                             {l: g.to(device) for l, g in self.aligners.items()}, self.info)
+                             {l: g.to(device) for l, g in self.aligners.items()}, self.info, self.aligner_context)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -77,6 +78,7 @@ class PairArtifacts:
     def description(self) -> dict:
         return {"format_version": FORMAT_VERSION, "pair": self.pair, "spec": asdict(self.spec),
                 "r_k": self.r_k, "r_v": self.r_v, "r_h": self.r_h, "aligner_width": self.aligner_width,
+                "aligner_context": self.aligner_context,
                 "plan": self.plan, "info": self.info}
 
     def save(self, directory: str | Path) -> None:
@@ -96,12 +98,12 @@ class PairArtifacts:
         patch_enc, aligners = {}, {}
         for l in layers("patch."):
             patch_enc[l] = LinearCodec.from_tensors(t, f"patch.{l}.enc")
-            g = Aligner(desc["r_h"], spec.hidden_size, desc["aligner_width"])
+            g = Aligner(desc["r_h"], spec.hidden_size, desc["aligner_width"], desc.get("aligner_context", 1))
             pre = f"patch.{l}.aligner."
             g.load_state_dict({k[len(pre):]: v for k, v in t.items() if k.startswith(pre)})
             aligners[l] = g.eval()
         return cls(desc["pair"], spec, desc["r_k"], desc["r_v"], desc["r_h"], desc["aligner_width"], desc["plan"],
-                   reuse_k, reuse_v, patch_enc, aligners, desc.get("info", {}))
+                   reuse_k, reuse_v, patch_enc, aligners, desc.get("info", {}), desc.get("aligner_context", 1))
 
     @classmethod
     def load(cls, directory: str | Path) -> "PairArtifacts":

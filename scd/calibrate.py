@@ -41,6 +41,7 @@ class CalibConfig:
     ridge: float = 1e-4
     aligner_width: int = 256
     aligner_epochs: int = 60
+    aligner_context: int = 3          # codes per aligner input (1 = the paper's per-token aligner)
     pool: int = 4
     patch_cost: float = 0.25          # one Patch layer's consumer work relative to the whole Reuse rebuild
     batch: int = 8
@@ -191,15 +192,15 @@ class Calibration:
         """Train (or load) the Patch aligner of one layer on the traced (Z_H, x_norm_B) rows."""
         path = self.dir / "aligners" / f"layer_{layer}.safetensors"
         enc = self.linear()[2][layer]
-        g = Aligner(self.cfg.r_h, self.spec.hidden_size, self.cfg.aligner_width)
+        g = Aligner(self.cfg.r_h, self.spec.hidden_size, self.cfg.aligner_width, self.cfg.aligner_context)
         if path.is_file():
             g.load_state_dict(load_file(str(path)))
             return g.eval(), json.loads(path.with_suffix(".json").read_text())
-        xa, xb = zip(*((c[f"xa.{layer}"], c[f"xb.{layer}"]) for c in read_chunks(self.dir / "traces")))
+        xa, xb, pos = zip(*((c[f"xa.{layer}"], c[f"xb.{layer}"], c["posa"]) for c in read_chunks(self.dir / "traces")))
         with torch.no_grad():
             z = enc.encode(torch.cat(xa))
-        fit = train_aligner(z, torch.cat(xb), enc.dec, enc.mu_b, width=self.cfg.aligner_width,
-                            epochs=self.cfg.aligner_epochs, seed=self.cfg.seed + layer)
+        fit = train_aligner(z, torch.cat(xb), enc.dec, enc.mu_b, torch.cat(pos), self.cfg.aligner_context,
+                            width=self.cfg.aligner_width, epochs=self.cfg.aligner_epochs, seed=self.cfg.seed + layer)
         curve = {"train": fit.train_loss, "val": fit.val_loss, "best_epoch": fit.best_epoch}
         path.parent.mkdir(exist_ok=True)
         save_file({k: v.contiguous() for k, v in fit.aligner.state_dict().items()}, str(path))
@@ -214,7 +215,7 @@ class Calibration:
         aligners = {l: self.aligner(l)[0] for l in patched}
         return PairArtifacts(self.pair, self.spec, r_k or self.cfg.r_k, r_v or self.cfg.r_v, self.cfg.r_h,
                              self.cfg.aligner_width, list(plan), reuse_k, reuse_v, {l: patch_enc[l] for l in patched},
-                             aligners)
+                             aligners, aligner_context=self.cfg.aligner_context)
 
     def plan_with(self, layers) -> list[str]:
         return [("patch" if l in layers else k) for l, k in enumerate(self.base_plan)]

@@ -68,7 +68,7 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
             kv.append((apply_rope(k, cos, sin), art.reuse_v[l].decode(c["z_v"].to(dtype))))
         else:
             tp = time.perf_counter()
-            x = art.aligners[l](c["z_h"].to(dtype))
+            x = art.aligners[l](c["z_h"].to(dtype), positions)
             kv.append(regenerate_kv(model.model.layers[l], x, cos, sin, d_h))
             patch_s += time.perf_counter() - tp
     total = time.perf_counter() - t0

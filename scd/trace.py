@@ -67,7 +67,7 @@ def valid_rows(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def trace_rows(tr: Trace, side: str) -> dict[str, torch.Tensor]:
     """One side's valid rows, named for a chunk: k{side}.{l} (N, n_kv, d_h) de-RoPE'd, v{side}.{l}, x{side}.{l} (N, H)."""
-    out = {}
+    out = {f"pos{side}": valid_rows(tr.positions, tr.mask).contiguous()}
     for l in range(len(tr.keys)):
         out[f"k{side}.{l}"] = valid_rows(tr.content[l], tr.mask).float().contiguous()
         out[f"v{side}.{l}"] = valid_rows(tr.values[l], tr.mask).float().contiguous()

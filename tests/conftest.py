@@ -59,7 +59,7 @@ def ray_cluster() -> str:
     """One embedded Ray cluster for the whole test session; yields its dashboard URL (the Jobs API).
     4 logical CPUs so two calibration jobs (two model actors each) can run side by side."""
     import ray
-    ctx = ray.init(num_cpus=4, include_dashboard=True, dashboard_port=free_port(), namespace="scd-test",
+    ctx = ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_port=free_port(), namespace="scd-test",
                    log_to_driver=False, _metrics_export_port=free_port())
     yield "http://" + ctx.dashboard_url
     ray.shutdown()
