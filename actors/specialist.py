@@ -57,7 +57,9 @@ class SpecialistEngine:
     @torch.no_grad()
     def _prefix_kv(self, prefix_ids: list[int], payload: bytes | None, reason: str | None, timings: dict):
         """(kv, ServedInfo). Uses the codes when it can; otherwise prefills and says why."""
-        ids = torch.tensor([prefix_ids], device=self.device)
+        if not prefix_ids:                                      # nothing to cache: the suffix is the whole input
+            return [], ServedInfo("fallback", "prefix_too_short", self.version, 0, timings)
+        ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
         if payload is not None and reason is None:
             if self.art is None:
                 reason = self.unavailable_reason

@@ -4,7 +4,6 @@ The router never touches tensors: it asks the producer actor for codes (one pref
 request names), hands each specialist its ticket, and gathers the answers. A producer that is missing or
 slow does not fail the request: the specialists prefill themselves and the response says why.
 """
-from __future__ import annotations
 
 import asyncio
 import json
@@ -33,6 +32,17 @@ async def _invalid(request: Request, exc: RequestValidationError):
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first["loc"] if p != "body")
     return _error(400, f"{where}: {first['msg']}" if where else first["msg"], where or None)
+
+
+def _split(prompt: str) -> tuple[str, str]:
+    """Without an explicit prefix, the producer prefills all but the prompt's last line (or last word),
+    and the specialist reads that tail itself: it needs at least one token of its own to start decoding.
+    The separator stays with the tail, where the tokenizer would have put it."""
+    for sep in ("\n", " "):
+        cut = prompt.rstrip(sep).rfind(sep)
+        if cut > 0:
+            return prompt[:cut], prompt[cut:]
+    return "", prompt
 
 
 @serve.deployment
@@ -158,13 +168,3 @@ class Router:
                 "results": [{"specialist": r.specialist, "text": o["text"], "finish_reason": o["finish_reason"],
                              "scd": o["scd"]} for r, o in zip(body.requests, outs)]}
 
-
-def _split(prompt: str) -> tuple[str, str]:
-    """Without an explicit prefix, the producer prefills all but the prompt's last line (or last word),
-    and the specialist reads that tail itself: it needs at least one token of its own to start decoding.
-    The separator stays with the tail, where the tokenizer would have put it."""
-    for sep in ("\n", " "):
-        cut = prompt.rstrip(sep).rfind(sep)
-        if cut > 0:
-            return prompt[:cut], prompt[cut:]
-    return "", prompt

@@ -94,7 +94,8 @@ class SpecialistServer:
         self.m_requests.inc(tags={**tags, "mode": info.mode})
         if info.mode == "fallback":
             self.m_fallbacks.inc(tags={**tags, "reason": info.reason})
-        self.m_payload.inc(info.payload_bytes, tags=tags)
+        if info.payload_bytes:
+            self.m_payload.inc(info.payload_bytes, tags=tags)
         for phase, ms in info.timings.items():
             self.m_phase.observe(ms, tags={**tags, "phase": phase})
 

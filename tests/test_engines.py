@@ -94,3 +94,9 @@ def test_stop_strings_and_max_tokens(setup):
     assert "".join(streamed) == full
     with pytest.raises(ValueError, match="suffix"):
         eng.complete(PREFIX, [], payload, None, GenParams())
+
+
+def test_empty_prefix_decodes_the_suffix_alone(setup):
+    _, specialists, _ = setup
+    text, info, _ = specialists["b"].complete([], [11, 12], None, "prefix_too_short", GenParams(max_tokens=3))
+    assert info.mode == "fallback" and info.reason == "prefix_too_short"

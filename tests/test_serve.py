@@ -129,7 +129,7 @@ def test_every_fallback_reason_on_purpose_in_response_and_metrics(served):
     ray.kill(producer)
     assert _reason(url, "qa") == ("fallback", "producer_unavailable")
     from serve_app.app import start_producer
-    start_producer(cfg)
+    ray.get(start_producer(cfg).stats.remote())             # wait until the new producer has loaded
     assert _reason(url, "qa", PREFIX + "Back again.") == ("scd", None)
     # the reasons reach Prometheus through ray.serve.metrics (exported every few seconds)
     want = {"no_artifact", "artifact_mismatch", "codec_error", "transport_error", "producer_timeout",
