@@ -71,6 +71,7 @@ class NcclTransport:
         self.make_comm, self.new_uid = make_comm, new_uid
         self.comms: dict[str, Communicator] = {}
         self.seq: dict[str, int] = {}
+        self.joining: dict[str, threading.Thread] = {}
         self.lock = threading.Lock()
 
     # producer side ---------------------------------------------------------------------------------
@@ -83,10 +84,15 @@ class NcclTransport:
             comm = self.make_comm(uid, 0)
             with self.lock:
                 self.comms[replica_id], self.seq[replica_id] = comm, 0
-        threading.Thread(target=join, daemon=True, name=f"nccl-join-{replica_id}").start()
+        t = threading.Thread(target=join, daemon=True, name=f"nccl-join-{replica_id}")
+        self.joining[replica_id] = t
+        t.start()
         return uid
 
-    def send(self, payload: bytes, replica_id: str | None = None) -> Ticket:
+    def send(self, payload: bytes, replica_id: str | None = None, join_timeout_s: float = 30.0) -> Ticket:
+        pending = self.joining.pop(replica_id, None)
+        if pending is not None:                      # the replica registered; rank 0 may still be joining
+            pending.join(join_timeout_s)
         with self.lock:
             comm = self.comms.get(replica_id)
             if comm is None:

@@ -69,7 +69,7 @@ class CalibrationSettings(_Strict):
     heldout: int = Field(48, ge=1, description="held-out samples for the published metrics")
     prefix_tokens: int = Field(160, ge=8)
     r_k: int = Field(8, ge=1)
-    r_v: int = Field(16, ge=1)
+    r_v: int = Field(12, ge=1)
     r_h: int = Field(32, ge=1)
     pool: int = Field(4, ge=1)
     patch_cost: float = Field(0.25, ge=0)

@@ -36,7 +36,7 @@ CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]
 @dataclass
 class CalibConfig:
     r_k: int = 8
-    r_v: int = 16
+    r_v: int = 12
     r_h: int = 32
     ridge: float = 1e-4
     aligner_width: int = 256
