@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.runtime import connect
     from serve_app.app import deploy
 
-    ctx = ray.init(num_cpus=cfg.ray.num_cpus or 8, include_dashboard=True, namespace=cfg.ray.namespace)
+    ctx = ray.init(num_cpus=cfg.ray.num_cpus or 8, include_dashboard=True, namespace=cfg.ray.namespace,
+                   log_to_driver=False)
     try:
         connect(cfg.ray)
         store = ArtifactStore(cfg.artifacts.uri)
@@ -78,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fan-out to {names}: one producer prefill (prefilled={fan['prefilled']})")
         for r in fan["results"]:
             print(f"  {r['specialist']:<6} [{r['scd']['mode']}] {r['text']!r}")
-        print("\nper specialist, time to first token (ms): SCD vs the specialist's own prefill (oracle)")
+        print("\nper specialist, time to first token (ms): SCD vs the specialist's own prefill (oracle);\n"
+              "the SCD requests reuse the prefix's codes from the producer's cache (prefill=0: no new prefill)")
         for n in names:
-            body = {"model": n, "prefix": prefix, "prompt": suffixes[n], "max_tokens": 16}
+            body = {"model": n, "prefix": prefix, "prompt": suffixes[n], "max_tokens": 16,
+                    "stop": ["\n"] if n == "qa" else None}
             s, o = _call(url + "/v1/completions", body), _call(url + "/v1/completions", {**body, "oracle": True})
             (se, sp), (oe, op) = breakdown(s["scd"]), breakdown(o["scd"])
             print(f"  {n:<6} scd    ttft={se:7.1f}  {sp}  payload={s['scd']['payload_bytes']}B\n"
