@@ -142,7 +142,7 @@ def parse(raw: dict, base_dir: str | Path = ".") -> DeploymentConfig:
         m.path = str((base / Path(m.path).expanduser()).resolve())
     if "://" not in cfg.artifacts.uri:
         cfg.artifacts.uri = str((base / Path(cfg.artifacts.uri).expanduser()).resolve())
-    cfg.calibration.work_dir = str((base / cfg.calibration.work_dir).resolve())
+    cfg.calibration.work_dir = str((base / Path(cfg.calibration.work_dir).expanduser()).resolve())
     return cfg
 
 

@@ -112,6 +112,7 @@ class Calibration:
         self._grams = None
         self._linear: dict[tuple[int, int], tuple] = {}
         self._patch_enc: dict[int, LinearCodec] = {}
+        self._aligners_logged: set[int] = set()
 
     # -- stage 1 -------------------------------------------------------------------------------------
     def traces(self, capture_pair: CapturePair | None = None) -> int:
@@ -195,6 +196,9 @@ class Calibration:
         g = Aligner(self.cfg.r_h, self.spec.hidden_size, self.cfg.aligner_width, self.cfg.aligner_context)
         if path.is_file():
             g.load_state_dict(load_file(str(path)))
+            if layer not in self._aligners_logged:
+                self.log(f"stage policy: aligner for layer {layer} resumed from checkpoint")
+                self._aligners_logged.add(layer)
             return g.eval(), json.loads(path.with_suffix(".json").read_text())
         xa, xb, pos = zip(*((c[f"xa.{layer}"], c[f"xb.{layer}"], c["posa"]) for c in read_chunks(self.dir / "traces")))
         with torch.no_grad():
