@@ -109,10 +109,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def profile_droidspeak(ds: methods.DroidSpeak, producer, consumer, val) -> int:
     """DroidSpeak picks its own recompute block: the start with the lowest KL on validation samples."""
     ev = Evaluator(producer, consumer)
+    refs = [ev.reference(v) for v in val]                 # one oracle run per sample, shared by every start
     best = None
     for s in range(1, producer.config.num_hidden_layers - ds.n + 1):
         ds.start = s
-        kl = sum(ev.kl(v, ds) for v in val) / len(val)
+        kl = sum(ev.kl(v, ds, ref) for v, ref in zip(val, refs)) / len(val)
         ds.profile[s] = kl
         best = s if best is None or kl < ds.profile[best] else best
     return best

@@ -55,31 +55,36 @@ class Evaluator:
         return self.tok.decode(out[:cut])
 
     @torch.no_grad()
-    def kl(self, s: Sample, method: Method) -> float:
-        """Teacher-forced KL(oracle || method) only: the cheap score used to profile a method's settings."""
+    def reference(self, s: Sample) -> tuple:
+        """What every method of a sample is compared with, computed once: (ids, mask, producer trace,
+        oracle Built, oracle logits over the continuation)."""
         ids = s.prefix[None]
         mask = torch.ones_like(ids)
         ptrace = capture(self.producer, ids, mask, want_hidden=True)
         oracle = Oracle().build(self.consumer, ids, mask, ptrace)
-        ref, _ = cache.extend(self.consumer, cache.assemble(self.consumer, oracle.kv), mask, s.cont[None])
-        got, _ = cache.extend(self.consumer, cache.assemble(self.consumer, method.build(
-            self.consumer, ids, mask, ptrace).kv), mask, s.cont[None])
-        return metrics.kl_tv_top1(ref, got)[0]
+        return ids, mask, ptrace, oracle, self._logits(oracle.kv, mask, s.cont)
+
+    def _logits(self, kv, mask: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
+        return cache.extend(self.consumer, cache.assemble(self.consumer, kv), mask, cont[None])[0]
+
+    @torch.no_grad()
+    def kl(self, s: Sample, method: Method, ref: tuple | None = None) -> float:
+        """Teacher-forced KL(oracle || method) only: the cheap score used to profile a method's settings.
+        Pass `ref` (from reference()) to score several settings against one oracle run."""
+        ids, mask, ptrace, _, ref_logits = ref or self.reference(s)
+        got = self._logits(method.build(self.consumer, ids, mask, ptrace).kv, mask, s.cont)
+        return metrics.kl_tv_top1(ref_logits, got)[0]
 
     @torch.no_grad()
     def sample(self, s: Sample, methods: list[Method]) -> list[SampleResult]:
-        ids = s.prefix[None]
-        mask = torch.ones_like(ids)
-        ptrace = capture(self.producer, ids, mask, want_hidden=True)
-        oracle = Oracle().build(self.consumer, ids, mask, ptrace)
+        ids, mask, ptrace, oracle, ref_logits = self.reference(s)
         raw = len(oracle.kv) * 2 * oracle.kv[0][0].numel() * 2          # all layers, K and V, bf16
-        ref_logits, _ = cache.extend(self.consumer, cache.assemble(self.consumer, oracle.kv), mask, s.cont[None])
         first = (s.question if s.question is not None else s.cont[:1])[None]
         ref_gen = cache.generate(self.consumer, cache.assemble(self.consumer, oracle.kv), mask, first, self.greedy_tokens)
         out = []
         for m in methods:
             built = oracle if m.name == "oracle" else m.build(self.consumer, ids, mask, ptrace)
-            logits, _ = cache.extend(self.consumer, cache.assemble(self.consumer, built.kv), mask, s.cont[None])
+            logits = self._logits(built.kv, mask, s.cont)
             kl, tv, top1 = metrics.kl_tv_top1(ref_logits, logits)
             gen = cache.generate(self.consumer, cache.assemble(self.consumer, built.kv), mask, first, self.greedy_tokens)
             f1 = em = None

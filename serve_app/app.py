@@ -80,7 +80,7 @@ def app_builder(args: dict):
 
 def serve_deploy_config(cfg: DeploymentConfig, config_path: str) -> dict:
     """A `serve deploy`-compatible config for an existing cluster, generated from ray_config.yaml."""
-    deployments = [{k: v for k, v in specialist_options(cfg, s.name).items()} for s in cfg.specialists]
+    deployments = [specialist_options(cfg, s.name) for s in cfg.specialists]
     return {"http_options": {"host": cfg.http.host, "port": cfg.http.port},
             "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "serve_app.app:app_builder",
                               "args": {"config": config_path}, "deployments": deployments}]}
