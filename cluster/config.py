@@ -73,8 +73,10 @@ class CalibrationSettings(_Strict):
     r_h: int = Field(32, ge=1)
     pool: int = Field(4, ge=1)
     patch_cost: float = Field(0.25, ge=0)
-    aligner_epochs: int = Field(60, ge=1)
-    aligner_context: int = Field(3, ge=1, description="codes per Patch aligner input (1 = per token)")
+    aligner_epochs: int = Field(100, ge=1)
+    aligner_context: int = Field(8, ge=1, description="codes per Patch aligner input (1 = per token)")
+    aligner_tokens: int = Field(32, ge=0, description="width of the aligner's token features (0 = none)")
+    aligner_loss: Literal["kv", "x"] = Field("kv", description="aligner fit: regenerated K/V error or x_norm error")
     work_dir: str = Field("runs/calibrate", description="checkpoints of running/finished calibrations")
 
 
@@ -96,7 +98,10 @@ class DeploymentConfig(_Strict):
     ray: RaySettings = Field(default_factory=RaySettings)
     producer: ModelSettings
     specialists: list[SpecialistSettings] = Field(min_length=1)
-    transport: Literal["auto", "object_store", "nccl"] = "auto"
+    transport: Literal["auto", "object_store", "nccl", "nccl_fake"] = Field(
+        "auto", description="how codes travel: auto (nccl when every model has a GPU and cupy is installed, "
+                            "else object_store) | object_store | nccl | nccl_fake (the NCCL protocol over a "
+                            "CPU stand-in communicator: tests and drills)")
     producer_timeout_s: float = Field(10.0, gt=0, description="router waits this long for codes, then the "
                                                                 "specialists prefill themselves (fallback)")
     http: HttpSettings = Field(default_factory=HttpSettings)
@@ -111,6 +116,23 @@ class DeploymentConfig(_Strict):
         if dup:
             raise ValueError(f"model names must be unique across producer and specialists: {dup}")
         return self
+
+    @model_validator(mode="after")
+    def _nccl_needs_gpus(self):
+        if self.transport == "nccl":
+            cpu = [m.name for m in (self.producer, *self.specialists) if m.num_gpus <= 0]
+            if cpu:
+                raise ValueError(f"transport 'nccl' needs num_gpus > 0 for the producer and every specialist; "
+                                 f"on CPU: {cpu} (use 'auto' or 'object_store')")
+        return self
+
+    def resolved_transport(self) -> str:
+        """`auto` made concrete: nccl when every model has a GPU and cupy can be imported, else object_store."""
+        if self.transport != "auto":
+            return self.transport
+        import importlib.util
+        on_gpus = all(m.num_gpus > 0 for m in (self.producer, *self.specialists))
+        return "nccl" if on_gpus and importlib.util.find_spec("cupy") is not None else "object_store"
 
     def specialist(self, name: str) -> SpecialistSettings:
         for s in self.specialists:

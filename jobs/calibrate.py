@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> str:
     producer, consumer, tok, spec = load_pair(cfg.producer.path, spec_cfg.path)
     calib, val, held = samples.pair_data(cons_name, tok, n_prefixes, c.val, n_held, c.prefix_tokens)
     ccfg = CalibConfig(r_k=c.r_k, r_v=c.r_v, r_h=c.r_h, pool=c.pool, patch_cost=c.patch_cost,
-                       aligner_epochs=c.aligner_epochs, aligner_context=c.aligner_context)
+                       aligner_epochs=c.aligner_epochs, aligner_context=c.aligner_context,
+                       aligner_tokens=c.aligner_tokens, aligner_loss=c.aligner_loss)
     cal = Calibration(producer, consumer, spec, args.pair, calib, work, ccfg, pad_id=tok.pad_token_id, log=log)
     log(f"pair {args.pair}: {len(calib)} calibration prefixes, {len(val)} validation, {len(held)} held-out; "
         f"checkpoints in {cal.dir}")

@@ -35,6 +35,9 @@ class PairArtifacts:
     aligners: dict[int, Aligner] = field(default_factory=dict)
     info: dict = field(default_factory=dict)    # policy curves, calibration metrics: free-form JSON
     aligner_context: int = 1                    # codes per aligner input window (1 = per token)
+    aligner_tokens: int = 0                     # width of the aligners' token features (0 = none)
+    aligner_window: int = 8                     # per-position width of the aligners' window
+    _stacks: dict = field(default_factory=dict, repr=False, compare=False)   # reuse_decoders() cache
 
     def __post_init__(self):
         if len(self.plan) != self.spec.num_layers or any(k not in KINDS for k in self.plan):
@@ -51,17 +54,29 @@ class PairArtifacts:
     def patch_layers(self) -> list[int]:
         return [l for l, k in enumerate(self.plan) if k == "patch"]
 
+    def reuse_decoders(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Decoders of the given Reuse layers stacked for one batched matmul, made once:
+        (dec_k (L, r_k, d), mu_k (L, 1, d), dec_v (L, r_v, d), mu_v (L, 1, d))."""
+        key = (layers, dtype)
+        if key not in self._stacks:
+            stack = lambda codecs: (torch.stack([codecs[l].dec for l in layers]).to(dtype),  # noqa: E731
+                                    torch.stack([codecs[l].mu_b for l in layers]).to(dtype)[:, None])
+            self._stacks[key] = (*stack(self.reuse_k), *stack(self.reuse_v))
+        return self._stacks[key]
+
     def with_plan(self, plan: list[str]) -> "PairArtifacts":
         """The same learned tensors under another layer plan (e.g. Reuse-only)."""
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(plan),
-                             self.reuse_k, self.reuse_v, self.patch_enc, self.aligners, self.info, self.aligner_context)
+                             self.reuse_k, self.reuse_v, self.patch_enc, self.aligners, self.info, self.aligner_context,
+                             self.aligner_tokens, self.aligner_window)
 
     def to(self, device) -> "PairArtifacts":
         """A copy whose tensors live on `device` (where the model that uses them runs)."""
         move = lambda d: {l: c.to(device) for l, c in d.items()}  # noqa: E731
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(self.plan),
                              move(self.reuse_k), move(self.reuse_v), move(self.patch_enc),
-                             {l: g.to(device) for l, g in self.aligners.items()}, self.info, self.aligner_context)
+                             {l: g.to(device) for l, g in self.aligners.items()}, self.info, self.aligner_context,
+                             self.aligner_tokens, self.aligner_window)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -78,7 +93,8 @@ class PairArtifacts:
     def description(self) -> dict:
         return {"format_version": FORMAT_VERSION, "pair": self.pair, "spec": asdict(self.spec),
                 "r_k": self.r_k, "r_v": self.r_v, "r_h": self.r_h, "aligner_width": self.aligner_width,
-                "aligner_context": self.aligner_context,
+                "aligner_context": self.aligner_context, "aligner_tokens": self.aligner_tokens,
+                "aligner_window": self.aligner_window,
                 "plan": self.plan, "info": self.info}
 
     def save(self, directory: str | Path) -> None:
@@ -98,12 +114,14 @@ class PairArtifacts:
         patch_enc, aligners = {}, {}
         for l in layers("patch."):
             patch_enc[l] = LinearCodec.from_tensors(t, f"patch.{l}.enc")
-            g = Aligner(desc["r_h"], spec.hidden_size, desc["aligner_width"], desc.get("aligner_context", 1))
+            g = Aligner(desc["r_h"], spec.hidden_size, desc["aligner_width"], desc.get("aligner_context", 1),
+                        desc.get("aligner_tokens", 0), desc.get("aligner_window", 8))
             pre = f"patch.{l}.aligner."
             g.load_state_dict({k[len(pre):]: v for k, v in t.items() if k.startswith(pre)})
             aligners[l] = g.eval()
         return cls(desc["pair"], spec, desc["r_k"], desc["r_v"], desc["r_h"], desc["aligner_width"], desc["plan"],
-                   reuse_k, reuse_v, patch_enc, aligners, desc.get("info", {}), desc.get("aligner_context", 1))
+                   reuse_k, reuse_v, patch_enc, aligners, desc.get("info", {}), desc.get("aligner_context", 1),
+                   desc.get("aligner_tokens", 0), desc.get("aligner_window", 8))
 
     @classmethod
     def load(cls, directory: str | Path) -> "PairArtifacts":

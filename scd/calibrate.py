@@ -29,6 +29,10 @@ from scd.rebuild import encode, rebuild
 from scd.reuse import JointGram, LinearCodec
 from scd.trace import capture, chunk_path, read_chunks, trace_rows, write_chunk
 
+# bumped whenever what a checkpoint holds changes shape (e.g. the aligner's layers), so old work directories
+# are not resumed into new code
+CHECKPOINT_FORMAT = 2
+
 # capture_pair(ids, mask) -> (producer rows, consumer rows) as named by scd.trace.trace_rows
 CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]
 
@@ -39,18 +43,24 @@ class CalibConfig:
     r_v: int = 12
     r_h: int = 32
     ridge: float = 1e-4
-    aligner_width: int = 256
-    aligner_epochs: int = 60
-    aligner_context: int = 3          # codes per aligner input (1 = the paper's per-token aligner)
+    aligner_width: int = 128
+    aligner_epochs: int = 100
+    aligner_context: int = 8          # codes per aligner input (1 = the paper's per-token aligner)
+    aligner_window: int = 8           # per-position width of the squeezed features the window reads
+    aligner_tokens: int = 32          # width of the aligner's token features from the consumer's x0 (0 = none)
+    aligner_loss: str = "kv"          # "kv": error of the regenerated K/V; "x": error of x_norm itself
     pool: int = 4
     patch_cost: float = 0.25          # one Patch layer's consumer work relative to the whole Reuse rebuild
     batch: int = 8
     seed: int = 0
 
     def __post_init__(self):
-        for k in ("r_k", "r_v", "r_h", "pool", "batch", "aligner_width", "aligner_epochs"):
+        for k in ("r_k", "r_v", "r_h", "pool", "batch", "aligner_width", "aligner_epochs", "aligner_context",
+                  "aligner_window"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.aligner_loss not in ("kv", "x"):
+            raise ValueError(f"aligner_loss must be 'kv' or 'x', got {self.aligner_loss!r}")
 
 
 def pad_left(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +112,7 @@ class Calibration:
                  log: Callable[[str], None] = print, exact_layer0: bool = True):
         self.producer, self.consumer, self.spec, self.pair, self.cfg = producer, consumer, spec, pair, cfg
         self.prefixes, self.pad_id, self.progress, self.log = prefixes, pad_id, progress, log
-        key = {"pair": pair, "config": asdict(cfg), "data": data_digest(prefixes), "spec": spec.fingerprint(),
+        key = {"format": CHECKPOINT_FORMAT, "pair": pair, "config": asdict(cfg), "data": data_digest(prefixes), "spec": spec.fingerprint(),
                "exact_layer0": exact_layer0}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
         self.dir = Path(work_root) / pair.replace(":", "__") / digest
@@ -193,18 +203,23 @@ class Calibration:
         """Train (or load) the Patch aligner of one layer on the traced (Z_H, x_norm_B) rows."""
         path = self.dir / "aligners" / f"layer_{layer}.safetensors"
         enc = self.linear()[2][layer]
-        g = Aligner(self.cfg.r_h, self.spec.hidden_size, self.cfg.aligner_width, self.cfg.aligner_context)
+        g = Aligner(self.cfg.r_h, self.spec.hidden_size, self.cfg.aligner_width, self.cfg.aligner_context,
+                    self.cfg.aligner_tokens, self.cfg.aligner_window)
         if path.is_file():
             g.load_state_dict(load_file(str(path)))
             if layer not in self._aligners_logged:
                 self.log(f"stage policy: aligner for layer {layer} resumed from checkpoint")
                 self._aligners_logged.add(layer)
             return g.eval(), json.loads(path.with_suffix(".json").read_text())
-        xa, xb, pos = zip(*((c[f"xa.{layer}"], c[f"xb.{layer}"], c["posa"]) for c in read_chunks(self.dir / "traces")))
+        xa, xb, pos, x0 = zip(*((c[f"xa.{layer}"], c[f"xb.{layer}"], c["posa"], c["xb.0"])
+                                for c in read_chunks(self.dir / "traces")))
         with torch.no_grad():
             z = enc.encode(torch.cat(xa))
         fit = train_aligner(z, torch.cat(xb), enc.dec, enc.mu_b, torch.cat(pos), self.cfg.aligner_context,
-                            width=self.cfg.aligner_width, epochs=self.cfg.aligner_epochs, seed=self.cfg.seed + layer)
+                            width=self.cfg.aligner_width, epochs=self.cfg.aligner_epochs, seed=self.cfg.seed + layer,
+                            x0=torch.cat(x0) if self.cfg.aligner_tokens else None, token_dim=self.cfg.aligner_tokens,
+                            target_proj=self._kv_proj(layer) if self.cfg.aligner_loss == "kv" else None,
+                            window_dim=self.cfg.aligner_window)
         curve = {"train": fit.train_loss, "val": fit.val_loss, "best_epoch": fit.best_epoch}
         path.parent.mkdir(exist_ok=True)
         save_file({k: v.contiguous() for k, v in fit.aligner.state_dict().items()}, str(path))
@@ -213,13 +228,22 @@ class Calibration:
                  f"at epoch {fit.best_epoch})")
         return fit.aligner.eval(), curve
 
+    @torch.no_grad()
+    def _kv_proj(self, layer: int) -> torch.Tensor:
+        """(H, 2 m): the consumer layer's k_proj and v_proj as one map, each scaled to unit spectral norm
+        so K and V weigh alike in the aligner's loss (RoPE is a rotation, so K's error is RoPE-free)."""
+        attn = self.consumer.model.layers[layer].self_attn
+        ws = [attn.k_proj.weight.float().T, attn.v_proj.weight.float().T]
+        return torch.cat([w / torch.linalg.matrix_norm(w, ord=2) for w in ws], dim=1).cpu()
+
     def artifacts_for(self, plan: list[str], r_k: int | None = None, r_v: int | None = None) -> PairArtifacts:
         reuse_k, reuse_v, patch_enc = self.linear(r_k, r_v)
         patched = [l for l, k in enumerate(plan) if k == "patch"]
         aligners = {l: self.aligner(l)[0] for l in patched}
         return PairArtifacts(self.pair, self.spec, r_k or self.cfg.r_k, r_v or self.cfg.r_v, self.cfg.r_h,
                              self.cfg.aligner_width, list(plan), reuse_k, reuse_v, {l: patch_enc[l] for l in patched},
-                             aligners, aligner_context=self.cfg.aligner_context)
+                             aligners, aligner_context=self.cfg.aligner_context,
+                             aligner_tokens=self.cfg.aligner_tokens, aligner_window=self.cfg.aligner_window)
 
     def plan_with(self, layers) -> list[str]:
         return [("patch" if l in layers else k) for l, k in enumerate(self.base_plan)]

@@ -53,17 +53,26 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     return n + 2 * (n // shape[-1]) if dtype == "int8" else 2 * n
 
 
-def _from_bytes(buf: memoryview, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+def _field(body: torch.Tensor, off: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes [off, off + n) of the payload body as a flat tensor of `dtype`, without a copy when aligned."""
+    raw = body[off:off + n]
+    try:
+        return raw.view(dtype)
+    except RuntimeError:                      # storage offset not a multiple of the item size
+        return raw.clone().view(dtype)
+
+
+def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    """A code tensor in its wire dtype (fp16/bf16), or dequantised to float32 for int8."""
     n = 1
     for s in shape:
         n *= s
     if dtype == "int8":
         rows = n // shape[-1]
-        scale = torch.frombuffer(bytearray(buf[:2 * rows]), dtype=torch.float16).float()
-        q = torch.frombuffer(bytearray(buf[2 * rows:]), dtype=torch.int8).float().reshape(rows, shape[-1])
+        scale = _field(body, off, 2 * rows, torch.float16).float()
+        q = _field(body, off + 2 * rows, n, torch.int8).float().reshape(rows, shape[-1])
         return (q * scale[:, None]).reshape(shape)
-    raw = torch.frombuffer(bytearray(buf), dtype=torch.int16).view(_TORCH[dtype])
-    return raw.float().reshape(shape)
+    return _field(body, off, 2 * n, _TORCH[dtype]).reshape(shape)
 
 
 def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: str = "fp16") -> bytes:
@@ -118,16 +127,14 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: dict
     expected = 10 + hlen + 5 * b * t + sum(_nbytes(s, dtype) for _, _, s in layout) + 4
     if expected != len(mv):
         raise PayloadError(f"payload is {len(mv)} bytes, its header implies {expected}")
-    off = 10 + hlen
-    ids = torch.frombuffer(bytearray(mv[off:off + 4 * b * t]), dtype=torch.int32).long().reshape(b, t)
-    off += 4 * b * t
-    mask = torch.frombuffer(bytearray(mv[off:off + b * t]), dtype=torch.uint8).long().reshape(b, t)
-    off += b * t
+    body = torch.frombuffer(bytearray(mv[10 + hlen:-4]), dtype=torch.uint8)   # one copy; fields are views
+    ids = _field(body, 0, 4 * b * t, torch.int32).long().reshape(b, t)
+    mask = body[4 * b * t:5 * b * t].long().reshape(b, t)
+    off = 5 * b * t
     codes = Codes(ids, mask, list(plan))
     for l, name, shape in layout:
-        n = _nbytes(shape, dtype)
-        codes.layers.setdefault(l, {})[name] = _from_bytes(mv[off:off + n], shape, dtype)
-        off += n
+        codes.layers.setdefault(l, {})[name] = _from_bytes(body, off, shape, dtype)
+        off += _nbytes(shape, dtype)
     return codes
 
 

@@ -1,51 +1,147 @@
 """Patch: at a few transition layers, rebuild the consumer's own x_norm and regenerate K/V from it.
 
 Producer: Z_H = (x_norm_A - mu) W_enc_H, a low-rank code of its layer input (same joint-SVD + ridge fit
-as Reuse, on hidden states). Consumer: an MLP aligner g(Z_H) ~ x_norm_B, then K = RoPE(k_proj(x)),
+as Reuse, on hidden states). Consumer: an aligner g(Z_H, ...) ~ x_norm_B, then K = RoPE(k_proj(x)),
 V = v_proj(x) with the consumer's own projections. The aligner is a linear map initialised from the
-joint-SVD decoder plus a zero-initialised MLP residual, so training starts at the linear solution.
+joint-SVD decoder plus a zero-initialised MLP residual, so training starts at the linear solution; it
+is fitted on calibration rows (train_aligner), by default on the error of the K/V it regenerates.
+Online, FusedPatch runs the aligner composed with the layer's projections in a handful of operations.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from scd.rope import apply_rope
 
 
-def window(z: torch.Tensor, positions: torch.Tensor, context: int) -> torch.Tensor:
-    """Each position's code followed by the codes of the `context - 1` positions before it, zeros where
-    those would fall before the sequence start. z (..., T, r), positions (..., T) -> (..., T, context * r).
-    Works on a batch (B, T, r) and on calibration rows (N, r) whose sequences are contiguous."""
-    parts = [z]
-    for k in range(1, context):
-        shifted = torch.cat([torch.zeros_like(z[..., :k, :]), z[..., :-k, :]], dim=-2)
-        parts.append(shifted * (positions >= k).unsqueeze(-1).to(z.dtype))
-    return torch.cat(parts, dim=-1)
+def window_index(positions: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For calibration rows (N,) of whole sequences: the row index of each window slot (N, context) and
+    whether the slot is inside its sequence (N, context, 1)."""
+    n = torch.arange(positions.shape[0])
+    idx = torch.stack([(n - k).clamp(min=0) for k in range(context)], dim=1)
+    inside = torch.stack([positions >= k for k in range(context)], dim=1)
+    return idx, inside.unsqueeze(-1)
 
 
 class Aligner(nn.Module):
-    """g(window(z)) = W window(z) + b + MLP(window(z)); codes (..., T, r_h) + positions -> x_norm (..., T, H).
+    """x_norm_t = W f_t + b + U gelu(A f_t + sum_k C_k (S f)_{t-k}),  f = [z, P x0].
 
-    context = 1 is the per-token aligner of the SCD paper. A consumer whose fine-tuning grew new
-    token-mixing circuits (e.g. induction heads) carries features of the previous tokens in its layer input
-    that a per-token map of the producer's own features cannot recover; a short causal window over the
-    codes the consumer already holds (no extra payload) supplies them.
+    Codes (..., T, r_h) with the left-padding mask (..., T) -> the consumer's x_norm (..., T, H).
+    context = 1 without token features is the per-token aligner of the SCD paper. A consumer whose
+    fine-tuning grew new token-mixing circuits (e.g. induction heads) carries features of earlier tokens
+    in its layer input that a per-token map of the producer's own features cannot recover. Two inputs the
+    consumer already holds supply them at no extra payload: a causal window over the last `context`
+    positions (the C_k: a causal convolution over a learned squeeze S of the features to `window_dim`
+    per position), and (token_dim > 0) a learned projection P of the consumer's own layer-0 input
+    x0 = input_layernorm(embed(ids)), which is a function of the token ids alone: token identities.
+    W starts at the joint-SVD decoder and U at zero, so training starts at the linear solution.
     """
 
-    def __init__(self, r_h: int, hidden: int, width: int, context: int = 1):
+    def __init__(self, r_h: int, hidden: int, width: int, context: int = 1, token_dim: int = 0,
+                 window_dim: int = 8):
         super().__init__()
-        self.context = context
-        self.linear = nn.Linear(r_h * context, hidden)
-        self.mlp = nn.Sequential(nn.Linear(r_h * context, width), nn.GELU(), nn.Linear(width, hidden))
-        nn.init.zeros_(self.mlp[2].weight)
-        nn.init.zeros_(self.mlp[2].bias)
+        self.context, self.token_dim = context, token_dim
+        feat = r_h + token_dim
+        self.token = nn.Linear(hidden, token_dim, bias=False) if token_dim else None
+        self.linear = nn.Linear(feat, hidden)                                      # W, b
+        self.inner = nn.Linear(feat, width)                                        # A
+        self.squeeze = nn.Linear(feat, window_dim, bias=False) if context > 1 else None  # S
+        self.window = nn.Conv1d(window_dim, width, context, bias=False) if context > 1 else None  # C
+        self.out = nn.Linear(width, hidden)                                        # U
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
 
-    def forward(self, z: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        w = window(z, positions, self.context)
-        return self.linear(w) + self.mlp(w)
+    def rows(self, z: torch.Tensor, x0: torch.Tensor | None) -> torch.Tensor:
+        """Per-position features f = [z, P x0]."""
+        if self.token is None:
+            return z
+        if x0 is None:
+            raise ValueError("this aligner reads the consumer's layer-0 input x0 (token features); pass it")
+        return torch.cat([z, self.token(x0.to(z.dtype))], dim=-1)
+
+    def _out(self, f: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(f) + self.out(F.gelu(h))
+
+    def forward(self, z: torch.Tensor, mask: torch.Tensor, x0: torch.Tensor | None = None) -> torch.Tensor:
+        """z (B, T, r_h), mask (B, T) 1 = real token (left padding 0), x0 (B, T, H) -> x_norm (B, T, H)."""
+        f = self.rows(z, x0)
+        h = self.inner(f)
+        if self.window is not None:                   # padding rows zeroed, then a causal convolution
+            q = (self.squeeze(f) * mask.unsqueeze(-1).to(f.dtype)).transpose(1, 2)
+            h = h + F.conv1d(F.pad(q, (self.context - 1, 0)), self.window.weight).transpose(1, 2)
+        return self._out(f, h)
+
+    def train_rows(self, z: torch.Tensor, x0: torch.Tensor | None, win: torch.Tensor, inside: torch.Tensor):
+        """forward() on calibration rows, the window gathered: win/inside from window_index()."""
+        f = self.rows(z[win], None if x0 is None else x0[win])                  # (n, context, feat)
+        h = self.inner(f[:, 0])
+        if self.window is not None:                   # slot k = t - k meets kernel tap context-1-k
+            h = h + torch.einsum("nkd,wdk->nw", self.squeeze(f) * inside, self.window.weight.flip(-1))
+        return self._out(f[:, 0], h)
+
+
+class FusedPatch:
+    """Inference form of one Patch layer: the aligner composed with the consumer layer's k_proj/v_proj.
+
+    x_norm is affine in the aligner's last layers (W, U) and K/V are affine in x_norm, so
+    [K; V] = (Wkv W) f + (Wkv U) gelu(h) + const, and every linear map on f = [z, P x0] (W, A, S) is one
+    matmul on z plus, for the token part, a per-vocabulary table of (maps . P) x0. What the consumer runs
+    per request is then: a table gather, one matmul, the causal convolution, gelu, one matmul -> K (before
+    RoPE) and V, with no x_norm in between. Exact up to float rounding; tested against the unfused path.
+    """
+
+    @torch.no_grad()
+    def __init__(self, g: Aligner, layer, x0_table: torch.Tensor | None = None):
+        attn = layer.self_attn
+        dtype, dev = attn.k_proj.weight.dtype, attn.k_proj.weight.device
+        f32 = lambda t: t.detach().to(dev, torch.float32)  # noqa: E731  (compose in float32)
+        bias = lambda lin: f32(lin.bias) if lin.bias is not None else torch.zeros(lin.out_features, device=dev)  # noqa: E731
+        w_kv = torch.cat([f32(attn.k_proj.weight), f32(attn.v_proj.weight)])            # (m, H)
+        b_kv = torch.cat([bias(attn.k_proj), bias(attn.v_proj)])
+        self.m_k = attn.k_proj.out_features
+        maps = [(w_kv @ f32(g.linear.weight), w_kv @ (f32(g.linear.bias) + f32(g.out.bias)) + b_kv),
+                (f32(g.inner.weight), f32(g.inner.bias))]
+        if g.squeeze is not None:
+            maps.append((f32(g.squeeze.weight), torch.zeros(g.squeeze.out_features, device=dev)))
+        self.sizes = [w.shape[0] for w, _ in maps]                    # [m, width, window_dim]
+        w_f, b_f = torch.cat([w for w, _ in maps]), torch.cat([b for _, b in maps])
+        r_h = w_f.shape[1] - g.token_dim
+        self.w_z = w_f[:, :r_h].T.contiguous().to(dtype)             # (r_h, n)
+        self.bias, self.w_x, self.token_table = b_f.to(dtype), None, None
+        if g.token is not None:
+            w_x = w_f[:, r_h:] @ f32(g.token.weight)                  # (n, H): the maps applied to P x0
+            if x0_table is not None:
+                self.token_table = (f32(x0_table) @ w_x.T + b_f).to(dtype)   # (vocab, n), bias folded in
+            else:
+                self.w_x = w_x.to(dtype)
+        self.w_out = (w_kv @ f32(g.out.weight)).T.contiguous().to(dtype)      # (width, m)
+        self.conv = f32(g.window.weight).to(dtype) if g.window is not None else None
+        self.context = g.context
+
+    def __call__(self, z: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor,
+                 x0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """z (B, T, r_h), mask/token_ids (B, T); x0 (B, T, H) only without a token table.
+        Returns K before RoPE (B, T, n_kv * d) and V (B, T, n_kv * d)."""
+        b, t, _ = z.shape
+        if self.token_table is not None:
+            base = self.token_table[token_ids].view(b * t, -1)
+        elif self.w_x is not None:
+            if x0 is None:
+                raise ValueError("this aligner reads the consumer's layer-0 input x0 (token features); pass it")
+            base = F.linear(x0.reshape(b * t, -1), self.w_x, self.bias)
+        else:
+            base = self.bias
+        u = torch.addmm(base, z.reshape(b * t, -1).to(self.w_z.dtype), self.w_z).view(b, t, -1)
+        s, h, *q = u.split(self.sizes, dim=-1)
+        if self.conv is not None:                         # padding rows zeroed, then the causal convolution
+            q = (q[0] * mask.unsqueeze(-1).to(u.dtype)).transpose(1, 2)
+            h = h + F.conv1d(F.pad(q, (self.context - 1, 0)), self.conv).transpose(1, 2)
+        kv = torch.addmm(s.reshape(b * t, -1), F.gelu(h).reshape(b * t, -1), self.w_out)
+        return kv[:, :self.m_k].view(b, t, -1), kv[:, self.m_k:].view(b, t, -1)
 
 
 @dataclass
@@ -60,27 +156,39 @@ class AlignerFit:
 def train_aligner(z: torch.Tensor, x_b: torch.Tensor, init_dec: torch.Tensor, init_mu: torch.Tensor,
                   positions: torch.Tensor | None = None, context: int = 1, width: int = 256, epochs: int = 60,
                   lr: float = 2e-3, batch: int = 512, val_frac: float = 0.1, patience: int = 6,
-                  seed: int = 0) -> AlignerFit:
-    """Fit g(z) ~ x_b by MSE with a held-out validation split and early stopping on its loss.
+                  seed: int = 0, x0: torch.Tensor | None = None, token_dim: int = 0,
+                  target_proj: torch.Tensor | None = None, window_dim: int = 8) -> AlignerFit:
+    """Fit g(z) ~ x_b with a held-out validation split and early stopping on its loss.
 
     z: (N, r_h) producer codes, rows of whole sequences in order; positions (N,) their positions;
     x_b: (N, H) consumer x_norm; init_dec (r_h, H) / init_mu (H,) seed the linear part (on the current
-    position's code). Returns the weights of the best validation epoch.
+    position's code). x0 (N, H): the consumer's layer-0 input, read when token_dim > 0.
+    target_proj (H, m): measure the error after this map, e.g. the layer's own [k_proj; v_proj] so the
+    fit spends its capacity on what the cache holds; None = MSE on x_norm itself.
+    Returns the weights of the best validation epoch.
     """
     if positions is None:
         positions = torch.zeros(z.shape[0], dtype=torch.long)
-    z = window(z, positions, context)                     # fixed features: window once, then sample rows
+    if token_dim and x0 is None:
+        raise ValueError("token_dim > 0 needs the consumer's layer-0 input rows x0")
+    proj = target_proj if target_proj is not None else torch.eye(x_b.shape[1])
+    target = x_b @ proj
+    win, ok = window_index(positions, context)
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(z.shape[0], generator=gen)
     n_val = max(1, int(val_frac * z.shape[0]))
     val, tr = perm[:n_val], perm[n_val:]
-    scale = x_b.pow(2).mean().clamp(min=1e-12)          # report losses relative to the target's power
-    g = Aligner(init_dec.shape[0], x_b.shape[1], width, context)
+    scale = target.pow(2).mean().clamp(min=1e-12)     # report losses relative to the target's power
+    g = Aligner(init_dec.shape[0], x_b.shape[1], width, context, token_dim, window_dim)
     with torch.no_grad():
         g.linear.weight.zero_()
         g.linear.weight[:, :init_dec.shape[0]].copy_(init_dec.T)
         g.linear.bias.copy_(init_mu)
-    feats = lambda idx: (g.linear(z[idx]) + g.mlp(z[idx]))  # noqa: E731  (z is already windowed)
+
+    def loss_of(idx):
+        pred = g.train_rows(z, x0 if token_dim else None, win[idx], ok[idx])
+        return (pred @ proj - target[idx]).pow(2).mean() / scale
+
     opt = torch.optim.AdamW(g.parameters(), lr=lr, weight_decay=1e-4)
     best, best_state, best_epoch, bad = float("inf"), None, 0, 0
     train_hist, val_hist = [], []
@@ -89,14 +197,14 @@ def train_aligner(z: torch.Tensor, x_b: torch.Tensor, init_dec: torch.Tensor, in
         order = tr[torch.randperm(len(tr), generator=gen)]
         tot = 0.0
         for idx in order.split(batch):
-            loss = (feats(idx) - x_b[idx]).pow(2).mean() / scale
+            loss = loss_of(idx)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             tot += loss.item() * len(idx)
         g.eval()
         with torch.no_grad():
-            v = ((feats(val) - x_b[val]).pow(2).mean() / scale).item()
+            v = loss_of(val).item()
         train_hist.append(tot / len(tr))
         val_hist.append(v)
         if v < best - 1e-6:

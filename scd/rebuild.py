@@ -8,13 +8,15 @@ plus token ids and the left-padding mask, both (B, T).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from scd.artifacts import PairArtifacts
 from scd.patch import regenerate_kv
-from scd.rope import apply_rope, cos_sin, positions_from_mask
+from scd.rope import apply_rope, positions_from_mask
+from scd.tables import consumer_tables, layer0_input
 from scd.trace import Trace
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -42,34 +44,58 @@ def encode(art: PairArtifacts, trace: Trace, token_ids: torch.Tensor) -> Codes:
 
 @torch.no_grad()
 def exact_layer0(model, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> KV:
-    """Layer 0's K/V depend only on the tokens: embed -> input_layernorm -> k/v proj (+RoPE). Exact, free."""
-    layer = model.model.layers[0]
-    x = layer.input_layernorm(model.model.embed_tokens(token_ids))
-    return regenerate_kv(layer, x, cos, sin, head_dim)
+    """Layer 0's K/V depend only on the tokens: embed -> input_layernorm -> k/v proj (+RoPE). Exact, free.
+    (The direct computation; rebuild() looks the same numbers up in ConsumerTables.)"""
+    return regenerate_kv(model.model.layers[0], layer0_input(model, token_ids), cos, sin, head_dim)
 
 
 @torch.no_grad()
 def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str, float]]:
-    """Consumer side: per-layer (K post-RoPE, V) in the consumer's own feature space, plus phase times (ms)."""
-    import time
+    """Consumer side: per-layer (K post-RoPE, V) in the consumer's own feature space, plus phase times (ms).
+
+    Keys of every layer are gathered before RoPE into one buffer (ordered exact, reuse, patch) and
+    rotated once at the end; all Reuse layers decode in one batched matmul each for K and V."""
     t0 = time.perf_counter()
     dtype = next(model.parameters()).dtype
-    positions = positions_from_mask(codes.mask)
-    cos, sin = cos_sin(model, positions, dtype)
-    d_h = art.spec.head_dim
-    kv: list[KV] = []
-    patch_s = 0.0
-    for l, kind in enumerate(codes.plan):
-        c = codes.layers.get(l, {})
-        if kind == "exact":
-            kv.append(exact_layer0(model, codes.token_ids, cos, sin, d_h))
-        elif kind == "reuse":
-            k = art.reuse_k[l].decode(c["z_k"].to(dtype))
-            kv.append((apply_rope(k, cos, sin), art.reuse_v[l].decode(c["z_v"].to(dtype))))
-        else:
-            tp = time.perf_counter()
-            x = art.aligners[l](c["z_h"].to(dtype), positions)
-            kv.append(regenerate_kv(model.model.layers[l], x, cos, sin, d_h))
-            patch_s += time.perf_counter() - tp
-    total = time.perf_counter() - t0
-    return kv, {"rebuild_ms": (total - patch_s) * 1e3, "patch_ms": patch_s * 1e3}
+    b, t = codes.token_ids.shape
+    n_kv, d_h = art.spec.num_kv_heads, art.spec.head_dim
+    tables = consumer_tables(model, d_h)
+    cos, sin = tables.rope(positions_from_mask(codes.mask), dtype)
+    by_kind = {kind: [l for l, k in enumerate(codes.plan) if k == kind] for kind in ("exact", "reuse", "patch")}
+    order = by_kind["exact"] + by_kind["reuse"] + by_kind["patch"]
+    keys = torch.empty(len(order), b, n_kv, t, d_h, dtype=dtype, device=codes.token_ids.device)
+    values: dict[int, torch.Tensor] = {}
+    heads = lambda x: x.view(b, t, n_kv, d_h).transpose(1, 2)  # noqa: E731  (B, T, n_kv*d) -> (B, n_kv, T, d)
+    if by_kind["exact"]:
+        k0, v0 = tables.layer0(codes.token_ids)
+        keys[0].copy_(heads(k0))
+        values[0] = heads(v0)
+    if reuse := by_kind["reuse"]:
+        dec_k, mu_k, dec_v, mu_v = art.reuse_decoders(tuple(reuse), dtype)
+        first = len(by_kind["exact"])
+        _decode_stacked(dec_k, mu_k, [codes.layers[l]["z_k"] for l in reuse], dtype, out=keys[first:first + len(reuse)])
+        v = _decode_stacked(dec_v, mu_v, [codes.layers[l]["z_v"] for l in reuse], dtype)
+        values.update({l: v[i] for i, l in enumerate(reuse)})
+    t_patch = time.perf_counter()
+    if patch := by_kind["patch"]:
+        x0 = tables.x0(codes.token_ids) if art.aligner_tokens and not tables.vocab_kept else None
+        for l in patch:
+            k, v = tables.patch(art.aligners[l], l)(codes.layers[l]["z_h"], codes.mask, codes.token_ids, x0)
+            keys[order.index(l)].copy_(heads(k))
+            values[l] = heads(v)
+    t_rope = time.perf_counter()
+    keys = apply_rope(keys, cos, sin)                        # every layer's keys in one pass
+    t_end = time.perf_counter()
+    slot = {l: i for i, l in enumerate(order)}
+    return ([(keys[slot[l]], values[l]) for l in range(len(codes.plan))],
+            {"rebuild_ms": (t_patch - t0 + t_end - t_rope) * 1e3, "patch_ms": (t_rope - t_patch) * 1e3})
+
+
+def _decode_stacked(dec: torch.Tensor, mu: torch.Tensor, zs: list[torch.Tensor], dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode one code (B, n_kv, T, r) per layer as one batched matmul with stacked decoders: (L, B, n_kv, T, d).
+    `out`, if given, is a contiguous (L, B, n_kv, T, d) tensor written in place."""
+    z = torch.stack(zs).to(dtype)                                     # (L, B, n_kv, T, r)
+    shape = (*z.shape[:-1], dec.shape[-1])
+    flat = None if out is None else out.view(z.shape[0], -1, dec.shape[-1])
+    return torch.baddbmm(mu, z.flatten(1, -2), dec, out=flat).view(shape)

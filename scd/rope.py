@@ -21,9 +21,14 @@ def cos_sin(model, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
 
 
 def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """k: (B, H, T, d_h); cos/sin: (B, T, d_h)."""
+    """k: (..., B, H, T, d_h); cos/sin: (B, T, d_h). k cos + rotate_half(k) sin, written as one product and
+    two in-place half updates (three passes over k instead of five)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return k * cos + rotate_half(k) * sin
+    h = k.shape[-1] // 2
+    out = k * cos
+    out[..., :h].addcmul_(k[..., h:], sin[..., :h], value=-1)
+    out[..., h:].addcmul_(k[..., :h], sin[..., h:])
+    return out
 
 
 def remove_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@ import torch
 
 from scd import cache, rope, trace
 from scd.rebuild import exact_layer0
+from scd.tables import ConsumerTables, layer0_input
 from tests.conftest import left_padded_batch, tiny_llama
 
 
@@ -39,6 +40,26 @@ def test_exact_layer0_matches_the_models_own_layer0():
     k, v = exact_layer0(model, ids, cos, sin, 8)
     err = max((k - tr.keys[0]).abs().max().item(), (v - tr.values[0]).abs().max().item())
     assert err < 1e-5, f"layer-0 regeneration error {err:.2e}"
+
+
+def test_consumer_tables_look_up_what_the_model_computes():
+    model = tiny_llama()
+    ids, mask = left_padded_batch()
+    tr = trace.capture(model, ids, mask)
+    for kept in (True, False):                               # vocabulary tables kept, or computed on the fly
+        tables = ConsumerTables(model, 8, max_vocab_elements=1 << 30 if kept else 0)
+        cos, sin = tables.rope(tr.positions, torch.float32)
+        ref_cos, ref_sin = rope.cos_sin(model, tr.positions)
+        k, v = tables.layer0(ids)                        # (B, T, n_kv * d), K before RoPE
+        k = rope.apply_rope(k.view(*ids.shape, -1, 8).transpose(1, 2), cos, sin)
+        v = v.view(*ids.shape, -1, 8).transpose(1, 2)
+        errs = {"cos": (cos - ref_cos).abs().max().item(), "sin": (sin - ref_sin).abs().max().item(),
+                "x0": (tables.x0(ids) - layer0_input(model, ids)).abs().max().item(),
+                "k0": (k - tr.keys[0]).abs().max().item(), "v0": (v - tr.values[0]).abs().max().item()}
+        assert max(errs.values()) < 1e-5, f"tables kept={kept}: {errs}"
+        far = torch.arange(3000)[None]                      # past the first table: it grows
+        err = (tables.rope(far, torch.float32)[0] - rope.cos_sin(model, far)[0]).abs().max().item()
+        assert err < 1e-4, f"cos at positions up to 3000 differs by {err:.2e}"
 
 
 def test_generate_from_cache_matches_generate_from_scratch_greedy():
