@@ -1,7 +1,9 @@
 """ProducerActor: the Ray shim around ProducerEngine. Detached and named, pinned by cluster/ (num_gpus).
 
 It loads each pair's artifact through the registry actor (verified, fingerprints checked against the base
-model it holds), prefills a prefix once per request, and puts every pair's payload on the transport.
+model it holds), prefills a prefix once per request, and puts every pair's payload on the transport
+(object store: in Ray's object store at once; NCCL: staged until the serving replica asks for a push).
+Replicas of an NCCL deployment register here when they start and unregister when they stop.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from actors.producer import ProducerEngine
 from actors.registry import fetch, registry
-from actors.transport import ObjectStoreTransport, TransportError
+from actors.transport import NcclTransport, Ticket, TransportError, make_transport
 from artifacts_store import ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device
 from scd.models import load
@@ -24,14 +26,15 @@ PRODUCER_NAME = "scd-producer"
 @ray.remote
 class ProducerActor:
     def __init__(self, model_path: str, pairs: dict[str, str], store_uri: str, namespace: str | None = None,
-                 cache_bytes: int = 64 << 20, dtype: str = "fp16"):
+                 cache_bytes: int = 64 << 20, dtype: str = "fp16", transport: str = "object_store"):
         torch.set_num_threads(cpu_threads())
         dev = device()
         model, tok, _ = load(model_path)
         self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dtype, dev)
         self.registry = registry(store_uri, namespace)
         self.expect = Fingerprints.of(producer=model, tokenizer=tok)
-        self.transport = ObjectStoreTransport()
+        self.transport_kind = transport
+        self.transport = make_transport(transport, namespace)
         self.problems: dict[str, str] = {}
         self.fault: str | None = None
         for pair, version in pairs.items():
@@ -76,7 +79,10 @@ class ProducerActor:
                 if self.fault == "corrupt":
                     payload = payload[:-1] + bytes([payload[-1] ^ 0xFF])
                 try:
-                    entry["ticket"] = self.transport.send(payload)
+                    if isinstance(self.transport, NcclTransport):
+                        entry["ticket"] = self.transport.stage(payload)
+                    else:
+                        entry["ticket"] = self.transport.send(payload)
                 except TransportError:
                     entry["error"] = "transport_error"
                 if self.fault == "misdeliver" and entry["ticket"] is not None:   # ticket and object disagree
@@ -86,5 +92,26 @@ class ProducerActor:
                 "timings": {"prefill": res.prefill_ms, "encode": res.encode_ms,
                             "transfer_put": (time.perf_counter() - t0) * 1e3}}
 
+    # -- NCCL replicas ------------------------------------------------------------------------------
+    def _nccl(self) -> NcclTransport:
+        if not isinstance(self.transport, NcclTransport):
+            raise TransportError(f"this producer's transport is {self.transport_kind!r}, not NCCL")
+        return self.transport
+
+    def register(self, replica_id: str):
+        """A replica starts: rank 0 of its communicator begins joining; returns the rendezvous id."""
+        return self._nccl().open_for(replica_id)
+
+    def unregister(self, replica_id: str) -> None:
+        """A replica stops: its communicator is torn down."""
+        self._nccl().close_for(replica_id)
+
+    def push(self, key: str, replica_id: str) -> Ticket:
+        """Send a staged payload to the replica serving its request; the replica receives with the ticket."""
+        return self._nccl().push(key, replica_id)
+
     def stats(self) -> dict:
-        return {**self.engine.stats(), "problems": dict(self.problems)}
+        out = {**self.engine.stats(), "problems": dict(self.problems), "transport": self.transport_kind}
+        if isinstance(self.transport, NcclTransport):
+            out["nccl_replicas"] = self.transport.open_replicas()
+        return out

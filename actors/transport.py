@@ -1,17 +1,23 @@
 """How a payload gets from the producer to a specialist replica.
 
-Contract: the producer calls `send(payload, replica_id)` and gets a small, serialisable ticket that the
-router hands to the replica; the replica calls `recv(ticket)` and gets the exact payload bytes back.
-  object_store  the payload is put in Ray's object store; the ticket carries the reference. CPU and GPU.
+  object_store  the producer puts the payload in Ray's object store and returns a ticket carrying the
+                reference; the router hands it to whichever replica Serve picks, which fetches it. CPU and GPU.
   nccl          the payload goes GPU to GPU over a two-rank NCCL communicator per (producer, replica),
                 created when the replica registers and destroyed when it leaves (so autoscaling works).
-                The ticket carries only (replica, sequence number, byte count): the bytes never touch Ray.
-The NCCL protocol is written against a small Communicator interface so it runs on CPU with a fake one.
+                The router cannot know which replica Serve will pick, so the producer *stages* the payload
+                and returns a ticket with its key; the chosen replica asks the producer to push that key to
+                it, gets back a ticket with (replica, sequence number, byte count), and receives the bytes
+                from its communicator: they never touch Ray. Sends run on one thread per communicator, so
+                they are in order and the producer never blocks on a receiver.
+  nccl_fake     the same protocol over FakeCommunicator (a hub actor stands in for the network): CPU tests
+                and drills of registration, teardown and ordering.
 """
 from __future__ import annotations
 
 import threading
 import uuid
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +31,7 @@ class Ticket:
     ref: list | None = None        # object_store: [ObjectRef] (in a list so Ray does not resolve it in transit)
     replica: str | None = None     # nccl: which communicator
     seq: int = 0                   # nccl: position in that communicator's stream of sends
+    key: str | None = None         # nccl: the staged payload a replica asks the producer to push
 
 
 class TransportError(RuntimeError):
@@ -67,29 +74,56 @@ class NcclTransport:
     """
     name = "nccl"
 
-    def __init__(self, make_comm, new_uid):
+    def __init__(self, make_comm, new_uid, stage_bytes: int = 256 << 20):
         self.make_comm, self.new_uid = make_comm, new_uid
         self.comms: dict[str, Communicator] = {}
         self.seq: dict[str, int] = {}
         self.joining: dict[str, threading.Thread] = {}
+        self.senders: dict[str, ThreadPoolExecutor] = {}
+        self.staged: OrderedDict[str, bytes] = OrderedDict()
+        self.stage_bytes, self.staged_total = stage_bytes, 0
         self.lock = threading.Lock()
 
     # producer side ---------------------------------------------------------------------------------
     def open_for(self, replica_id: str):
         """Start rank 0 of a new communicator for a registering replica; returns the rendezvous id.
         Rank 0 joins in a background thread because init blocks until the replica joins as rank 1."""
+        self.close_for(replica_id)                   # a replica that registers again starts afresh
         uid = self.new_uid()
 
         def join():
             comm = self.make_comm(uid, 0)
             with self.lock:
                 self.comms[replica_id], self.seq[replica_id] = comm, 0
+                self.senders[replica_id] = ThreadPoolExecutor(1, thread_name_prefix=f"nccl-send-{replica_id}")
         t = threading.Thread(target=join, daemon=True, name=f"nccl-join-{replica_id}")
         self.joining[replica_id] = t
         t.start()
         return uid
 
+    def stage(self, payload: bytes) -> Ticket:
+        """Hold a payload until the replica that serves the request asks for it (push). The oldest staged
+        payloads are dropped past `stage_bytes`; pushing a dropped key fails (the replica falls back)."""
+        key = uuid.uuid4().hex
+        with self.lock:
+            self.staged[key] = payload
+            self.staged_total += len(payload)
+            while self.staged_total > self.stage_bytes and len(self.staged) > 1:
+                self.staged_total -= len(self.staged.popitem(last=False)[1])
+        return Ticket("nccl", len(payload), key=key)
+
+    def push(self, key: str, replica_id: str, join_timeout_s: float = 30.0) -> Ticket:
+        """Send a staged payload to a replica; returns the ticket it receives with."""
+        with self.lock:
+            payload = self.staged.pop(key, None)
+            if payload is not None:
+                self.staged_total -= len(payload)
+        if payload is None:
+            raise TransportError(f"no staged payload {key!r} (already pushed, or dropped for space)")
+        return self.send(payload, replica_id, join_timeout_s)
+
     def send(self, payload: bytes, replica_id: str | None = None, join_timeout_s: float = 30.0) -> Ticket:
+        """Queue a payload on the replica's communicator; returns at once with its ticket."""
         pending = self.joining.pop(replica_id, None)
         if pending is not None:                      # the replica registered; rank 0 may still be joining
             pending.join(join_timeout_s)
@@ -99,15 +133,24 @@ class NcclTransport:
                 raise TransportError(f"no NCCL communicator for replica {replica_id!r} (not registered or gone)")
             self.seq[replica_id] += 1
             seq = self.seq[replica_id]
-            comm.send(len(payload).to_bytes(8, "little") + payload, 1)
+            self.senders[replica_id].submit(comm.send, len(payload).to_bytes(8, "little") + payload, 1)
         return Ticket("nccl", len(payload), replica=replica_id, seq=seq)
 
     def close_for(self, replica_id: str) -> None:
+        """Tear down a replica's communicator (after the sends already queued on it)."""
+        self.joining.pop(replica_id, None)
         with self.lock:
             comm = self.comms.pop(replica_id, None)
+            sender = self.senders.pop(replica_id, None)
             self.seq.pop(replica_id, None)
+        if sender is not None:
+            sender.shutdown(wait=True)
         if comm is not None:
             comm.close()
+
+    def open_replicas(self) -> list[str]:
+        with self.lock:
+            return sorted(self.comms)
 
     # replica side ----------------------------------------------------------------------------------
     def join(self, replica_id: str, uid) -> None:
@@ -125,6 +168,12 @@ class NcclTransport:
         if n != ticket.nbytes:
             raise TransportError(f"received a {n}-byte payload, ticket says {ticket.nbytes}")
         return framed[8:]
+
+    def leave(self, replica_id: str) -> None:
+        comm = self.comms.pop(replica_id, None)
+        self.seq.pop(replica_id, None)
+        if comm is not None:
+            comm.close()
 
 
 # -- a fake communicator for CPU tests: rendezvous and queues live in a Ray actor ------------------------
@@ -217,3 +266,20 @@ def cupy_nccl() -> tuple:
             self.comm.destroy()
 
     return CupyCommunicator, nccl.get_unique_id
+
+
+TRANSPORTS = ("object_store", "nccl", "nccl_fake")
+FAKE_HUB_NAME = "scd-fake-nccl"
+
+
+def make_transport(kind: str, namespace: str | None = None):
+    """The transport object for one side (producer or replica) of a deployment."""
+    if kind == "object_store":
+        return ObjectStoreTransport()
+    if kind == "nccl":
+        return NcclTransport(*cupy_nccl())
+    if kind == "nccl_fake":
+        hub = FakeNcclHub.options(name=FAKE_HUB_NAME, namespace=namespace, get_if_exists=True,
+                                  lifetime="detached").remote()
+        return NcclTransport(*fake_nccl(hub))
+    raise ValueError(f"unknown transport {kind!r}; one of {TRANSPORTS}")

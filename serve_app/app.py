@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import time
+
 from ray import serve
 
 from actors.producer_actor import PRODUCER_NAME, ProducerActor
@@ -34,34 +36,41 @@ def specialist_options(cfg: DeploymentConfig, name: str) -> dict:
 def build(cfg: DeploymentConfig):
     """The Serve application (router bound to every specialist deployment)."""
     ns, base = cfg.ray.namespace, cfg.producer.name
+    transport = cfg.resolved_transport()
     handles = {s.name: serve.deployment(SpecialistServer).options(**specialist_options(cfg, s.name)).bind(
-        s.name, s.path, f"{base}:{s.name}", cfg.artifacts.uri, ns, telemetry_settings(cfg))
+        s.name, s.path, f"{base}:{s.name}", cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
+        cfg.producer_timeout_s)
         for s in cfg.specialists}
     return Router.options(ray_actor_options={"num_cpus": 0}).bind(handles, PRODUCER_NAME, ns, base, cfg.producer_timeout_s,
                                                                   telemetry_settings(cfg))
 
 
 def start_producer(cfg: DeploymentConfig):
-    """The detached, named producer actor (reused if it already runs)."""
+    """The detached, named producer actor (reused if it already runs with the same transport; one left by a
+    deployment with another transport is replaced, since replicas must speak the producer's transport)."""
+    import ray
     pairs = {f"{cfg.producer.name}:{s.name}": s.artifact for s in cfg.specialists}
+    transport = cfg.resolved_transport()
     opts = actor_options(cfg.producer.num_gpus, name=PRODUCER_NAME, detached=True, namespace=cfg.ray.namespace,
                          num_cpus=cfg.producer.num_cpus)
-    return ProducerActor.options(**opts).remote(cfg.producer.path, pairs, cfg.artifacts.uri, cfg.ray.namespace)
-
-
-def check_transport(cfg: DeploymentConfig) -> str:
-    """The transport to use. `auto` is the object store; `nccl` is refused here with the reason, because the
-    replicas are not wired to the NCCL transport yet (its protocol is implemented and tested on a fake
-    communicator in actors/transport.py)."""
-    if cfg.transport == "nccl":
-        raise ValueError("transport 'nccl' is not available in this build of the Serve app: use 'auto' or "
-                         "'object_store' (codes then travel through Ray's object store on CPU and GPU alike)")
-    return "object_store"
+    try:
+        old = ray.get_actor(PRODUCER_NAME, namespace=cfg.ray.namespace)
+    except ValueError:
+        old = None
+    if old is not None and ray.get(old.stats.remote()).get("transport") != transport:
+        ray.kill(old)
+        for _ in range(100):                        # the name is free once the kill has gone through
+            try:
+                ray.get_actor(PRODUCER_NAME, namespace=cfg.ray.namespace)
+            except ValueError:
+                break
+            time.sleep(0.1)
+    return ProducerActor.options(**opts).remote(cfg.producer.path, pairs, cfg.artifacts.uri, cfg.ray.namespace,
+                                                transport=transport)
 
 
 def deploy(cfg: DeploymentConfig, blocking: bool = False):
     """Connect (or start Ray), start the producer, start Serve's HTTP proxy and run the app."""
-    check_transport(cfg)
     connect(cfg.ray)
     producer = start_producer(cfg)
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})

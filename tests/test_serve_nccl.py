@@ -1,0 +1,104 @@
+"""The NCCL transport wired through real Serve replicas, on CPU: `transport: nccl_fake` runs the whole
+protocol (register on start, staged payload, push to the serving replica, in-order receive, unregister
+when the replica stops) over the fake communicator, whose hub actor stands in for the network."""
+import concurrent.futures
+import time
+
+import pytest
+import ray
+import yaml
+
+from jobs.calibrate import main as calibrate
+from tests.conftest import DEMO, free_port, write_config
+from tests.test_serve import PREFIX, _get, _post
+
+NS = "scd-test-nccl"
+
+
+@pytest.fixture(scope="module")
+def served_nccl(ray_cluster, tmp_path_factory):
+    from actors.producer_actor import PRODUCER_NAME
+    from cluster.config import load_config
+    from serve_app.app import deploy
+    tmp = tmp_path_factory.mktemp("serve-nccl")
+    cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
+    for pair in ("base:qa", "base:prose"):
+        calibrate(["--pair", pair, "--config", str(cfg_path), "--no-actors"])
+    raw = yaml.safe_load(cfg_path.read_text())
+    raw["specialists"] = [
+        {"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25,
+         "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                         "upscale_delay_s": 0.5, "downscale_delay_s": 2}},
+        {"name": "prose", "path": str(DEMO / "prose"), "num_cpus": 0.25}]
+    raw.update(transport="nccl_fake", ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=5)
+    raw["producer"]["num_cpus"] = 0.25
+    cfg_path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(cfg_path)
+    deploy(cfg)
+    url = f"http://127.0.0.1:{cfg.http.port}"
+    for _ in range(120):
+        try:
+            if _get(url + "/healthz")["status"] == "ok":
+                break
+        except Exception:
+            pass
+        time.sleep(1)
+    yield url, ray.get_actor(PRODUCER_NAME, namespace=NS)
+    from ray import serve
+    serve.shutdown()
+
+
+def _replicas(producer):
+    return ray.get(producer.stats.remote())["nccl_replicas"]
+
+
+def test_fanout_codes_travel_over_per_replica_communicators(served_nccl):
+    url, producer = served_nccl
+    stats = ray.get(producer.stats.remote())
+    assert stats["transport"] == "nccl_fake"
+    assert sorted(r.split("#")[0] for r in stats["nccl_replicas"]) == ["prose", "qa"], stats["nccl_replicas"]
+    hub = ray.get_actor("scd-fake-nccl", namespace=NS)
+    assert ray.get(hub.open_communicators.remote()) == 2
+    for i in range(3):                                        # several requests: in order on each communicator
+        status, out = _post(url + "/v1/fanout", {"prefix": PREFIX + f"Round {i}. ", "requests": [
+            {"specialist": "qa", "suffix": "Question: Where does Tilda Vance live?\nAnswer: Tilda Vance lives in",
+             "max_tokens": 4},
+            {"specialist": "prose", "suffix": "The", "max_tokens": 4}]})
+        assert status == 200, out
+        assert [r["scd"]["mode"] for r in out["results"]] == ["scd", "scd"], out
+        assert all(r["scd"]["payload_bytes"] > 0 for r in out["results"])
+    assert all(r["text"] for r in out["results"]), out
+    health = _get(url + "/healthz")
+    assert {s["transport"] for s in health["specialists"].values()} == {"nccl_fake"}, health
+
+
+def test_replicas_register_when_scaled_up_and_unregister_when_scaled_down(served_nccl):
+    url, producer = served_nccl
+    stop = time.time() + 30
+    peak = 0
+
+    def load():
+        while time.time() < stop:
+            status, out = _post(url + "/v1/completions", {"model": "qa", "prompt": PREFIX + "Load. Question:",
+                                                          "max_tokens": 16})
+            assert status == 200 and out["scd"]["mode"] == "scd", out
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(load) for _ in range(6)]
+        while time.time() < stop:
+            peak = max(peak, sum(r.startswith("qa#") for r in _replicas(producer)))
+            if peak >= 2:
+                break
+            time.sleep(0.5)
+        stop = time.time()
+        for f in futures:
+            f.result()                                        # every request under load was served from codes
+    assert peak >= 2, f"only {peak} qa replica(s) ever registered a communicator"
+    for _ in range(60):
+        if sum(r.startswith("qa#") for r in _replicas(producer)) == 1:
+            break
+        time.sleep(1)
+    left = _replicas(producer)
+    assert sum(r.startswith("qa#") for r in left) == 1, f"scaled-down replica kept its communicator: {left}"
+    hub = ray.get_actor("scd-fake-nccl", namespace=NS)
+    assert ray.get(hub.open_communicators.remote()) == 2
