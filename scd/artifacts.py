@@ -37,7 +37,7 @@ class PairArtifacts:
     aligner_context: int = 1                    # codes per aligner input window (1 = per token)
     aligner_tokens: int = 0                     # width of the aligners' token features (0 = none)
     aligner_window: int = 8                     # per-position width of the aligners' window
-    _stacks: dict = field(default_factory=dict, repr=False, compare=False)   # reuse_decoders() cache
+    derived: dict = field(default_factory=dict, repr=False, compare=False)  # per-use tensors made on first use
 
     def __post_init__(self):
         if len(self.plan) != self.spec.num_layers or any(k not in KINDS for k in self.plan):
@@ -58,11 +58,11 @@ class PairArtifacts:
         """Decoders of the given Reuse layers stacked for one batched matmul, made once:
         (dec_k (L, r_k, d), mu_k (L, 1, d), dec_v (L, r_v, d), mu_v (L, 1, d))."""
         key = (layers, dtype)
-        if key not in self._stacks:
+        if key not in self.derived:
             stack = lambda codecs: (torch.stack([codecs[l].dec for l in layers]).to(dtype),  # noqa: E731
                                     torch.stack([codecs[l].mu_b for l in layers]).to(dtype)[:, None])
-            self._stacks[key] = (*stack(self.reuse_k), *stack(self.reuse_v))
-        return self._stacks[key]
+            self.derived[key] = (*stack(self.reuse_k), *stack(self.reuse_v))
+        return self.derived[key]
 
     def with_plan(self, plan: list[str]) -> "PairArtifacts":
         """The same learned tensors under another layer plan (e.g. Reuse-only)."""

@@ -5,7 +5,7 @@ as Reuse, on hidden states). Consumer: an aligner g(Z_H, ...) ~ x_norm_B, then K
 V = v_proj(x) with the consumer's own projections. The aligner is a linear map initialised from the
 joint-SVD decoder plus a zero-initialised MLP residual, so training starts at the linear solution; it
 is fitted on calibration rows (train_aligner), by default on the error of the K/V it regenerates.
-Online, FusedPatch runs the aligner composed with the layer's projections in a handful of operations.
+Online, FusedPatches runs every patch layer's aligner composed with its layer's projections, all at once.
 """
 from __future__ import annotations
 
@@ -84,64 +84,82 @@ class Aligner(nn.Module):
         return self._out(f[:, 0], h)
 
 
-class FusedPatch:
-    """Inference form of one Patch layer: the aligner composed with the consumer layer's k_proj/v_proj.
+class FusedPatches:
+    """Inference form of an artifact's Patch layers: each aligner composed with its layer's k_proj/v_proj,
+    and all layers run together.
 
-    x_norm is affine in the aligner's last layers (W, U) and K/V are affine in x_norm, so
-    [K; V] = (Wkv W) f + (Wkv U) gelu(h) + const, and every linear map on f = [z, P x0] (W, A, S) is one
-    matmul on z plus, for the token part, a per-vocabulary table of (maps . P) x0. What the consumer runs
-    per request is then: a table gather, one matmul, the causal convolution, gelu, one matmul -> K (before
-    RoPE) and V, with no x_norm in between. Exact up to float rounding; tested against the unfused path.
+    x_norm is affine in an aligner's last layers (W, U) and K/V are affine in x_norm, so
+    [K; V] = (Wkv W) f + (Wkv U) gelu(h) + const: the maps on f = [z, P x0] (Wkv W, A, S) become one
+    matmul, and P x0 a per-vocabulary table lookup. Stacked over the patch layers, what the consumer runs
+    per request is: one table gather, three batched matmuls (features, causal window, output) and a gelu
+    -> every patch layer's K (before RoPE) and V, with no x_norm in between. Exact up to float rounding;
+    tested against the unfused path. The aligners must share their shapes (one artifact's do).
     """
 
     @torch.no_grad()
-    def __init__(self, g: Aligner, layer, x0_table: torch.Tensor | None = None):
-        attn = layer.self_attn
-        dtype, dev = attn.k_proj.weight.dtype, attn.k_proj.weight.device
-        f32 = lambda t: t.detach().to(dev, torch.float32)  # noqa: E731  (compose in float32)
-        bias = lambda lin: f32(lin.bias) if lin.bias is not None else torch.zeros(lin.out_features, device=dev)  # noqa: E731
-        w_kv = torch.cat([f32(attn.k_proj.weight), f32(attn.v_proj.weight)])            # (m, H)
-        b_kv = torch.cat([bias(attn.k_proj), bias(attn.v_proj)])
-        self.m_k = attn.k_proj.out_features
-        maps = [(w_kv @ f32(g.linear.weight), w_kv @ (f32(g.linear.bias) + f32(g.out.bias)) + b_kv),
-                (f32(g.inner.weight), f32(g.inner.bias))]
-        if g.squeeze is not None:
-            maps.append((f32(g.squeeze.weight), torch.zeros(g.squeeze.out_features, device=dev)))
-        self.sizes = [w.shape[0] for w, _ in maps]                    # [m, width, window_dim]
-        w_f, b_f = torch.cat([w for w, _ in maps]), torch.cat([b for _, b in maps])
-        r_h = w_f.shape[1] - g.token_dim
-        self.w_z = w_f[:, :r_h].T.contiguous().to(dtype)             # (r_h, n)
-        self.bias, self.w_x, self.token_table = b_f.to(dtype), None, None
-        if g.token is not None:
-            w_x = w_f[:, r_h:] @ f32(g.token.weight)                  # (n, H): the maps applied to P x0
+    def __init__(self, aligners: list[Aligner], layers: list, x0_table: torch.Tensor | None = None):
+        parts = [_compose(g, layer) for g, layer in zip(aligners, layers)]
+        shapes = {(tuple(q["sizes"]), q["w_f"].shape, q["tok"] is None) for q in parts}
+        if len(shapes) != 1:
+            raise ValueError(f"patch aligners of one artifact must share their shapes, got {shapes}")
+        first, dtype = parts[0], layers[0].self_attn.k_proj.weight.dtype
+        self.n, self.sizes, self.m_k, self.context = len(parts), first["sizes"], first["m_k"], aligners[0].context
+        stack = lambda k: torch.stack([q[k] for q in parts]).to(dtype)  # noqa: E731
+        self.w_f, self.bias, self.w_out = stack("w_f"), stack("b_f")[:, None], stack("w_out")  # (P, feat, n) (P, 1, n) (P, w, m)
+        self.window = stack("window") if first["window"] is not None else None                # (P, wd * ctx, w)
+        self.w_tok = self.token_table = None
+        if first["tok"] is not None:
+            w_tok = torch.cat([q["tok"] for q in parts])                                     # (P * td, H)
             if x0_table is not None:
-                self.token_table = (f32(x0_table) @ w_x.T + b_f).to(dtype)   # (vocab, n), bias folded in
+                self.token_table = (x0_table.float() @ w_tok.T).to(dtype)                     # (vocab, P * td)
             else:
-                self.w_x = w_x.to(dtype)
-        self.w_out = (w_kv @ f32(g.out.weight)).T.contiguous().to(dtype)      # (width, m)
-        self.conv = f32(g.window.weight).to(dtype) if g.window is not None else None
-        self.context = g.context
+                self.w_tok = w_tok.to(dtype)
 
-    def __call__(self, z: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor,
+    def __call__(self, zs: list[torch.Tensor], mask: torch.Tensor, token_ids: torch.Tensor,
                  x0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """z (B, T, r_h), mask/token_ids (B, T); x0 (B, T, H) only without a token table.
-        Returns K before RoPE (B, T, n_kv * d) and V (B, T, n_kv * d)."""
-        b, t, _ = z.shape
-        if self.token_table is not None:
-            base = self.token_table[token_ids].view(b * t, -1)
-        elif self.w_x is not None:
-            if x0 is None:
-                raise ValueError("this aligner reads the consumer's layer-0 input x0 (token features); pass it")
-            base = F.linear(x0.reshape(b * t, -1), self.w_x, self.bias)
-        else:
-            base = self.bias
-        u = torch.addmm(base, z.reshape(b * t, -1).to(self.w_z.dtype), self.w_z).view(b, t, -1)
+        """zs: each patch layer's codes (B, T, r_h); mask/token_ids (B, T); x0 (B, T, H) only without a token
+        table. Returns K before RoPE and V of every patch layer, each (P, B, T, n_kv * d)."""
+        b, t = token_ids.shape
+        p = self.n
+        f = torch.stack(zs).to(self.w_f.dtype).view(p, b * t, -1)
+        if self.token_table is not None or self.w_tok is not None:
+            if self.token_table is not None:
+                tok = self.token_table[token_ids]
+            elif x0 is None:
+                raise ValueError("these aligners read the consumer's layer-0 input x0 (token features); pass it")
+            else:
+                tok = F.linear(x0, self.w_tok)
+            f = torch.cat([f, tok.view(b * t, p, -1).transpose(0, 1)], dim=-1)      # (P, B*T, feat)
+        u = torch.baddbmm(self.bias, f, self.w_f)                                    # (P, B*T, n)
         s, h, *q = u.split(self.sizes, dim=-1)
-        if self.conv is not None:                         # padding rows zeroed, then the causal convolution
-            q = (q[0] * mask.unsqueeze(-1).to(u.dtype)).transpose(1, 2)
-            h = h + F.conv1d(F.pad(q, (self.context - 1, 0)), self.conv).transpose(1, 2)
-        kv = torch.addmm(s.reshape(b * t, -1), F.gelu(h).reshape(b * t, -1), self.w_out)
-        return kv[:, :self.m_k].view(b, t, -1), kv[:, self.m_k:].view(b, t, -1)
+        if self.window is not None:        # padding rows zeroed, the last `context` rows side by side, one matmul
+            wd = self.sizes[2]
+            q = F.pad(q[0].view(p, b, t, wd) * mask.view(1, b, t, 1).to(u.dtype), (0, 0, self.context - 1, 0))
+            h = torch.baddbmm(h, q.unfold(2, self.context, 1).reshape(p, b * t, -1), self.window)
+        kv = torch.baddbmm(s, F.gelu(h), self.w_out)                                 # (P, B*T, m)
+        return kv[..., :self.m_k].view(p, b, t, -1), kv[..., self.m_k:].view(p, b, t, -1)
+
+
+@torch.no_grad()
+def _compose(g: Aligner, layer) -> dict:
+    """One aligner and its layer's K/V projections as the float32 matrices FusedPatches stacks (see there)."""
+    attn = layer.self_attn
+    dev = attn.k_proj.weight.device
+    f32 = lambda t: t.detach().to(dev, torch.float32)  # noqa: E731
+    bias = lambda lin: f32(lin.bias) if lin.bias is not None else torch.zeros(lin.out_features, device=dev)  # noqa: E731
+    w_kv = torch.cat([f32(attn.k_proj.weight), f32(attn.v_proj.weight)])            # (m, H)
+    b_kv = torch.cat([bias(attn.k_proj), bias(attn.v_proj)])
+    maps = [(w_kv @ f32(g.linear.weight), w_kv @ (f32(g.linear.bias) + f32(g.out.bias)) + b_kv),
+            (f32(g.inner.weight), f32(g.inner.bias))]
+    if g.squeeze is not None:
+        maps.append((f32(g.squeeze.weight), torch.zeros(g.squeeze.out_features, device=dev)))
+    window = None
+    if g.window is not None:                           # conv taps (w, wd, ctx) as one (wd * ctx, w) matrix
+        window = f32(g.window.weight).flatten(1).T.contiguous()
+    return {"sizes": [w.shape[0] for w, _ in maps], "m_k": attn.k_proj.out_features,
+            "w_f": torch.cat([w for w, _ in maps]).T.contiguous(), "b_f": torch.cat([b for _, b in maps]),
+            "w_out": (w_kv @ f32(g.out.weight)).T.contiguous(), "window": window,
+            "tok": f32(g.token.weight) if g.token is not None else None}
 
 
 @dataclass

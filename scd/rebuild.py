@@ -77,12 +77,12 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         v = _decode_stacked(dec_v, mu_v, [codes.layers[l]["z_v"] for l in reuse], dtype)
         values.update({l: v[i] for i, l in enumerate(reuse)})
     t_patch = time.perf_counter()
-    if patch := by_kind["patch"]:
+    if patch := by_kind["patch"]:                           # all Patch layers at once
         x0 = tables.x0(codes.token_ids) if art.aligner_tokens and not tables.vocab_kept else None
-        for l in patch:
-            k, v = tables.patch(art.aligners[l], l)(codes.layers[l]["z_h"], codes.mask, codes.token_ids, x0)
-            keys[order.index(l)].copy_(heads(k))
-            values[l] = heads(v)
+        k, v = tables.patches(art, patch)([codes.layers[l]["z_h"] for l in patch], codes.mask, codes.token_ids, x0)
+        first = len(order) - len(patch)
+        keys[first:].copy_(k.view(len(patch), b, t, n_kv, d_h).transpose(2, 3))
+        values.update({l: heads(v[i]) for i, l in enumerate(patch)})
     t_rope = time.perf_counter()
     keys = apply_rope(keys, cos, sin)                        # every layer's keys in one pass
     t_end = time.perf_counter()

@@ -1,5 +1,5 @@
 """Per-consumer lookups for the rebuild: what depends on a token id or a position alone is looked up,
-not computed, and each Patch aligner is composed with its layer's K/V projections once.
+not computed, and an artifact's Patch aligners are composed with their layers' K/V projections once.
 
 The rebuild is a few dozen small tensor operations; on a small model each one costs more in dispatch
 than in arithmetic, so every operation saved here is latency saved (see `scd bench`). Everything is
@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from scd.patch import Aligner, FusedPatch
+from scd.patch import FusedPatches
 from scd.rope import cos_sin
 
 
@@ -33,7 +33,6 @@ class ConsumerTables:
         attn = model.model.layers[0].self_attn
         self.vocab_kept = vocab * (hidden + attn.k_proj.out_features + attn.v_proj.out_features) <= max_vocab_elements
         self._vocab: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._patches: "weakref.WeakKeyDictionary[Aligner, FusedPatch]" = weakref.WeakKeyDictionary()
 
     @torch.no_grad()
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,13 +72,16 @@ class ConsumerTables:
         attn = self.model.model.layers[0].self_attn
         return attn.k_proj(x0), attn.v_proj(x0)
 
-    def patch(self, aligner: Aligner, layer: int) -> FusedPatch:
-        """The aligner composed with layer `layer`'s K/V projections (and this model's token table)."""
-        fused = self._patches.get(aligner)
-        if fused is None:
+    def patches(self, art, layers: list[int]) -> FusedPatches:
+        """The artifact's aligners of `layers` fused with this model's projections (made once per artifact
+        and model: kept in the artifact's `derived`, checked to belong to these tables)."""
+        key = ("patches", tuple(layers), id(self))
+        hit = art.derived.get(key)
+        if hit is None or hit[0]() is not self:
             table = self._vocab_tables()[0] if self.vocab_kept else None
-            fused = self._patches[aligner] = FusedPatch(aligner, self.model.model.layers[layer], table)
-        return fused
+            fused = FusedPatches([art.aligners[l] for l in layers], [self.model.model.layers[l] for l in layers], table)
+            hit = art.derived[key] = (weakref.ref(self), fused)
+        return hit[1]
 
 
 _TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

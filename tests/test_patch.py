@@ -1,7 +1,7 @@
 """The Patch aligner: its causal window and its token features, on synthetic targets it must (not) fit."""
 import torch
 
-from scd.patch import Aligner, FusedPatch, regenerate_kv, train_aligner, window_index
+from scd.patch import Aligner, FusedPatches, regenerate_kv, train_aligner, window_index
 from scd.rope import apply_rope, cos_sin, positions_from_mask
 from scd.tables import layer0_input
 from tests.conftest import left_padded_batch, tiny_llama
@@ -92,29 +92,33 @@ def test_aligner_with_token_features_refuses_to_run_without_them():
         raise AssertionError("an aligner with token features ran without x0")
 
 
-def test_fused_patch_equals_aligner_then_the_layers_own_projections():
+def test_fused_patches_equal_each_aligner_then_its_layers_own_projections():
     model = tiny_llama(0)
-    layer = model.model.layers[1]
+    layers = [model.model.layers[1], model.model.layers[2]]
+    ids, mask = left_padded_batch()
+    cos, sin = cos_sin(model, positions_from_mask(mask))
+    x0 = layer0_input(model, ids)
+    table = layer0_input(model, torch.arange(model.model.embed_tokens.weight.shape[0]))
     for bias in (False, True):                              # Qwen2-style K/V projection biases too
         if bias:
-            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+            for proj in (layers[0].self_attn.k_proj, layers[0].self_attn.v_proj):
                 proj.bias = torch.nn.Parameter(torch.randn(proj.out_features) * 0.3)
         torch.manual_seed(1)
-        g = Aligner(6, model.config.hidden_size, 16, context=3, token_dim=4, window_dim=2).eval()
-        torch.nn.init.normal_(g.out.weight, std=0.2)
-        torch.nn.init.normal_(g.out.bias, std=0.2)
-        ids, mask = left_padded_batch()
-        z = torch.randn(*ids.shape, 6)
-        x0 = layer0_input(model, ids)
-        cos, sin = cos_sin(model, positions_from_mask(mask))
+        aligners = [Aligner(6, model.config.hidden_size, 16, context=3, token_dim=4, window_dim=2).eval()
+                    for _ in layers]
+        for g in aligners:
+            torch.nn.init.normal_(g.out.weight, std=0.2)
+            torch.nn.init.normal_(g.out.bias, std=0.2)
+        zs = [torch.randn(*ids.shape, 6) for _ in layers]
         with torch.no_grad():
-            ref_k, ref_v = regenerate_kv(layer, g(z, mask, x0), cos, sin, 8)
-            emb = model.model.embed_tokens.weight
-            table = layer0_input(model, torch.arange(emb.shape[0]))
-            for name, fused, x in (("table", FusedPatch(g, layer, table), None), ("no table", FusedPatch(g, layer), x0)):
-                k, v = fused(z, mask, ids, x)
-                k = apply_rope(k.view(*ids.shape, -1, 8).transpose(1, 2), cos, sin)
-                v = v.view(*ids.shape, -1, 8).transpose(1, 2)
-                keep = mask.bool()[:, None, :, None].expand_as(k)       # padding rows are never attended
-                err = max((k - ref_k)[keep].abs().max().item(), (v - ref_v)[keep].abs().max().item())
-                assert err < 1e-5, f"fused patch ({name}, bias={bias}) differs from the direct path by {err:.2e}"
+            refs = [regenerate_kv(layer, g(z, mask, x0), cos, sin, 8) for g, layer, z in zip(aligners, layers, zs)]
+            for name, fused, x in (("table", FusedPatches(aligners, layers, table), None),
+                                   ("no table", FusedPatches(aligners, layers), x0),
+                                   ("one layer", FusedPatches(aligners[1:], layers[1:], table), None)):
+                ks, vs = fused(zs[-fused.n:], mask, ids, x)
+                for i, (ref_k, ref_v) in enumerate(refs[-fused.n:]):
+                    k = apply_rope(ks[i].view(*ids.shape, -1, 8).transpose(1, 2), cos, sin)
+                    v = vs[i].view(*ids.shape, -1, 8).transpose(1, 2)
+                    keep = mask.bool()[:, None, :, None].expand_as(k)   # padding rows are never attended
+                    err = max((k - ref_k)[keep].abs().max().item(), (v - ref_v)[keep].abs().max().item())
+                    assert err < 1e-5, f"fused ({name}, bias={bias}) layer {i} differs from the direct path by {err:.2e}"
