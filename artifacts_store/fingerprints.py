@@ -10,12 +10,13 @@ and loading with `expect=` refuses any difference, naming which one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts_store.errors import FingerprintMismatch
+from scd.calibrate import data_digest as calibration_digest  # noqa: F401  (one digest for both)
 
 DIGEST_HEX = 32                 # 128 bits: collisions are not a practical concern, manifests stay readable
 
@@ -28,16 +29,6 @@ def weights_digest(model: "torch.nn.Module | Mapping[str, torch.Tensor]") -> str
         t = state[name].detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
         # a uint8 view is a zero-copy byte image that works for every dtype (bf16 included)
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()[:DIGEST_HEX]
-
-
-def calibration_digest(prefixes: Iterable[torch.Tensor]) -> str:
-    """sha256 over the token ids of the calibration prefixes, in order (same data -> same digest)."""
-    h = hashlib.sha256()
-    for p in prefixes:
-        t = torch.as_tensor(p).detach().to("cpu", torch.int64).contiguous()
-        h.update(f"{tuple(t.shape)}\n".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()[:DIGEST_HEX]
 

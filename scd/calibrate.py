@@ -72,11 +72,15 @@ def pad_left(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def data_digest(prefixes: list[torch.Tensor]) -> str:
+def data_digest(prefixes) -> str:
+    """sha256 over the token ids of the calibration prefixes, in order (same data -> same digest), 32 hex.
+    Keys the checkpoint folder, and the registry records it in each manifest (as calibration_digest)."""
     h = hashlib.sha256()
     for p in prefixes:
-        h.update(p.to(torch.int64).numpy().tobytes() + b"|")
-    return h.hexdigest()[:16]
+        t = torch.as_tensor(p).detach().to("cpu", torch.int64).contiguous()
+        h.update(f"{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()[:32]
 
 
 class PlanScorer:
