@@ -33,7 +33,7 @@ from artifacts_store.fsio import Storage, open_root
 from artifacts_store.manifest import CalibrationData, FileEntry, Manifest, PairNames, Ranks, code_version
 from artifacts_store.refs import (LATEST, RESERVED_FILES, Ref, check_file_name, is_version_id, new_version_id,
                                   parse_pair_dir, parse_ref, version_time)
-from scd.artifacts import PairArtifacts
+from scd.artifacts import IncompatibleArtifact, PairArtifacts
 
 MANIFEST, TENSORS, DESCRIPTION = "manifest.json", "tensors.safetensors", "artifact.json"
 POINTER, TMP = "LATEST", ".tmp-"
@@ -316,7 +316,10 @@ class ArtifactStore:
         if problems:
             raise ChecksumMismatch(f"refusing to load {r}: " + "; ".join(map(str, problems)) + ". The stored copy is "
                                    "damaged: republish the pair or load another version", problems)
-        art = PairArtifacts.from_parts(json.loads(data[DESCRIPTION]), st_load(data[TENSORS]))
+        try:
+            art = PairArtifacts.from_parts(json.loads(data[DESCRIPTION]), st_load(data[TENSORS]))
+        except IncompatibleArtifact as e:
+            raise ManifestError(f"{r}: {e}") from None
         if parse_ref(art.pair).pair != r.pair or art.spec.fingerprint() != m.producer.config_hash:
             raise ManifestError(f"{r}: artifact.json (pair {art.pair}, spec {art.spec.fingerprint()}) disagrees with "
                                 f"its manifest (pair {r.pair}, spec {m.producer.config_hash}); republish this version")

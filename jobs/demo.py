@@ -9,7 +9,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from artifacts_store import ArtifactStore
+from artifacts_store import ArtifactStore, ArtifactStoreError
 from cluster.config import load_config
 from jobs import demo_data
 
@@ -38,6 +38,15 @@ def breakdown(scd: dict) -> tuple[float, str]:
     return e2e, "  ".join(f"{k}={t[k]:.1f}" for k in keys if k in t)
 
 
+def usable(store: ArtifactStore, pair: str) -> bool:
+    """Whether the pair's latest artifact loads in this build (absent, damaged or old-format ones do not)."""
+    try:
+        store.load(f"{pair}@latest")
+    except ArtifactStoreError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scd demo", description=__doc__)
     p.add_argument("--config", default=str(REPO / "ray_config.yaml"))
@@ -56,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         connect(cfg.ray)
         store = ArtifactStore(cfg.artifacts.uri)
-        missing = [pair for pair in cfg.pairs() if not store.list(pair)]
+        missing = [pair for pair in cfg.pairs() if not usable(store, pair)]
         if missing:
             print(f"calibrating {missing} as Ray Jobs (first run only; checkpoints in {cfg.calibration.work_dir})")
             if submit_and_follow("http://" + ctx.dashboard_url, missing, args.config, str(REPO)):

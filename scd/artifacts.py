@@ -16,8 +16,12 @@ from scd.models import ModelSpec
 from scd.patch import Aligner
 from scd.reuse import LinearCodec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                  # 2: aligners with a causal window and token features
 KINDS = ("exact", "reuse", "patch")
+
+
+class IncompatibleArtifact(ValueError):
+    """Artifacts in a layout this build does not read (an older or newer format): recalibrate."""
 
 
 @dataclass
@@ -106,7 +110,8 @@ class PairArtifacts:
     @classmethod
     def from_parts(cls, desc: dict, t: dict[str, torch.Tensor]) -> "PairArtifacts":
         if desc.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"artifact format_version {desc.get('format_version')!r}, expected {FORMAT_VERSION}")
+            raise IncompatibleArtifact(f"artifact format {desc.get('format_version')!r} was written by another SCD "
+                                       f"Serve build (this one reads format {FORMAT_VERSION}): recalibrate the pair")
         spec = ModelSpec(**desc["spec"])
         layers = lambda pre: sorted({int(k.split(".")[1]) for k in t if k.startswith(pre)})  # noqa: E731
         reuse_k = {l: LinearCodec.from_tensors(t, f"reuse.{l}.k") for l in layers("reuse.")}

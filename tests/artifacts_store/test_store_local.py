@@ -166,3 +166,18 @@ def test_the_package_imports_without_ray():
     import sys
     code = "import sys, artifacts_store; assert 'ray' not in sys.modules, 'artifacts_store imported ray'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_an_artifact_of_another_format_is_refused_with_a_recalibrate_message(store, monkeypatch):
+    import scd.artifacts
+    from artifacts_store import ManifestError
+    from jobs.demo import usable
+    with monkeypatch.context() as m:
+        m.setattr(scd.artifacts, "FORMAT_VERSION", 1)         # as an older build wrote it
+        publish(store, tiny_artifacts(patch=True))
+    with pytest.raises(ManifestError) as e:
+        store.load("base:qa")
+    assert "format 1" in str(e.value) and "recalibrate" in str(e.value)
+    assert not usable(store, "base:qa") and not usable(store, "base:prose")
+    publish(store, tiny_artifacts(patch=True))                 # recalibrated: latest loads again
+    assert usable(store, "base:qa")
