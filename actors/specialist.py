@@ -13,7 +13,7 @@ import torch
 
 from scd import cache, codec
 from scd.artifacts import PairArtifacts
-from scd.rebuild import rebuild
+from scd.rebuild import prepare, rebuild
 from scd.trace import capture
 
 FALLBACK_REASONS = ("no_artifact", "artifact_mismatch", "producer_unavailable", "producer_timeout",
@@ -46,9 +46,11 @@ class SpecialistEngine:
     def __init__(self, name: str, model, tokenizer, art: PairArtifacts | None = None, version: str | None = None,
                  unavailable_reason: str = "no_artifact", device: str = "cpu"):
         self.name, self.model, self.tok, self.device = name, model, tokenizer, device
-        self.art, self.version, self.unavailable_reason = art, version, unavailable_reason
+        self.set_artifact(art, version, unavailable_reason)
 
     def set_artifact(self, art: PairArtifacts | None, version: str | None, reason: str = "no_artifact") -> None:
+        if art is not None:
+            prepare(self.model, art)          # lookup tables and fused patches now, not on the first request
         self.art, self.version, self.unavailable_reason = art, version, reason
 
     def tokenize(self, text: str) -> list[int]:

@@ -50,6 +50,22 @@ def exact_layer0(model, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 @torch.no_grad()
+def prepare(model, art: PairArtifacts) -> None:
+    """Make everything rebuild() derives from the model and the artifact (lookup tables, stacked decoders,
+    fused patches) now, so the first request does not pay for it."""
+    dtype = next(model.parameters()).dtype
+    tables = consumer_tables(model, art.spec.head_dim)
+    tables.rope(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device), dtype)
+    if tables.vocab_kept:
+        tables.x0(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))
+    reuse = [l for l, k in enumerate(art.plan) if k == "reuse"]
+    if reuse:
+        art.reuse_decoders(tuple(reuse), dtype)
+    if art.patch_layers:
+        tables.patches(art, art.patch_layers)
+
+
+@torch.no_grad()
 def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str, float]]:
     """Consumer side: per-layer (K post-RoPE, V) in the consumer's own feature space, plus phase times (ms).
 

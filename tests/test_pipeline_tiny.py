@@ -54,7 +54,7 @@ def test_identical_pair_full_rank_scd_reproduces_kv(tmp_path):
 
 
 def test_rebuild_of_a_left_padded_batch_matches_rebuilding_each_row(tmp_path):
-    from scd.rebuild import encode, rebuild
+    from scd.rebuild import encode, prepare, rebuild
     from scd.trace import capture
     from tests.conftest import left_padded_batch
     a = tiny_llama(0)
@@ -64,6 +64,8 @@ def test_rebuild_of_a_left_padded_batch_matches_rebuilding_each_row(tmp_path):
     cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path, cfg, progress=False)
     cal.traces()
     art = cal.artifacts_for(["exact", "patch", "reuse"])     # exercise every rebuild path
+    prepare(b, art)                                          # derived tensors made up front, then reused
+    assert {k[0] for k in art.derived if isinstance(k[0], str)} == {"patches"} and len(art.derived) == 2, art.derived
     ids, mask = left_padded_batch()
     kv_batch, _ = rebuild(b, art, encode(art, capture(a, ids, mask), ids))
     for i in range(ids.shape[0]):
