@@ -32,10 +32,26 @@ def _get(url, timeout=30):
         return json.loads(r.read())
 
 
+def deploy_and_wait(cfg_path, raw: dict):
+    """Write the config, deploy the app on the session's Ray, wait until /healthz says ok: (cfg, url)."""
+    from serve_app.app import deploy
+    cfg_path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(cfg_path)
+    deploy(cfg)
+    url = f"http://127.0.0.1:{cfg.http.port}"
+    for _ in range(120):
+        try:
+            if _get(url + "/healthz")["status"] == "ok":
+                break
+        except Exception:
+            pass
+        time.sleep(1)
+    return cfg, url
+
+
 @pytest.fixture(scope="module")
 def served(ray_cluster, tmp_path_factory):
     from actors.producer_actor import PRODUCER_NAME
-    from serve_app.app import deploy
     tmp = tmp_path_factory.mktemp("serve")
     cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
     for pair in ("base:qa", "base:prose", "base:code"):
@@ -55,17 +71,7 @@ def served(ray_cluster, tmp_path_factory):
     raw["ray"] = {"namespace": "scd-test"}
     raw["http"] = {"port": free_port()}
     raw["producer_timeout_s"] = 1.5
-    cfg_path.write_text(yaml.safe_dump(raw))
-    cfg = load_config(cfg_path)
-    deploy(cfg)
-    url = f"http://127.0.0.1:{cfg.http.port}"
-    for _ in range(120):
-        try:
-            if _get(url + "/healthz")["status"] == "ok":
-                break
-        except Exception:
-            pass
-        time.sleep(1)
+    cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, cfg, ray.get_actor(PRODUCER_NAME, namespace="scd-test")
     from ray import serve
     serve.shutdown()

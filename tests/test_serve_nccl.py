@@ -10,7 +10,7 @@ import yaml
 
 from jobs.calibrate import main as calibrate
 from tests.conftest import DEMO, free_port, write_config
-from tests.test_serve import PREFIX, _get, _post
+from tests.test_serve import PREFIX, _get, _post, deploy_and_wait
 
 NS = "scd-test-nccl"
 
@@ -18,8 +18,6 @@ NS = "scd-test-nccl"
 @pytest.fixture(scope="module")
 def served_nccl(ray_cluster, tmp_path_factory):
     from actors.producer_actor import PRODUCER_NAME
-    from cluster.config import load_config
-    from serve_app.app import deploy
     tmp = tmp_path_factory.mktemp("serve-nccl")
     cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
     for pair in ("base:qa", "base:prose"):
@@ -32,17 +30,7 @@ def served_nccl(ray_cluster, tmp_path_factory):
         {"name": "prose", "path": str(DEMO / "prose"), "num_cpus": 0.25}]
     raw.update(transport="nccl_fake", ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=5)
     raw["producer"]["num_cpus"] = 0.25
-    cfg_path.write_text(yaml.safe_dump(raw))
-    cfg = load_config(cfg_path)
-    deploy(cfg)
-    url = f"http://127.0.0.1:{cfg.http.port}"
-    for _ in range(120):
-        try:
-            if _get(url + "/healthz")["status"] == "ok":
-                break
-        except Exception:
-            pass
-        time.sleep(1)
+    cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, ray.get_actor(PRODUCER_NAME, namespace=NS)
     from ray import serve
     serve.shutdown()
