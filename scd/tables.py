@@ -28,6 +28,8 @@ class ConsumerTables:
 
     def __init__(self, model, head_dim: int, max_vocab_elements: int = 1 << 24):
         self.model, self.head_dim = model, head_dim
+        w = model.model.embed_tokens.weight
+        self.made_for = (w.device, w.dtype)            # tables follow the model's device and dtype
         self._rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         vocab, hidden = model.model.embed_tokens.weight.shape
         attn = model.model.layers[0].self_attn
@@ -88,7 +90,9 @@ _TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def consumer_tables(model, head_dim: int) -> ConsumerTables:
-    """The model's ConsumerTables, made once per model object."""
-    if model not in _TABLES:
-        _TABLES[model] = ConsumerTables(model, head_dim)
-    return _TABLES[model]
+    """The model's ConsumerTables, made once per model object (again if the model moved device or dtype)."""
+    w = model.model.embed_tokens.weight
+    tables = _TABLES.get(model)
+    if tables is None or tables.made_for != (w.device, w.dtype):
+        tables = _TABLES[model] = ConsumerTables(model, head_dim)
+    return tables

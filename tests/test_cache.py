@@ -115,3 +115,14 @@ def test_xnorm_errors_are_zero_for_the_oracle_and_start_after_a_corrupted_layer(
     bad[1] = (kv[1][0] + 1.0, kv[1][1])
     errs = xnorm_errors(model, bad, kv, mask, cont)
     assert errs[0] < 1e-5 and errs[1] < 1e-5 and errs[2] > 1e-3, errs   # layer 1's cache first affects layer 2's input
+
+
+def test_consumer_tables_follow_the_model_to_another_dtype():
+    from scd.tables import consumer_tables
+    model = tiny_llama()
+    ids = torch.randint(2, 97, (1, 6))
+    first = consumer_tables(model, 8)
+    assert consumer_tables(model, 8) is first                      # made once
+    model.to(torch.float64)
+    moved = consumer_tables(model, 8)
+    assert moved is not first and moved.x0(ids).dtype == torch.float64
