@@ -77,6 +77,9 @@ class CalibrationSettings(_Strict):
     aligner_context: int = Field(8, ge=1, description="codes per Patch aligner input (1 = per token)")
     aligner_tokens: int = Field(32, ge=0, description="width of the aligner's token features (0 = none)")
     aligner_loss: Literal["kv", "x"] = Field("kv", description="aligner fit: regenerated K/V error or x_norm error")
+    finetune_samples: int = Field(512, ge=0, description="samples for end-to-end aligner fine-tuning on the "
+                                                       "consumer's next-token KL (0 = off)")
+    finetune_epochs: int = Field(3, ge=1)
     work_dir: str = Field("runs/calibrate", description="checkpoints of running/finished calibrations")
 
 

@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> str:
     calib, val, held = samples.pair_data(cons_name, tok, n_prefixes, c.val, n_held, c.prefix_tokens)
     ccfg = CalibConfig(r_k=c.r_k, r_v=c.r_v, r_h=c.r_h, pool=c.pool, patch_cost=c.patch_cost,
                        aligner_epochs=c.aligner_epochs, aligner_context=c.aligner_context,
-                       aligner_tokens=c.aligner_tokens, aligner_loss=c.aligner_loss)
+                       aligner_tokens=c.aligner_tokens, aligner_loss=c.aligner_loss,
+                       finetune_samples=c.finetune_samples, finetune_epochs=c.finetune_epochs)
     cal = Calibration(producer, consumer, spec, args.pair, calib, work, ccfg, pad_id=tok.pad_token_id, log=log)
     log(f"pair {args.pair}: {len(calib)} calibration prefixes, {len(val)} validation, {len(held)} held-out; "
         f"checkpoints in {cal.dir}")
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> str:
     else:
         connect(cfg.ray)
         capture_pair = actor_capture(cfg.producer.path, spec_cfg.path, (cfg.producer.num_gpus, spec_cfg.num_gpus))
-    art = cal.run(val, capture_pair)
+    tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens)
+    art = cal.run(val, capture_pair, tune)
     log(f"plan {art.plan}")
 
     def evaluate():

@@ -67,8 +67,10 @@ def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
                       seed=args.seed)
     calib, val, _ = samples.pair_data(pair.split(":")[1], tok, args.calib, args.val, 0, args.prefix_tokens,
                                       text_file=args.text, seed=args.seed)
+    tune = samples.tune_samples(pair.split(":")[1], tok, cfg.finetune_samples, args.prefix_tokens,
+                                text_file=args.text, seed=args.seed)
     return Calibration(producer, consumer, spec, pair, calib, args.work_dir, cfg, pad_id=tok.pad_token_id,
-                       log=lambda line: print(line, file=sys.stderr)).run(val)
+                       log=lambda line: print(line, file=sys.stderr)).run(val, tune_samples=tune)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -60,3 +60,14 @@ def pair_data(consumer_name: str, tok, n_calib: int, n_val: int, n_eval: int, pr
     val = lm_samples(tok, train, n_val, prefix_tokens, cont_tokens, seed + 1)
     return calib, val, lm_samples(tok, domain_texts(consumer_name, "heldout", text_file), n_eval, prefix_tokens,
                                   cont_tokens, seed + 2)
+
+
+def tune_samples(consumer_name: str, tok, n: int, prefix_tokens: int = 160, cont_tokens: int = 32,
+                 text_file: str | None = None, seed: int = 0) -> list[Sample]:
+    """(prefix, continuation) samples from the training split for end-to-end aligner fine-tuning: QA
+    documents with their question and answer, or text windows."""
+    if n <= 0:
+        return []
+    if consumer_name == "qa" and not text_file:
+        return qa_samples(tok, "calib", n, seed + 11)
+    return lm_samples(tok, domain_texts(consumer_name, "train", text_file), n, prefix_tokens, cont_tokens, seed + 11)

@@ -20,9 +20,9 @@ def assemble(model, kv: list[KV]) -> DynamicCache:
     return cache
 
 
-@torch.no_grad()
-def extend(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor, ids_mask: torch.Tensor | None = None):
-    """Run ids (B, S) on top of the cache (mutated in place). Returns (logits (B, S, V), full mask (B, T+S))."""
+def forward_on_cache(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor, ids_mask: torch.Tensor | None = None):
+    """Run ids (B, S) on top of the cache (mutated in place). Returns (logits (B, S, V), full mask (B, T+S)).
+    Differentiable (calibration fine-tunes through it); serving code calls `extend`, its no-grad form."""
     if ids_mask is None:
         ids_mask = torch.ones_like(ids)
     full = torch.cat([prefix_mask, ids_mask], dim=1)
@@ -30,6 +30,9 @@ def extend(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor, ids_mask:
     pos = start + (ids_mask.long().cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=full, position_ids=pos, past_key_values=cache, use_cache=True)
     return out.logits, full
+
+
+extend = torch.no_grad()(forward_on_cache)
 
 
 @torch.no_grad()

@@ -50,6 +50,9 @@ class CalibConfig:
     aligner_tokens: int = 32          # width of the aligner's token features from the consumer's x0 (0 = none)
     aligner_loss: str = "kv"          # "kv": error of the regenerated K/V; "x": error of x_norm itself
     pool: int = 4
+    finetune_samples: int = 512       # (prefix, continuation) samples for end-to-end aligner fine-tuning; 0 = off
+    finetune_epochs: int = 3
+    finetune_lr: float = 1e-4
     patch_cost: float = 0.25          # one Patch layer's consumer work relative to the whole Reuse rebuild
     batch: int = 8
     seed: int = 0
@@ -273,13 +276,44 @@ class Calibration:
                  f"{res.curve[res.k_star]:.4f}")
         return record
 
+    # -- stage 4 (optional) ----------------------------------------------------------------------------
+    def finetune(self, art: PairArtifacts, tune_samples, val_samples) -> dict:
+        """End-to-end fine-tuning of the chosen plan's aligners (scd.finetune), or its checkpoint. Returns its
+        record; art's aligners are replaced by the fine-tuned ones."""
+        from scd.finetune import finetune_aligners
+        d = self.dir / "finetuned"
+        done = d / "record.json"
+        if done.is_file():
+            for l in art.patch_layers:
+                art.aligners[l].load_state_dict(load_file(str(d / f"layer_{l}.safetensors")))
+            art.derived.clear()
+            self.log("stage finetune: resumed from checkpoint")
+            return json.loads(done.read_text())
+        scorer = PlanScorer(self.producer, self.consumer, val_samples, lambda plan: art.with_plan(plan))
+        fit = finetune_aligners(self.producer, self.consumer, art, tune_samples, lambda a: scorer.kl(a.plan),
+                                self.cfg.finetune_epochs, self.cfg.finetune_lr, self.cfg.batch, self.pad_id,
+                                self.cfg.seed, self.progress, lambda line: self.log(f"stage {line}"))
+        d.mkdir(exist_ok=True)
+        for l in art.patch_layers:
+            save_file({k: v.contiguous() for k, v in art.aligners[l].state_dict().items()}, str(d / f"layer_{l}.safetensors"))
+        record = {"samples": len(tune_samples), "train": fit.train, "val": fit.val, "best_epoch": fit.best_epoch}
+        done.write_text(json.dumps(record))
+        self.log(f"stage finetune: validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f} "
+                 f"(epoch {fit.best_epoch} of {len(fit.train)})")
+        return record
+
     # -- all -----------------------------------------------------------------------------------------
-    def run(self, val_samples, capture_pair: CapturePair | None = None) -> PairArtifacts:
+    def run(self, val_samples, capture_pair: CapturePair | None = None, tune_samples=None) -> PairArtifacts:
+        """traces -> policy -> artifacts of the chosen plan, then, with cfg.finetune_samples and
+        tune_samples given, end-to-end fine-tuning of its aligners."""
         rows = self.traces(capture_pair)
         record = self.policy(val_samples)
         art = self.artifacts_for(self.plan_with(record["chosen"]))
-        art.info = {"calibration": {"prefixes": len(self.prefixes), "rows": rows, "data_digest": data_digest(
+        info = {"calibration": {"prefixes": len(self.prefixes), "rows": rows, "data_digest": data_digest(
             self.prefixes), "config": asdict(self.cfg)}, "policy": record}
+        if self.cfg.finetune_samples and tune_samples and art.patch_layers:
+            info["finetune"] = self.finetune(art, tune_samples[:self.cfg.finetune_samples], val_samples)
+        art.info = info
         return art
 
 

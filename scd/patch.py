@@ -236,9 +236,9 @@ def train_aligner(z: torch.Tensor, x_b: torch.Tensor, init_dec: torch.Tensor, in
     return AlignerFit(g, train_hist, val_hist, best_epoch)
 
 
-@torch.no_grad()
 def regenerate_kv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
-    """Consumer layer's own K (post-RoPE) and V from its input x_norm (B, T, H): each (B, n_kv, T, d_h)."""
+    """Consumer layer's own K (post-RoPE) and V from its input x_norm (B, T, H): each (B, n_kv, T, d_h).
+    Differentiable in x (end-to-end fine-tuning goes through it)."""
     attn = layer.self_attn
     b, t, _ = x.shape
     k = attn.k_proj(x).view(b, t, -1, head_dim).transpose(1, 2)

@@ -29,7 +29,8 @@ def test_committed_demo_family_is_small_and_loads():
 
 def test_eval_json_on_the_demo_family(tmp_path, capsys):
     scd(["eval", "--pair", "base:qa", "--json", "--samples", "3", "--calib", "24", "--val", "3",
-         "--aligner-epochs", "3", "--pool", "2", "--work-dir", str(tmp_path)])
+         "--aligner-epochs", "3", "--pool", "2", "--finetune-samples", "8", "--finetune-epochs", "1",
+         "--work-dir", str(tmp_path)])
     rows = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in rows] == ["oracle", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd"]
     need = {"method", "payload_bytes", "payload_ratio", "kl", "tv", "top1", "greedy", "f1", "consumer_ms",
@@ -45,7 +46,8 @@ def test_eval_json_on_the_demo_family(tmp_path, capsys):
 
 def test_bench_prints_side_by_side_ratio(tmp_path, capsys):
     scd(["bench", "--pair", "base:qa", "--tokens", "256", "--repeats", "2", "--calib", "16", "--val", "2",
-         "--aligner-epochs", "2", "--pool", "1", "--work-dir", str(tmp_path), "--json"])
+         "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
+         "--work-dir", str(tmp_path), "--json"])
     r = json.loads(capsys.readouterr().out)
     assert r["tokens"] == 256 and r["prefill_ms"] > 0 and r["ratio"] == pytest.approx(r["consumer_ms"] / r["prefill_ms"])
 

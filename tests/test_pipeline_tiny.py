@@ -2,7 +2,7 @@
 import torch
 
 from scd import methods
-from scd.calibrate import CalibConfig, Calibration, calibrate
+from scd.calibrate import CalibConfig, Calibration, PlanScorer, calibrate
 from scd.evaluate import Evaluator, Sample
 from scd.models import ModelSpec
 from tests.conftest import perturbed, tiny_llama
@@ -102,3 +102,29 @@ def test_calibration_resumes_from_its_checkpoints(tmp_path):
     assert art1.plan == art2.plan
     for k, v in art1.tensors().items():
         assert torch.equal(v, art2.tensors()[k]), k
+
+
+def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path):
+    a = tiny_llama(0)
+    b = perturbed(a, 0.5)
+    spec = ModelSpec.from_config(a.config)
+    prefixes = [s.prefix for s in _samples(24, 1)]
+    cfg = CalibConfig(r_k=2, r_v=3, r_h=8, aligner_epochs=3, pool=2, batch=8, finetune_samples=16,
+                      finetune_epochs=3, finetune_lr=3e-3)
+    tune, val = _samples(16, 4, t=20, c=8), _samples(4, 2)
+    logs = []
+    cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)
+    art = cal.run(val, tune_samples=tune)
+    rec = art.info["finetune"]
+    assert art.patch_layers and len(rec["val"]) == 4 and len(rec["train"]) == 3, rec
+    assert rec["val"][rec["best_epoch"]] == min(rec["val"]) <= rec["val"][0], rec
+    assert rec["train"][-1] < rec["train"][0], f"training KL did not fall: {rec['train']}"
+    # the returned artifacts rebuild with the fine-tuned aligners (nothing stale), as scored
+    scorer = PlanScorer(a, b, val, lambda plan: art.with_plan(plan))
+    got = scorer.kl(art.plan)
+    assert abs(got - min(rec["val"])) < 1e-5, f"artifact scores {got:.6f}, fine-tuning recorded {min(rec['val']):.6f}"
+    logs.clear()
+    again = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append).run(
+        val, tune_samples=tune)
+    assert any("finetune: resumed" in line for line in logs), logs
+    assert abs(PlanScorer(a, b, val, lambda plan: again.with_plan(plan)).kl(again.plan) - got) < 1e-6

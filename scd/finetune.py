@@ -1,0 +1,113 @@
+"""End-to-end fine-tuning of a pair's Patch aligners on the consumer's own next-token distribution.
+
+The aligners are first fitted locally (each on the K/V error of its own layer). Here, with the layer plan
+fixed, the consumer runs teacher-forced continuations on top of the rebuilt cache, and the aligners are
+trained on KL(oracle || rebuilt) of its predictions: they learn what matters to the consumer's outputs, and
+to make up for the error the Reuse layers leave. The consumer and the codes stay fixed; the weights of the
+best epoch on the validation samples are kept (the locally fitted ones if no epoch beats them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from scd import cache
+from scd.artifacts import PairArtifacts
+from scd.rebuild import encode, rebuild
+from scd.rope import cos_sin, positions_from_mask
+from scd.patch import regenerate_kv
+from scd.tables import layer0_input
+from scd.trace import capture
+
+
+@dataclass
+class FinetuneFit:
+    train: list[float]          # mean training KL per epoch
+    val: list[float]            # validation KL before training (index 0) and after each epoch
+    best_epoch: int             # 0 = the locally fitted aligners were kept
+
+
+def _pad(seqs: list[torch.Tensor], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    t = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), t, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(t - len(s), t) if left else slice(0, len(s))
+        ids[i, sl], mask[i, sl] = s, 1
+    return ids, mask
+
+
+@torch.no_grad()
+def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int) -> dict:
+    """Everything fixed for one batch: codes, the non-patch layers' K/V, the oracle's log-probabilities."""
+    ids, mask = _pad([s.prefix for s in samples], pad_id, left=True)
+    cont, cmask = _pad([s.cont for s in samples], pad_id, left=False)
+    codes = encode(art, capture(producer, ids, mask), ids)
+    kv, _ = rebuild(consumer, art, codes)
+    o = capture(consumer, ids, mask, want_xnorm=False)
+    ref, _ = cache.extend(consumer, cache.assemble(consumer, list(zip(o.keys, o.values))), mask, cont[:, :-1],
+                          cmask[:, :-1])
+    cos, sin = cos_sin(consumer, positions_from_mask(mask))
+    return {"ids": ids, "mask": mask, "cont": cont, "cmask": cmask, "codes": codes, "kv": kv, "cos": cos,
+            "sin": sin, "ref": F.log_softmax(ref.float(), -1), "x0": layer0_input(consumer, ids)}
+
+
+def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
+    """Mean KL(oracle || rebuilt) over the valid continuation targets, differentiable in the aligners."""
+    kv = list(b["kv"])
+    for l in art.patch_layers:
+        x = art.aligners[l](b["codes"].layers[l]["z_h"].float(), b["mask"], b["x0"])
+        kv[l] = regenerate_kv(consumer.model.layers[l], x.to(b["cos"].dtype), b["cos"], b["sin"], art.spec.head_dim)
+    logits, _ = cache.forward_on_cache(consumer, cache.assemble(consumer, kv), b["mask"], b["cont"][:, :-1],
+                                       b["cmask"][:, :-1])
+    lp, ref = F.log_softmax(logits.float(), -1), b["ref"]
+    per_token = (ref.exp() * (ref - lp)).sum(-1)
+    valid = b["cmask"][:, 1:].to(per_token.dtype)               # targets cont[1:] that are real tokens
+    return (per_token * valid).sum() / valid.sum().clamp(min=1)
+
+
+def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: Callable[[PairArtifacts], float],
+                      epochs: int = 3, lr: float = 1e-4, batch: int = 8, pad_id: int = 0, seed: int = 0,
+                      progress: bool = False, log: Callable[[str], None] = lambda s: None) -> FinetuneFit:
+    """Fine-tune art's aligners in place on (prefix, continuation) samples; val_kl(art) scores a candidate."""
+    if not art.patch_layers:
+        raise ValueError("the plan has no Patch layers: nothing to fine-tune")
+    params = [q for l in art.patch_layers for q in art.aligners[l].parameters()]
+    frozen = [q for q in consumer.parameters() if q.requires_grad]
+    batches = [_batch(producer, consumer, art, samples[i:i + batch], pad_id) for i in range(0, len(samples), batch)]
+    best_state = {l: {k: t.clone() for k, t in art.aligners[l].state_dict().items()} for l in art.patch_layers}
+    fit = FinetuneFit([], [val_kl(art.with_plan(art.plan))], 0)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(params, lr=lr)
+    try:
+        for q in frozen:
+            q.requires_grad_(False)
+        with torch.enable_grad():
+            for epoch in range(1, epochs + 1):
+                tot = 0.0
+                for i in tqdm(torch.randperm(len(batches), generator=gen).tolist(), desc=f"finetune {epoch}/{epochs}",
+                              disable=not progress):
+                    loss = _kl(consumer, art, batches[i])
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    tot += loss.item()
+                fit.train.append(tot / len(batches))
+                fit.val.append(val_kl(art.with_plan(art.plan)))     # a fresh copy: nothing derived is stale
+                log(f"finetune epoch {epoch}: train KL {fit.train[-1]:.4f}, validation KL {fit.val[-1]:.4f}")
+                if fit.val[-1] < min(fit.val[:-1]):
+                    fit.best_epoch = epoch
+                    best_state = {l: {k: t.clone() for k, t in art.aligners[l].state_dict().items()}
+                                  for l in art.patch_layers}
+    finally:
+        for q in frozen:
+            q.requires_grad_(True)
+    for l in art.patch_layers:
+        art.aligners[l].load_state_dict(best_state[l])
+        art.aligners[l].eval()
+    art.derived.clear()                                         # fused forms of the old weights
+    return fit
