@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import ray
@@ -127,10 +128,7 @@ def main(argv: list[str] | None = None) -> str:
     torch.manual_seed(0)
     producer, consumer, tok, spec = load_pair(cfg.producer.path, spec_cfg.path)
     calib, val, held = samples.pair_data(cons_name, tok, n_prefixes, c.val, n_held, c.prefix_tokens)
-    ccfg = CalibConfig(r_k=c.r_k, r_v=c.r_v, r_h=c.r_h, pool=c.pool, patch_cost=c.patch_cost,
-                       aligner_epochs=c.aligner_epochs, aligner_context=c.aligner_context,
-                       aligner_tokens=c.aligner_tokens, aligner_loss=c.aligner_loss,
-                       finetune_samples=c.finetune_samples, finetune_epochs=c.finetune_epochs)
+    ccfg = CalibConfig(**{f.name: getattr(c, f.name) for f in fields(CalibConfig) if f.name in type(c).model_fields})
     cal = Calibration(producer, consumer, spec, args.pair, calib, work, ccfg, pad_id=tok.pad_token_id, log=log)
     log(f"pair {args.pair}: {len(calib)} calibration prefixes, {len(val)} validation, {len(held)} held-out; "
         f"checkpoints in {cal.dir}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import urllib.request
 from pathlib import Path
 
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cli.calibrate import submit_and_follow
     from cluster.runtime import connect
-    from serve_app.app import deploy
+    from serve_app.app import deploy, wait_healthy
 
     ctx = ray.init(num_cpus=cfg.ray.num_cpus or 8, include_dashboard=True, namespace=cfg.ray.namespace,
                    log_to_driver=False)
@@ -73,12 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         deploy(cfg)
         url = f"http://{cfg.http.host}:{cfg.http.port}"
-        for _ in range(180):
-            try:
-                if _call(url + "/healthz")["status"] == "ok":
-                    break
-            except Exception:
-                time.sleep(1)
+        wait_healthy(url)
         prefix, suffixes = demo_prompts()
         names = [s.name for s in cfg.specialists if s.name in suffixes]
         print(f"\nshared prefix ({len(prefix)} chars):\n{prefix}")

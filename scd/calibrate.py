@@ -66,12 +66,14 @@ class CalibConfig:
             raise ValueError(f"aligner_loss must be 'kv' or 'x', got {self.aligner_loss!r}")
 
 
-def pad_left(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pad(seqs: list[torch.Tensor], pad_id: int, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences as one (B, T) batch padded on the left (prefixes) or the right (continuations), with its mask."""
     t = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), t, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, t - len(s):], mask[i, t - len(s):] = s, 1
+        sl = slice(t - len(s), t) if left else slice(0, len(s))
+        ids[i, sl], mask[i, sl] = s, 1
     return ids, mask
 
 
@@ -119,8 +121,8 @@ class Calibration:
                  log: Callable[[str], None] = print, exact_layer0: bool = True):
         self.producer, self.consumer, self.spec, self.pair, self.cfg = producer, consumer, spec, pair, cfg
         self.prefixes, self.pad_id, self.progress, self.log = prefixes, pad_id, progress, log
-        key = {"format": CHECKPOINT_FORMAT, "pair": pair, "config": asdict(cfg), "data": data_digest(prefixes), "spec": spec.fingerprint(),
-               "exact_layer0": exact_layer0}
+        key = {"format": CHECKPOINT_FORMAT, "pair": pair, "config": asdict(cfg), "data": data_digest(prefixes),
+               "spec": spec.fingerprint(), "exact_layer0": exact_layer0}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
         self.dir = Path(work_root) / pair.replace(":", "__") / digest
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +150,7 @@ class Calibration:
         for i, start in enumerate(tqdm(batches, desc="traces", disable=not self.progress)):
             if chunk_path(tdir, i).is_file():
                 continue
-            ids, mask = pad_left(self.prefixes[start:start + self.cfg.batch], self.pad_id)
+            ids, mask = pad(self.prefixes[start:start + self.cfg.batch], self.pad_id)
             a, b = capture_pair(ids, mask)
             write_chunk(tdir, i, {**a, **b})
         rows = sum(len(p) for p in self.prefixes)

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from scd import cache
 from scd.artifacts import PairArtifacts
+from scd.calibrate import pad
 from scd.rebuild import encode, rebuild
 from scd.rope import cos_sin, positions_from_mask
 from scd.patch import regenerate_kv
@@ -31,21 +32,11 @@ class FinetuneFit:
     best_epoch: int             # 0 = the locally fitted aligners were kept
 
 
-def _pad(seqs: list[torch.Tensor], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    t = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), t, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        sl = slice(t - len(s), t) if left else slice(0, len(s))
-        ids[i, sl], mask[i, sl] = s, 1
-    return ids, mask
-
-
 @torch.no_grad()
 def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int) -> dict:
     """Everything fixed for one batch: codes, the non-patch layers' K/V, the oracle's log-probabilities."""
-    ids, mask = _pad([s.prefix for s in samples], pad_id, left=True)
-    cont, cmask = _pad([s.cont for s in samples], pad_id, left=False)
+    ids, mask = pad([s.prefix for s in samples], pad_id, left=True)
+    cont, cmask = pad([s.cont for s in samples], pad_id, left=False)
     codes = encode(art, capture(producer, ids, mask), ids)
     kv, _ = rebuild(consumer, art, codes)
     o = capture(consumer, ids, mask, want_xnorm=False)

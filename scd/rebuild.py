@@ -53,11 +53,12 @@ def exact_layer0(model, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.T
 def prepare(model, art: PairArtifacts) -> None:
     """Make everything rebuild() derives from the model and the artifact (lookup tables, stacked decoders,
     fused patches) now, so the first request does not pay for it."""
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters())
+    dtype, one_token = param.dtype, torch.zeros(1, 1, dtype=torch.long, device=param.device)
     tables = consumer_tables(model, art.spec.head_dim)
-    tables.rope(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device), dtype)
+    tables.rope(one_token, dtype)
     if tables.vocab_kept:
-        tables.x0(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))
+        tables.x0(one_token)
     reuse = [l for l, k in enumerate(art.plan) if k == "reuse"]
     if reuse:
         art.reuse_decoders(tuple(reuse), dtype)

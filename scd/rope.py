@@ -9,11 +9,6 @@ from __future__ import annotations
 import torch
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return torch.cat((-x[..., d:], x[..., :d]), dim=-1)
-
-
 def cos_sin(model, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
     """(cos, sin), each (B, T, d_h), for integer positions (B, T)."""
     dummy = torch.empty(1, dtype=dtype)
@@ -21,7 +16,8 @@ def cos_sin(model, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
 
 
 def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """k: (..., B, H, T, d_h); cos/sin: (B, T, d_h). k cos + rotate_half(k) sin, written as one product and
+    """k: (..., B, H, T, d_h); cos/sin: (B, T, d_h). k cos + rotate_half(k) sin, where rotate_half(k) =
+    [-k2, k1] for the halves k1, k2 of the last dim, written as one product and
     two in-place half updates (three passes over k instead of five)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     h = k.shape[-1] // 2
@@ -33,8 +29,7 @@ def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def remove_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse of apply_rope: rotation by -theta (cos^2 + sin^2 = 1 per frequency pair)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return k * cos - rotate_half(k) * sin
+    return apply_rope(k, cos, -sin)
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:

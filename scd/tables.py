@@ -31,7 +31,7 @@ class ConsumerTables:
         w = model.model.embed_tokens.weight
         self.made_for = (w.device, w.dtype)            # tables follow the model's device and dtype
         self._rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        vocab, hidden = model.model.embed_tokens.weight.shape
+        vocab, hidden = w.shape
         attn = model.model.layers[0].self_attn
         self.vocab_kept = vocab * (hidden + attn.k_proj.out_features + attn.v_proj.out_features) <= max_vocab_elements
         self._vocab: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None

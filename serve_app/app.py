@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import ray
 from ray import serve
 
 from actors.producer_actor import PRODUCER_NAME, ProducerActor
@@ -48,7 +49,6 @@ def build(cfg: DeploymentConfig):
 def start_producer(cfg: DeploymentConfig):
     """The detached, named producer actor (reused if it already runs with the same transport; one left by a
     deployment with another transport is replaced, since replicas must speak the producer's transport)."""
-    import ray
     pairs = {f"{cfg.producer.name}:{s.name}": s.artifact for s in cfg.specialists}
     transport = cfg.resolved_transport()
     opts = actor_options(cfg.producer.num_gpus, name=PRODUCER_NAME, detached=True, namespace=cfg.ray.namespace,
@@ -67,6 +67,22 @@ def start_producer(cfg: DeploymentConfig):
             time.sleep(0.1)
     return ProducerActor.options(**opts).remote(cfg.producer.path, pairs, cfg.artifacts.uri, cfg.ray.namespace,
                                                 transport=transport)
+
+
+def wait_healthy(url: str, timeout_s: float = 180) -> bool:
+    """Poll the app's /healthz until it says ok (True) or `timeout_s` passes (False)."""
+    import json
+    import urllib.request
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=30) as r:
+                if json.loads(r.read())["status"] == "ok":
+                    return True
+        except Exception:                              # not up yet, or degraded (503)
+            pass
+        time.sleep(1)
+    return False
 
 
 def deploy(cfg: DeploymentConfig, blocking: bool = False):

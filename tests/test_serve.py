@@ -34,18 +34,12 @@ def _get(url, timeout=30):
 
 def deploy_and_wait(cfg_path, raw: dict):
     """Write the config, deploy the app on the session's Ray, wait until /healthz says ok: (cfg, url)."""
-    from serve_app.app import deploy
+    from serve_app.app import deploy, wait_healthy
     cfg_path.write_text(yaml.safe_dump(raw))
     cfg = load_config(cfg_path)
     deploy(cfg)
     url = f"http://127.0.0.1:{cfg.http.port}"
-    for _ in range(120):
-        try:
-            if _get(url + "/healthz")["status"] == "ok":
-                break
-        except Exception:
-            pass
-        time.sleep(1)
+    wait_healthy(url, timeout_s=120)
     return cfg, url
 
 
