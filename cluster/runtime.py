@@ -28,10 +28,19 @@ def connect(settings: RaySettings, **overrides) -> dict:
 
 
 def actor_options(num_gpus: float, name: str | None = None, detached: bool = False,
-                  namespace: str | None = None, num_cpus: float = 1) -> dict:
+                  namespace: str | None = None, num_cpus: float = 1, resources: dict[str, float] | None = None,
+                  node_labels: dict[str, str] | None = None) -> dict:
     """Ray actor options for a model-holding actor: GPUs from the config, else `num_cpus` logical CPUs
-    (one by default, so that a producer and a consumer can run side by side on a small machine)."""
+    (one by default, so that a producer and a consumer can run side by side on a small machine).
+
+    Placement: `resources` (custom resources a node must offer) pass through as Ray's `resources`, and
+    `node_labels` become Ray's `label_selector`. Both are also valid Serve `ray_actor_options`, so the
+    producer actor and every specialist replica are placed by the same keys; empty ones are left out."""
     opts: dict = {"num_gpus": num_gpus, "num_cpus": 0 if num_gpus > 0 else num_cpus}
+    if resources:
+        opts["resources"] = dict(resources)
+    if node_labels:
+        opts["label_selector"] = dict(node_labels)
     if name:
         opts.update(name=name, get_if_exists=True)
     if detached:

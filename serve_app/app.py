@@ -26,7 +26,8 @@ def specialist_options(cfg: DeploymentConfig, name: str) -> dict:
     s = cfg.specialist(name)
     a = s.autoscaling
     return {"name": f"specialist-{s.name}",
-            "ray_actor_options": actor_options(s.num_gpus, num_cpus=s.num_cpus),
+            "ray_actor_options": actor_options(s.num_gpus, num_cpus=s.num_cpus, resources=s.resources,
+                                               node_labels=s.node_labels),
             "autoscaling_config": {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
                                    "initial_replicas": max(1, a.min_replicas),
                                    "target_ongoing_requests": a.target_ongoing_requests,

@@ -50,3 +50,59 @@ def test_serve_deploy_config_carries_autoscaling_and_placement():
     assert dep["name"] == "specialist-qa" and dep["autoscaling_config"]["max_replicas"] == 4
     assert dep["ray_actor_options"]["num_gpus"] == 0.5
     assert out["applications"][0]["args"] == {"config": "/etc/scd.yaml"}
+
+
+PLACED = {"producer": {**GOOD["producer"], "resources": {"scd_producer": 1},
+                       "node_labels": {"scd-role": "worker", "example.com/gpu": "in(A100, H100)"}},
+          "specialists": [{**GOOD["specialists"][0], "num_gpus": 0.5, "resources": {"specialist_host": 0.25},
+                           "node_labels": {"zone": "!spot"}},
+                          {"name": "code", "path": "demo_models/code"}]}
+
+
+def test_placement_keys_become_ray_resources_and_label_selector_for_producer_and_serve_replicas():
+    from ray._common.ray_option_utils import validate_actor_options
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.runtime import actor_options
+    cfg = parse(PLACED)
+    p = cfg.producer
+    producer = actor_options(p.num_gpus, name="scd-producer", detached=True, num_cpus=p.num_cpus,
+                             resources=p.resources, node_labels=p.node_labels)
+    assert producer["resources"] == {"scd_producer": 1}
+    assert producer["label_selector"] == {"scd-role": "worker", "example.com/gpu": "in(A100, H100)"}
+    validate_actor_options(producer, in_options=True)              # what Ray's .options() checks
+    out = serve_deploy_config(cfg, "/etc/scd.yaml")
+    qa, code = out["applications"][0]["deployments"]
+    assert qa["ray_actor_options"] == {"num_gpus": 0.5, "num_cpus": 0, "resources": {"specialist_host": 0.25},
+                                       "label_selector": {"zone": "!spot"}}
+    assert code["ray_actor_options"] == {"num_gpus": 0, "num_cpus": 1}    # no placement: no empty keys
+    ServeDeploySchema.model_validate(out)                          # what `serve deploy` checks
+
+
+def test_bad_placement_is_one_config_error_naming_each_key():
+    bad = {"producer": {**GOOD["producer"], "resources": {"CPU": 1, "node:10.0.0.1": 1, "gpu host": 1}},
+           "specialists": [{**GOOD["specialists"][0], "resources": {"specialist_host": 0},
+                            "node_labels": {"-zone": "a", "tier": "gold silver"}}]}
+    with pytest.raises(ConfigError) as e:
+        parse(bad)
+    msg = str(e.value)
+    assert msg.startswith("3 problem(s)"), msg
+    for words in ("producer.resources", "use num_cpus", "use node_labels", "'gpu host' is not a resource name",
+                  "specialists[0].resources", "must be positive", "specialists[0].node_labels",
+                  "label key '-zone'", "'gold silver' is not a label selector value"):
+        assert words in msg, f"{words!r} not in:\n{msg}"
+
+
+@pytest.mark.parametrize("key,value", [("zone", "a"), ("zone", "!a"), ("zone", "in(a,b)"), ("zone", "!in(a, b)"),
+                                       ("example.com/gpu", "H100"), ("ray.io/node-id", "ab12"), ("z", "a-b.c_d"),
+                                       ("-zone", "a"), ("zone", "a b"), ("zone", "in()"), ("zone", "!!a"),
+                                       ("a/b/c", "x"), ("zone", "-a"), ("zone", "x" * 64), ("k" * 64, "v")])
+def test_label_checks_agree_with_rays_own(key, value):
+    from ray._private.label_utils import validate_label_selector
+    ray_ok = validate_label_selector({key: value}) is None
+    try:
+        parse({"producer": {**GOOD["producer"], "node_labels": {key: value}}, "specialists": GOOD["specialists"]})
+        ours = True
+    except ConfigError:
+        ours = False
+    assert ours == ray_ok, f"{key}: {value!r}: ours {ours}, Ray's {ray_ok}"
