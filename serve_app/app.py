@@ -53,7 +53,8 @@ def start_producer(cfg: DeploymentConfig):
     pairs = {f"{cfg.producer.name}:{s.name}": s.artifact for s in cfg.specialists}
     transport = cfg.resolved_transport()
     opts = actor_options(cfg.producer.num_gpus, name=PRODUCER_NAME, detached=True, namespace=cfg.ray.namespace,
-                         num_cpus=cfg.producer.num_cpus)
+                         num_cpus=cfg.producer.num_cpus, resources=cfg.producer.resources,
+                         node_labels=cfg.producer.node_labels)
     try:
         old = ray.get_actor(PRODUCER_NAME, namespace=cfg.ray.namespace)
     except ValueError:
