@@ -15,6 +15,7 @@ COMMANDS = {
     "serve": ("cli.serve", "run the Serve app (or print a `serve deploy` config)"),
     "demo": ("jobs.demo", "the main job: calibrate if needed, serve, fan out, print TTFT vs oracle"),
     "calibrate": ("cli.calibrate", "submit one Ray Job per pair to calibrate and publish it, and follow them"),
+    "loadtest": ("cli.loadtest", "N requests at C concurrent against a running service: ok/error/lost, modes, p50/p99"),
 }
 
 
