@@ -1,7 +1,7 @@
 """Names, references and version ids: the only user text that ever becomes part of a storage path.
 
-Invariant: every path segment the store builds comes out of `check_name`, `check_version_id` or
-`check_file_name`, so no reference can name anything outside the store root ('/', '\\', '..', absolute
+Invariant: every path segment the store builds comes out of `check_name`, `check_version_id`,
+`check_file_name` or `check_holder`, so no reference can name anything outside the store root ('/', '\\', '..', absolute
 paths and leading dots are all refused before any I/O happens).
 
 Reference grammar:  producer:consumer[@version]  where version is a full version id, `latest`, or the
@@ -27,6 +27,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # publishers in the same microsecond still get distinct ids (collision odds 1 in 16.7M).
 _VERSION = re.compile(r"v(\d{8}T\d{12})-[0-9a-f]{6}")
 _TIME_FMT = "%Y%m%dT%H%M%S%f"
+_HOLDER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._#-]*")
 
 
 def check_name(name: str, what: str = "name") -> str:
@@ -40,6 +41,14 @@ def check_name(name: str, what: str = "name") -> str:
         raise InvalidReference(f"{what} {name!r} contains {PAIR_SEP!r}, which separates producer and consumer "
                                "in storage; rename it without a double underscore")
     return name
+
+
+def check_holder(holder: str) -> str:
+    """A lease holder id, e.g. `producer-3fa2` or `qa#1`: a name that may also contain '#' (one file name)."""
+    if not isinstance(holder, str) or len(holder) > MAX_NAME or not _HOLDER.fullmatch(holder) or ".." in holder:
+        raise InvalidReference(f"lease holder {holder!r} is not allowed: use only letters, digits, '.', '_', '-' "
+                               f"and '#', start with a letter or digit, no '..', at most {MAX_NAME} characters")
+    return holder
 
 
 def check_version_id(version: str) -> str:

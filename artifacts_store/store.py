@@ -5,19 +5,24 @@ Layout under the root:
     <producer>__<consumer>/<version>/manifest.json     written last; its presence makes the version visible
     <producer>__<consumer>/<version>/tensors.safetensors, artifact.json, report/...
     <producer>__<consumer>/.tmp-<id>/...               a publish (or pointer write) in progress
+    <producer>__<consumer>/leases/<holder>.json        who serves which version, until when (see leases.py)
 
 Invariants, which hold without atomic rename or conditional writes (S3 has neither):
 - a version is visible iff its manifest.json exists, and manifest.json only appears after every file it lists
   is in place and was verified; gc deletes manifest.json first, so a visible version is never partial;
 - version ids are unique (time + random) and sort by commit time, so concurrent publishers never collide;
 - LATEST is rewritten until a read-back equals the newest listed version: once publishers are quiet it names
-  the newest complete version (a lagging pointer still names a complete one; the next publish or gc fixes it).
+  the newest complete version (a lagging pointer still names a complete one; the next publish or gc fixes it);
+- gc never removes the newest `keep` versions, LATEST's, a pinned one (`protect`) or one with a live lease.
+
+Every public method raises ArtifactStoreError subclasses (or ValueError for a bad argument): a filesystem
+failure (OSError, pyarrow error) arrives as StorageUnavailable naming the operation and the store.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -27,8 +32,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from artifacts_store import fingerprints as fp
+from artifacts_store import leases as ls
+from artifacts_store.leases import GcReport, Kept
 from artifacts_store.errors import (ArtifactNotFound, ChecksumMismatch, FingerprintMismatch, InvalidReference,
-                                    ManifestError)
+                                    ManifestError, storage_errors)
 from artifacts_store.fsio import Storage, open_root
 from artifacts_store.manifest import CalibrationData, FileEntry, Manifest, PairNames, Ranks, code_version
 from artifacts_store.refs import (LATEST, RESERVED_FILES, Ref, check_file_name, is_version_id, new_version_id,
@@ -75,13 +82,6 @@ class VerifyResult:
         return f"{self.ref}: ok" if self.ok else f"{self.ref}: " + "; ".join(map(str, self.problems))
 
 
-@dataclass(slots=True)
-class GcReport:
-    removed_versions: list[str] = field(default_factory=list)     # refs of complete versions removed
-    removed_incomplete: list[str] = field(default_factory=list)   # stale version dirs without a manifest
-    removed_temp: list[str] = field(default_factory=list)         # stale .tmp-* dirs
-
-
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -103,6 +103,7 @@ class ArtifactStore:
     """Versioned pair artifacts under `uri`: a local path (default), or any pyarrow URI (s3://bucket/prefix,
     gs://..., hdfs://...). With `filesystem=` (e.g. a configured S3FileSystem), `uri` is the root path inside it."""
 
+    @storage_errors
     def __init__(self, uri: "str | Path", filesystem: pafs.FileSystem | None = None):
         self.storage = Storage(*open_root(uri, filesystem))
 
@@ -111,6 +112,7 @@ class ArtifactStore:
 
     # ---- publish -------------------------------------------------------------------------------------------
 
+    @storage_errors
     def publish(self, art: PairArtifacts, fingerprints: fp.Fingerprints, calibration: CalibrationData,
                 metrics: Mapping[str, float] | None = None, extra_files: Mapping[str, bytes] | None = None) -> Manifest:
         """Write a new version of art.pair and return its manifest. Safe to call concurrently from anywhere."""
@@ -177,7 +179,7 @@ class ArtifactStore:
     def _pointer(self, pair: Ref) -> str | None:
         try:
             text = self.storage.read(f"{pair.pair_dir}/{POINTER}").decode().strip()
-        except (OSError, UnicodeDecodeError):
+        except (FileNotFoundError, UnicodeDecodeError):     # other errors propagate: gc must not guess
             return None
         return text if is_version_id(text) else None
 
@@ -211,6 +213,7 @@ class ArtifactStore:
     def _pairs(self) -> list[Ref]:
         return [r for r in map(parse_pair_dir, self.storage.subdirs("")) if r is not None]
 
+    @storage_errors
     def resolve(self, ref: "str | Ref") -> Ref:
         """The same reference with a full version id; raises ArtifactNotFound if no complete version matches."""
         r = parse_ref(ref)
@@ -254,6 +257,7 @@ class ArtifactStore:
 
     # ---- read operations -----------------------------------------------------------------------------------
 
+    @storage_errors
     def list(self, pair: "str | Ref | None" = None) -> list[VersionInfo]:
         """Complete versions of one pair (or of all pairs), oldest first; `latest` marks what `@latest` resolves to."""
         pairs = [parse_ref(pair)] if pair is not None else self._pairs()
@@ -267,9 +271,11 @@ class ArtifactStore:
             out += [VersionInfo(p.pair, v, i, v == latest) for i, v in enumerate(versions, 1)]
         return out
 
+    @storage_errors
     def show(self, ref: "str | Ref") -> Manifest:
         return self._manifest(self.resolve(ref))
 
+    @storage_errors
     def verify(self, ref: "str | Ref") -> VerifyResult:
         """Check every file against the manifest: names each missing, bad (checksum/size) and extra file."""
         r = self.resolve(ref)
@@ -293,6 +299,7 @@ class ArtifactStore:
             problems.append(FileProblem(name, "extra", "not listed in the manifest"))
         return VerifyResult(str(r), problems)
 
+    @storage_errors
     def load(self, ref: "str | Ref", expect: fp.Fingerprints | None = None) -> tuple[PairArtifacts, Manifest]:
         """The artifacts and manifest of a version, after checking the files it needs against their checksums and,
         with `expect`, the recorded fingerprints against the models actually loaded (None fields are skipped)."""
@@ -325,18 +332,78 @@ class ArtifactStore:
                                 f"its manifest (pair {r.pair}, spec {m.producer.config_hash}); republish this version")
         return art, m
 
+    # ---- leases --------------------------------------------------------------------------------------------
+
+    @storage_errors
+    def lease(self, ref: "str | Ref", holder: str, ttl_s: float = 300) -> Ref:
+        """Resolve `ref` (e.g. `base:qa@latest`) and record that `holder` serves that version for `ttl_s` seconds;
+        returns the resolved Ref. gc keeps a version while any lease on it is live. Renew by calling again
+        (every ttl_s / 3, say); a holder has one lease per pair, so leasing another version moves it.
+
+        `holder` is a short id unique to the process (`producer-<hex>`, `qa#<replica>`): letters, digits,
+        '.', '_', '-', '#'. Cost: the resolve (`@latest`: read LATEST + one existence check; a full version
+        id: the check alone), one small file written under a temp name and moved into place (local disk: a
+        write and a rename; S3: a PUT, a server-side copy and a delete), and one existence check after it.
+        The check after the write means the version was still there once the lease became visible, so a gc
+        that starts from then on keeps it; a `@latest` ref whose version a concurrent gc removed is
+        resolved again. Raises ArtifactNotFound, InvalidReference, StorageUnavailable."""
+        r = parse_ref(ref)
+        for _ in range(3):
+            v = self.resolve(r)
+            ls.write(self.storage, v, v.version, holder, ttl_s)
+            if self.storage.is_file(f"{v.pair_dir}/{v.version}/{MANIFEST}"):
+                return v
+            ls.remove(self.storage, v, holder)
+            if r.version not in (None, LATEST):
+                break
+        raise ArtifactNotFound(f"{r}: version {v.version} was removed (by gc) while {holder} leased it; "
+                               "lease another version")
+
+    @storage_errors
+    def release(self, pair: "str | Ref", holder: str) -> None:
+        """Drop `holder`'s lease on `pair` (a version in the reference is ignored); no error if it has none."""
+        ls.remove(self.storage, parse_ref(pair).at(None), holder)
+
+    @storage_errors
+    def leases(self, pair: "str | Ref | None" = None) -> list[ls.Lease]:
+        """Live leases of one pair (or of every pair), by pair, version, holder. Expired and unreadable lease
+        files are skipped here and removed by gc. One listing plus one small read per lease file."""
+        pairs = [parse_ref(pair).at(None)] if pair is not None else self._pairs()
+        return [lease for p in pairs for lease in ls.scan(self.storage, p)[0]]
+
     # ---- gc ------------------------------------------------------------------------------------------------
 
-    def gc(self, keep: int = 3, pair: "str | Ref | None" = None, grace: timedelta = timedelta(hours=1)) -> GcReport:
-        """Remove complete versions beyond the newest `keep` per pair (never the one LATEST names), and version
-        or temp dirs without a manifest older than `grace` (younger ones may be publishes in progress)."""
+    @storage_errors
+    def gc(self, keep: int = 3, pair: "str | Ref | None" = None, grace: timedelta = timedelta(hours=1),
+           protect: Iterable[str] = ()) -> GcReport:
+        """Remove complete versions of each pair except: the newest `keep`, the one LATEST names, any version a
+        `protect` reference resolves to (pins, e.g. `base:qa@<version id>`; one that resolves to nothing is
+        ignored with a note), and any version with a live lease. Also removes version or temp dirs without a
+        manifest older than `grace` (younger ones may be publishes in progress) and expired lease files.
+        `report.kept` says which versions survived only because pinned or leased, and by whom.
+
+        Leases are read per pair just before its deletions. A lease written after that read can still lose its
+        version to this gc; lease() checks the version after writing, so only a check that runs between gc's
+        read and its delete is fooled (milliseconds; holders of a loaded artifact then keep serving it)."""
         if keep < 0:
             raise ValueError(f"keep must be >= 0, got {keep}")
         report, cutoff = GcReport(), datetime.now(timezone.utc) - grace
+        pins: dict[str, list[tuple[str, str]]] = {}         # pair -> [(version, pinning ref)]
+        for text in protect:
+            try:
+                r = self.resolve(text)
+            except (ArtifactNotFound, InvalidReference) as e:
+                report.notes.append(f"pin {text} ignored: {e}")
+                continue
+            pins.setdefault(r.pair, []).append((r.version, str(text)))
         for p in ([parse_ref(pair).at(None)] if pair is not None else self._pairs()):
             self._advance_latest(p)     # repair a lagging or dangling pointer before deciding what it protects
             versions = self._versions(p)
-            protected = set(versions[len(versions) - keep:] if keep else []) | {self._pointer(p)}
+            protected = set(versions[max(0, len(versions) - keep):] if keep else []) | {self._pointer(p)}
+            held = [Kept(f"{p.pair}@{v}", "pinned", by) for v, by in pins.get(p.pair, [])]
+            held += [Kept(l.ref, "leased", l.holder, l.expires) for l in ls.scan(self.storage, p)[0]]
+            report.kept += [k for k in held if k.version in versions and k.version not in protected]
+            protected |= {k.version for k in held}
             for v in versions:
                 if v not in protected:
                     self.storage.delete_file(f"{p.pair_dir}/{v}/{MANIFEST}")   # invisible first, then removed
@@ -351,4 +418,7 @@ class ArtifactStore:
                     continue            # committed since we listed: not stale
                 self.storage.delete_dir(f"{p.pair_dir}/{d}")
                 (report.removed_temp if d.startswith(TMP) else report.removed_incomplete).append(f"{p.pair}/{d}")
+            removed_leases, removed_tmp = ls.sweep(self.storage, p, cutoff)
+            report.removed_leases += removed_leases
+            report.removed_temp += removed_tmp
         return report

@@ -97,3 +97,21 @@ def test_store_from_an_s3_uri(s3_endpoint, bucket):
 
 def test_concurrent_publishers_on_s3(s3_store):
     run_concurrently(s3_store, publishers=3, each=2)
+
+
+def test_leases_and_pins_on_s3(s3_store, bucket):
+    client, name = bucket
+    v = [publish(s3_store, tiny_artifacts(seed=i)).version for i in range(4)]
+    assert s3_store.lease("base:qa@1", "qa#1", ttl_s=60).version == v[0]
+    s3_store.lease("base:qa@latest", "producer-ab12", ttl_s=60)
+    assert [(l.version, l.holder) for l in s3_store.leases()] == [(v[0], "qa#1"), (v[3], "producer-ab12")]
+    assert [r.version for r in s3_store.list("base:qa")] == v and s3_store.verify("base:qa@1").ok
+    report = s3_store.gc(keep=0, protect=[f"base:qa@{v[1]}"])
+    assert report.removed_versions == [f"base:qa@{v[2]}"]
+    assert [(k.version, k.why, k.by) for k in report.kept] == [(v[1], "pinned", f"base:qa@{v[1]}"),
+                                                               (v[0], "leased", "qa#1")]
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=name)["Contents"]}
+    assert "artifacts/base__qa/leases/qa#1.json" in keys and not any("/.tmp-" in k for k in keys), sorted(keys)
+    s3_store.release("base:qa", "qa#1")
+    assert s3_store.gc(keep=0).removed_versions == [f"base:qa@{v[0]}", f"base:qa@{v[1]}"]
+    assert [l.holder for l in s3_store.leases("base:qa")] == ["producer-ab12"]
