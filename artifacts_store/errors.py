@@ -54,7 +54,8 @@ def storage_errors(method):
             raise
         except (OSError, pa.ArrowException) as e:
             where = getattr(self, "storage", None) or (args[0] if args else "?")
-            raise StorageUnavailable(f"artifact store {where}: {method.__name__} failed: {type(e).__name__}: {e}. "
+            op = "opening the store" if method.__name__ == "__init__" else method.__name__
+            raise StorageUnavailable(f"artifact store {where}: {op} failed: {type(e).__name__}: {e}. "
                                      "Check the store URI, credentials, permissions and network; retrying later "
                                      "may succeed") from e
     return wrapped

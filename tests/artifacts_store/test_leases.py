@@ -204,7 +204,7 @@ def test_storage_failures_arrive_as_storage_unavailable(store, three, monkeypatc
         store.gc(keep=0)
     monkeypatch.undo()
     assert [r.version for r in store.list("base:qa")] == three
-    with pytest.raises(StorageUnavailable, match="__init__ failed"):
+    with pytest.raises(StorageUnavailable, match="nosuchscheme://bucket/x: opening the store failed"):
         ArtifactStore("nosuchscheme://bucket/x")
 
 
