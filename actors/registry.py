@@ -2,52 +2,113 @@
 
 Many specialist replicas on a node then fetch the same object-store copy instead of each reading (and
 verifying) the store. What travels is safetensors bytes plus JSON, never pickled Python objects.
+The actor is a shim over `ArtifactCache`, which holds the logic and is tested without Ray.
 """
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
+from collections.abc import Callable
 
 import ray
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from artifacts_store import ArtifactStore, Fingerprints, Manifest
+from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints, Manifest, StorageUnavailable
 from artifacts_store.fingerprints import check
 from scd.artifacts import PairArtifacts
 
 REGISTRY_NAME = "scd-artifact-registry"
+MAX_ENTRIES = 8
 
 
-@ray.remote(num_cpus=0)
-class ArtifactRegistry:
-    def __init__(self, store_uri: str):
-        self.store = ArtifactStore(store_uri)
-        self.entries: dict[str, tuple[str, list]] = {}     # "pair@version" -> (manifest json, [ref])
-        self.store_reads = 0
+class ArtifactCache:
+    """The registry's state: an LRU of at most `max_entries` resolved versions ("pair@version" -> (manifest
+    JSON, [object ref of the blob])). Evicting an entry drops the registry's reference to its blob, so Ray
+    frees it once no caller holds it either. Not thread-safe (the actor runs one call at a time).
+
+    Every failure reaches the caller as an ArtifactStoreError subclass: the store's own (ArtifactNotFound,
+    ChecksumMismatch, FingerprintMismatch, ManifestError, StorageUnavailable for filesystem errors), and
+    anything else raised while reading becomes ArtifactStoreError naming the ref and the store. The store is
+    opened on first use, and again after a failed open, so an unreachable store never kills the actor."""
+
+    def __init__(self, store_uri: str, max_entries: int = MAX_ENTRIES, put: Callable = ray.put):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.store_uri, self.max_entries, self.put = store_uri, max_entries, put
+        self._store: ArtifactStore | None = None
+        self.entries: OrderedDict[str, tuple[str, list]] = OrderedDict()
+        self.store_reads = self.evictions = 0
+
+    def _call(self, what: str, ref: str, fn: Callable):
+        try:
+            if self._store is None:
+                self._store = ArtifactStore(self.store_uri)
+            return fn(self._store)
+        except ArtifactStoreError:
+            raise
+        except OSError as e:                # the store translates these; a path that escaped it still counts
+            raise StorageUnavailable(f"{what} {ref} from {self.store_uri}: {type(e).__name__}: {e}") from e
+        except Exception as e:              # noqa: BLE001 - a replica must get a store error, never a crash
+            raise ArtifactStoreError(f"{what} {ref} from {self.store_uri} failed: {type(e).__name__}: {e}") from e
+
+    def resolve(self, ref: str) -> str:
+        """The full reference ("base:qa@v...") that `ref` names now: which version `latest` is, without tensors."""
+        return str(self._call("resolving", ref, lambda s: s.resolve(ref)))
 
     def get(self, ref: str) -> tuple[str, list]:
         """(manifest JSON, [ObjectRef of (artifact.json text, safetensors bytes)]) for a ref; `latest` and
         indexes resolve to the full version first, so a new version is picked up when it is published."""
-        key = str(self.store.resolve(ref))
-        if key not in self.entries:
-            art, manifest = self.store.load(key)                 # checksums verified here, once
-            self.store_reads += 1
-            blob = ray.put((json.dumps(art.description()), st_save(art.tensors())))
-            self.entries[key] = (manifest.model_dump_json(), [blob])   # a list: callers get the ref, not the value
-        return self.entries[key]
+        key = self.resolve(ref)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key]
+
+        def read(store: ArtifactStore) -> tuple[str, list]:
+            art, manifest = store.load(key)                         # checksums verified here, once
+            blob = self.put((json.dumps(art.description()), st_save(art.tensors())))
+            return manifest.model_dump_json(), [blob]               # a list: callers get the ref, not the value
+
+        entry = self._call("reading", key, read)
+        self.store_reads += 1
+        self.entries[key] = entry
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)                        # least recently used
+            self.evictions += 1
+        return entry
 
     def stats(self) -> dict:
-        return {"store_reads": self.store_reads, "cached": sorted(self.entries)}
+        return {"store_reads": self.store_reads, "evictions": self.evictions, "max_entries": self.max_entries,
+                "cached": list(self.entries)}
 
 
-def registry(store_uri: str, namespace: str | None = None):
-    """The cluster's registry actor, created on first use (detached, named)."""
+@ray.remote(num_cpus=0)
+class ArtifactRegistry:
+    """Ray shim over ArtifactCache: `get`, `resolve` and `stats` as above."""
+
+    def __init__(self, store_uri: str, max_entries: int = MAX_ENTRIES):
+        self.cache = ArtifactCache(store_uri, max_entries)
+
+    def get(self, ref: str) -> tuple[str, list]:
+        return self.cache.get(ref)
+
+    def resolve(self, ref: str) -> str:
+        return self.cache.resolve(ref)
+
+    def stats(self) -> dict:
+        return self.cache.stats()
+
+
+def registry(store_uri: str, namespace: str | None = None, max_entries: int = MAX_ENTRIES):
+    """The cluster's registry actor, created on first use (detached, named); `max_entries` applies when this
+    call creates it."""
     return ArtifactRegistry.options(name=REGISTRY_NAME, namespace=namespace, get_if_exists=True,
-                                    lifetime="detached").remote(store_uri)
+                                    lifetime="detached").remote(store_uri, max_entries)
 
 
 def fetch(reg, ref: str, expect: Fingerprints | None = None) -> tuple[PairArtifacts, Manifest]:
-    """Artifacts for `ref` through the registry; refuses them when the fingerprints differ from `expect`."""
+    """Artifacts for `ref` through the registry; refuses them when the fingerprints differ from `expect`.
+    Raises ArtifactStoreError subclasses (through Ray they arrive as RayTaskError instances of them)."""
     manifest_json, (blob,) = ray.get(reg.get.remote(ref))
     manifest = Manifest.model_validate_json(manifest_json)
     if expect is not None:
