@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -33,10 +33,10 @@ from safetensors.torch import save as st_save
 
 from artifacts_store import fingerprints as fp
 from artifacts_store import leases as ls
-from artifacts_store.leases import GcReport, Kept
 from artifacts_store.errors import (ArtifactNotFound, ChecksumMismatch, FingerprintMismatch, InvalidReference,
                                     ManifestError, storage_errors)
 from artifacts_store.fsio import Storage, open_root
+from artifacts_store.leases import GcReport, Kept
 from artifacts_store.manifest import CalibrationData, FileEntry, Manifest, PairNames, Ranks, code_version
 from artifacts_store.refs import (LATEST, RESERVED_FILES, Ref, check_file_name, is_version_id, new_version_id,
                                   parse_pair_dir, parse_ref, version_time)
