@@ -4,11 +4,17 @@ It loads each pair's artifact through the registry actor (verified, fingerprints
 model it holds), prefills a prefix once per request, and puts every pair's payload on the transport
 (object store: in Ray's object store at once; NCCL: staged until the serving replica asks for a push).
 Replicas of an NCCL deployment register here when they start and unregister when they stop.
+
+Encodes run one at a time; stats, fault drills and the NCCL control calls run in a small "control" group
+of threads beside them, so health checks and pushes never wait behind a long prefill. Each start of the
+actor (first start or a restart by Ray) gets a new `incarnation`: a replica whose communicator belongs to an
+earlier incarnation registers again.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 
 import ray
 import torch
@@ -23,7 +29,7 @@ from scd.models import load
 PRODUCER_NAME = "scd-producer"
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"control": 4})
 class ProducerActor:
     def __init__(self, model_path: str, pairs: dict[str, str], store_uri: str, namespace: str | None = None,
                  cache_bytes: int = 64 << 20, dtype: str = "fp16", transport: str = "object_store"):
@@ -37,6 +43,8 @@ class ProducerActor:
         self.transport = make_transport(transport, namespace)
         self.problems: dict[str, str] = {}
         self.fault: str | None = None
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.skipped = 0                               # encodes whose deadline passed while they were queued
         for pair, version in pairs.items():
             self.reload(pair, version)
 
@@ -52,9 +60,7 @@ class ProducerActor:
         self.problems.pop(pair, None)
         return manifest.version
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.engine.tokenize(text)
-
+    @ray.method(concurrency_group="control")
     def inject(self, fault: str | None) -> None:
         """Fault drills, so every fallback path can be produced on purpose (tests, the demo, game days):
         "delay:<seconds>" stalls encode, "corrupt" flips a byte of each payload, "misdeliver" hands out
@@ -63,11 +69,15 @@ class ProducerActor:
             raise ValueError(f"unknown fault {fault!r}")
         self.fault = fault
 
-    def encode(self, prefix: str | list[int], pairs: list[str]) -> dict:
-        """Prefill once, encode for every pair, put each payload on the transport; tickets come back."""
+    def encode(self, prefix_ids: list[int], pairs: list[str], deadline: float | None = None) -> dict:
+        """Prefill once, encode for every pair, put each payload on the transport; tickets come back.
+        `deadline` (time.time() of the caller's give-up): an encode still queued past it is skipped."""
+        if deadline is not None and time.time() > deadline:
+            self.skipped += 1
+            return {"skipped": True}
         if self.fault and self.fault.startswith("delay:"):
             time.sleep(float(self.fault.split(":", 1)[1]))
-        ids = self.engine.tokenize(prefix) if isinstance(prefix, str) else list(prefix)
+        ids = list(prefix_ids)
         res = self.engine.encode(ids, pairs)
         t0 = time.perf_counter()
         out = {}
@@ -88,7 +98,7 @@ class ProducerActor:
                 if self.fault == "misdeliver" and entry["ticket"] is not None:   # ticket and object disagree
                     entry["ticket"] = dataclasses.replace(entry["ticket"], nbytes=entry["ticket"].nbytes + 1)
             out[pair] = entry
-        return {"prefix_ids": ids, "per_pair": out, "prefilled": res.prefilled,
+        return {"prefix_ids": ids, "per_pair": out, "prefilled": res.prefilled, "incarnation": self.incarnation,
                 "timings": {"prefill": res.prefill_ms, "encode": res.encode_ms,
                             "transfer_put": (time.perf_counter() - t0) * 1e3}}
 
@@ -98,20 +108,25 @@ class ProducerActor:
             raise TransportError(f"this producer's transport is {self.transport_kind!r}, not NCCL")
         return self.transport
 
+    @ray.method(concurrency_group="control")
     def register(self, replica_id: str):
         """A replica starts: rank 0 of its communicator begins joining; returns the rendezvous id."""
         return self._nccl().open_for(replica_id)
 
+    @ray.method(concurrency_group="control")
     def unregister(self, replica_id: str) -> None:
         """A replica stops: its communicator is torn down."""
         self._nccl().close_for(replica_id)
 
+    @ray.method(concurrency_group="control")
     def push(self, key: str, replica_id: str) -> Ticket:
         """Send a staged payload to the replica serving its request; the replica receives with the ticket."""
         return self._nccl().push(key, replica_id)
 
+    @ray.method(concurrency_group="control")
     def stats(self) -> dict:
-        out = {**self.engine.stats(), "problems": dict(self.problems), "transport": self.transport_kind}
+        out = {**self.engine.stats(), "problems": dict(self.problems), "transport": self.transport_kind,
+               "incarnation": self.incarnation, "skipped": self.skipped}
         if isinstance(self.transport, NcclTransport):
             out["nccl_replicas"] = self.transport.open_replicas()
         return out

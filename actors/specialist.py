@@ -16,8 +16,8 @@ from scd.artifacts import PairArtifacts
 from scd.rebuild import prepare, rebuild
 from scd.trace import capture
 
-FALLBACK_REASONS = ("no_artifact", "artifact_mismatch", "producer_unavailable", "producer_timeout",
-                    "transport_error", "codec_error", "prefix_too_short")
+FALLBACK_REASONS = ("no_artifact", "artifact_mismatch", "artifact_unavailable", "producer_unavailable",
+                    "producer_timeout", "transport_error", "codec_error", "prefix_too_short")
 
 
 @dataclass
@@ -36,6 +36,7 @@ class ServedInfo:
     artifact: str | None
     payload_bytes: int
     timings: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0                             # generated tokens (usage), set when the answer is done
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "reason": self.reason, "artifact": self.artifact,
@@ -126,6 +127,7 @@ class SpecialistEngine:
             yield "token", piece
             logits, mask = cache.extend(self.model, c, mask, nxt[:, None])
         info.timings["total"] = (time.perf_counter() - t_start) * 1e3
+        info.tokens = len(out_ids)
         yield "done", (info, finish)
 
     def complete(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,

@@ -108,6 +108,62 @@ class HttpSettings(_Strict):
     host: str = Field("127.0.0.1", description="bind address of the HTTP proxy")
     port: int = Field(8000, ge=1, le=65535)
 
+    def is_loopback(self) -> bool:
+        import ipaddress
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:                                   # a host name: only localhost is known to be local
+            return False
+
+
+class AuthSettings(_Strict):
+    """Like vLLM's --api-key: when a key is set, every endpoint but /healthz needs `Authorization: Bearer KEY`."""
+    api_key: str | None = Field(None, min_length=8, description="the key itself (prefer api_key_env)")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                    description="name of an environment variable holding the key")
+    allow_unauthenticated: bool = Field(False, description="serve a non-loopback address without a key anyway")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.api_key and self.api_key_env:
+            raise ValueError("set api_key or api_key_env, not both")
+        return self
+
+    def key(self) -> str | None:
+        """The key in effect (read from the environment now, for api_key_env); None means no auth."""
+        if self.api_key_env:
+            import os
+            value = os.environ.get(self.api_key_env, "")
+            if not value:
+                raise ConfigError(f"auth.api_key_env names ${self.api_key_env}, which is not set or empty")
+            if len(value) < 8:
+                raise ConfigError(f"${self.api_key_env} holds a key of {len(value)} characters; use at least 8")
+            return value
+        return self.api_key
+
+
+class LimitSettings(_Strict):
+    """Every request and every remote call is bounded; overload answers 503 with Retry-After."""
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest HTTP request body")
+    max_input_tokens: int | None = Field(None, ge=2, description="prefix + prompt tokens per request "
+                                                                 "(default and upper bound: the model's context)")
+    max_tokens: int = Field(512, ge=1, description="largest max_tokens a request may ask for")
+    max_fanout: int = Field(8, ge=1, description="most items in one /v1/fanout")
+    request_timeout_s: float = Field(120.0, gt=0, description="a specialist call (whole answer) gives up after this")
+    first_token_timeout_s: float = Field(60.0, gt=0, description="a stream gives up when no token came for this long")
+    control_timeout_s: float = Field(5.0, gt=0, description="status/tokenize/register calls give up after this")
+    router_replicas: int = Field(1, ge=1)
+    router_max_ongoing: int = Field(64, ge=1, description="requests a router replica answers at once; beyond, "
+                                                          "503 with Retry-After")
+    specialist_max_ongoing: int = Field(4, ge=1, description="requests one specialist replica runs at once")
+    specialist_max_queued: int = Field(32, ge=0, description="requests waiting for a specialist's replicas; beyond, "
+                                                             "503 with Retry-After")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of an overload 503")
+    producer_retry_s: float = Field(2.0, ge=0, description="after the producer failed, requests fall back at once "
+                                                           "for this long before it is asked again")
+
 
 class ArtifactSettings(_Strict):
     uri: str = Field("runs/artifacts", description="artifact store: local path or pyarrow URI (s3://, gs://, hdfs://)")
@@ -158,6 +214,8 @@ class DeploymentConfig(_Strict):
     producer_timeout_s: float = Field(10.0, gt=0, description="router waits this long for codes, then the "
                                                                 "specialists prefill themselves (fallback)")
     http: HttpSettings = Field(default_factory=HttpSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
     artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
     calibration: CalibrationSettings = Field(default_factory=CalibrationSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)

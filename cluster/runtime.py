@@ -23,7 +23,7 @@ def connect(settings: RaySettings, **overrides) -> dict:
             ray.init(address=address, **kwargs)
         else:
             kwargs.setdefault("include_dashboard", False)
-            ray.init(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, **kwargs)
+            ray.init(address="local", num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, **kwargs)
     return ray.cluster_resources()
 
 

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.runtime import connect
     from serve_app.app import deploy, wait_healthy
 
-    ctx = ray.init(num_cpus=cfg.ray.num_cpus or 8, include_dashboard=True, namespace=cfg.ray.namespace,
+    ctx = ray.init(address="local", num_cpus=cfg.ray.num_cpus or 8, include_dashboard=True, namespace=cfg.ray.namespace,
                    log_to_driver=False)
     try:
         connect(cfg.ray)

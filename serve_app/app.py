@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import time
 
-import ray
 from ray import serve
 
-from actors.producer_actor import PRODUCER_NAME, ProducerActor
-from cluster.config import DeploymentConfig
+from cluster.config import ConfigError, DeploymentConfig
 from cluster.runtime import actor_options, connect
+from serve_app.errors import key_digest
+from serve_app.producer_client import start_producer
 from serve_app.router import Router
 from serve_app.specialist import SpecialistServer
 
@@ -32,43 +32,30 @@ def specialist_options(cfg: DeploymentConfig, name: str) -> dict:
                                    "initial_replicas": max(1, a.min_replicas),
                                    "target_ongoing_requests": a.target_ongoing_requests,
                                    "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s},
+            "max_ongoing_requests": cfg.limits.specialist_max_ongoing,
+            "max_queued_requests": cfg.limits.specialist_max_queued,
             "user_config": {"artifact": s.artifact}}
 
 
 def build(cfg: DeploymentConfig):
-    """The Serve application (router bound to every specialist deployment)."""
-    ns, base = cfg.ray.namespace, cfg.producer.name
+    """The Serve application (router bound to every specialist deployment). Refuses to serve a non-loopback
+    address without an API key unless the config says `auth.allow_unauthenticated: true`."""
+    key = cfg.auth.key()
+    if key is None and not cfg.http.is_loopback() and not cfg.auth.allow_unauthenticated:
+        raise ConfigError(f"http.host {cfg.http.host!r} is reachable from other machines and no API key is set: "
+                          "set auth.api_key_env (or auth.api_key), or auth.allow_unauthenticated: true to "
+                          "serve it open on purpose")
+    ns, base, lim = cfg.ray.namespace, cfg.producer.name, cfg.limits
     transport = cfg.resolved_transport()
     handles = {s.name: serve.deployment(SpecialistServer).options(**specialist_options(cfg, s.name)).bind(
         s.name, s.path, f"{base}:{s.name}", cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
-        cfg.producer_timeout_s)
+        lim.control_timeout_s)
         for s in cfg.specialists}
-    return Router.options(ray_actor_options={"num_cpus": 0}).bind(handles, PRODUCER_NAME, ns, base, cfg.producer_timeout_s,
-                                                                  telemetry_settings(cfg))
-
-
-def start_producer(cfg: DeploymentConfig):
-    """The detached, named producer actor (reused if it already runs with the same transport; one left by a
-    deployment with another transport is replaced, since replicas must speak the producer's transport)."""
-    pairs = {f"{cfg.producer.name}:{s.name}": s.artifact for s in cfg.specialists}
-    transport = cfg.resolved_transport()
-    opts = actor_options(cfg.producer.num_gpus, name=PRODUCER_NAME, detached=True, namespace=cfg.ray.namespace,
-                         num_cpus=cfg.producer.num_cpus, resources=cfg.producer.resources,
-                         node_labels=cfg.producer.node_labels)
-    try:
-        old = ray.get_actor(PRODUCER_NAME, namespace=cfg.ray.namespace)
-    except ValueError:
-        old = None
-    if old is not None and ray.get(old.stats.remote()).get("transport") != transport:
-        ray.kill(old)
-        for _ in range(100):                        # the name is free once the kill has gone through
-            try:
-                ray.get_actor(PRODUCER_NAME, namespace=cfg.ray.namespace)
-            except ValueError:
-                break
-            time.sleep(0.1)
-    return ProducerActor.options(**opts).remote(cfg.producer.path, pairs, cfg.artifacts.uri, cfg.ray.namespace,
-                                                transport=transport)
+    return Router.options(ray_actor_options={"num_cpus": 0}, num_replicas=lim.router_replicas,
+                          # headroom over the router's own admission limit: its JSON 503 answers first
+                          max_ongoing_requests=lim.router_max_ongoing + 16,
+                          max_queued_requests=lim.router_max_ongoing).bind(
+        handles, cfg.model_dump(), key_digest(key))
 
 
 def wait_healthy(url: str, timeout_s: float = 180) -> bool:
@@ -81,7 +68,7 @@ def wait_healthy(url: str, timeout_s: float = 180) -> bool:
             with urllib.request.urlopen(url + "/healthz", timeout=30) as r:
                 if json.loads(r.read())["status"] == "ok":
                     return True
-        except Exception:                              # not up yet, or degraded (503)
+        except Exception:                              # not up yet
             pass
         time.sleep(1)
     return False
@@ -89,10 +76,11 @@ def wait_healthy(url: str, timeout_s: float = 180) -> bool:
 
 def deploy(cfg: DeploymentConfig, blocking: bool = False):
     """Connect (or start Ray), start the producer, start Serve's HTTP proxy and run the app."""
+    app = build(cfg)                                   # refuses an open non-loopback address before any start
     connect(cfg.ray)
     producer = start_producer(cfg)
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
-    serve.run(build(cfg), name=APP_NAME, route_prefix="/", blocking=blocking)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
     return producer
 
 

@@ -1,37 +1,34 @@
 """The HTTP ingress: OpenAI-compatible completions, fan-out of one shared prefix, models, health.
 
-The router never touches tensors: it asks the producer actor for codes (one prefill for every specialist a
-request names), hands each specialist its ticket, and gathers the answers. A producer that is missing or
-slow does not fail the request: the specialists prefill themselves and the response says why.
+The router never touches tensors. It tokenizes once (the family shares one tokenizer), checks every limit of
+the config before any model work, asks the producer for codes (one prefill for every specialist a request
+names), hands each specialist its request and gathers the answers. A producer that is missing or slow does
+not fail a request: the specialists prefill themselves and the response says why. A specialist replica that
+dies under a request is asked once more on another replica when nothing was streamed yet; what still fails
+comes back as an OpenAI-shaped error, and one failed item of a fan-out leaves the others answered.
 """
 
 import asyncio
 import json
 import time
 import uuid
+from contextlib import contextmanager
 
 import ray
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from cluster.config import DeploymentConfig
 from serve_app import telemetry
-from serve_app.schemas import CompletionRequest, FanoutRequest
+from serve_app.errors import ApiError, Guard, install, overloaded
+from serve_app.producer_client import ProducerClient
+from serve_app.schemas import CompletionRequest, FanoutRequest, Sampling
 
 api = FastAPI(title="SCD Serve")
-
-
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
-                                                               "code": None}})
-
-
-@api.exception_handler(RequestValidationError)
-async def _invalid(request: Request, exc: RequestValidationError):
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"] if p != "body")
-    return _error(400, f"{where}: {first['msg']}" if where else first["msg"], where or None)
+api.add_middleware(Guard)
+install(api)
 
 
 def _split(prompt: str) -> tuple[str, str]:
@@ -45,61 +42,135 @@ def _split(prompt: str) -> tuple[str, str]:
     return "", prompt
 
 
+REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)
+
+
 @serve.deployment
 @serve.ingress(api)
 class Router:
-    def __init__(self, specialists: dict, producer: str, namespace: str, producer_pair_prefix: str,
-                 timeout_s: float = 10.0, telemetry_settings: dict | None = None):
-        telemetry.setup(**(telemetry_settings or {}), service="router")
+    def __init__(self, specialists: dict, config: dict, key_sha: str | None = None):
+        from transformers import AutoConfig, AutoTokenizer
+        self.cfg = cfg = DeploymentConfig.model_validate(config)
+        self.limits = cfg.limits
+        telemetry.setup(**cfg.telemetry.model_dump(), service="router")
+        Guard.configure(key_sha, cfg.limits.max_body_bytes)
         self.handles = specialists                              # name -> DeploymentHandle
-        self.producer_name, self.namespace = producer, namespace
-        self.base, self.timeout_s = producer_pair_prefix, timeout_s
+        self.base = cfg.producer.name
+        self.producer = ProducerClient(cfg)
+        self.tok = AutoTokenizer.from_pretrained(cfg.producer.path, local_files_only=True)
+        self.context = int(AutoConfig.from_pretrained(cfg.producer.path, local_files_only=True).max_position_embeddings)
+        self.max_input = min(cfg.limits.max_input_tokens or self.context, self.context)
+        self.inflight = 0
 
-    # -- producer -----------------------------------------------------------------------------------
-    async def _encode(self, prefix: str, names: list[str]) -> tuple[dict | None, str | None]:
-        """(encoded, None) or (None, fallback reason)."""
+    # -- admission and limits ---------------------------------------------------------------------------
+    @contextmanager
+    def _admitted(self):
+        if self.inflight >= self.limits.router_max_ongoing:
+            raise overloaded("the router", self.limits.retry_after_s)
+        self.inflight += 1
         try:
-            producer = ray.get_actor(self.producer_name, namespace=self.namespace)
-        except ValueError:
-            return None, "producer_unavailable"
-        try:
-            out = await asyncio.wait_for(producer.encode.remote(prefix, [f"{self.base}:{n}" for n in names]),
-                                         timeout=self.timeout_s)
-        except asyncio.TimeoutError:
-            return None, "producer_timeout"
-        except ray.exceptions.RayError:
-            return None, "producer_unavailable"
-        return out, None
+            yield
+        finally:
+            self.inflight -= 1
 
-    async def _tokenize_fallback(self, name: str, prefix: str) -> list[int]:
-        """Without a producer the prefix ids come from the specialist's own tokenizer (same vocabulary)."""
-        return await self.handles[name].tokenize.remote(prefix)
+    async def _tokenize(self, text: str) -> list[int]:
+        if not text:
+            return []
+        return (await asyncio.to_thread(self.tok, text, add_special_tokens=False))["input_ids"]
 
-    async def _request(self, name: str, prefix: str, suffix: str, params: dict, enc: dict | None,
-                       reason: str | None, trace: dict) -> dict:
-        if enc is None:
-            prefix_ids, entry, timings = await self._tokenize_fallback(name, prefix), {}, {}
-        else:
-            prefix_ids, timings = enc["prefix_ids"], dict(enc["timings"])
-            entry = enc["per_pair"][f"{self.base}:{name}"]
+    def _check(self, name: str, n_prefix: int, n_suffix: int, p: Sampling, where: str = "") -> None:
+        if p.max_tokens > self.limits.max_tokens:
+            raise ApiError(400, f"{where}max_tokens: at most {self.limits.max_tokens} (limits.max_tokens)",
+                           where + "max_tokens")
+        if n_suffix == 0:
+            raise ApiError(400, f"{where}the text after the prefix holds no token", where + "prompt")
+        if n_prefix + n_suffix > self.max_input:
+            raise ApiError(400, f"{where}the input is {n_prefix + n_suffix} tokens ({n_prefix} prefix + {n_suffix} "
+                                f"prompt); {name} takes at most {self.max_input}", where + "prompt",
+                           "context_length_exceeded")
+        if n_prefix + n_suffix + p.max_tokens > self.context:
+            raise ApiError(400, f"{where}{n_prefix + n_suffix} input tokens + max_tokens {p.max_tokens} exceed the "
+                                f"model's context of {self.context} tokens", where + "max_tokens",
+                           "context_length_exceeded")
+
+    def _model(self, name: str, param: str) -> None:
+        if name not in self.handles:
+            raise ApiError(404, f"model {name!r} does not exist; have {sorted(self.handles)}", param,
+                           "model_not_found")
+
+    # -- one specialist request -------------------------------------------------------------------------
+    def _request(self, name: str, prefix_ids: list[int], suffix_ids: list[int], p: Sampling, enc: dict | None,
+                 reason: str | None, trace: dict) -> dict:
+        entry, timings = {}, {}
+        if enc is not None:
+            entry, timings = enc["per_pair"][f"{self.base}:{name}"], dict(enc["timings"])
             reason = reason or entry["error"]
         if not prefix_ids:
             reason = "prefix_too_short"
-        return {"prefix_ids": prefix_ids, "suffix": suffix, "params": params, "ticket": entry.get("ticket"),
-                "version": entry.get("version"), "reason": reason, "timings": timings, "trace": trace}
+        return {"prefix_ids": prefix_ids, "suffix_ids": suffix_ids, "trace": trace, "timings": timings,
+                "params": {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
+                           "stop": p.stops(), "seed": p.seed},
+                "ticket": entry.get("ticket"), "version": entry.get("version"), "reason": reason,
+                "incarnation": enc and enc.get("incarnation")}
+
+    def _failure(self, name: str, e: BaseException) -> ApiError:
+        if isinstance(e, ApiError):
+            return e
+        if isinstance(e, BackPressureError):
+            return overloaded(f"specialist {name!r}", self.limits.retry_after_s)
+        if isinstance(e, DeploymentUnavailableError):
+            return ApiError(503, f"specialist {name!r} has no running replica", code="unavailable",
+                            headers={"Retry-After": str(self.limits.retry_after_s)})
+        if isinstance(e, asyncio.TimeoutError):
+            return ApiError(504, f"specialist {name!r} did not answer within its time limit", code="timeout")
+        if isinstance(e, REPLICA_GONE):
+            return ApiError(502, f"the replica of {name!r} serving this request died ({type(e).__name__}); "
+                                 "retry the request", code="replica_failed")
+        return ApiError(500, f"specialist {name!r} failed: {type(e).__name__}", code="internal_error")
+
+    async def _generate(self, name: str, req: dict) -> dict:
+        """The whole answer; a replica that died under the request is tried once more (Serve picks another)."""
+        for attempt in (0, 1):
+            try:
+                return await asyncio.wait_for(self.handles[name].generate.remote(req), self.limits.request_timeout_s)
+            except REPLICA_GONE as e:
+                if attempt:
+                    raise self._failure(name, e) from None
+                req = {**req, "ticket": None, "reason": req["reason"] or "transport_error"}  # codes went with it
+            except Exception as e:
+                raise self._failure(name, e) from None
+
+    async def _first_event(self, name: str, req: dict):
+        """(stream, its first event): nothing has reached the client yet, so a dead replica is retried."""
+        for attempt in (0, 1):
+            gen = self.handles[name].options(stream=True).stream.remote(req)
+            try:
+                return gen, await asyncio.wait_for(gen.__anext__(), self.limits.first_token_timeout_s)
+            except REPLICA_GONE as e:
+                if attempt:
+                    raise self._failure(name, e) from None
+                req = {**req, "ticket": None, "reason": req["reason"] or "transport_error"}
+            except Exception as e:
+                gen.cancel()
+                raise self._failure(name, e) from None
 
     # -- routes ---------------------------------------------------------------------------------------
     @api.get("/healthz")
     async def healthz(self):
-        try:
-            producer = ray.get_actor(self.producer_name, namespace=self.namespace)
-            stats = await asyncio.wait_for(producer.stats.remote(), timeout=self.timeout_s)
-        except Exception as e:                                   # health reports, never raises
-            stats = {"error": f"{type(e).__name__}: {e}"}
-        specialists = {n: await h.status.remote() for n, h in self.handles.items()}
-        ok = "error" not in stats
-        return JSONResponse(status_code=200 if ok else 503,
-                            content={"status": "ok" if ok else "degraded", "producer": stats, "specialists": specialists})
+        """ok: producer and every specialist answer; degraded: answers still come (fallbacks); down: none."""
+        async def status(h):
+            try:
+                return await asyncio.wait_for(h.status.remote(), self.limits.control_timeout_s)
+            except Exception as e:
+                return {"error": f"{type(e).__name__}: {e}"}
+        stats = await self.producer.stats()
+        specialists = dict(zip(self.handles, await asyncio.gather(*(status(h) for h in self.handles.values()))))
+        answering = [n for n, s in specialists.items() if "error" not in s]
+        state = ("ok" if "error" not in stats and len(answering) == len(specialists)
+                 else "degraded" if answering else "down")
+        return JSONResponse(status_code=503 if state == "down" else 200,
+                            content={"status": state, "producer": stats, "specialists": specialists,
+                                     "inflight": self.inflight})
 
     @api.get("/v1/models")
     async def models(self):
@@ -108,63 +179,85 @@ class Router:
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        if body.model not in self.handles:
-            return _error(404, f"model {body.model!r} does not exist; have {sorted(self.handles)}", "model",
-                          "not_found_error")
-        try:
-            stops = body.stops()
-        except ValueError as e:
-            return _error(400, str(e), "stop")
-        # prefix: the explicit scd field, else the prompt minus its last character-run the specialist reads
-        prefix, suffix = (body.prefix, body.prompt) if body.prefix else _split(body.prompt)
-        params = {"max_tokens": body.max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-                  "stop": stops, "seed": body.seed}
-        with telemetry.span("router.completions", model=body.model):
-            trace = telemetry.carrier()
-            if body.oracle:
-                enc, reason = None, "oracle"
-            elif prefix:
-                enc, reason = await self._encode(prefix, [body.model])
-            else:
-                enc, reason = None, "prefix_too_short"
-            req = await self._request(body.model, prefix, suffix, params, enc, reason, trace)
-        cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        if body.stream:
-            handle = self.handles[body.model].options(stream=True)
-
-            async def sse():
-                async for ev in handle.stream.remote(req):
-                    choice = {"text": ev.get("text", ""), "index": 0, "logprobs": None,
-                              "finish_reason": ev.get("finish_reason")}
-                    chunk = {"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                             "choices": [choice]}
-                    if "scd" in ev:
-                        chunk["scd"] = ev["scd"]
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(sse(), media_type="text/event-stream")
-        out = await self.handles[body.model].generate.remote(req)
+        self._model(body.model, "model")
+        with self._admitted():
+            # prefix: the explicit scd field, else the prompt minus its last character-run the specialist reads
+            prefix, suffix = (body.prefix, body.text) if body.prefix else _split(body.text)
+            prefix_ids, suffix_ids = await self._tokenize(prefix), await self._tokenize(suffix)
+            self._check(body.model, len(prefix_ids), len(suffix_ids), body)
+            with telemetry.span("router.completions", model=body.model):
+                trace = telemetry.carrier()
+                if body.oracle:
+                    enc, reason = None, "oracle"
+                elif prefix_ids:
+                    enc, reason = await self.producer.encode(prefix_ids, [f"{self.base}:{body.model}"])
+                else:
+                    enc, reason = None, "prefix_too_short"
+                req = self._request(body.model, prefix_ids, suffix_ids, body, enc, reason, trace)
+            cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+            if body.stream:
+                gen, first = await self._first_event(body.model, req)
+                return StreamingResponse(self._sse(gen, first, cid, created, body.model),
+                                         media_type="text/event-stream")
+            out = await self._generate(body.model, req)
         return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
                 "choices": [{"text": out["text"], "index": 0, "logprobs": None, "finish_reason": out["finish_reason"]}],
-                "usage": {"prompt_tokens": len(req["prefix_ids"]), "completion_tokens": None, "total_tokens": None},
+                "usage": {"prompt_tokens": len(prefix_ids) + len(suffix_ids), "completion_tokens": out["tokens"],
+                          "total_tokens": len(prefix_ids) + len(suffix_ids) + out["tokens"]},
                 "scd": out["scd"]}
+
+    async def _sse(self, gen, first: dict, cid: str, created: int, model: str):
+        """Server-sent events; a failure after the first byte becomes an error event, then [DONE]."""
+        def chunk(ev: dict) -> str:
+            body = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"text": ev.get("text", ""), "index": 0, "logprobs": None,
+                                 "finish_reason": ev.get("finish_reason")}]}
+            if "scd" in ev:
+                body["scd"] = ev["scd"]
+            return f"data: {json.dumps(body)}\n\n"
+        try:
+            yield chunk(first)
+            deadline = time.monotonic() + self.limits.request_timeout_s
+            while True:
+                try:
+                    ev = await asyncio.wait_for(gen.__anext__(), min(self.limits.first_token_timeout_s,
+                                                                     max(0.0, deadline - time.monotonic())))
+                except StopAsyncIteration:
+                    break
+                yield chunk(ev)
+        except Exception as e:
+            yield f"data: {json.dumps(self._failure(model, e).body())}\n\n"
+        finally:
+            gen.cancel()
+        yield "data: [DONE]\n\n"
 
     @api.post("/v1/fanout")
     async def fanout(self, body: FanoutRequest):
-        unknown = sorted({r.specialist for r in body.requests} - set(self.handles))
-        if unknown:
-            return _error(404, f"unknown specialist(s) {unknown}; have {sorted(self.handles)}", "requests",
-                          "not_found_error")
-        names = sorted({r.specialist for r in body.requests})
-        with telemetry.span("router.fanout", specialists=",".join(names)):
-            trace = telemetry.carrier()
-            enc, reason = await self._encode(body.prefix, names)        # exactly one producer prefill
-            reqs = [await self._request(r.specialist, body.prefix, r.suffix,
-                                        {"max_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p,
-                                         "stop": r.stop, "seed": None}, enc, reason, trace) for r in body.requests]
-            outs = await asyncio.gather(*(self.handles[r.specialist].generate.remote(q)
-                                          for r, q in zip(body.requests, reqs)))
-        return {"object": "fanout", "prefilled": bool(enc and enc["prefilled"]),
-                "results": [{"specialist": r.specialist, "text": o["text"], "finish_reason": o["finish_reason"],
-                             "scd": o["scd"]} for r, o in zip(body.requests, outs)]}
-
+        if len(body.requests) > self.limits.max_fanout:
+            raise ApiError(400, f"requests: at most {self.limits.max_fanout} items (limits.max_fanout)", "requests")
+        for i, r in enumerate(body.requests):
+            self._model(r.specialist, f"requests.{i}.specialist")
+        with self._admitted():
+            prefix_ids = await self._tokenize(body.prefix)
+            suffixes = [await self._tokenize(r.suffix) for r in body.requests]
+            for i, (r, s) in enumerate(zip(body.requests, suffixes)):
+                self._check(r.specialist, len(prefix_ids), len(s), r, f"requests.{i}.")
+            names = sorted({r.specialist for r in body.requests})
+            with telemetry.span("router.fanout", specialists=",".join(names)):
+                trace = telemetry.carrier()
+                enc, reason = await self.producer.encode(prefix_ids, [f"{self.base}:{n}" for n in names])
+                reqs = [self._request(r.specialist, prefix_ids, s, r, enc, reason, trace)
+                        for r, s in zip(body.requests, suffixes)]
+                outs = await asyncio.gather(*(self._generate(r.specialist, q) for r, q in zip(body.requests, reqs)),
+                                            return_exceptions=True)
+        errors = [o for o in outs if isinstance(o, BaseException)]
+        if len(errors) == len(outs):                      # nothing answered: the request as a whole failed
+            raise self._failure(body.requests[0].specialist, errors[0])
+        results = []
+        for r, o in zip(body.requests, outs):
+            if isinstance(o, BaseException):
+                results.append({"specialist": r.specialist, **self._failure(r.specialist, o).body()})
+            else:
+                results.append({"specialist": r.specialist, "text": o["text"], "finish_reason": o["finish_reason"],
+                                "scd": o["scd"]})
+        return {"object": "fanout", "prefilled": bool(enc and enc["prefilled"]), "results": results}

@@ -1,54 +1,98 @@
-"""HTTP bodies (OpenAI-compatible where OpenAI defines them) and the scd extension object."""
+"""HTTP bodies (OpenAI-compatible where OpenAI defines them) and the scd extension fields.
+
+Strict types: `"16"` or `true` is not a max_tokens. Fields OpenAI clients send that this server does not
+implement are accepted only at their neutral value (`n: 1`, `echo: false`, `logprobs: null`, ...) and refused
+with 400 otherwise; any other unknown field is refused. Limits that depend on the deployment (max_tokens,
+prompt tokens, fan-out width) are checked by the router against the config.
+"""
 from __future__ import annotations
+
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+INT64 = 2 ** 63
+MAX_STOP_CHARS = 128
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")          # unknown OpenAI fields (n, logprobs, user...) are ignored
 
-    model: str = Field(description="specialist name")
-    prompt: str = Field(min_length=1, description="text to complete")
-    prefix: str | None = Field(None, description="scd extension: a shared prefix the producer prefills; "
-                                                 "the prompt is then the suffix the specialist reads after it")
-    oracle: bool = Field(False, description="scd extension: the specialist prefills the prefix itself (the "
-                                            "reference path), e.g. to compare time to first token")
-    max_tokens: int = Field(16, ge=1, le=1024)
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Sampling(_Body):
+    max_tokens: int = Field(16, ge=1, description="tokens to generate (upper bound: limits.max_tokens)")
     temperature: float = Field(0.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    seed: int | None = None
+    stop: str | list[str] | None = Field(None, description="up to 4 non-empty stop strings")
+    seed: int | None = Field(None, ge=-INT64, lt=INT64, description="sampling seed (a signed 64-bit integer)")
 
-    @field_validator("prompt", mode="before")
+    @field_validator("stop")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list):
-            if len(v) != 1 or not isinstance(v[0], str):
-                raise ValueError("exactly one prompt string is supported (send several requests, or /v1/fanout)")
-            return v[0]
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be 1 to {MAX_STOP_CHARS} characters")
         return v
 
     def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return stops
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class FanoutItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    specialist: str
+# OpenAI completion fields this server does not implement, with the only value it accepts for each
+NEUTRAL: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None,
+                           "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "stream_options": None}
+
+
+class CompletionRequest(Sampling):
+    model: str = Field(min_length=1, max_length=64, description="specialist name")
+    prompt: str | list[str] = Field(description="text to complete (one string, or a list of exactly one)")
+    prefix: str | None = Field(None, min_length=1, description="scd extension: a shared prefix the producer "
+                               "prefills; the prompt is then the suffix the specialist reads after it")
+    oracle: bool = Field(False, description="scd extension: the specialist prefills the prefix itself (the "
+                                            "reference path), e.g. to compare time to first token")
+    stream: bool = False
+    user: str | None = Field(None, max_length=256, description="end-user id (accepted, recorded nowhere)")
+    n: int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    stream_options: dict | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError("exactly one prompt string is supported (send several requests, or /v1/fanout)")
+            v = v[0]
+        if not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+    @field_validator(*NEUTRAL)
+    @classmethod
+    def _neutral(cls, value, info):
+        neutral = NEUTRAL[info.field_name]
+        if value is not None and value != neutral and not (neutral is None and value in ({}, 0)):
+            raise ValueError(f"{value!r} is not supported by this server (only {neutral!r})")
+        return value
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class FanoutItem(Sampling):
+    specialist: str = Field(min_length=1, max_length=64)
     suffix: str = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1, le=1024)
-    temperature: float = Field(0.0, ge=0.0, le=5.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: list[str] = Field(default_factory=list, max_length=4)
 
 
-class FanoutRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FanoutRequest(_Body):
     prefix: str = Field(min_length=1, description="the shared prefix: prefilled once by the producer")
-    requests: list[FanoutItem] = Field(min_length=1, max_length=32)
+    requests: list[FanoutItem] = Field(min_length=1, description="one per answer (at most limits.max_fanout)")

@@ -5,7 +5,12 @@ its own weights), takes a new artifact version on `reconfigure` (Serve user_conf
 receives payloads from the transport and reports every phase and every fallback in metrics and spans.
 With an NCCL transport the replica registers with the producer when it starts (a two-rank communicator
 is built between them), asks the producer to push each request's staged codes to it, and unregisters in
-`__del__`, which Serve calls when the replica stops (scale-down, redeploy, shutdown).
+`__del__`, which Serve calls when the replica stops (scale-down, redeploy, shutdown). It registers again
+when the codes come from a new producer incarnation (a restarted producer), and drops its communicator after
+any failed push or receive, so a half-finished exchange never leaves the two ends counting differently.
+
+The replica decodes codes with the artifact version the producer encoded them with: when a publish reaches
+the producer first, the replica loads that version (fingerprints checked) instead of falling back.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import ray
 import torch
 from ray.serve.metrics import Counter, Histogram
 
+from actors.drills import hold_until_open
 from actors.registry import fetch, registry
 from actors.specialist import GenParams, SpecialistEngine
 from actors.producer_actor import PRODUCER_NAME
@@ -32,7 +38,7 @@ PHASE_BOUNDS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
 class SpecialistServer:
     def __init__(self, name: str, model_path: str, pair: str, store_uri: str, namespace: str | None,
                  telemetry_settings: dict | None = None, transport: str = "object_store",
-                 producer_timeout_s: float = 10.0):
+                 control_timeout_s: float = 5.0):
         torch.set_num_threads(cpu_threads())
         telemetry.setup(**(telemetry_settings or {}), service=f"specialist-{name}")
         dev = device()
@@ -41,11 +47,15 @@ class SpecialistServer:
         self.name, self.pair = name, pair
         self.registry = registry(store_uri, namespace)
         self.expect = Fingerprints.of(consumer=model, tokenizer=tok)
-        self.namespace, self.timeout_s = namespace, producer_timeout_s
+        self.namespace, self.timeout_s = namespace, control_timeout_s
         self.transport_kind = transport
         self.transport = make_transport(transport, namespace)
-        self.replica_id, self.registered = self._replica_id(name), False
+        self.replica_id = self._replica_id(name)
+        self.registered: str | None = None                 # producer incarnation our communicator belongs to
         self.nccl_lock = threading.Lock()                  # one push + receive at a time on the communicator
+        self.artifact_lock = threading.Lock()
+        self.refused: dict[str, str | None] = {}          # version -> why it could not be used
+        self.hold: str | None = None                       # drill: name of a gate actor requests wait on
         tags = ("specialist",)
         self.m_requests = Counter("scd_requests_total", "requests by serving mode", tag_keys=tags + ("mode",))
         self.m_fallbacks = Counter("scd_fallbacks_total", "fallbacks by reason", tag_keys=tags + ("reason",))
@@ -67,42 +77,88 @@ class SpecialistServer:
     def _producer(self):
         return ray.get_actor(PRODUCER_NAME, namespace=self.namespace)
 
+    # -- NCCL communicator with the producer --------------------------------------------------------
     def _register(self) -> bool:
         """Build this replica's communicator with the producer (rank 1 here). False if the producer is not
         reachable: requests then fall back with transport_error, and the next request tries again."""
+        self._drop_comm()
         try:
-            uid = ray.get(self._producer().register.remote(self.replica_id), timeout=self.timeout_s)
+            producer = self._producer()
+            incarnation = ray.get(producer.stats.remote(), timeout=self.timeout_s)["incarnation"]
+            uid = ray.get(producer.register.remote(self.replica_id), timeout=self.timeout_s)
             self.transport.join(self.replica_id, uid)
         except Exception:
-            self.registered = False
-        else:
-            self.registered = True
-        return self.registered
+            return False
+        self.registered = incarnation
+        return True
+
+    def _drop_comm(self) -> None:
+        """Forget our communicator (the producer's side is replaced when we register again)."""
+        self.registered = None
+        self.transport.leave(self.replica_id)
 
     def __del__(self):
         """Serve calls this when the replica stops: leave the communicator so the producer frees its side."""
-        if getattr(self, "registered", False):
-            self.registered = False
+        if getattr(self, "registered", None):
             try:
                 self._producer().unregister.remote(self.replica_id)
             except Exception:
                 pass
-            self.transport.leave(self.replica_id)
+            self._drop_comm()
+
+    def _receive_nccl(self, req: dict) -> bytes:
+        if not self.nccl_lock.acquire(timeout=self.timeout_s):
+            raise TransportError(f"replica {self.replica_id}: communicator busy for {self.timeout_s}s")
+        try:
+            if self.registered != req.get("incarnation") and not self._register():
+                raise TransportError(f"replica {self.replica_id} has no communicator with the producer")
+            try:
+                ticket = ray.get(self._producer().push.remote(req["ticket"].key, self.replica_id),
+                                 timeout=self.timeout_s)
+                return self.transport.recv(ticket, timeout_s=self.timeout_s)
+            except BaseException:
+                self._drop_comm()          # a push may have gone out unread: start the next exchange afresh
+                raise
+        finally:
+            self.nccl_lock.release()
+
+    # -- artifacts ----------------------------------------------------------------------------------
+    def _load(self, version: str) -> str | None:
+        """Load `pair@version` (fingerprints checked); None when it worked, else the fallback reason. A
+        storage or registry failure is stated (artifact_unavailable), never a dead replica."""
+        try:
+            art, manifest = fetch(self.registry, f"{self.pair}@{version}", self.expect)
+        except ArtifactNotFound:
+            return "no_artifact"
+        except ArtifactStoreError:                           # fingerprints, checksums, manifest problems
+            return "artifact_mismatch"
+        except ray.exceptions.RayError:                      # the registry actor or the store failed
+            return "artifact_unavailable"
+        self.engine.set_artifact(art.to(self.engine.device), manifest.version)
+        return None
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve calls this on deploy and whenever user_config changes: picks up a new artifact version."""
-        ref = f"{self.pair}@{user_config.get('artifact', 'latest')}"
-        try:
-            art, manifest = fetch(self.registry, ref, self.expect)
-        except ArtifactNotFound:
-            self.engine.set_artifact(None, None, "no_artifact")
-        except ArtifactStoreError:                           # fingerprints, checksums, manifest problems
-            self.engine.set_artifact(None, None, "artifact_mismatch")
-        else:
-            self.engine.set_artifact(art.to(self.engine.device), manifest.version)
+        with self.artifact_lock:
+            reason = self._load(user_config.get("artifact", "latest"))
+            if reason:
+                self.engine.set_artifact(None, None, reason)
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.engine.tokenize(text)
+    def _follow(self, version: str) -> str | None:
+        """Use the version the producer encoded with (a publish reaches the producer first)."""
+        with self.artifact_lock:
+            if self.engine.version == version:
+                return None
+            if version not in self.refused:               # a version that failed once is not fetched again
+                self.refused[version] = self._load(version)
+            return self.refused[version]
+
+    def inject(self, fault: str | None) -> None:
+        """Fault drill: "hold:<gate actor name>" makes every request this replica starts wait until that
+        gate actor opens (tests hold requests open, e.g. to drive autoscaling on any machine); None clears."""
+        if fault is not None and not fault.startswith("hold:"):
+            raise ValueError(f"unknown fault {fault!r}")
+        self.hold = fault and fault.split(":", 1)[1]
 
     def status(self) -> dict:
         return {"specialist": self.name, "artifact": self.engine.version, "transport": self.transport_kind,
@@ -113,36 +169,34 @@ class SpecialistServer:
             return None, req["reason"], 0.0
         t0 = time.perf_counter()
         try:
-            ticket = req["ticket"]
             if isinstance(self.transport, NcclTransport):
-                with self.nccl_lock:
-                    if not self.registered and not self._register():
-                        raise TransportError(f"replica {self.replica_id} has no communicator with the producer")
-                    ticket = ray.get(self._producer().push.remote(ticket.key, self.replica_id), timeout=self.timeout_s)
-                    payload = self.transport.recv(ticket, timeout_s=self.timeout_s)
+                payload = self._receive_nccl(req)
             else:
-                payload = self.transport.recv(ticket)
+                payload = self.transport.recv(req["ticket"], timeout_s=self.timeout_s)
         except (TransportError, ray.exceptions.RayError, ValueError):
             return None, "transport_error", (time.perf_counter() - t0) * 1e3
         return payload, None, (time.perf_counter() - t0) * 1e3
 
     def _events(self, req: dict):
+        if self.hold:
+            hold_until_open(self.hold, self.namespace)
         with telemetry.span("specialist.generate", req.get("trace"), specialist=self.name):
             payload, reason, transfer_ms = self._receive(req)
-            if payload is not None and req.get("version") and self.engine.version != req["version"]:
-                reason, payload = "artifact_mismatch", None    # codes from another artifact version
+            if payload is not None and req.get("version"):
+                reason = self._follow(req["version"])
+                payload = None if reason else payload
             timings = {**req.get("timings", {}), "transfer": transfer_ms}
             p = req["params"]
             params = GenParams(p["max_tokens"], p["temperature"], p["top_p"], p.get("stop", []), p.get("seed"))
-            suffix = self.engine.tokenize(req["suffix"])
-            for kind, value in self.engine.stream(req["prefix_ids"], suffix, payload, reason, params, timings):
+            for kind, value in self.engine.stream(req["prefix_ids"], req["suffix_ids"], payload, reason, params,
+                                                  timings):
                 if kind == "token":
                     yield {"text": value}
                 else:
                     info, finish = value
                     self._record(info)
                     telemetry.record_phases(info.timings, telemetry.carrier(), specialist=self.name)
-                    yield {"finish_reason": finish, "scd": info.as_dict()}
+                    yield {"finish_reason": finish, "scd": info.as_dict(), "tokens": info.tokens}
 
     def _record(self, info) -> None:
         tags = {"specialist": self.name}

@@ -65,6 +65,7 @@ def served(ray_cluster, tmp_path_factory):
     raw["ray"] = {"namespace": "scd-test"}
     raw["http"] = {"port": free_port()}
     raw["producer_timeout_s"] = 1.5
+    raw["limits"] = {"request_timeout_s": 600, "specialist_max_ongoing": 8}    # room for the held-requests drill
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, cfg, ray.get_actor(PRODUCER_NAME, namespace="scd-test")
     from ray import serve
@@ -126,11 +127,10 @@ def test_every_fallback_reason_on_purpose_in_response_and_metrics(served):
         finally:
             ray.get(producer.inject.remote(None))
     time.sleep(4)                                           # let the delayed encode drain
-    ray.kill(producer)
+    ray.kill(producer)                                      # for good: the router creates it again
     assert _reason(url, "qa") == ("fallback", "producer_unavailable")
-    from serve_app.app import start_producer
-    ray.get(start_producer(cfg).stats.remote())             # wait until the new producer has loaded
-    assert _reason(url, "qa", PREFIX + "Back again.") == ("scd", None)
+    assert wait_for(lambda: _reason(url, "qa", PREFIX + "Back again.") == ("scd", None), 120), \
+        "the router never brought the producer back"
     # the reasons reach Prometheus through ray.serve.metrics (exported every few seconds)
     want = {"no_artifact", "artifact_mismatch", "codec_error", "transport_error", "producer_timeout",
             "producer_unavailable", "prefix_too_short"}
@@ -146,34 +146,56 @@ def test_every_fallback_reason_on_purpose_in_response_and_metrics(served):
     assert want <= seen, f"missing from metrics: {want - seen}"
 
 
-def test_qa_scales_up_under_load_and_back_down(served):
+def running_replicas(deployment: str = "specialist-qa") -> int:
     from ray import serve
-    url, _, _ = served
+    dep = serve.status().applications["scd"].deployments[deployment]
+    return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) == "RUNNING")
 
-    def replicas():
-        dep = serve.status().applications["scd"].deployments["specialist-qa"]
-        return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) == "RUNNING")
 
-    stop = time.time() + 25
-    peak = 1
+def scale_up_with_held_requests(url: str, namespace: str, count, want: int = 2, held: int = 6,
+                                bound_s: float = 300, body: dict | None = None):
+    """Drive autoscaling of qa on any machine: qa's only replica holds every request it starts (a drill gate),
+    so `held` requests stay in flight for as long as it takes a second replica to start. Returns (peak of
+    `count()`, timeline of what was seen, the held requests' answers once the gate opened)."""
+    import uuid
 
-    def load():
-        while time.time() < stop:
-            _post(url + "/v1/completions", {"model": "qa", "prompt": PREFIX + "Load test", "max_tokens": 16})
+    from ray import serve
 
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(load) for _ in range(6)]
-        while time.time() < stop:
-            peak = max(peak, replicas())
-            if peak >= 2:
+    from actors.drills import Gate
+    name = f"gate-{uuid.uuid4().hex[:8]}"
+    gate = Gate.options(name=name, namespace=namespace).remote()
+    serve.get_deployment_handle("specialist-qa", app_name="scd").inject.remote(f"hold:{name}").result()
+    body = body or {"model": "qa", "prompt": PREFIX + "Held. Question:", "max_tokens": 4}
+    timeline, peak, t0 = [], 0, time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(held) as pool:
+        futures = [pool.submit(_post, url + "/v1/completions", body, bound_s + 120) for _ in range(held)]
+        while time.monotonic() - t0 < bound_s:
+            seen = count()
+            if not timeline or timeline[-1][1:] != (seen, ray.get(gate.held.remote())):
+                timeline.append((round(time.monotonic() - t0, 1), seen, ray.get(gate.held.remote())))
+            peak = max(peak, seen)
+            if peak >= want:
                 break
             time.sleep(0.5)
-        stop = time.time()
-        for f in futures:
-            f.result()
-    assert peak >= 2, f"qa never scaled past {peak} replica(s)"
-    for _ in range(60):
-        if replicas() == 1:
-            break
-        time.sleep(1)
-    assert replicas() == 1, "qa did not scale back down to 1 replica"
+        ray.get(gate.open.remote())
+        answers = [f.result() for f in futures]
+    ray.kill(gate)
+    return peak, timeline, answers
+
+
+def wait_for(predicate, bound_s: float, every_s: float = 1.0) -> bool:
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every_s)
+    return predicate()
+
+
+def test_qa_scales_up_under_load_and_back_down(served):
+    url, _, _ = served
+    peak, timeline, answers = scale_up_with_held_requests(url, "scd-test", running_replicas)
+    assert peak >= 2, f"qa never scaled past {peak} replica(s); (t s, running, held) seen: {timeline}"
+    assert all(status == 200 for status, _ in answers), answers
+    assert wait_for(lambda: running_replicas() == 1, 180), \
+        f"qa did not scale back down to 1 replica (running: {running_replicas()})"

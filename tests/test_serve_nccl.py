@@ -1,16 +1,13 @@
 """The NCCL transport wired through real Serve replicas, on CPU: `transport: nccl_fake` runs the whole
 protocol (register on start, staged payload, push to the serving replica, in-order receive, unregister
 when the replica stops) over the fake communicator, whose hub actor stands in for the network."""
-import concurrent.futures
-import time
-
 import pytest
 import ray
 import yaml
 
 from jobs.calibrate import main as calibrate
 from tests.conftest import DEMO, free_port, write_config
-from tests.test_serve import PREFIX, _get, _post, deploy_and_wait
+from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, scale_up_with_held_requests, wait_for
 
 NS = "scd-test-nccl"
 
@@ -28,7 +25,8 @@ def served_nccl(ray_cluster, tmp_path_factory):
          "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
                          "upscale_delay_s": 0.5, "downscale_delay_s": 2}},
         {"name": "prose", "path": str(DEMO / "prose"), "num_cpus": 0.25}]
-    raw.update(transport="nccl_fake", ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=5)
+    raw.update(transport="nccl_fake", ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=5,
+               limits={"request_timeout_s": 600, "specialist_max_ongoing": 8})
     raw["producer"]["num_cpus"] = 0.25
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, ray.get_actor(PRODUCER_NAME, namespace=NS)
@@ -62,31 +60,11 @@ def test_fanout_codes_travel_over_per_replica_communicators(served_nccl):
 
 def test_replicas_register_when_scaled_up_and_unregister_when_scaled_down(served_nccl):
     url, producer = served_nccl
-    stop = time.time() + 30
-    peak = 0
-
-    def load():
-        while time.time() < stop:
-            status, out = _post(url + "/v1/completions", {"model": "qa", "prompt": PREFIX + "Load. Question:",
-                                                          "max_tokens": 16})
-            assert status == 200 and out["scd"]["mode"] == "scd", out
-
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(load) for _ in range(6)]
-        while time.time() < stop:
-            peak = max(peak, sum(r.startswith("qa#") for r in _replicas(producer)))
-            if peak >= 2:
-                break
-            time.sleep(0.5)
-        stop = time.time()
-        for f in futures:
-            f.result()                                        # every request under load was served from codes
-    assert peak >= 2, f"only {peak} qa replica(s) ever registered a communicator"
-    for _ in range(60):
-        if sum(r.startswith("qa#") for r in _replicas(producer)) == 1:
-            break
-        time.sleep(1)
-    left = _replicas(producer)
-    assert sum(r.startswith("qa#") for r in left) == 1, f"scaled-down replica kept its communicator: {left}"
+    qa = lambda: sum(r.startswith("qa#") for r in _replicas(producer))   # noqa: E731
+    peak, timeline, answers = scale_up_with_held_requests(url, NS, qa, body={
+        "model": "qa", "prompt": PREFIX + "Load. Question:", "max_tokens": 4})
+    assert peak >= 2, f"only {peak} qa replica(s) ever registered a communicator; (t s, registered, held): {timeline}"
+    assert all(status == 200 and out["scd"]["mode"] == "scd" for status, out in answers), answers
+    assert wait_for(lambda: qa() == 1, 180), f"scaled-down replica kept its communicator: {_replicas(producer)}"
     hub = ray.get_actor("scd-fake-nccl", namespace=NS)
     assert ray.get(hub.open_communicators.remote()) == 2
