@@ -13,6 +13,7 @@ earlier incarnation registers again.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import uuid
 
@@ -32,33 +33,80 @@ PRODUCER_NAME = "scd-producer"
 @ray.remote(concurrency_groups={"control": 4})
 class ProducerActor:
     def __init__(self, model_path: str, pairs: dict[str, str], store_uri: str, namespace: str | None = None,
-                 cache_bytes: int = 64 << 20, dtype: str = "fp16", transport: str = "object_store"):
+                 cache_bytes: int = 64 << 20, dtype: str = "fp16", transport: str = "object_store",
+                 watch_s: float = 10.0):
         torch.set_num_threads(cpu_threads())
         dev = device()
         model, tok, _ = load(model_path)
         self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dtype, dev)
         self.registry = registry(store_uri, namespace)
+        self.store_uri = store_uri
         self.expect = Fingerprints.of(producer=model, tokenizer=tok)
         self.transport_kind = transport
         self.transport = make_transport(transport, namespace)
+        self.wanted = dict(pairs)                      # pair -> "latest" or a pinned version
         self.problems: dict[str, str] = {}
+        self.refused: dict[str, str] = {}              # "pair@version" -> why it was not loaded (never retried)
         self.fault: str | None = None
         self.incarnation = uuid.uuid4().hex[:12]
         self.skipped = 0                               # encodes whose deadline passed while they were queued
+        self.watch_s = watch_s
         for pair, version in pairs.items():
             self.reload(pair, version)
+        if watch_s > 0:
+            threading.Thread(target=self._watch, daemon=True, name="artifact-watch").start()
 
     def reload(self, pair: str, version: str = "latest") -> str | None:
-        """(Re)load a pair's artifact; returns the version in use, or None (the reason is kept in stats)."""
+        """(Re)load a pair's artifact; returns the version in use, or None. A version that cannot be used
+        (damaged, wrong fingerprints, storage down) is refused with its reason in stats, and the version
+        already loaded, if any, stays in use."""
         try:
-            art, manifest = fetch(self.registry, f"{pair}@{version}", self.expect)
-        except ArtifactStoreError as e:
-            self.engine.artifacts.pop(pair, None)
-            self.problems[pair] = f"{type(e).__name__}: {e}"
-            return None
+            art, manifest = fetch(self.registry, f"{pair}@{version}", self.expect, timeout_s=120)
+        except (ArtifactStoreError, ray.exceptions.RayError) as e:
+            self.problems[pair] = f"{pair}@{version}: {type(e).__name__}: {e}"
+            if isinstance(e, ArtifactStoreError) and version != "latest":
+                self.refused[f"{pair}@{version}"] = self.problems[pair]
+            current = self.engine.artifacts.get(pair)
+            return current[1] if current else None
         self.engine.set_artifact(pair, art.to(self.engine.device), manifest.version)
         self.problems.pop(pair, None)
         return manifest.version
+
+    # -- artifact versions while serving --------------------------------------------------------------
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.watch_s)
+            try:
+                self.refresh()
+            except Exception as e:                    # noqa: BLE001 - the watcher must outlive any one failure
+                self.problems["watch"] = f"{type(e).__name__}: {e}"
+
+    @ray.method(concurrency_group="control")
+    def refresh(self) -> dict[str, str | None]:
+        """Pick up what each pair's configured ref (`latest`, usually) names now, and renew this producer's
+        lease on the versions it serves so that `scd artifacts gc` keeps them. Replicas follow: they decode
+        with the version named in the codes. Returns pair -> version in use."""
+        from artifacts_store import ArtifactStore
+        for pair, want in self.wanted.items():
+            try:
+                version = ray.get(self.registry.resolve.remote(f"{pair}@{want}"), timeout=60).split("@", 1)[1]
+            except (ArtifactStoreError, ray.exceptions.RayError) as e:
+                self.problems[pair] = f"resolving {pair}@{want}: {type(e).__name__}: {e}"
+                continue
+            current = self.engine.artifacts.get(pair)
+            if (current is None or current[1] != version) and f"{pair}@{version}" not in self.refused:
+                self.reload(pair, version)
+        in_use = {pair: (self.engine.artifacts[pair][1] if pair in self.engine.artifacts else None)
+                  for pair in self.wanted}
+        try:
+            store = ArtifactStore(self.store_uri)
+            for pair, version in in_use.items():
+                if version:
+                    store.lease(f"{pair}@{version}", f"producer-{self.incarnation}", max(60.0, 3 * self.watch_s))
+            self.problems.pop("lease", None)
+        except ArtifactStoreError as e:
+            self.problems["lease"] = f"{type(e).__name__}: {e}"
+        return in_use
 
     @ray.method(concurrency_group="control")
     def inject(self, fault: str | None) -> None:
@@ -126,7 +174,8 @@ class ProducerActor:
     @ray.method(concurrency_group="control")
     def stats(self) -> dict:
         out = {**self.engine.stats(), "problems": dict(self.problems), "transport": self.transport_kind,
-               "incarnation": self.incarnation, "skipped": self.skipped}
+               "incarnation": self.incarnation, "skipped": self.skipped, "refused": dict(self.refused),
+               "versions": {pair: v for pair, (_, v) in self.engine.artifacts.items()}}
         if isinstance(self.transport, NcclTransport):
             out["nccl_replicas"] = self.transport.open_replicas()
         return out

@@ -103,15 +103,17 @@ def registry(store_uri: str, namespace: str | None = None, max_entries: int = MA
     """The cluster's registry actor, created on first use (detached, named); `max_entries` applies when this
     call creates it."""
     return ArtifactRegistry.options(name=REGISTRY_NAME, namespace=namespace, get_if_exists=True,
-                                    lifetime="detached").remote(store_uri, max_entries)
+                                    lifetime="detached", max_restarts=-1).remote(store_uri, max_entries)
 
 
-def fetch(reg, ref: str, expect: Fingerprints | None = None) -> tuple[PairArtifacts, Manifest]:
+def fetch(reg, ref: str, expect: Fingerprints | None = None,
+          timeout_s: float | None = None) -> tuple[PairArtifacts, Manifest]:
     """Artifacts for `ref` through the registry; refuses them when the fingerprints differ from `expect`.
-    Raises ArtifactStoreError subclasses (through Ray they arrive as RayTaskError instances of them)."""
-    manifest_json, (blob,) = ray.get(reg.get.remote(ref))
+    Raises ArtifactStoreError subclasses (through Ray they arrive as RayTaskError instances of them), and
+    ray.exceptions.GetTimeoutError after `timeout_s` for each of the two reads."""
+    manifest_json, (blob,) = ray.get(reg.get.remote(ref), timeout=timeout_s)
     manifest = Manifest.model_validate_json(manifest_json)
     if expect is not None:
         check(str(manifest.ref), manifest.fingerprints, expect)
-    desc, tensors = ray.get(blob)
+    desc, tensors = ray.get(blob, timeout=timeout_s)
     return PairArtifacts.from_parts(json.loads(desc), st_load(tensors)), manifest

@@ -167,6 +167,8 @@ class LimitSettings(_Strict):
 
 class ArtifactSettings(_Strict):
     uri: str = Field("runs/artifacts", description="artifact store: local path or pyarrow URI (s3://, gs://, hdfs://)")
+    watch_s: float = Field(10.0, ge=0, description="the producer checks for newly published versions this often "
+                                                   "and renews its leases on the versions it serves (0 = never)")
 
 
 class CalibrationSettings(_Strict):

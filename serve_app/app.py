@@ -58,18 +58,26 @@ def build(cfg: DeploymentConfig):
         handles, cfg.model_dump(), key_digest(key))
 
 
+def health(url: str) -> str | None:
+    """What /healthz says now ("ok", "degraded", "down"), or None when nothing answers."""
+    import json
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=30) as r:
+            return json.loads(r.read())["status"]
+    except urllib.error.HTTPError as e:                # 503: the app answers, nothing serves yet
+        return json.loads(e.read()).get("status", "down")
+    except Exception:                                  # not up yet
+        return None
+
+
 def wait_healthy(url: str, timeout_s: float = 180) -> bool:
     """Poll the app's /healthz until it says ok (True) or `timeout_s` passes (False)."""
-    import json
-    import urllib.request
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=30) as r:
-                if json.loads(r.read())["status"] == "ok":
-                    return True
-        except Exception:                              # not up yet
-            pass
+        if health(url) == "ok":
+            return True
         time.sleep(1)
     return False
 
@@ -82,6 +90,20 @@ def deploy(cfg: DeploymentConfig, blocking: bool = False):
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
     return producer
+
+
+def undeploy(cfg: DeploymentConfig) -> None:
+    """Stop what deploy started: the Serve app and its proxy, and the detached producer (which would
+    otherwise outlive us on a shared cluster). Safe to call when any of it is already gone."""
+    import ray
+    from actors.producer_actor import PRODUCER_NAME
+    if not ray.is_initialized():
+        return
+    serve.shutdown()
+    try:
+        ray.kill(ray.get_actor(PRODUCER_NAME, namespace=cfg.ray.namespace), no_restart=True)
+    except ValueError:
+        pass
 
 
 def app_builder(args: dict):

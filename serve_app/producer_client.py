@@ -49,7 +49,8 @@ def start_producer(cfg: DeploymentConfig):
                 break
             time.sleep(0.1)
     return ProducerActor.options(**opts, max_restarts=-1, max_task_retries=0).remote(
-        cfg.producer.path, pairs, cfg.artifacts.uri, cfg.ray.namespace, transport=transport)
+        cfg.producer.path, pairs, cfg.artifacts.uri, cfg.ray.namespace, transport=transport,
+        watch_s=cfg.artifacts.watch_s)
 
 
 class ProducerClient:

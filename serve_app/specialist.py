@@ -127,7 +127,7 @@ class SpecialistServer:
         """Load `pair@version` (fingerprints checked); None when it worked, else the fallback reason. A
         storage or registry failure is stated (artifact_unavailable), never a dead replica."""
         try:
-            art, manifest = fetch(self.registry, f"{self.pair}@{version}", self.expect)
+            art, manifest = fetch(self.registry, f"{self.pair}@{version}", self.expect, timeout_s=120)
         except ArtifactNotFound:
             return "no_artifact"
         except ArtifactStoreError:                           # fingerprints, checksums, manifest problems
