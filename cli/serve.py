@@ -36,14 +36,19 @@ def _interrupt(*_):
 def run(cfg: DeploymentConfig, ready_timeout_s: float = 300) -> int:
     import ray
 
-    from serve_app.app import deploy, health, undeploy, wait_healthy
+    from cluster.runtime import connect
+    from serve_app.app import build, deploy, health, undeploy, wait_healthy
     if not cfg.ray.address and port_taken(cfg.http.host, cfg.http.port):
         print(f"port {cfg.http.port} on {cfg.http.host} is already taken (another `scd serve`?); stop it or set "
               "http.port", file=sys.stderr)
         return 2
-    previous = signal.signal(signal.SIGTERM, _interrupt)      # a supervisor's stop = Ctrl-C
+    previous = signal.getsignal(signal.SIGTERM)
     try:
-        deploy(cfg)
+        app = build(cfg)                                      # refuses a bad setup before anything starts
+        connect(cfg.ray)
+        # after ray.init, which installs a SIGTERM handler of its own that aborts the driver
+        signal.signal(signal.SIGTERM, _interrupt)             # a supervisor's stop = Ctrl-C
+        deploy(cfg, app)
         url = f"http://{cfg.http.host}:{cfg.http.port}"
         local = url.replace("0.0.0.0", "127.0.0.1")
         state = "ok" if wait_healthy(local, ready_timeout_s) else health(local)

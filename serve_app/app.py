@@ -82,9 +82,10 @@ def wait_healthy(url: str, timeout_s: float = 180) -> bool:
     return False
 
 
-def deploy(cfg: DeploymentConfig, blocking: bool = False):
-    """Connect (or start Ray), start the producer, start Serve's HTTP proxy and run the app."""
-    app = build(cfg)                                   # refuses an open non-loopback address before any start
+def deploy(cfg: DeploymentConfig, app=None, blocking: bool = False):
+    """Connect (or start Ray), start the producer, start Serve's HTTP proxy and run the app (`build(cfg)`
+    unless given)."""
+    app = app or build(cfg)                            # refuses an open non-loopback address before any start
     connect(cfg.ray)
     producer = start_producer(cfg)
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-DEMO = Path(__file__).resolve().parents[1] / "demo_models"
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "demo_models"
 
 
 def tiny_llama(seed: int = 0, layers: int = 3, vocab: int = 97) -> LlamaForCausalLM:
