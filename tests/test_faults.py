@@ -1,0 +1,136 @@
+"""Faults on a real local Ray + Serve: the producer killed mid-load, a specialist replica killed under its
+requests, a damaged artifact published while serving, gc while serving. Nothing a client sent is lost:
+every request gets an answer, a fallback says why, and the service comes back to `scd` by itself."""
+import concurrent.futures
+import dataclasses
+import time
+import uuid
+
+import pytest
+import ray
+import yaml
+
+from artifacts_store import ArtifactStore
+from jobs.calibrate import main as calibrate
+from tests.conftest import DEMO, free_port, write_config
+from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, wait_for
+
+NS = "scd-test-faults"
+BACK_WITHIN_S = 90          # producer restart + model and artifact load, on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def served_faults(ray_cluster, tmp_path_factory):
+    from actors.producer_actor import PRODUCER_NAME
+    tmp = tmp_path_factory.mktemp("faults")
+    cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
+    calibrate(["--pair", "base:qa", "--config", str(cfg_path), "--no-actors"])
+    raw = yaml.safe_load(cfg_path.read_text())
+    raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25,
+                           "autoscaling": {"min_replicas": 1, "max_replicas": 1}}]
+    raw["producer"]["num_cpus"] = 0.25
+    raw.update(ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=3,
+               artifacts={"uri": str(tmp / "store"), "watch_s": 0},    # the tests ask the producer to refresh
+               limits={"request_timeout_s": 300, "producer_retry_s": 0.5})
+    cfg, url = deploy_and_wait(cfg_path, raw)
+    yield url, cfg, tmp / "store"
+    from ray import serve
+    serve.shutdown()
+
+
+def _producer():
+    from actors.producer_actor import PRODUCER_NAME
+    return ray.get_actor(PRODUCER_NAME, namespace=NS)
+
+
+def _ask(url, i: int):
+    """(seconds since epoch when sent, status, mode or error)."""
+    sent = time.time()
+    status, out = _post(url + "/v1/completions", {"model": "qa", "prompt": PREFIX + f"Load {i}. Question:",
+                                                   "max_tokens": 4}, timeout=300)
+    if status != 200:
+        return sent, status, out.get("error", out)
+    return sent, status, out["scd"]["mode"] + (f":{out['scd']['reason']}" if out["scd"]["reason"] else "")
+
+
+def test_producer_killed_mid_load_every_request_answered_and_scd_again(served_faults):
+    url, _, _ = served_faults
+    n, kill_at = 60, 20
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_ask, url, i) for i in range(kill_at)]
+        for f in futures:                                     # the first part finished: kill mid-load
+            f.result()
+        killed = time.time()
+        ray.kill(_producer(), no_restart=False)               # a crash: Ray restarts it
+        futures += [pool.submit(_ask, url, i) for i in range(kill_at, n)]
+        results = [f.result() for f in futures]
+    bad = [r for r in results if r[1] != 200]
+    assert not bad, f"{len(bad)} of {n} requests not answered 200: {bad[:3]}"
+    modes = {m for _, _, m in results}
+    assert modes <= {"scd", "fallback:producer_unavailable", "fallback:producer_timeout",
+                     "fallback:transport_error"}, modes
+    assert wait_for(lambda: _ask(url, 999)[2] == "scd", BACK_WITHIN_S, every_s=0.5), \
+        f"not serving scd again {BACK_WITHIN_S} s after the kill"
+    back = time.time() - killed
+    print(f"\nproducer back to scd {back:.1f} s after the kill; modes under load: "
+          f"{ {m: sum(r[2] == m for r in results) for m in modes} }")
+    health = _get(url + "/healthz")
+    assert health["status"] == "ok", health
+
+
+def test_specialist_replica_killed_under_its_requests_loses_none(served_faults):
+    from ray import serve
+    from ray.util.state import list_actors
+
+    from actors.drills import Gate
+    url, _, _ = served_faults
+    name = f"gate-{uuid.uuid4().hex[:8]}"
+    gate = Gate.options(name=name, namespace=NS).remote()
+    serve.get_deployment_handle("specialist-qa", app_name="scd").inject.remote(f"hold:{name}").result()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(_ask, url, 100 + i) for i in range(3)]
+        assert wait_for(lambda: ray.get(gate.held.remote()) == 3, 120, every_s=0.2), "requests never held"
+        (replica,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
+                      if a.class_name.endswith("specialist-qa")]
+        ray.kill(ray.get_actor(replica.name, namespace="serve"), no_restart=True)
+        results = [f.result() for f in futures]
+    ray.kill(gate)
+    assert [status for _, status, _ in results] == [200] * 3, results      # retried on the replacement
+    assert _ask(url, 200)[1] == 200
+
+
+def test_damaged_publish_is_refused_and_a_good_one_is_picked_up_by_producer_and_replica(served_faults):
+    url, _, store_dir = served_faults
+    store = ArtifactStore(store_dir)
+    art, manifest = store.load("base:qa@latest")
+    served_version = manifest.version
+    damaged = store.publish(art, manifest.fingerprints, manifest.calibration)
+    path = next(p for p in store_dir.rglob("*.safetensors") if damaged.version in str(p))
+    path.write_bytes(path.read_bytes()[:-8] + b"\x00" * 8)           # same size, wrong bytes
+    versions = ray.get(_producer().refresh.remote())
+    stats = ray.get(_producer().stats.remote())
+    assert versions["base:qa"] == served_version, (versions, stats["problems"])
+    assert any(damaged.version in ref for ref in stats["refused"]), stats
+    _, status, mode = _ask(url, 300)
+    assert (status, mode) == (200, "scd"), mode
+
+    good = store.publish(dataclasses.replace(art), manifest.fingerprints, manifest.calibration)
+    assert ray.get(_producer().refresh.remote())["base:qa"] == good.version
+    status, out = _post(url + "/v1/completions", {"model": "qa", "prompt": PREFIX + "New version. Question:",
+                                                   "max_tokens": 4})
+    assert status == 200 and out["scd"]["mode"] == "scd", out          # the replica followed, no mismatch
+    assert out["scd"]["artifact"] == good.version, (out["scd"]["artifact"], good.version)
+
+
+def test_gc_while_serving_keeps_the_version_the_producer_serves(served_faults):
+    url, _, store_dir = served_faults
+    store = ArtifactStore(store_dir)
+    in_use = ray.get(_producer().refresh.remote())["base:qa"]          # renews the producer's lease
+    art, manifest = store.load("base:qa@latest")
+    newer = store.publish(art, manifest.fingerprints, manifest.calibration)   # LATEST moves past what we serve
+    report = store.gc(keep=0)
+    left = {v.version for v in store.list("base:qa")}
+    assert in_use in left and newer.version in left, (in_use, left, report)
+    assert any(k.version == in_use and k.why == "leased" for k in report.kept), report
+    _, status, mode = _ask(url, 400)
+    assert (status, mode) == (200, "scd"), mode
