@@ -129,14 +129,15 @@ class Router:
         return ApiError(500, f"specialist {name!r} failed: {type(e).__name__}", code="internal_error")
 
     async def _generate(self, name: str, req: dict) -> dict:
-        """The whole answer; a replica that died under the request is tried once more (Serve picks another)."""
+        """The whole answer; a replica that died under the request is tried once more (Serve picks another).
+        The same request: codes in the object store are still there; NCCL codes already pushed to the dead
+        replica are not, and the new one then falls back with transport_error."""
         for attempt in (0, 1):
             try:
                 return await asyncio.wait_for(self.handles[name].generate.remote(req), self.limits.request_timeout_s)
             except REPLICA_GONE as e:
                 if attempt:
                     raise self._failure(name, e) from None
-                req = {**req, "ticket": None, "reason": req["reason"] or "transport_error"}  # codes went with it
             except Exception as e:
                 raise self._failure(name, e) from None
 
@@ -149,7 +150,6 @@ class Router:
             except REPLICA_GONE as e:
                 if attempt:
                     raise self._failure(name, e) from None
-                req = {**req, "ticket": None, "reason": req["reason"] or "transport_error"}
             except Exception as e:
                 gen.cancel()
                 raise self._failure(name, e) from None
