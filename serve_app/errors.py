@@ -3,7 +3,8 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
 `ApiError` is raised anywhere in a route; `install(app)` turns it, validation errors, unknown routes and
-methods, and any unexpected exception into that shape. `Guard` is the ASGI middleware in front of the routes:
+methods, and any unexpected exception into that shape (a trailing slash is an unknown route, not a redirect;
+a body that is not sent as JSON is 415). `Guard` is the ASGI middleware in front of the routes:
 the API key (every path but /healthz) and the request body size, checked before a byte is parsed.
 """
 from __future__ import annotations
@@ -53,11 +54,20 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"{where}: unknown field (not supported by this server)", where
     if first["type"] == "missing" and not where:
         return "the request body is missing (send a JSON object)", None
-    return (f"{where}: {first['msg']}" if where else first["msg"]), where or None
+    if not where and first["type"] in ("model_attributes_type", "model_type", "dict_type"):
+        return "the request body must be a JSON object", None
+    message = first["msg"].removeprefix("Value error, ")
+    return (f"{where}: {message}" if where else message), where or None
+
+
+def _is_json(content_type: str | None) -> bool:
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def install(app: FastAPI) -> None:
     """Exception handlers: every error leaves as OpenAI-shaped JSON."""
+    app.router.redirect_slashes = False            # a 307 with an empty body is no answer to a POST
 
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):
@@ -65,6 +75,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        ctype = request.headers.get("content-type")
+        if tuple(first["loc"]) == ("body",) and first["type"] != "missing" and not _is_json(ctype):
+            return ApiError(415, f"Content-Type {ctype or '(none)'} is not supported: send the body as JSON "
+                                 "with 'Content-Type: application/json'").response()   # FastAPI gave it raw bytes
         message, param = _validation_message(exc)
         return ApiError(400, message, param).response()
 

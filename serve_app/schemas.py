@@ -2,8 +2,11 @@
 
 Strict types: `"16"` or `true` is not a max_tokens. Fields OpenAI clients send that this server does not
 implement are accepted only at their neutral value (`n: 1`, `echo: false`, `logprobs: null`, ...) and refused
-with 400 otherwise; any other unknown field is refused. Limits that depend on the deployment (max_tokens,
-prompt tokens, fan-out width) are checked by the router against the config.
+with 400 otherwise; any other unknown field is refused. `null` for a field that has a default means that
+default, as in OpenAI's API (`"max_tokens": null` is 16); a required field is never null. Text must be valid
+Unicode: a lone surrogate (`"\\ud800"` in JSON) cannot be tokenized and is refused with 400. Limits that
+depend on the deployment (max_tokens, prompt tokens, fan-out width) are checked by the router against the
+config.
 """
 from __future__ import annotations
 
@@ -18,6 +21,32 @@ MAX_STOP_CHARS = 128
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _null_is_default(cls, v, info):
+        field = cls.model_fields[info.field_name]
+        return field.get_default(call_default_factory=True) if v is None and not field.is_required() else v
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unicode(cls, v):
+        for s in [v] if isinstance(v, str) else v if isinstance(v, list) else ():
+            if isinstance(s, str) and not s.isascii():
+                try:
+                    s.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"not valid Unicode: a lone surrogate {s[e.start]!r} at character "
+                                     f"{e.start}") from None
+        return v
+
+
+def _texts(v, what: str):
+    """A union's own errors name its members (`stop.str`, `stop.list[str]`): check the shape first, so that
+    a wrong type is one error on the field itself."""
+    if isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        return v
+    raise ValueError(f"must be {what}")
+
 
 class Sampling(_Body):
     max_tokens: int = Field(16, ge=1, description="tokens to generate (upper bound: limits.max_tokens)")
@@ -25,6 +54,11 @@ class Sampling(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = Field(None, description="up to 4 non-empty stop strings")
     seed: int | None = Field(None, ge=-INT64, lt=INT64, description="sampling seed (a signed 64-bit integer)")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, v):
+        return v if v is None else _texts(v, "a string or a list of strings")
 
     @field_validator("stop")
     @classmethod
@@ -63,6 +97,11 @@ class CompletionRequest(Sampling):
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
     stream_options: dict | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        return _texts(v, "a string or a list of one string")
 
     @field_validator("prompt")
     @classmethod
