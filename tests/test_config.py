@@ -106,3 +106,22 @@ def test_label_checks_agree_with_rays_own(key, value):
     except ConfigError:
         ours = False
     assert ours == ray_ok, f"{key}: {value!r}: ours {ours}, Ray's {ray_ok}"
+
+
+def test_the_example_cluster_file_passes_rays_checks_and_offers_what_placed_models_ask_for():
+    from pathlib import Path
+
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    example = Path(__file__).resolve().parents[1] / "cluster" / "ray-cluster.example.yaml"
+    cluster = prepare_config(yaml.safe_load(example.read_text()))     # what `ray up` does before launching
+    validate_config(cluster)                                          # ray-schema.json and node-type checks
+    types = cluster["available_node_types"]
+    cfg = parse({"producer": {**GOOD["producer"], "num_gpus": 1, "resources": {"scd_producer": 1},
+                              "node_labels": {"scd-role": "producer"}},
+                 "specialists": [{**GOOD["specialists"][0], "num_gpus": 1, "resources": {"scd_specialist": 1},
+                                  "node_labels": {"scd-gpu": "a10g"}}]})           # README "Several machines"
+    for m in (cfg.producer, *cfg.specialists):
+        hosts = [name for name, t in types.items()
+                 if all(t["resources"].get(k, 0) >= v for k, v in m.resources.items())
+                 and all(t.get("labels", {}).get(k) == v for k, v in m.node_labels.items())]
+        assert hosts and "head" not in hosts, f"{m.name}: no node type offers {m.resources} {m.node_labels}"
