@@ -65,13 +65,17 @@ class Router:
     # -- admission and limits ---------------------------------------------------------------------------
     @contextmanager
     def _admitted(self):
+        """A slot among router_max_ongoing, or 503 + Retry-After. Yields a list: a stream appends its
+        generator, which then holds the slot until the stream ends."""
         if self.inflight >= self.limits.router_max_ongoing:
             raise overloaded("the router", self.limits.retry_after_s)
         self.inflight += 1
+        handed_to_stream: list = []
         try:
-            yield
+            yield handed_to_stream
         finally:
-            self.inflight -= 1
+            if not handed_to_stream:
+                self.inflight -= 1
 
     async def _tokenize(self, text: str) -> list[int]:
         if not text:
@@ -157,17 +161,21 @@ class Router:
     # -- routes ---------------------------------------------------------------------------------------
     @api.get("/healthz")
     async def healthz(self):
-        """ok: producer and every specialist answer; degraded: answers still come (fallbacks); down: none."""
+        """ok: producer and every specialist answer; degraded: answers still come (fallbacks while the
+        producer is down, or specialists too busy to report); down: no specialist can answer."""
         async def status(h):
             try:
                 return await asyncio.wait_for(h.status.remote(), self.limits.control_timeout_s)
+            except asyncio.TimeoutError:                # its replicas are all busy: alive, but full
+                return {"busy": f"no status within {self.limits.control_timeout_s} s"}
             except Exception as e:
                 return {"error": f"{type(e).__name__}: {e}"}
         stats = await self.producer.stats()
         specialists = dict(zip(self.handles, await asyncio.gather(*(status(h) for h in self.handles.values()))))
-        answering = [n for n, s in specialists.items() if "error" not in s]
-        state = ("ok" if "error" not in stats and len(answering) == len(specialists)
-                 else "degraded" if answering else "down")
+        failed = [n for n, s in specialists.items() if "error" in s]
+        state = ("down" if len(failed) == len(specialists)
+                 else "ok" if "error" not in stats and not any("busy" in s or "error" in s for s in specialists.values())
+                 else "degraded")
         return JSONResponse(status_code=503 if state == "down" else 200,
                             content={"status": state, "producer": stats, "specialists": specialists,
                                      "inflight": self.inflight})
@@ -180,7 +188,7 @@ class Router:
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
         self._model(body.model, "model")
-        with self._admitted():
+        with self._admitted() as slot:
             # prefix: the explicit scd field, else the prompt minus its last character-run the specialist reads
             prefix, suffix = (body.prefix, body.text) if body.prefix else _split(body.text)
             prefix_ids, suffix_ids = await self._tokenize(prefix), await self._tokenize(suffix)
@@ -197,6 +205,7 @@ class Router:
             cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
             if body.stream:
                 gen, first = await self._first_event(body.model, req)
+                slot.append(gen)
                 return StreamingResponse(self._sse(gen, first, cid, created, body.model),
                                          media_type="text/event-stream")
             out = await self._generate(body.model, req)
@@ -229,6 +238,7 @@ class Router:
             yield f"data: {json.dumps(self._failure(model, e).body())}\n\n"
         finally:
             gen.cancel()
+            self.inflight -= 1                        # the slot _admitted handed to this stream
         yield "data: [DONE]\n\n"
 
     @api.post("/v1/fanout")

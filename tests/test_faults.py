@@ -3,6 +3,7 @@ requests, a damaged artifact published while serving, gc while serving. Nothing 
 every request gets an answer, a fallback says why, and the service comes back to `scd` by itself."""
 import concurrent.futures
 import dataclasses
+import json
 import time
 import uuid
 
@@ -31,7 +32,8 @@ def served_faults(ray_cluster, tmp_path_factory):
     raw["producer"]["num_cpus"] = 0.25
     raw.update(ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=3,
                artifacts={"uri": str(tmp / "store"), "watch_s": 0},    # the tests ask the producer to refresh
-               limits={"request_timeout_s": 300, "producer_retry_s": 0.5})
+               limits={"request_timeout_s": 300, "producer_retry_s": 0.5, "router_max_ongoing": 6,
+                       "retry_after_s": 2})
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, cfg, tmp / "store"
     from ray import serve
@@ -134,3 +136,33 @@ def test_gc_while_serving_keeps_the_version_the_producer_serves(served_faults):
     assert any(k.version == in_use and k.why == "leased" for k in report.kept), report
     _, status, mode = _ask(url, 400)
     assert (status, mode) == (200, "scd"), mode
+
+
+def test_overload_answers_503_with_retry_after_and_then_serves_again(served_faults):
+    """Six requests held open fill the router (limits.router_max_ongoing: 6): the seventh is refused at once
+    with an OpenAI-shaped 503 and Retry-After, and once they finish the next request is served."""
+    import urllib.request
+
+    from ray import serve
+
+    from actors.drills import Gate
+    url, _, _ = served_faults
+    name = f"gate-{uuid.uuid4().hex[:8]}"
+    gate = Gate.options(name=name, namespace=NS).remote()
+    serve.get_deployment_handle("specialist-qa", app_name="scd").inject.remote(f"hold:{name}").result()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(_ask, url, 500 + i) for i in range(6)]
+        assert wait_for(lambda: _get(url + "/healthz")["inflight"] == 6, 120, every_s=0.2), "router never full"
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(
+            {"model": "qa", "prompt": PREFIX + "One too many.", "max_tokens": 2}).encode(),
+            {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=60)
+        ray.get(gate.open.remote())
+        results = [f.result() for f in futures]
+    ray.kill(gate)
+    err = json.loads(refused.value.read())["error"]
+    assert refused.value.code == 503 and refused.value.headers["Retry-After"] == "2", refused.value.headers
+    assert err["code"] == "overloaded" and err["type"] == "server_error" and err["message"], err
+    assert [status for _, status, _ in results] == [200] * 6, results
+    assert _ask(url, 600)[1] == 200
