@@ -5,7 +5,6 @@ import concurrent.futures
 import dataclasses
 import json
 import time
-import uuid
 
 import pytest
 import ray
@@ -14,7 +13,7 @@ import yaml
 from artifacts_store import ArtifactStore
 from jobs.calibrate import main as calibrate
 from tests.conftest import DEMO, free_port, write_config
-from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, wait_for
+from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, holding_qa, wait_for
 
 NS = "scd-test-faults"
 BACK_WITHIN_S = 90          # producer restart + model and artifact load, on a busy 2-core machine
@@ -81,22 +80,15 @@ def test_producer_killed_mid_load_every_request_answered_and_scd_again(served_fa
 
 
 def test_specialist_replica_killed_under_its_requests_loses_none(served_faults):
-    from ray import serve
     from ray.util.state import list_actors
-
-    from actors.drills import Gate
     url, _, _ = served_faults
-    name = f"gate-{uuid.uuid4().hex[:8]}"
-    gate = Gate.options(name=name, namespace=NS).remote()
-    serve.get_deployment_handle("specialist-qa", app_name="scd").inject.remote(f"hold:{name}").result()
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with holding_qa(NS) as gate, concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(_ask, url, 100 + i) for i in range(3)]
         assert wait_for(lambda: ray.get(gate.held.remote()) == 3, 120, every_s=0.2), "requests never held"
         (replica,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
                       if a.class_name.endswith("specialist-qa")]
         ray.kill(ray.get_actor(replica.name, namespace="serve"), no_restart=True)
         results = [f.result() for f in futures]
-    ray.kill(gate)
     assert [status for _, status, _ in results] == [200] * 3, results      # retried on the replacement
     assert _ask(url, 200)[1] == 200
 
@@ -142,15 +134,8 @@ def test_overload_answers_503_with_retry_after_and_then_serves_again(served_faul
     """Six requests held open fill the router (limits.router_max_ongoing: 6): the seventh is refused at once
     with an OpenAI-shaped 503 and Retry-After, and once they finish the next request is served."""
     import urllib.request
-
-    from ray import serve
-
-    from actors.drills import Gate
     url, _, _ = served_faults
-    name = f"gate-{uuid.uuid4().hex[:8]}"
-    gate = Gate.options(name=name, namespace=NS).remote()
-    serve.get_deployment_handle("specialist-qa", app_name="scd").inject.remote(f"hold:{name}").result()
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    with holding_qa(NS) as gate, concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_ask, url, 500 + i) for i in range(6)]
         assert wait_for(lambda: _get(url + "/healthz")["inflight"] == 6, 120, every_s=0.2), "router never full"
         req = urllib.request.Request(url + "/v1/completions", json.dumps(
@@ -160,7 +145,6 @@ def test_overload_answers_503_with_retry_after_and_then_serves_again(served_faul
             urllib.request.urlopen(req, timeout=60)
         ray.get(gate.open.remote())
         results = [f.result() for f in futures]
-    ray.kill(gate)
     err = json.loads(refused.value.read())["error"]
     assert refused.value.code == 503 and refused.value.headers["Retry-After"] == "2", refused.value.headers
     assert err["code"] == "overloaded" and err["type"] == "server_error" and err["message"], err

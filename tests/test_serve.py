@@ -1,5 +1,6 @@
 """The Serve app on a real local Ray + Serve: OpenAI client, fan-out, every fallback, metrics, autoscaling."""
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import time
@@ -119,14 +120,24 @@ def test_every_fallback_reason_on_purpose_in_response_and_metrics(served):
     assert _reason(url, "nocal") == ("fallback", "no_artifact")
     assert _reason(url, "wrong") == ("fallback", "artifact_mismatch")
     assert _reason(url, "qa", prompt="word") == ("fallback", "prefix_too_short")
-    for fault, reason in (("corrupt", "codec_error"), ("misdeliver", "transport_error"),
-                          ("delay:4", "producer_timeout")):
+    for fault, reason in (("corrupt", "codec_error"), ("misdeliver", "transport_error")):
         ray.get(producer.inject.remote(fault))
         try:
             assert _reason(url, "qa", PREFIX + f"{fault} Question:") == ("fallback", reason), fault
         finally:
             ray.get(producer.inject.remote(None))
-    time.sleep(4)                                           # let the delayed encode drain
+    # a stalled producer: three requests give up on it; the two encodes queued behind the stalled one are
+    # dropped or skipped by their deadline, never run after their requests have fallen back
+    prefills = ray.get(producer.stats.remote())["prefills"]
+    ray.get(producer.inject.remote("delay:4"))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            reasons = list(pool.map(lambda i: _reason(url, "qa", PREFIX + f"Stalled {i}. Question:"), range(3)))
+    finally:
+        ray.get(producer.inject.remote(None))
+    assert reasons == [("fallback", "producer_timeout")] * 3, reasons
+    ray.get(producer.encode.remote([], []))                 # queued after everything above: the queue drained
+    assert ray.get(producer.stats.remote())["prefills"] - prefills <= 1
     ray.kill(producer)                                      # for good: the router creates it again
     assert _reason(url, "qa") == ("fallback", "producer_unavailable")
     assert wait_for(lambda: _reason(url, "qa", PREFIX + "Back again.") == ("scd", None), 120), \
@@ -152,11 +163,10 @@ def running_replicas(deployment: str = "specialist-qa") -> int:
     return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) == "RUNNING")
 
 
-def scale_up_with_held_requests(url: str, namespace: str, count, want: int = 2, held: int = 6,
-                                bound_s: float = 300, body: dict | None = None):
-    """Drive autoscaling of qa on any machine: qa's only replica holds every request it starts (a drill gate),
-    so `held` requests stay in flight for as long as it takes a second replica to start. Returns (peak of
-    `count()`, timeline of what was seen, the held requests' answers once the gate opened)."""
+@contextlib.contextmanager
+def holding_qa(namespace: str):
+    """A drill gate that qa's replicas (the one running now) hold every request on until it opens; yields
+    the gate, and opens and removes it on the way out."""
     import uuid
 
     from ray import serve
@@ -165,9 +175,21 @@ def scale_up_with_held_requests(url: str, namespace: str, count, want: int = 2, 
     name = f"gate-{uuid.uuid4().hex[:8]}"
     gate = Gate.options(name=name, namespace=namespace).remote()
     serve.get_deployment_handle("specialist-qa", app_name="scd").inject.remote(f"hold:{name}").result()
+    try:
+        yield gate
+    finally:
+        ray.get(gate.open.remote())
+        ray.kill(gate)
+
+
+def scale_up_with_held_requests(url: str, namespace: str, count, want: int = 2, held: int = 6,
+                                bound_s: float = 300, body: dict | None = None):
+    """Drive autoscaling of qa on any machine: qa's only replica holds every request it starts (a drill gate),
+    so `held` requests stay in flight for as long as it takes a second replica to start. Returns (peak of
+    `count()`, timeline of what was seen, the held requests' answers once the gate opened)."""
     body = body or {"model": "qa", "prompt": PREFIX + "Held. Question:", "max_tokens": 4}
     timeline, peak, t0 = [], 0, time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(held) as pool:
+    with holding_qa(namespace) as gate, concurrent.futures.ThreadPoolExecutor(held) as pool:
         futures = [pool.submit(_post, url + "/v1/completions", body, bound_s + 120) for _ in range(held)]
         while time.monotonic() - t0 < bound_s:
             seen = count()
@@ -179,7 +201,6 @@ def scale_up_with_held_requests(url: str, namespace: str, count, want: int = 2, 
             time.sleep(0.5)
         ray.get(gate.open.remote())
         answers = [f.result() for f in futures]
-    ray.kill(gate)
     return peak, timeline, answers
 
 

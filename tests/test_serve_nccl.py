@@ -68,3 +68,18 @@ def test_replicas_register_when_scaled_up_and_unregister_when_scaled_down(served
     assert wait_for(lambda: qa() == 1, 180), f"scaled-down replica kept its communicator: {_replicas(producer)}"
     hub = ray.get_actor("scd-fake-nccl", namespace=NS)
     assert ray.get(hub.open_communicators.remote()) == 2
+
+
+def test_replicas_register_again_with_a_restarted_producer(served_nccl):
+    url, producer = served_nccl
+    before = ray.get(producer.stats.remote())["incarnation"]
+    ray.kill(producer, no_restart=False)                      # a crash: Ray restarts it, communicators are gone
+
+    def scd_again():
+        status, out = _post(url + "/v1/completions", {"model": "prose", "prompt": PREFIX + "After restart. The",
+                                                      "max_tokens": 2})
+        assert status == 200, out                             # while it is down: a stated fallback, never an error
+        return out["scd"]["mode"] == "scd"
+    assert wait_for(scd_again, 120, every_s=0.5), "prose never served from codes again after the producer restart"
+    stats = ray.get(producer.stats.remote())
+    assert stats["incarnation"] != before and any(r.startswith("prose#") for r in stats["nccl_replicas"]), stats
