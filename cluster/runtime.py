@@ -59,6 +59,18 @@ def device() -> str:
     return "cpu"
 
 
+def lower_cpu_priority(niceness: int = 5) -> None:
+    """Inside a CPU-bound specialist replica: let the processes every request depends on (the producer, the
+    router, Ray's own) go first when the cores are contended, e.g. while a restarted producer loads its model
+    under load. No effect on a replica that Ray gave a GPU."""
+    import os
+    if device() == "cpu":
+        try:
+            os.nice(niceness)
+        except OSError:                      # not permitted here: run at the normal priority
+            pass
+
+
 def cpu_threads() -> int:
     """Inside an actor: the CPU cores Ray granted (torch would otherwise use every core of the node)."""
     ctx = ray.get_runtime_context()

@@ -28,7 +28,7 @@ from actors.specialist import GenParams, SpecialistEngine
 from actors.producer_actor import PRODUCER_NAME
 from actors.transport import NcclTransport, TransportError, make_transport
 from artifacts_store import ArtifactNotFound, ArtifactStoreError, Fingerprints
-from cluster.runtime import cpu_threads, device
+from cluster.runtime import cpu_threads, device, lower_cpu_priority
 from scd.models import load
 from serve_app import telemetry
 
@@ -40,6 +40,7 @@ class SpecialistServer:
                  telemetry_settings: dict | None = None, transport: str = "object_store",
                  control_timeout_s: float = 5.0):
         torch.set_num_threads(cpu_threads())
+        lower_cpu_priority()
         telemetry.setup(**(telemetry_settings or {}), service=f"specialist-{name}")
         dev = device()
         model, tok, _ = load(model_path)
