@@ -13,15 +13,13 @@ import time
 from pathlib import Path
 
 from cluster.config import ConfigError, load_config
-from cluster.runtime import auth_token_path
+from cluster.runtime import use_token_auth
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
 def _client(address: str):
-    # Ray 2.60 clusters require a bearer token; the SDK attaches it when RAY_AUTH_MODE=token
-    if "RAY_AUTH_MODE" not in os.environ and auth_token_path().is_file():
-        os.environ["RAY_AUTH_MODE"] = "token"
+    use_token_auth()                  # Ray 2.60 clusters require a bearer token
     from ray.job_submission import JobSubmissionClient
     return JobSubmissionClient(address)
 

@@ -152,23 +152,13 @@ class Client:
             r.outcome, r.modes = "lost", []                      # ended without [DONE]
 
 
-def ray_auth_env(environ=os.environ) -> None:
-    """Ray 2.60 clusters want a token from clients. Ray reads it from RAY_AUTH_TOKEN, else the file at
-    RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token, but only when RAY_AUTH_MODE=token, which `ray.init` sets by
-    itself for address "auto" alone. Set it whenever a token exists and the user did not choose a mode."""
-    path = Path(environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
-    if "RAY_AUTH_MODE" not in environ and (environ.get("RAY_AUTH_TOKEN") or path.is_file()):
-        environ["RAY_AUTH_MODE"] = "token"
-
-
 def producer_killer(address: str, namespace: str):
     """Connect to the running cluster now (Ray is imported only here); return (kill, disconnect). kill() asks
     Ray to kill the producer actor and allows a restart (the actor's max_restarts decides)."""
-    ray_auth_env()
-    reimport = "ray" in sys.modules
     import ray
-    if reimport:                                                 # Ray read RAY_AUTH_MODE when first imported
-        ray._raylet.Config.initialize("")
+
+    from cluster.runtime import use_token_auth
+    use_token_auth()
     from actors.producer_actor import PRODUCER_NAME
     try:
         with contextlib.redirect_stdout(sys.stderr):             # stdout carries the one JSON line

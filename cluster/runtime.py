@@ -77,6 +77,18 @@ def cpu_threads() -> int:
     return max(1, int(ctx.get_assigned_resources().get("CPU", 1)))
 
 
+def use_token_auth(environ=os.environ) -> None:
+    """Before a client connects to a cluster we did not start: Ray 2.60 clusters want a token, which Ray's
+    client side reads from RAY_AUTH_TOKEN, else the file at RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token, but
+    only with RAY_AUTH_MODE=token (which `ray.init` sets by itself for address "auto" alone). Sets the mode
+    whenever a token exists and the user chose none; Ray (imported with this module) reads its config again."""
+    path = Path(environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    if "RAY_AUTH_MODE" not in environ and (environ.get("RAY_AUTH_TOKEN") or path.is_file()):
+        environ["RAY_AUTH_MODE"] = "token"
+        if environ is os.environ:
+            ray._raylet.Config.initialize("")        # Ray read RAY_AUTH_MODE when it was first imported
+
+
 def auth_token_path() -> Path:
     """Where Ray keeps the cluster token that CLI clients need (RAY_AUTH_MODE=token)."""
     return Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token")).expanduser()

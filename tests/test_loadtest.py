@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cli import loadtest
+from cluster.runtime import use_token_auth
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["qa", "prose", "code"]
@@ -213,30 +214,30 @@ def test_unreachable_service_is_a_message(capsys):
     assert "cannot list the models" in str(e.value.code)
 
 
-def test_ray_auth_env_turns_token_mode_on_only_with_a_token(tmp_path, monkeypatch):
+def test_token_auth_turns_token_mode_on_only_with_a_token(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     env = {}
-    loadtest.ray_auth_env(env)
+    use_token_auth(env)
     assert env == {}                                             # no token anywhere: leave Ray's default
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("abc\n")
-    loadtest.ray_auth_env(env)
+    use_token_auth(env)
     assert env == {"RAY_AUTH_MODE": "token"}
     env = {"RAY_AUTH_MODE": "disabled"}
-    loadtest.ray_auth_env(env)
+    use_token_auth(env)
     assert env == {"RAY_AUTH_MODE": "disabled"}                  # the user's choice stands
     env = {"RAY_AUTH_TOKEN_PATH": str(tmp_path / "missing")}
-    loadtest.ray_auth_env(env)
+    use_token_auth(env)
     assert "RAY_AUTH_MODE" not in env
 
 
-def test_ray_reads_the_token_once_auth_env_is_set(tmp_path):
-    """The Ray behaviour the kill relies on (no cluster): with only ~/.ray/auth_token present, ray_auth_env
-    before `import ray` makes Ray's client side use token auth and find the token."""
+def test_ray_reads_the_token_once_token_auth_is_set(tmp_path):
+    """The Ray behaviour the kill relies on (no cluster): with only ~/.ray/auth_token present, use_token_auth
+    (called after Ray was imported) makes Ray's client side use token auth and find the token."""
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("t0k3n\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"HOME": str(tmp_path)}
-    code = ("from cli.loadtest import ray_auth_env; ray_auth_env(); import ray\n"
+    code = ("from cluster.runtime import use_token_auth; use_token_auth(); import ray\n"
             "from ray._raylet import AuthenticationTokenLoader\n"
             "from ray._private.authentication.authentication_utils import is_token_auth_enabled\n"
             "print(is_token_auth_enabled(), AuthenticationTokenLoader.instance().has_token())")
