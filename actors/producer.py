@@ -45,9 +45,6 @@ class ProducerEngine:
     def set_artifact(self, pair: str, art: PairArtifacts, version: str) -> None:
         self.artifacts[pair] = (art, version)
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
-
     @torch.no_grad()
     def encode(self, prefix_ids: list[int], pairs: list[str]) -> EncodeResult:
         """Codes of one prefix for each pair; the prefix is prefilled at most once for all of them."""

@@ -54,9 +54,6 @@ class SpecialistEngine:
             prepare(self.model, art)          # lookup tables and fused patches now, not on the first request
         self.art, self.version, self.unavailable_reason = art, version, reason
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
-
     @torch.no_grad()
     def _prefix_kv(self, prefix_ids: list[int], payload: bytes | None, reason: str | None, timings: dict):
         """(kv, ServedInfo). Uses the codes when it can; otherwise prefills and says why."""

@@ -21,7 +21,6 @@ BACK_WITHIN_S = 90          # producer restart + model and artifact load, on a b
 
 @pytest.fixture(scope="module")
 def served_faults(ray_cluster, tmp_path_factory):
-    from actors.producer_actor import PRODUCER_NAME
     tmp = tmp_path_factory.mktemp("faults")
     cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
     calibrate(["--pair", "base:qa", "--config", str(cfg_path), "--no-actors"])
