@@ -11,7 +11,7 @@ COMMANDS = {
     "eval": ("jobs.evaluate", "calibrate a pair and compare SCD with the baselines on held-out prefixes"),
     "bench": ("jobs.bench_rebuild", "consumer rebuild + patch vs the consumer's own prefill, side by side"),
     "train-demo": ("jobs.train_family", "train the demo model family (base + specialists)"),
-    "artifacts": ("cli.artifacts", "list | show | verify | gc the artifact registry"),
+    "artifacts": ("cli.artifacts", "list | show | verify | leases | gc the artifact registry"),
     "serve": ("cli.serve", "run the Serve app (or print a `serve deploy` config)"),
     "demo": ("jobs.demo", "the main job: calibrate if needed, serve, fan out, print TTFT vs oracle"),
     "calibrate": ("cli.calibrate", "submit one Ray Job per pair to calibrate and publish it, and follow them"),
