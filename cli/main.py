@@ -11,6 +11,7 @@ COMMANDS = {
     "eval": ("jobs.evaluate", "calibrate a pair and compare SCD with the baselines on held-out prefixes"),
     "bench": ("jobs.bench_rebuild", "consumer rebuild + patch vs the consumer's own prefill, side by side"),
     "train-demo": ("jobs.train_family", "train the demo model family (base + specialists)"),
+    "fetch-family": ("jobs.fetch_family", "build a real pretrained producer (smollm2) as a local HF folder, once"),
     "artifacts": ("cli.artifacts", "list | show | verify | leases | gc the artifact registry"),
     "serve": ("cli.serve", "run the Serve app (or print a `serve deploy` config)"),
     "demo": ("jobs.demo", "the main job: calibrate if needed, serve, fan out, print TTFT vs oracle"),

@@ -78,3 +78,13 @@ def write_config(tmp_path, **calibration) -> Path:
     path = tmp_path / "ray_config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+@pytest.fixture(scope="session")
+def real_family() -> Path:
+    """The real family's producer folder (`scd fetch-family smollm2`); tests that need it skip without it."""
+    from jobs.fetch_family import built
+    folder = built("smollm2")
+    if folder is None:
+        pytest.skip("the real family is not built here (run `scd fetch-family smollm2`)")
+    return folder
