@@ -66,10 +66,12 @@ class CalibConfig:
             raise ValueError(f"aligner_loss must be 'kv' or 'x', got {self.aligner_loss!r}")
 
 
-def pad(seqs: list[torch.Tensor], pad_id: int, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences as one (B, T) batch padded on the left (prefixes) or the right (continuations), with its mask."""
+def pad(seqs: list[torch.Tensor], pad_id: int | None, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences as one (B, T) batch padded on the left (prefixes) or the right (continuations), with its mask.
+    Padded positions are masked out everywhere, so their id does not matter: a tokenizer with neither a pad
+    nor an eos token (pad_id None) pads with 0."""
     t = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
+    ids = torch.full((len(seqs), t), 0 if pad_id is None else pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), t, dtype=torch.long)
     for i, s in enumerate(seqs):
         sl = slice(t - len(s), t) if left else slice(0, len(s))
@@ -117,7 +119,7 @@ class PlanScorer:
 
 class Calibration:
     def __init__(self, producer, consumer, spec: ModelSpec, pair: str, prefixes: list[torch.Tensor],
-                 work_root: str | Path, cfg: CalibConfig = CalibConfig(), pad_id: int = 0, progress: bool = True,
+                 work_root: str | Path, cfg: CalibConfig = CalibConfig(), pad_id: int | None = 0, progress: bool = True,
                  log: Callable[[str], None] = print, exact_layer0: bool = True):
         self.producer, self.consumer, self.spec, self.pair, self.cfg = producer, consumer, spec, pair, cfg
         self.prefixes, self.pad_id, self.progress, self.log = prefixes, pad_id, progress, log
@@ -320,7 +322,7 @@ class Calibration:
 
 
 def calibrate(producer, consumer, spec: ModelSpec, pair: str, prefixes: list[torch.Tensor], val_samples,
-              work_dir: str | Path, cfg: CalibConfig = CalibConfig(), pad_id: int = 0, progress: bool = True,
+              work_dir: str | Path, cfg: CalibConfig = CalibConfig(), pad_id: int | None = 0, progress: bool = True,
               log: Callable[[str], None] = lambda s: None) -> PairArtifacts:
     """The whole offline pipeline in one process (resumable through `work_dir`)."""
     return Calibration(producer, consumer, spec, pair, prefixes, work_dir, cfg, pad_id, progress, log).run(val_samples)

@@ -33,7 +33,7 @@ class FinetuneFit:
 
 
 @torch.no_grad()
-def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int) -> dict:
+def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int | None) -> dict:
     """Everything fixed for one batch: codes, the non-patch layers' K/V, the oracle's log-probabilities."""
     ids, mask = pad([s.prefix for s in samples], pad_id, left=True)
     cont, cmask = pad([s.cont for s in samples], pad_id, left=False)
@@ -62,7 +62,7 @@ def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
 
 
 def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: Callable[[PairArtifacts], float],
-                      epochs: int = 3, lr: float = 1e-4, batch: int = 8, pad_id: int = 0, seed: int = 0,
+                      epochs: int = 3, lr: float = 1e-4, batch: int = 8, pad_id: int | None = 0, seed: int = 0,
                       progress: bool = False, log: Callable[[str], None] = lambda s: None) -> FinetuneFit:
     """Fine-tune art's aligners in place on (prefix, continuation) samples; val_kl(art) scores a candidate."""
     if not art.patch_layers:

@@ -76,8 +76,8 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32):
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token         # else no pad token at all: padding uses any id (masked)
     tokenizer.padding_side = "left"
     return model, tokenizer, ModelSpec.from_config(model.config)
 

@@ -197,7 +197,9 @@ def train_aligner(z: torch.Tensor, x_b: torch.Tensor, init_dec: torch.Tensor, in
     n_val = max(1, int(val_frac * z.shape[0]))
     val, tr = perm[:n_val], perm[n_val:]
     scale = target.pow(2).mean().clamp(min=1e-12)     # report losses relative to the target's power
-    g = Aligner(init_dec.shape[0], x_b.shape[1], width, context, token_dim, window_dim)
+    with torch.random.fork_rng(devices=[]):         # the initial weights follow `seed`: a fit is reproducible
+        torch.manual_seed(seed)
+        g = Aligner(init_dec.shape[0], x_b.shape[1], width, context, token_dim, window_dim)
     with torch.no_grad():
         g.linear.weight.zero_()
         g.linear.weight[:, :init_dec.shape[0]].copy_(init_dec.T)

@@ -128,3 +128,22 @@ def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path):
         val, tune_samples=tune)
     assert any("finetune: resumed" in line for line in logs), logs
     assert abs(PlanScorer(a, b, val, lambda plan: again.with_plan(plan)).kl(again.plan) - got) < 1e-6
+
+
+def test_padding_id_does_not_matter_and_none_is_accepted(tmp_path):
+    """A tokenizer with neither pad nor eos token gives pad_id None: calibration must run, and since padded
+    positions are masked, it must fit the very same artifact as with any other padding id."""
+    from scd.calibrate import pad
+    ids, mask = pad([torch.tensor([5, 6, 7]), torch.tensor([8])], None)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    spec = ModelSpec.from_config(a.config)
+    g = torch.Generator().manual_seed(4)
+    prefixes = [torch.randint(2, 97, (int(n),), generator=g) for n in torch.randint(8, 24, (24,), generator=g)]
+    cfg = CalibConfig(r_k=2, r_v=3, r_h=8, aligner_epochs=2, pool=1, batch=8, finetune_samples=0)
+    arts = [calibrate(a, b, spec, "a:b", prefixes, _samples(2, 2), tmp_path / str(pad_id), cfg, pad_id=pad_id,
+                      progress=False) for pad_id in (None, 41)]
+    for name, t in arts[0].tensors().items():
+        err = (t - arts[1].tensors()[name]).abs().max().item()
+        assert err < 1e-4, f"{name} depends on the padding id: max difference {err:.2e}"
