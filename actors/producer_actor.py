@@ -23,7 +23,7 @@ import torch
 from actors.producer import ProducerEngine
 from actors.registry import fetch, registry
 from actors.transport import NcclTransport, Ticket, TransportError, make_transport
-from artifacts_store import ArtifactStoreError, Fingerprints
+from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device
 from scd.models import load
 
@@ -40,7 +40,7 @@ class ProducerActor:
         model, tok, _ = load(model_path)
         self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dtype, dev)
         self.registry = registry(store_uri, namespace)
-        self.store_uri = store_uri
+        self.store_uri, self.store = store_uri, None       # the store itself only for leases (registry reads)
         self.expect = Fingerprints.of(producer=model, tokenizer=tok)
         self.transport_kind = transport
         self.transport = make_transport(transport, namespace)
@@ -86,7 +86,6 @@ class ProducerActor:
         """Pick up what each pair's configured ref (`latest`, usually) names now, and renew this producer's
         lease on the versions it serves so that `scd artifacts gc` keeps them. Replicas follow: they decode
         with the version named in the codes. Returns pair -> version in use."""
-        from artifacts_store import ArtifactStore
         for pair, want in self.wanted.items():
             try:
                 version = ray.get(self.registry.resolve.remote(f"{pair}@{want}"), timeout=60).split("@", 1)[1]
@@ -99,10 +98,10 @@ class ProducerActor:
         in_use = {pair: (self.engine.artifacts[pair][1] if pair in self.engine.artifacts else None)
                   for pair in self.wanted}
         try:
-            store = ArtifactStore(self.store_uri)
+            self.store = self.store or ArtifactStore(self.store_uri)   # opened on first use, then kept
             for pair, version in in_use.items():
                 if version:
-                    store.lease(f"{pair}@{version}", f"producer-{self.incarnation}", max(60.0, 3 * self.watch_s))
+                    self.store.lease(f"{pair}@{version}", f"producer-{self.incarnation}", max(60.0, 3 * self.watch_s))
             self.problems.pop("lease", None)
         except ArtifactStoreError as e:
             self.problems["lease"] = f"{type(e).__name__}: {e}"

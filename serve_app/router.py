@@ -132,31 +132,34 @@ class Router:
                                  "retry the request", code="replica_failed")
         return ApiError(500, f"specialist {name!r} failed: {type(e).__name__}", code="internal_error")
 
-    async def _generate(self, name: str, req: dict) -> dict:
-        """The whole answer; a replica that died under the request is tried once more (Serve picks another).
-        The same request: codes in the object store are still there; NCCL codes already pushed to the dead
-        replica are not, and the new one then falls back with transport_error."""
-        for attempt in (0, 1):
+    async def _once_more_if_replica_died(self, name: str, attempt):
+        """await attempt(); a replica that died under it is tried once more (Serve picks another). The same
+        request: codes in the object store are still there; NCCL codes already pushed to the dead replica are
+        not, and the new one then falls back with transport_error. Any other failure is an ApiError."""
+        for retry in (False, True):
             try:
-                return await asyncio.wait_for(self.handles[name].generate.remote(req), self.limits.request_timeout_s)
+                return await attempt()
             except REPLICA_GONE as e:
-                if attempt:
+                if retry:
                     raise self._failure(name, e) from None
             except Exception as e:
                 raise self._failure(name, e) from None
 
+    async def _generate(self, name: str, req: dict) -> dict:
+        """The whole answer."""
+        return await self._once_more_if_replica_died(name, lambda: asyncio.wait_for(
+            self.handles[name].generate.remote(req), self.limits.request_timeout_s))
+
     async def _first_event(self, name: str, req: dict):
-        """(stream, its first event): nothing has reached the client yet, so a dead replica is retried."""
-        for attempt in (0, 1):
+        """(stream, its first event): nothing has reached the client yet, so a dead replica can be retried."""
+        async def attempt():
             gen = self.handles[name].options(stream=True).stream.remote(req)
             try:
                 return gen, await asyncio.wait_for(gen.__anext__(), self.limits.first_token_timeout_s)
-            except REPLICA_GONE as e:
-                if attempt:
-                    raise self._failure(name, e) from None
-            except Exception as e:
+            except BaseException:
                 gen.cancel()
-                raise self._failure(name, e) from None
+                raise
+        return await self._once_more_if_replica_died(name, attempt)
 
     # -- routes ---------------------------------------------------------------------------------------
     @api.get("/healthz")
@@ -172,10 +175,10 @@ class Router:
                 return {"error": f"{type(e).__name__}: {e}"}
         stats = await self.producer.stats()
         specialists = dict(zip(self.handles, await asyncio.gather(*(status(h) for h in self.handles.values()))))
-        failed = [n for n, s in specialists.items() if "error" in s]
-        state = ("down" if len(failed) == len(specialists)
-                 else "ok" if "error" not in stats and not any("busy" in s or "error" in s for s in specialists.values())
-                 else "degraded")
+        failed = sum("error" in s for s in specialists.values())
+        busy = sum("busy" in s for s in specialists.values())
+        state = ("down" if failed == len(specialists)
+                 else "ok" if "error" not in stats and failed + busy == 0 else "degraded")
         return JSONResponse(status_code=503 if state == "down" else 200,
                             content={"status": state, "producer": stats, "specialists": specialists,
                                      "inflight": self.inflight})
