@@ -11,10 +11,10 @@ from scd.trace import capture, trace_rows
 
 @ray.remote
 class TraceActor:
-    def __init__(self, model_path: str, side: str):
+    def __init__(self, model_path: str, side: str, base: str | None = None):
         torch.set_num_threads(cpu_threads())
         self.device = device()
-        self.model, _, self.spec = load(model_path)
+        self.model, _, self.spec = load(model_path, base=base)
         self.model.to(self.device)
         self.side = side                      # "a" producer, "b" consumer: the chunk's key prefix
 

@@ -3,7 +3,8 @@
 Artifacts are only valid for the exact producer/consumer weights and tokenizer they were fitted on: a codec
 fitted for one fine-tune silently produces a wrong cache for another. So every artifact records
   config hash     = ModelSpec.fingerprint() (architecture fields that shape the KV cache),
-  weights digest  = sha256 over the state_dict (names, dtypes, shapes, bytes; sorted by name),
+  weights digest  = sha256 over the state_dict (names, dtypes, shapes, bytes; sorted by name), or for a
+                    PEFT adapter merged at load, sha256 of base folder digest + adapter digest (scd.models.load),
   tokenizer       = scd.models.tokenizer_fingerprint (vocabulary),
 and loading with `expect=` refuses any difference, naming which one.
 """
@@ -42,7 +43,8 @@ class ModelFingerprint(BaseModel):
     def of(cls, model) -> "ModelFingerprint":
         """Fingerprint of a loaded transformers model (its config must be one ModelSpec supports)."""
         from scd.models import ModelSpec
-        return cls(config_hash=ModelSpec.from_config(model.config).fingerprint(), weights_digest=weights_digest(model))
+        digest = getattr(model, "scd_weights_digest", None) or weights_digest(model)   # base + adapter, if merged
+        return cls(config_hash=ModelSpec.from_config(model.config).fingerprint(), weights_digest=digest)
 
 
 class Fingerprints(BaseModel):

@@ -40,7 +40,10 @@ _RAY_RESOURCES = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": None, "object_
 
 class ModelSettings(_Strict):
     name: str = Field(pattern=NAME, description="short name used in URLs, pair ids and artifact refs")
-    path: str = Field(description="local HF model folder (config.json, weights, tokenizer)")
+    path: str = Field(description="local HF model folder (config.json, weights, tokenizer), or a PEFT adapter "
+                      "folder merged into its base at load")
+    base: str | None = Field(None, description="an adapter's base model folder; default: the folder its "
+                             "adapter_config.json names (base_model_name_or_path)")
     num_gpus: float = Field(0, ge=0, description="GPUs per replica; 0 runs on CPU")
     num_cpus: float = Field(1, gt=0, description="logical CPUs per replica when it runs on CPU")
     resources: dict[str, float] = Field(default_factory=dict, description=(
@@ -275,6 +278,8 @@ def parse(raw: dict, base_dir: str | Path = ".") -> DeploymentConfig:
     base = Path(base_dir)
     for m in [cfg.producer, *cfg.specialists]:
         m.path = str((base / Path(m.path).expanduser()).resolve())
+        if m.base is not None:
+            m.base = str((base / Path(m.base).expanduser()).resolve())
     if "://" not in cfg.artifacts.uri:
         cfg.artifacts.uri = str((base / Path(cfg.artifacts.uri).expanduser()).resolve())
     cfg.calibration.work_dir = str((base / Path(cfg.calibration.work_dir).expanduser()).resolve())

@@ -50,11 +50,11 @@ def checkpointed(path: Path, compute):
     return value
 
 
-def actor_capture(producer_path: str, consumer_path: str, gpus: tuple[float, float]):
+def actor_capture(producer_path: str, consumer_path: str, gpus: tuple[float, float], consumer_base: str | None = None):
     """capture_pair backed by two TraceActors; both models run on each batch concurrently."""
     from actors.tracer import TraceActor
     a = TraceActor.options(**actor_options(gpus[0])).remote(producer_path, "a")
-    b = TraceActor.options(**actor_options(gpus[1])).remote(consumer_path, "b")
+    b = TraceActor.options(**actor_options(gpus[1])).remote(consumer_path, "b", consumer_base)
     log(f"trace actors on {ray.get(a.where.remote())} (producer) and {ray.get(b.where.remote())} (consumer)")
 
     def capture_pair(ids, mask):
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> str:
     store = ArtifactStore(args.store or cfg.artifacts.uri)
 
     torch.manual_seed(0)
-    producer, consumer, tok, spec = load_pair(cfg.producer.path, spec_cfg.path)
+    producer, consumer, tok, spec = load_pair(cfg.producer.path, spec_cfg.path, consumer_base=spec_cfg.base)
     calib, val, held = samples.pair_data(cons_name, tok, n_prefixes, c.val, n_held, c.prefix_tokens)
     ccfg = CalibConfig(**{f.name: getattr(c, f.name) for f in fields(CalibConfig) if f.name in type(c).model_fields})
     cal = Calibration(producer, consumer, spec, args.pair, calib, work, ccfg, pad_id=tok.pad_token_id, log=log)
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> str:
         capture_pair = None
     else:
         connect(cfg.ray)
-        capture_pair = actor_capture(cfg.producer.path, spec_cfg.path, (cfg.producer.num_gpus, spec_cfg.num_gpus))
+        capture_pair = actor_capture(cfg.producer.path, spec_cfg.path, (cfg.producer.num_gpus, spec_cfg.num_gpus),
+                                     spec_cfg.base)
     tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens)
     art = cal.run(val, capture_pair, tune)
     log(f"plan {art.plan}")

@@ -94,12 +94,26 @@ def facts_document(rng: random.Random, n_people: int) -> tuple[str, list[tuple[s
     return "Notes:\n" + " ".join(sentences) + "\n", qas
 
 
-def qa_examples(split: str, n: int, seed: int = 0) -> list[QAExample]:
-    """`n` (document, question, answer) triples; held-out documents come from a disjoint seed stream."""
-    rng = random.Random(f"qa-{split}-{seed}")
+QA_SYSTEM = "Answer the question with words copied from these notes."
+
+
+def qa_system_prompt(document: str) -> str:
+    """The system turn of a chat QA request: the instruction and the notes (the shared prefix)."""
+    return f"{QA_SYSTEM}\n\n{document}"
+
+
+def bare_question(question: str) -> str:
+    """'Question: Where does X live?\nAnswer: X lives in' -> 'Where does X live?' (the chat form's user turn)."""
+    return question.split("\n", 1)[0].removeprefix("Question: ")
+
+
+def qa_examples(split: str, n: int, seed: int = 0, people: tuple[int, int] = (2, 4)) -> list[QAExample]:
+    """`n` (document, question, answer) triples about `people` (min, max) persons each; held-out documents
+    come from a disjoint seed stream."""
+    rng = random.Random(f"qa-{split}-{seed}" + ("" if people == (2, 4) else f"-{people}"))
     out = []
     while len(out) < n:
-        doc, qas = facts_document(rng, rng.randint(2, 4))
+        doc, qas = facts_document(rng, rng.randint(*people))
         q, a = rng.choice(qas)
         out.append(QAExample(doc, q, f" {a}"))
     return out

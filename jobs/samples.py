@@ -13,11 +13,31 @@ def _ids(tok, text: str) -> torch.Tensor:
     return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def qa_samples(tok, split: str, n: int, seed: int = 0) -> list[Sample]:
+TOKENS_PER_PERSON = 36      # a person's 3-5 facts in a notes document, in SmolLM2 tokens (measured: 33-38)
+
+
+def qa_samples(tok, split: str, n: int, seed: int = 0, prefix_tokens: int | None = None) -> list[Sample]:
+    """Extractive QA samples. With a chat template (a real instruct family) the prefix is the rendered system
+    turn holding the notes, the question the rendered user turn and assistant header, the answer the bare
+    span, and documents are sized to about `prefix_tokens`; without one (the demo family) the plain
+    'Notes ... Question: ... Answer: <stem>' form on short documents."""
+    chat = getattr(tok, "chat_template", None) is not None
+    people = (2, 4)
+    if chat and prefix_tokens:
+        lo = max(2, prefix_tokens // TOKENS_PER_PERSON)
+        people = (lo, lo + 2)
     out = []
-    for ex in demo_data.qa_examples(split, n, seed):
-        q, a = _ids(tok, ex.question), _ids(tok, ex.answer)
-        out.append(Sample(_ids(tok, ex.document), torch.cat([q, a]), q, ex.answer.strip()))
+    for ex in demo_data.qa_examples(split, n, seed, people):
+        if chat:
+            system = [{"role": "system", "content": demo_data.qa_system_prompt(ex.document)}]
+            user = system + [{"role": "user", "content": demo_data.bare_question(ex.question)}]
+            prefix_text = tok.apply_chat_template(system, tokenize=False)
+            full = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+            prefix, q, answer = _ids(tok, prefix_text), _ids(tok, full[len(prefix_text):]), ex.answer.strip()
+            a = _ids(tok, answer)
+        else:
+            prefix, q, a, answer = _ids(tok, ex.document), _ids(tok, ex.question), _ids(tok, ex.answer), ex.answer.strip()
+        out.append(Sample(prefix, torch.cat([q, a]), q, answer))
     return out
 
 
@@ -53,8 +73,9 @@ def pair_data(consumer_name: str, tok, n_calib: int, n_val: int, n_eval: int, pr
               cont_tokens: int = 32, text_file: str | None = None, seed: int = 0):
     """(calibration prefixes, policy validation samples, held-out evaluation samples) for a consumer."""
     if consumer_name == "qa" and not text_file:
-        calib = [s.prefix for s in qa_samples(tok, "calib", n_calib, seed)]
-        return calib, qa_samples(tok, "val", n_val, seed), qa_samples(tok, "heldout", n_eval, seed)
+        calib = [s.prefix for s in qa_samples(tok, "calib", n_calib, seed, prefix_tokens)]
+        return (calib, qa_samples(tok, "val", n_val, seed, prefix_tokens),
+                qa_samples(tok, "heldout", n_eval, seed, prefix_tokens))
     train = domain_texts(consumer_name, "train", text_file)
     calib = [s.prefix for s in lm_samples(tok, train, n_calib, prefix_tokens, 1, seed)]
     val = lm_samples(tok, train, n_val, prefix_tokens, cont_tokens, seed + 1)
@@ -69,5 +90,5 @@ def tune_samples(consumer_name: str, tok, n: int, prefix_tokens: int = 160, cont
     if n <= 0:
         return []
     if consumer_name == "qa" and not text_file:
-        return qa_samples(tok, "calib", n, seed + 11)
+        return qa_samples(tok, "calib", n, seed + 11, prefix_tokens)
     return lm_samples(tok, domain_texts(consumer_name, "train", text_file), n, prefix_tokens, cont_tokens, seed + 11)

@@ -45,13 +45,15 @@ class Evaluator:
     def __init__(self, producer, consumer, tokenizer=None, greedy_tokens: int = 16, answer_tokens: int = 12):
         self.producer, self.consumer, self.tok = producer, consumer, tokenizer
         self.greedy_tokens, self.answer_tokens = greedy_tokens, answer_tokens
-        self.newline = set() if tokenizer is None else {
-            i for t, i in tokenizer.get_vocab().items() if "\n" in tokenizer.convert_tokens_to_string([t])}
+        # an answer ends at a newline or at a special token (a chat model's end of turn)
+        self.stop = set() if tokenizer is None else {
+            i for t, i in tokenizer.get_vocab().items() if "\n" in tokenizer.convert_tokens_to_string([t])
+        } | set(tokenizer.all_special_ids)
 
     def _answer(self, built: Built, mask: torch.Tensor, question: torch.Tensor) -> str:
         c = cache.assemble(self.consumer, built.kv)
         out = cache.generate(self.consumer, c, mask, question[None], self.answer_tokens)[0].tolist()
-        cut = next((i for i, t in enumerate(out) if t in self.newline), len(out))
+        cut = next((i for i, t in enumerate(out) if t in self.stop), len(out))
         return self.tok.decode(out[:cut])
 
     @torch.no_grad()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class IncompatiblePairError(ValueError):
@@ -29,6 +29,7 @@ class ModelSpec:
     hidden_size: int
     vocab_size: int
     rope_theta: float
+    rope_scaling: str = ""      # the RoPE variant beyond theta (e.g. llama3 scaling) as sorted JSON; "" = plain
 
     @classmethod
     def from_config(cls, cfg) -> "ModelSpec":
@@ -37,8 +38,12 @@ class ModelSpec:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if isinstance(rope, dict) else {}
+        if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1:
+            scaling = {}
         return cls(cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                   head_dim, cfg.hidden_size, cfg.vocab_size, float(theta))
+                   head_dim, cfg.hidden_size, cfg.vocab_size, float(theta),
+                   json.dumps(scaling, sort_keys=True) if scaling else "")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -46,7 +51,10 @@ class ModelSpec:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 2
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        fields = asdict(self)
+        if not fields["rope_scaling"]:       # plain RoPE hashes as before the field existed (artifacts stay valid)
+            del fields["rope_scaling"]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def check_pair(producer: ModelSpec, consumer: ModelSpec, tok_a: str | None = None, tok_b: str | None = None) -> None:
@@ -67,24 +75,83 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
-def load(path: str | Path, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer, spec) from a local HF folder; never touches the network."""
+def folder_digest(path: str | Path) -> str:
+    """sha256 over the names and bytes of a model folder's weight files (*.safetensors), streamed, 32 hex."""
+    h = hashlib.sha256()
+    files = sorted(Path(path).expanduser().glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights")
+    for f in files:
+        h.update(f"{f.name}\n".encode())
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()[:32]
+
+
+def is_adapter(path: str | Path) -> bool:
+    """A PEFT adapter folder (adapter_config.json, no config.json of its own)."""
+    p = Path(path).expanduser()
+    return (p / "adapter_config.json").is_file() and not (p / "config.json").is_file()
+
+
+def adapter_base(path: str | Path, base: str | Path | None = None) -> Path:
+    """The base model folder of an adapter: `base` if given, else the adapter config's base_model_name_or_path,
+    which must then be a local folder (nothing is fetched)."""
+    p = Path(path).expanduser()
+    named = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    b = Path(base if base is not None else (named or "")).expanduser()
+    if not str(b) or not (b / "config.json").is_file():
+        raise FileNotFoundError(f"the base model of adapter {p} is not a local model folder: {str(b) or '(none named)'}"
+                                "; give the base explicitly (`base:` in the config) or build it (`scd fetch-family`)")
+    return b
+
+
+def adapter_digest(path: str | Path) -> str:
+    """sha256 over an adapter's config and weights (what decides the merged model), 32 hex."""
+    p = Path(path).expanduser()
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        f = p / name
+        if not f.is_file():
+            raise FileNotFoundError(f"{p} is not a PEFT adapter folder (no {name})")
+        h.update(f"{name}\n".encode() + f.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path | None = None):
+    """(model, tokenizer, spec) from a local HF folder, or from a PEFT adapter folder merged into its base
+    (`base`, or the one the adapter names); never touches the network.
+
+    A merged model carries `scd_weights_digest` = sha256(base folder digest + adapter digest): its identity
+    for artifact fingerprints, which the float rounding of a merge on another machine cannot change."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     p = Path(path).expanduser()
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"{p} is not a model folder (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True)
+    adapter = is_adapter(p)
+    src = adapter_base(p, base) if adapter else p
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{p} is not a model folder (no config.json) nor a PEFT adapter folder "
+                                "(no adapter_config.json)")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)
+    if adapter:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, str(p), is_trainable=False).merge_and_unload()
+        both = f"{folder_digest(src)}+{adapter_digest(p)}"
+        model.scd_weights_digest = hashlib.sha256(both.encode()).hexdigest()[:32]
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    tok_dir = p if adapter and (p / "tokenizer_config.json").is_file() else src
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token         # else no pad token at all: padding uses any id (masked)
     tokenizer.padding_side = "left"
     return model, tokenizer, ModelSpec.from_config(model.config)
 
 
-def load_pair(producer_path: str | Path, consumer_path: str | Path, dtype: torch.dtype = torch.float32):
-    """Load both models and refuse an incompatible pair before any work is done."""
+def load_pair(producer_path: str | Path, consumer_path: str | Path, dtype: torch.dtype = torch.float32,
+              consumer_base: str | Path | None = None):
+    """Load both models and refuse an incompatible pair before any work is done. The consumer may be a PEFT
+    adapter folder (merged into `consumer_base` or the base it names)."""
     a, tok_a, spec_a = load(producer_path, dtype)
-    b, tok_b, spec_b = load(consumer_path, dtype)
+    b, tok_b, spec_b = load(consumer_path, dtype, base=consumer_base)
     check_pair(spec_a, spec_b, tokenizer_fingerprint(tok_a), tokenizer_fingerprint(tok_b))
     return a, b, tok_a, spec_a

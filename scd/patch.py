@@ -104,6 +104,9 @@ class FusedPatches:
             raise ValueError(f"patch aligners of one artifact must share their shapes, got {shapes}")
         first, dtype = parts[0], layers[0].self_attn.k_proj.weight.dtype
         self.n, self.sizes, self.m_k, self.context = len(parts), first["sizes"], first["m_k"], aligners[0].context
+        attns = [layer.self_attn for layer in layers]
+        self.head_dim = attns[0].head_dim
+        self.attns = attns if getattr(attns[0], "k_norm", None) is not None else None
         stack = lambda k: torch.stack([q[k] for q in parts]).to(dtype)  # noqa: E731
         self.w_f, self.bias, self.w_out = stack("w_f"), stack("b_f")[:, None], stack("w_out")  # (P, feat, n) (P, 1, n) (P, w, m)
         self.window = stack("window") if first["window"] is not None else None                # (P, wd * ctx, w)
@@ -137,7 +140,10 @@ class FusedPatches:
             q = F.pad(q[0].view(p, b, t, wd) * mask.view(1, b, t, 1).to(u.dtype), (0, 0, self.context - 1, 0))
             h = torch.baddbmm(h, q.unfold(2, self.context, 1).reshape(p, b * t, -1), self.window)
         kv = torch.baddbmm(s, F.gelu(h), self.w_out)                                 # (P, B*T, m)
-        return kv[..., :self.m_k].view(p, b, t, -1), kv[..., self.m_k:].view(p, b, t, -1)
+        k = kv[..., :self.m_k].view(p, b, t, -1)
+        if self.attns is not None:                    # a per-head key norm is not affine: applied after the map
+            k = torch.stack([key_norm(a, k[i], self.head_dim) for i, a in enumerate(self.attns)])
+        return k, kv[..., self.m_k:].view(p, b, t, -1)
 
 
 @torch.no_grad()
@@ -243,6 +249,15 @@ def regenerate_kv(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     Differentiable in x (end-to-end fine-tuning goes through it)."""
     attn = layer.self_attn
     b, t, _ = x.shape
-    k = attn.k_proj(x).view(b, t, -1, head_dim).transpose(1, 2)
+    k = key_norm(attn, attn.k_proj(x), head_dim).view(b, t, -1, head_dim).transpose(1, 2)
     v = attn.v_proj(x).view(b, t, -1, head_dim).transpose(1, 2)
     return apply_rope(k, cos, sin), v
+
+
+def key_norm(attn, k: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The per-head norm some architectures apply to keys between k_proj and RoPE (qwen3's k_norm), on
+    keys (..., n_kv * d_h); the identity for those without one (llama, mistral, qwen2)."""
+    norm = getattr(attn, "k_norm", None)
+    if norm is None:
+        return k
+    return norm(k.unflatten(-1, (-1, head_dim))).flatten(-2)

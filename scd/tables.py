@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from scd.patch import FusedPatches
+from scd.patch import FusedPatches, key_norm
 from scd.rope import cos_sin
 
 
@@ -56,7 +56,7 @@ class ConsumerTables:
             emb = self.model.model.embed_tokens.weight
             x0 = layer0_input(self.model, torch.arange(emb.shape[0], device=emb.device))
             attn = self.model.model.layers[0].self_attn
-            self._vocab = (x0, attn.k_proj(x0), attn.v_proj(x0))
+            self._vocab = (x0, key_norm(attn, attn.k_proj(x0), self.head_dim), attn.v_proj(x0))
         return self._vocab
 
     @torch.no_grad()
@@ -72,7 +72,7 @@ class ConsumerTables:
             return k[token_ids], v[token_ids]
         x0 = layer0_input(self.model, token_ids)
         attn = self.model.model.layers[0].self_attn
-        return attn.k_proj(x0), attn.v_proj(x0)
+        return key_norm(attn, attn.k_proj(x0), self.head_dim), attn.v_proj(x0)
 
     def patches(self, art, layers: list[int]) -> FusedPatches:
         """The artifact's aligners of `layers` fused with this model's projections (made once per artifact

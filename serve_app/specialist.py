@@ -38,12 +38,12 @@ PHASE_BOUNDS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
 class SpecialistServer:
     def __init__(self, name: str, model_path: str, pair: str, store_uri: str, namespace: str | None,
                  telemetry_settings: dict | None = None, transport: str = "object_store",
-                 control_timeout_s: float = 5.0):
+                 control_timeout_s: float = 5.0, model_base: str | None = None):
         torch.set_num_threads(cpu_threads())
         lower_cpu_priority()
         telemetry.setup(**(telemetry_settings or {}), service=f"specialist-{name}")
         dev = device()
-        model, tok, _ = load(model_path)
+        model, tok, _ = load(model_path, base=model_base)
         self.engine = SpecialistEngine(name, model.to(dev), tok, device=dev)
         self.name, self.pair = name, pair
         self.registry = registry(store_uri, namespace)
