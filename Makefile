@@ -1,12 +1,16 @@
 # The two commands a new user needs: `make demo` (the main job) and `make test`.
 PY ?= python3
 
-.PHONY: install demo test
+.PHONY: install demo demo-real test
 install:
 	$(PY) -m pip install -q -e '.[dev]'
 
 demo: install
 	$(PY) -m cli.main demo
+
+# the real family (SmolLM2-135M-Instruct + LoRA specialists): builds the producer and calibrates on first run
+demo-real: install
+	$(PY) -m cli.main demo --config configs/smollm2.yaml
 
 test: install
 	$(PY) -m pytest -q

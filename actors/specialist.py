@@ -17,7 +17,7 @@ from scd.rebuild import prepare, rebuild
 from scd.trace import capture
 
 FALLBACK_REASONS = ("no_artifact", "artifact_mismatch", "artifact_unavailable", "producer_unavailable",
-                    "producer_timeout", "transport_error", "codec_error", "prefix_too_short")
+                    "producer_timeout", "transport_error", "codec_error", "prefix_too_short", "quality_gate")
 
 
 @dataclass
@@ -60,6 +60,8 @@ class SpecialistEngine:
         if not prefix_ids:                                      # nothing to cache: the suffix is the whole input
             return [], ServedInfo("fallback", "prefix_too_short", self.version, 0, timings)
         ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
+        if reason == "no_artifact" and self.art is None:          # the producer has none; this side may know why
+            reason = self.unavailable_reason
         if payload is not None and reason is None:
             if self.art is None:
                 reason = self.unavailable_reason

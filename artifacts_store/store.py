@@ -43,6 +43,7 @@ from artifacts_store.refs import (LATEST, RESERVED_FILES, Ref, check_file_name, 
 from scd.artifacts import IncompatibleArtifact, PairArtifacts
 
 MANIFEST, TENSORS, DESCRIPTION = "manifest.json", "tensors.safetensors", "artifact.json"
+REFUSED = "refused.json"             # the last quality-gate refusal of a pair (see refuse())
 POINTER, TMP = "LATEST", ".tmp-"
 _POINTER_TRIES = 8
 
@@ -166,6 +167,36 @@ class ArtifactStore:
             self.storage.delete_dir(tmp)
         self._advance_latest(pair)
         return manifest
+
+    # ---- quality gate ----------------------------------------------------------------------------------
+
+    @storage_errors
+    def refuse(self, pair: "str | Ref", report: Mapping) -> None:
+        """Record that a calibration of `pair` was not published because it failed the quality gate
+        (`report`: the figures and the reason). Serving states it (fallback reason quality_gate) while the
+        pair has no version; a later publish supersedes it."""
+        p = self.resolve_pair(pair)
+        body = json.dumps({"pair": p.pair, "refused": datetime.now(timezone.utc).isoformat(), **report}, indent=1)
+        self.storage.write(f"{p.pair_dir}/{REFUSED}.tmp", body.encode())
+        self.storage.move(f"{p.pair_dir}/{REFUSED}.tmp", f"{p.pair_dir}/{REFUSED}")
+
+    @storage_errors
+    def refusal(self, pair: "str | Ref") -> dict | None:
+        """The last quality-gate refusal of `pair`, or None (never refused, or published since)."""
+        p = self.resolve_pair(pair)
+        if not self.storage.is_file(f"{p.pair_dir}/{REFUSED}"):
+            return None
+        rec = json.loads(self.storage.read(f"{p.pair_dir}/{REFUSED}"))
+        versions = self._versions(p)
+        if versions and version_time(versions[-1]) > datetime.fromisoformat(rec["refused"]):
+            return None
+        return rec
+
+    def resolve_pair(self, pair: "str | Ref") -> Ref:
+        p = parse_ref(pair) if isinstance(pair, str) else pair
+        if p.version is not None:
+            raise InvalidReference(f"{pair!r}: a quality-gate record belongs to a pair, not a version")
+        return p
 
     def _fresh_version(self, pair: Ref) -> str:
         for _ in range(3):

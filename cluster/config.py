@@ -184,6 +184,13 @@ class CalibrationSettings(_Strict):
     r_h: int = Field(32, ge=1)
     pool: int = Field(4, ge=1)
     patch_cost: float = Field(0.25, ge=0)
+    payload_budget: float = Field(0.0, ge=0, le=1, description=(
+        "> 0: calibration chooses r_k and r_v by validation KL among the ranks whose codes stay within this "
+        "fraction of the raw KV (0: r_k and r_v as given)"))
+    gate_vs_raw_kv: float = Field(1.0, ge=0, description=(
+        "quality gate: publish only if held-out KL(scd) <= this x KL(raw KV reuse), which costs the consumer "
+        "nothing either (0 = off)"))
+    max_kl: float | None = Field(None, gt=0, description="quality gate: publish only if held-out KL(scd) <= this")
     aligner_epochs: int = Field(100, ge=1)
     aligner_context: int = Field(8, ge=1, description="codes per Patch aligner input (1 = per token)")
     aligner_tokens: int = Field(32, ge=0, description="width of the aligner's token features (0 = none)")

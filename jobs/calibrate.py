@@ -78,6 +78,22 @@ def pareto(cal: Calibration, val, budget_bytes_per_token: int) -> list[dict]:
     return out
 
 
+def quality_gate(by: dict, c) -> dict:
+    """The publish decision from the held-out rows: SCD's KL against raw KV reuse (which costs the consumer
+    nothing either, at a payload at least SCD's) times calibration.gate_vs_raw_kv, and against the absolute
+    calibration.max_kl. Returns the figures, `passed` and the reasons it failed."""
+    kl, raw = by["scd"]["kl"], by["raw_kv"]["kl"]
+    reasons = []
+    if c.gate_vs_raw_kv and kl > c.gate_vs_raw_kv * raw:
+        reasons.append(f"held-out KL {kl:.4f} is worse than {c.gate_vs_raw_kv:g} x raw KV reuse's {raw:.4f} "
+                       f"(payload {by['scd']['payload_ratio']:.3f} vs {by['raw_kv']['payload_ratio']:.3f})")
+    if c.max_kl is not None and kl > c.max_kl:
+        reasons.append(f"held-out KL {kl:.4f} is above calibration.max_kl {c.max_kl:g}")
+    return {"passed": not reasons, "reasons": reasons, "kl_scd": kl, "kl_raw_kv": raw,
+            "kl_reuse_only": by["reuse_only"]["kl"], "payload_ratio": by["scd"]["payload_ratio"],
+            "gate_vs_raw_kv": c.gate_vs_raw_kv, "max_kl": c.max_kl}
+
+
 def xnorm_profile(cal: Calibration, art, samples_) -> dict[str, list[float]]:
     """Mean relative x_norm error per layer on held-out continuations: Reuse-only vs SCD."""
     plans = {"reuse_only": art.with_plan(cal.base_plan), "scd": art}
@@ -156,16 +172,29 @@ def main(argv: list[str] | None = None) -> str:
     by = {r["method"]: r for r in rows}
     log("held-out: " + ", ".join(f"{m} kl={r['kl']:.4f} ratio={r['payload_ratio']:.3f}"
                                  + (f" f1={r['f1']:.3f}" if r["f1"] is not None else "") for m, r in by.items()))
+    gate = quality_gate(by, c)
+    (cal.dir / "gate.json").write_text(json.dumps(gate, indent=1))
+    if not gate["passed"]:
+        store.refuse(args.pair, gate)
+        log(f"quality gate: NOT published ({'; '.join(gate['reasons'])}); serving falls back with reason "
+            f"quality_gate. Figures in {cal.dir / 'gate.json'}")
+        raise SystemExit(3)
+    log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
     grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val, spec.kv_bytes_per_token))
     xn = checkpointed(cal.dir / "xnorm.json", lambda: xnorm_profile(cal, art, held[:8]))
 
     info = art.info["calibration"]
     extra = {"r_k": art.r_k, "r_v": art.r_v, "r_h": art.r_h, "calibration prefixes": info["prefixes"],
-             "trace rows": info["rows"], "data digest": info["data_digest"]}
+             "trace rows": info["rows"], "data digest": info["data_digest"],
+             "quality gate": f"passed: KL {gate['kl_scd']:.4f} <= {c.gate_vs_raw_kv:g} x raw KV {gate['kl_raw_kv']:.4f}"
+             + (f" and <= max_kl {c.max_kl:g}" if c.max_kl is not None else "")}
+    if "ranks" in art.info:
+        extra["ranks chosen"] = ", ".join(f"{t['r_k']}/{t['r_v']}: KL {t['kl']:.4f} @ {t['payload_ratio']:.3f}"
+                                          for t in art.info["ranks"]["tried"])
     files = report.build_report(args.pair, art.info["policy"], rows, grid, xn, extra)
     metrics = {"kl": by["scd"]["kl"], "kl_reuse_only": by["reuse_only"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"],
                "payload_bytes": float(by["scd"]["payload_bytes"]), "payload_ratio": by["scd"]["payload_ratio"],
-               "top1": by["scd"]["top1"]}
+               "top1": by["scd"]["top1"], "gate_vs_raw_kv": c.gate_vs_raw_kv}
     if by["scd"]["f1"] is not None:
         metrics.update(f1=by["scd"]["f1"], f1_oracle=by["oracle"]["f1"], f1_raw_kv=by["raw_kv"]["f1"])
     manifest = store.publish(

@@ -22,10 +22,20 @@ def _call(url: str, body: dict | None = None, timeout: float = 300) -> dict:
         return json.loads(r.read())
 
 
-def demo_prompts() -> tuple[str, dict[str, str]]:
-    """A shared prefix (a fact document) and one suffix per demo specialist."""
-    ex = demo_data.qa_examples("heldout", 1, seed=7)[0]
-    return ex.document, {"qa": ex.question, "prose": "\nIn short, the", "code": "\ndef "}
+def demo_prompts(tok=None) -> tuple[str, dict[str, str]]:
+    """A shared prefix (a fact document) and one suffix per demo specialist. For a family with a chat
+    template the prefix is the rendered system turn holding a ~550-token document, and each suffix a
+    rendered user turn plus the assistant header; otherwise the tiny family's plain text forms."""
+    if tok is None or not getattr(tok, "chat_template", None):
+        ex = demo_data.qa_examples("heldout", 1, seed=7)[0]
+        return ex.document, {"qa": ex.question, "prose": "\nIn short, the", "code": "\ndef "}
+    ex = demo_data.qa_examples("heldout", 1, seed=7, people=(15, 15))[0]
+    system = [{"role": "system", "content": demo_data.qa_system_prompt(ex.document)}]
+    prefix = tok.apply_chat_template(system, tokenize=False)
+    asks = {"qa": demo_data.bare_question(ex.question),
+            "code": "Write a Python dict that maps each person in the notes to their city."}
+    return prefix, {n: tok.apply_chat_template(system + [{"role": "user", "content": q}], tokenize=False,
+                                               add_generation_prompt=True)[len(prefix):] for n, q in asks.items()}
 
 
 def breakdown(scd: dict) -> tuple[float, str]:
@@ -35,6 +45,20 @@ def breakdown(scd: dict) -> tuple[float, str]:
     e2e = sum(t.get(k, 0.0) for k in ("prefill", "encode", "transfer_put", "transfer")) + t["first_token"] \
         if scd["mode"] == "scd" else t["first_token"]
     return e2e, "  ".join(f"{k}={t[k]:.1f}" for k in keys if k in t)
+
+
+def build_missing_producer(path: str) -> None:
+    """A real family's producer folder that is not built yet is built now (`scd fetch-family`), once."""
+    from jobs import fetch_family
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return
+    for name, fam in fetch_family.FAMILIES.items():
+        if p.name == fam.folder:
+            print(f"building the {name} producer into {p.parent} (first run only)")
+            fetch_family.main([name, "--cache", str(p.parent)])
+            return
+    raise SystemExit(f"producer folder {p} does not exist")
 
 
 def usable(store: ArtifactStore, pair: str) -> bool:
@@ -51,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=str(REPO / "ray_config.yaml"))
     args = p.parse_args(argv)
     cfg = load_config(args.config)
+    build_missing_producer(cfg.producer.path)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(cfg.producer.path, local_files_only=True)
 
     import ray
     from ray import serve
@@ -73,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         deploy(cfg)
         url = f"http://{cfg.http.host}:{cfg.http.port}"
         wait_healthy(url)
-        prefix, suffixes = demo_prompts()
+        prefix, suffixes = demo_prompts(tok)
         names = [s.name for s in cfg.specialists if s.name in suffixes]
         print(f"\nshared prefix ({len(prefix)} chars):\n{prefix}")
         fan = _call(url + "/v1/fanout", {"prefix": prefix, "requests": [

@@ -52,8 +52,10 @@ class Recipe:
 RECIPES = {
     # attention-only LoRA: changes what the specialist reads out of the notes and how it writes its own KV
     "qa": Recipe(task="qa", targets=("q_proj", "k_proj", "v_proj", "o_proj"), steps=150, seq_len=640),
-    # every linear module of every layer: a domain shift that moves the whole residual stream
-    "code": Recipe(task="lm", steps=180, seq_len=256),
+    # every linear module of every layer: a domain shift that moves the whole residual stream. lr 1e-3 for
+    # 180 steps left KL(oracle || raw KV) at 0.074 nats/token on held-out code (the base already knows
+    # Python); 3e-3 for 300 steps pushes it further from the base
+    "code": Recipe(task="lm", lr=3e-3, steps=300, seq_len=256),
 }
 
 

@@ -54,6 +54,8 @@ class CalibConfig:
     finetune_epochs: int = 3
     finetune_lr: float = 1e-4
     patch_cost: float = 0.25          # one Patch layer's consumer work relative to the whole Reuse rebuild
+    payload_budget: float = 0.0       # > 0: choose r_k, r_v by validation KL among ranks whose codes stay
+                                      # within this fraction of the raw KV (0: use r_k, r_v as given)
     batch: int = 8
     seed: int = 0
 
@@ -62,6 +64,8 @@ class CalibConfig:
                   "aligner_window"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if not 0.0 <= self.payload_budget <= 1.0:
+            raise ValueError(f"payload_budget must be in [0, 1], got {self.payload_budget}")
         if self.aligner_loss not in ("kv", "x"):
             raise ValueError(f"aligner_loss must be 'kv' or 'x', got {self.aligner_loss!r}")
 
@@ -131,6 +135,7 @@ class Calibration:
         (self.dir / "key.json").write_text(json.dumps(key, indent=1))
         self.base_plan = ["exact" if exact_layer0 else "reuse"] + ["reuse"] * (spec.num_layers - 1)
         self._grams = None
+        self._ranks: tuple[int, int] | None = None           # chosen by ranks(), else the config's
         self._linear: dict[tuple[int, int], tuple] = {}
         self._patch_enc: dict[int, LinearCodec] = {}
         self._aligners_logged: set[int] = set()
@@ -199,7 +204,7 @@ class Calibration:
     def linear(self, r_k: int | None = None, r_v: int | None = None):
         """Reuse codecs for K (content) and V at every layer (ranks default to the config's) and Patch
         encoders on x_norm at layers >= 1. Closed form from the Gram matrices: cheap, not checkpointed."""
-        r_k, r_v = r_k or self.cfg.r_k, r_v or self.cfg.r_v
+        r_k, r_v = r_k or self.r_k, r_v or self.r_v
         if (r_k, r_v) not in self._linear:
             gk, gv, gx = self.grams()
             self._linear[(r_k, r_v)] = ({l: g.fit(r_k, self.cfg.ridge) for l, g in enumerate(gk)},
@@ -208,6 +213,57 @@ class Calibration:
                                                             for l, g in enumerate(gx) if g is not None})
             self._patch_enc = self._linear[(r_k, r_v)][2]
         return self._linear[(r_k, r_v)]
+
+    @property
+    def r_k(self) -> int:
+        return self._ranks[0] if self._ranks else self.cfg.r_k
+
+    @property
+    def r_v(self) -> int:
+        return self._ranks[1] if self._ranks else self.cfg.r_v
+
+    def payload_ratio(self, r_k: int, r_v: int, plan: list[str] | None = None) -> float:
+        """Codes of a Reuse-only plan (fp16) over the raw KV (bf16), per token."""
+        coded = sum(k == "reuse" for k in (plan or self.base_plan))
+        return coded * self.spec.num_kv_heads * (r_k + r_v) * 2 / self.spec.kv_bytes_per_token
+
+    def rank_candidates(self) -> list[tuple[int, int]]:
+        """(r_k, r_v) on the budget's frontier: for each r_k of a geometric grid up to the head dim, the
+        largest r_v of the grid that keeps the payload within cfg.payload_budget."""
+        d = self.spec.head_dim
+        grid = sorted({r for r in (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if r <= d} | {d})
+        out = []
+        for r_k in grid:
+            fits = [r_v for r_v in grid if self.payload_ratio(r_k, r_v) <= self.cfg.payload_budget + 1e-9]
+            if fits:
+                out.append((r_k, fits[-1]))
+        return out
+
+    def ranks(self, val_samples) -> dict:
+        """Stage 2b (only with cfg.payload_budget > 0): Reuse-only validation KL of every candidate on the
+        budget's frontier; the lowest is used from here on. Checkpointed; returns its record."""
+        path = self.dir / "ranks.json"
+        if path.is_file():
+            record = json.loads(path.read_text())
+            self.log(f"stage ranks: resumed from checkpoint (r_k {record['r_k']}, r_v {record['r_v']})")
+        else:
+            cands = self.rank_candidates()
+            if not cands:
+                raise ValueError(f"payload_budget {self.cfg.payload_budget} is below the smallest code "
+                                 f"({self.payload_ratio(1, 1):.4f} of the raw KV at ranks 1/1)")
+            scorer = PlanScorer(self.producer, self.consumer, val_samples, self.artifacts_for)
+            tried = []
+            for r_k, r_v in tqdm(cands, desc="ranks", disable=not self.progress):
+                scorer.art_for = lambda plan, rk=r_k, rv=r_v: self.artifacts_for(plan, rk, rv)
+                tried.append({"r_k": r_k, "r_v": r_v, "payload_ratio": self.payload_ratio(r_k, r_v),
+                              "kl": scorer.kl(self.base_plan)})
+            best = min(tried, key=lambda t: t["kl"])
+            record = {"budget": self.cfg.payload_budget, "tried": tried, "r_k": best["r_k"], "r_v": best["r_v"]}
+            path.write_text(json.dumps(record, indent=1))
+            self.log(f"stage ranks: r_k {best['r_k']}, r_v {best['r_v']} (reuse-only KL {best['kl']:.4f} at "
+                     f"payload {best['payload_ratio']:.3f}; {len(tried)} candidates within {self.cfg.payload_budget})")
+        self._ranks = (record["r_k"], record["r_v"])
+        return record
 
     # -- stage 3 -------------------------------------------------------------------------------------
     def aligner(self, layer: int) -> tuple[Aligner, dict]:
@@ -251,7 +307,7 @@ class Calibration:
         reuse_k, reuse_v, patch_enc = self.linear(r_k, r_v)
         patched = [l for l, k in enumerate(plan) if k == "patch"]
         aligners = {l: self.aligner(l)[0] for l in patched}
-        return PairArtifacts(self.pair, self.spec, r_k or self.cfg.r_k, r_v or self.cfg.r_v, self.cfg.r_h,
+        return PairArtifacts(self.pair, self.spec, r_k or self.r_k, r_v or self.r_v, self.cfg.r_h,
                              self.cfg.aligner_width, list(plan), reuse_k, reuse_v, {l: patch_enc[l] for l in patched},
                              aligners, aligner_context=self.cfg.aligner_context,
                              aligner_tokens=self.cfg.aligner_tokens, aligner_window=self.cfg.aligner_window)
@@ -311,10 +367,13 @@ class Calibration:
         """traces -> policy -> artifacts of the chosen plan, then, with cfg.finetune_samples and
         tune_samples given, end-to-end fine-tuning of its aligners."""
         rows = self.traces(capture_pair)
+        ranks = self.ranks(val_samples) if self.cfg.payload_budget else None
         record = self.policy(val_samples)
         art = self.artifacts_for(self.plan_with(record["chosen"]))
         info = {"calibration": {"prefixes": len(self.prefixes), "rows": rows, "data_digest": data_digest(
             self.prefixes), "config": asdict(self.cfg)}, "policy": record}
+        if ranks:
+            info["ranks"] = ranks
         if self.cfg.finetune_samples and tune_samples and art.patch_layers:
             info["finetune"] = self.finetune(art, tune_samples[:self.cfg.finetune_samples], val_samples)
         art.info = info

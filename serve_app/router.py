@@ -1,4 +1,4 @@
-"""The HTTP ingress: OpenAI-compatible completions, fan-out of one shared prefix, models, health.
+"""The HTTP ingress: OpenAI-compatible completions and chat completions, fan-out of one shared prefix, models, health.
 
 The router never touches tensors. It tokenizes once (the family shares one tokenizer), checks every limit of
 the config before any model work, asks the producer for codes (one prefill for every specialist a request
@@ -24,7 +24,7 @@ from cluster.config import DeploymentConfig
 from serve_app import telemetry
 from serve_app.errors import ApiError, Guard, install, overloaded
 from serve_app.producer_client import ProducerClient
-from serve_app.schemas import CompletionRequest, FanoutRequest, Sampling
+from serve_app.schemas import ChatCompletionRequest, CompletionRequest, FanoutRequest, Sampling
 
 api = FastAPI(title="SCD Serve")
 api.add_middleware(Guard)
@@ -194,49 +194,85 @@ class Router:
         with self._admitted() as slot:
             # prefix: the explicit scd field, else the prompt minus its last character-run the specialist reads
             prefix, suffix = (body.prefix, body.text) if body.prefix else _split(body.text)
-            prefix_ids, suffix_ids = await self._tokenize(prefix), await self._tokenize(suffix)
-            self._check(body.model, len(prefix_ids), len(suffix_ids), body)
-            with telemetry.span("router.completions", model=body.model):
-                trace = telemetry.carrier()
-                if body.oracle:
-                    enc, reason = None, "oracle"
-                elif prefix_ids:
-                    enc, reason = await self.producer.encode(prefix_ids, [f"{self.base}:{body.model}"])
-                else:
-                    enc, reason = None, "prefix_too_short"
-                req = self._request(body.model, prefix_ids, suffix_ids, body, enc, reason, trace)
-            cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-            if body.stream:
-                gen, first = await self._first_event(body.model, req)
-                slot.append(gen)
-                return StreamingResponse(self._sse(gen, first, cid, created, body.model),
-                                         media_type="text/event-stream")
-            out = await self._generate(body.model, req)
-        return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                "choices": [{"text": out["text"], "index": 0, "logprobs": None, "finish_reason": out["finish_reason"]}],
-                "usage": {"prompt_tokens": len(prefix_ids) + len(suffix_ids), "completion_tokens": out["tokens"],
-                          "total_tokens": len(prefix_ids) + len(suffix_ids) + out["tokens"]},
+            return await self._answer(body, await self._tokenize(prefix), await self._tokenize(suffix), slot, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        self._model(body.model, "model")
+        if not getattr(self.tok, "chat_template", None):
+            raise ApiError(400, "this model family's tokenizer has no chat template; use /v1/completions",
+                           "messages", "chat_not_supported")
+        with self._admitted() as slot:
+            prefix, suffix = await asyncio.to_thread(self._render_chat, body.messages)
+            return await self._answer(body, await self._tokenize(prefix), await self._tokenize(suffix), slot, chat=True)
+
+    def _render_chat(self, messages) -> tuple[str, str]:
+        """(shared prefix, suffix) of a conversation in the chat template: the prefix is everything before
+        the last user turn (system prompt, documents, earlier turns), the suffix that turn and the assistant
+        header. A template that does not render the shorter conversation as a prefix of the longer one
+        leaves everything to the specialist (stated as prefix_too_short)."""
+        turns = [{"role": m.role, "content": m.text} for m in messages]
+        try:
+            full = self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            head = self.tok.apply_chat_template(turns[:-1], tokenize=False) if len(turns) > 1 else ""
+        except Exception as e:                              # the template's own checks (e.g. role order)
+            raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
+        return (head, full[len(head):]) if full.startswith(head) else ("", full)
+
+    async def _answer(self, body, prefix_ids: list[int], suffix_ids: list[int], slot: list, chat: bool):
+        """One specialist request from tokenized prefix/suffix: codes, then the whole answer or a stream,
+        shaped as a text completion or a chat completion."""
+        self._check(body.model, len(prefix_ids), len(suffix_ids), body)
+        with telemetry.span("router.chat" if chat else "router.completions", model=body.model):
+            trace = telemetry.carrier()
+            if body.oracle:
+                enc, reason = None, "oracle"
+            elif prefix_ids:
+                enc, reason = await self.producer.encode(prefix_ids, [f"{self.base}:{body.model}"])
+            else:
+                enc, reason = None, "prefix_too_short"
+            req = self._request(body.model, prefix_ids, suffix_ids, body, enc, reason, trace)
+        cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+        if body.stream:
+            gen, first = await self._first_event(body.model, req)
+            slot.append(gen)
+            return StreamingResponse(self._sse(gen, first, cid, created, body.model, chat),
+                                     media_type="text/event-stream")
+        out = await self._generate(body.model, req)
+        n_in = len(prefix_ids) + len(suffix_ids)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
+                   "finish_reason": out["finish_reason"]} if chat else
+                  {"text": out["text"], "index": 0, "logprobs": None, "finish_reason": out["finish_reason"]})
+        return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": body.model, "choices": [choice],
+                "usage": {"prompt_tokens": n_in, "completion_tokens": out["tokens"], "total_tokens": n_in + out["tokens"]},
                 "scd": out["scd"]}
 
-    async def _sse(self, gen, first: dict, cid: str, created: int, model: str):
+    async def _sse(self, gen, first: dict, cid: str, created: int, model: str, chat: bool = False):
         """Server-sent events; a failure after the first byte becomes an error event, then [DONE]."""
-        def chunk(ev: dict) -> str:
-            body = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"text": ev.get("text", ""), "index": 0, "logprobs": None,
-                                 "finish_reason": ev.get("finish_reason")}]}
+        def chunk(ev: dict, i: int) -> str:
+            if chat:                                      # the first delta names the role, as OpenAI's does
+                delta = {"role": "assistant", "content": ev.get("text", "")} if i == 0 else {"content": ev.get("text", "")}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": ev.get("finish_reason")}
+            else:
+                choice = {"text": ev.get("text", ""), "index": 0, "logprobs": None, "finish_reason": ev.get("finish_reason")}
+            body = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                    "model": model, "choices": [choice]}
             if "scd" in ev:
                 body["scd"] = ev["scd"]
             return f"data: {json.dumps(body)}\n\n"
         try:
-            yield chunk(first)
+            yield chunk(first, 0)
             deadline = time.monotonic() + self.limits.request_timeout_s
+            i = 1
             while True:
                 try:
                     ev = await asyncio.wait_for(gen.__anext__(), min(self.limits.first_token_timeout_s,
                                                                      max(0.0, deadline - time.monotonic())))
                 except StopAsyncIteration:
                     break
-                yield chunk(ev)
+                yield chunk(ev, i)
+                i += 1
         except Exception as e:
             yield f"data: {json.dumps(self._failure(model, e).body())}\n\n"
         finally:

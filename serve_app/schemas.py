@@ -127,6 +127,74 @@ class CompletionRequest(Sampling):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
+class ChatMessage(_Body):
+    role: str = Field(pattern="^(system|developer|user|assistant)$", description="who speaks this turn")
+    content: str | list[dict] = Field(description="the turn's text, or a list of {type: text, text} parts")
+    name: str | None = Field(None, max_length=64, description="accepted, not used")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, v):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                       and set(p) <= {"type", "text"} for p in v):
+            return v
+        raise ValueError("must be a string or a list of {\"type\": \"text\", \"text\": ...} parts (text only)")
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p["text"] for p in self.content)
+
+
+# OpenAI chat fields this server does not implement, with the only value it accepts for each
+CHAT_NEUTRAL: dict[str, Any] = {"n": 1, "logprobs": False, "top_logprobs": None, "presence_penalty": 0,
+                                "frequency_penalty": 0, "logit_bias": None, "stream_options": None, "tools": None,
+                                "tool_choice": None, "response_format": None, "parallel_tool_calls": None}
+
+
+class ChatCompletionRequest(Sampling):
+    """OpenAI chat completions. The shared prefix (prefilled once by the producer, reusable across requests
+    and specialists) is the conversation rendered with the model's chat template up to the last user turn;
+    the specialist reads that turn and the assistant header itself."""
+    model: str = Field(min_length=1, max_length=64, description="specialist name")
+    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    oracle: bool = Field(False, description="scd extension: the specialist prefills the prompt itself")
+    stream: bool = False
+    user: str | None = Field(None, max_length=256, description="end-user id (accepted, recorded nowhere)")
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    stream_options: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _ends_with_user(cls, v):
+        if v[-1].role != "user":
+            raise ValueError("the last message must be the user's turn (the one to answer)")
+        return v
+
+    @field_validator(*CHAT_NEUTRAL)
+    @classmethod
+    def _neutral(cls, value, info):
+        neutral = CHAT_NEUTRAL[info.field_name]
+        if value is not None and value != neutral and not (neutral is None and value in ({}, [], 0)):
+            raise ValueError(f"{value!r} is not supported by this server (only {neutral!r})")
+        return value
+
+    def model_post_init(self, _):
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+
+
 class FanoutItem(Sampling):
     specialist: str = Field(min_length=1, max_length=64)
     suffix: str = Field(min_length=1)

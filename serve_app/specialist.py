@@ -27,7 +27,7 @@ from actors.registry import fetch, registry
 from actors.specialist import GenParams, SpecialistEngine
 from actors.producer_actor import PRODUCER_NAME
 from actors.transport import NcclTransport, TransportError, make_transport
-from artifacts_store import ArtifactNotFound, ArtifactStoreError, Fingerprints
+from artifacts_store import ArtifactNotFound, ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
 from scd.models import load
 from serve_app import telemetry
@@ -46,7 +46,7 @@ class SpecialistServer:
         model, tok, _ = load(model_path, base=model_base)
         self.engine = SpecialistEngine(name, model.to(dev), tok, device=dev)
         self.name, self.pair = name, pair
-        self.registry = registry(store_uri, namespace)
+        self.registry, self.store_uri = registry(store_uri, namespace), store_uri
         self.expect = Fingerprints.of(consumer=model, tokenizer=tok)
         self.namespace, self.timeout_s = namespace, control_timeout_s
         self.transport_kind = transport
@@ -130,13 +130,20 @@ class SpecialistServer:
         try:
             art, manifest = fetch(self.registry, f"{self.pair}@{version}", self.expect, timeout_s=120)
         except ArtifactNotFound:
-            return "no_artifact"
+            return "quality_gate" if self._refused() else "no_artifact"
         except ArtifactStoreError:                           # fingerprints, checksums, manifest problems
             return "artifact_mismatch"
         except ray.exceptions.RayError:                      # the registry actor or the store failed
             return "artifact_unavailable"
         self.engine.set_artifact(art.to(self.engine.device), manifest.version)
         return None
+
+    def _refused(self) -> bool:
+        """Whether the pair's last calibration failed its quality gate (so none was published)."""
+        try:
+            return ArtifactStore(self.store_uri).refusal(self.pair) is not None
+        except Exception:                  # storage trouble: the plain no_artifact reason is still true
+            return False
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve calls this on deploy and whenever user_config changes: picks up a new artifact version."""

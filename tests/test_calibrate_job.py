@@ -84,3 +84,40 @@ def test_registry_reads_the_store_once_for_many_replicas(job):
     with pytest.raises(FingerprintMismatch, match="consumer weights digest"):
         fetch(reg, ref, Fingerprints.of(producer=base, consumer=load(DEMO / "prose")[0], tokenizer=tok))
     ray.kill(reg)
+
+
+def test_a_calibration_that_fails_the_quality_gate_is_not_published_and_says_why(job, capsys):
+    """An absolute KL bound no real calibration meets: the job exits 3, publishes nothing new, records the
+    refusal in the store (serving states quality_gate), and the refusal lapses once a version is newer."""
+    import yaml
+    tmp_path, cfg, ref, _ = job
+    raw = yaml.safe_load(cfg.read_text())
+    raw["calibration"]["max_kl"] = 1e-12
+    strict = tmp_path / "strict.yaml"
+    strict.write_text(yaml.safe_dump(raw))
+    store = ArtifactStore(tmp_path / "store")
+    before = [v.version for v in store.list("base:qa")]
+    with pytest.raises(SystemExit) as e:
+        calibrate(["--pair", "base:qa", "--config", str(strict)])
+    assert e.value.code == 3
+    out = capsys.readouterr().out
+    assert "quality gate: NOT published" in out and "above calibration.max_kl" in out, out
+    assert [v.version for v in store.list("base:qa")] == before
+    rec = store.refusal("base:qa")
+    assert rec is not None and rec["passed"] is False and rec["kl_scd"] > 1e-12, rec
+    assert {"kl_raw_kv", "kl_reuse_only", "payload_ratio", "reasons"} <= set(rec)
+    art, manifest = store.load(ref)
+    store.publish(art, manifest.fingerprints, manifest.calibration)   # a newer version supersedes the refusal
+    assert store.refusal("base:qa") is None
+
+
+def test_quality_gate_compares_with_raw_kv_and_the_absolute_bound():
+    from types import SimpleNamespace
+    from jobs.calibrate import quality_gate
+    by = {"scd": {"kl": 0.2, "payload_ratio": 0.2}, "raw_kv": {"kl": 0.1, "payload_ratio": 1.0},
+          "reuse_only": {"kl": 0.3}}
+    worse = quality_gate(by, SimpleNamespace(gate_vs_raw_kv=1.0, max_kl=None))
+    assert not worse["passed"] and "worse than 1 x raw KV" in worse["reasons"][0], worse
+    assert quality_gate(by, SimpleNamespace(gate_vs_raw_kv=2.5, max_kl=None))["passed"]
+    assert quality_gate(by, SimpleNamespace(gate_vs_raw_kv=0, max_kl=None))["passed"]       # gate off
+    assert not quality_gate(by, SimpleNamespace(gate_vs_raw_kv=0, max_kl=0.15))["passed"]

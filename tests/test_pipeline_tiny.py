@@ -1,4 +1,5 @@
 """End-to-end numeric pipeline on a tiny random pair: calibrate, then every method through the harness."""
+import pytest
 import torch
 
 from scd import methods
@@ -147,3 +148,29 @@ def test_padding_id_does_not_matter_and_none_is_accepted(tmp_path):
     for name, t in arts[0].tensors().items():
         err = (t - arts[1].tensors()[name]).abs().max().item()
         assert err < 1e-4, f"{name} depends on the padding id: max difference {err:.2e}"
+
+
+def test_ranks_are_chosen_by_validation_kl_within_the_payload_budget(tmp_path):
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    spec = ModelSpec.from_config(a.config)
+    cfg = CalibConfig(payload_budget=0.3, aligner_epochs=2, pool=1, batch=16)
+    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path, cfg, progress=False,
+                      log=lambda s: None)
+    cal.traces()
+    val = _samples(3, 2)
+    rec = cal.ranks(val)
+    assert rec["tried"] and all(t["payload_ratio"] <= 0.3 + 1e-9 for t in rec["tried"]), rec
+    best = min(rec["tried"], key=lambda t: t["kl"])
+    assert (cal.r_k, cal.r_v) == (rec["r_k"], rec["r_v"]) == (best["r_k"], best["r_v"])
+    assert [(t["r_k"], t["r_v"]) for t in rec["tried"]] == cal.rank_candidates()
+    # the scores are what a plain scorer gives, and the artifact carries the chosen ranks
+    scorer = PlanScorer(a, b, val, lambda plan: cal.artifacts_for(plan, best["r_k"], best["r_v"]))
+    assert abs(scorer.kl(cal.base_plan) - best["kl"]) < 1e-9
+    art = cal.artifacts_for(cal.base_plan)
+    assert (art.r_k, art.r_v) == (best["r_k"], best["r_v"])
+    again = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path, cfg, progress=False,
+                        log=lambda s: None)
+    assert again.ranks(val) == rec and (again.r_k, again.r_v) == (cal.r_k, cal.r_v)      # resumed
+    with pytest.raises(ValueError, match="payload_budget"):
+        CalibConfig(payload_budget=1.5)

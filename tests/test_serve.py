@@ -5,6 +5,7 @@ import dataclasses
 import json
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import ray
@@ -44,6 +45,17 @@ def deploy_and_wait(cfg_path, raw: dict):
     return cfg, url
 
 
+def with_chat_template(model: Path, out: Path) -> Path:
+    """The same model (files linked) with a plain chat template, so the tiny family can answer chat requests.
+    The router renders chats with the producer's tokenizer."""
+    out.mkdir()
+    for f in model.iterdir():
+        (out / f.name).symlink_to(f)
+    (out / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                             "{% if add_generation_prompt %}assistant:{% endif %}")
+    return out
+
+
 @pytest.fixture(scope="module")
 def served(ray_cluster, tmp_path_factory):
     from actors.producer_actor import PRODUCER_NAME
@@ -63,6 +75,7 @@ def served(ray_cluster, tmp_path_factory):
         *({"name": n, "path": str(DEMO / p), "num_cpus": 0.25, "autoscaling": fast}
           for n, p in (("prose", "prose"), ("code", "code"), ("nocal", "qa"), ("wrong", "prose")))]
     raw["producer"]["num_cpus"] = 0.25
+    raw["producer"]["path"] = str(with_chat_template(DEMO / "base", tmp / "base-chat"))
     raw["ray"] = {"namespace": "scd-test"}
     raw["http"] = {"port": free_port()}
     raw["producer_timeout_s"] = 1.5
@@ -90,6 +103,33 @@ def test_openai_client_lists_models_and_completes_plain_and_streamed(served):
         client.completions.create(model="nope", prompt="x y", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="qa", prompt="x y", max_tokens=0)
+
+
+def test_openai_client_chat_shares_the_conversation_before_the_last_user_turn(served):
+    import openai
+    url, _, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    messages = [{"role": "system", "content": PREFIX}, {"role": "user", "content": "Where does Tilda Vance live?"}]
+    r = client.chat.completions.create(model="qa", messages=messages, max_tokens=6)
+    scd = r.model_extra["scd"]
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant", r
+    assert scd["mode"] == "scd" and r.choices[0].message.content, r
+    # the prefix is the rendered system turn: it holds the notes, the user turn is read by the specialist
+    assert r.usage.prompt_tokens > r.usage.completion_tokens and r.usage.completion_tokens <= 6
+    pieces, roles, last = [], [], None
+    for chunk in client.chat.completions.create(model="qa", messages=messages, max_completion_tokens=6, stream=True):
+        pieces.append(chunk.choices[0].delta.content or "")
+        roles.append(chunk.choices[0].delta.role)
+        last = chunk
+    assert "".join(pieces) == r.choices[0].message.content and roles[0] == "assistant"
+    assert last.object == "chat.completion.chunk" and last.model_extra["scd"]["mode"] == "scd"
+    only_user = client.chat.completions.create(model="qa", messages=messages[1:], max_tokens=2)
+    assert only_user.model_extra["scd"]["reason"] == "prefix_too_short", only_user.model_extra
+    for bad in ({"messages": messages + [{"role": "assistant", "content": "x"}]}, {"messages": []},
+                {"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]},
+                {"messages": [{"role": "robot", "content": "x"}]}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="qa", max_tokens=2, **bad)
 
 
 def test_fanout_to_three_specialists_is_one_prefill_and_all_scd(served):
