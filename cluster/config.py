@@ -182,6 +182,10 @@ class CalibrationSettings(_Strict):
     r_k: int = Field(8, ge=1)
     r_v: int = Field(12, ge=1)
     r_h: int = Field(32, ge=1)
+    reuse_source: Literal["kv", "hidden"] = Field("kv", description=(
+        "Reuse codes: 'kv' per-head codecs of the producer's K and V (r_k, r_v); 'hidden' one code per token "
+        "from the producer's x_norm, decoded into the K and V of every head of the consumer (r_x)"))
+    r_x: int = Field(64, ge=1, description="rank of the hidden-state Reuse codes")
     pool: int = Field(4, ge=1)
     patch_cost: float = Field(0.25, ge=0)
     payload_budget: float = Field(0.0, ge=0, le=1, description=(

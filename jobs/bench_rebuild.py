@@ -45,34 +45,48 @@ def bench(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str =
             "payload_bytes": len(payload), "plan": art.plan, **med}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--tokens takes integers separated by commas, got {text!r}") from None
+    if any(n < 1 for n in sizes):
+        raise SystemExit(f"--tokens must be positive, got {text!r}")
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="scd bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_args(p)
-    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--tokens", default="1024", help="prefix length(s), e.g. 1024,2048,4096")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "int8"])
     p.add_argument("--work-dir", default="runs/eval")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    args.tokens = _sizes(args.tokens)
     pa, pb, na, nb = resolve_pair(args)
-    producer, consumer, tok, spec = load_pair(pa, pb)
+    producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
     pair = f"{na}:{nb}"
     art = calibrated(args, producer, consumer, spec, tok, pair)
     text = "\n\n".join(demo_data.prose_texts("heldout"))
-    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][:args.tokens])[None]
-    if ids.shape[1] < args.tokens:
-        raise SystemExit(f"only {ids.shape[1]} tokens of text available, asked for {args.tokens}")
-    r = bench(producer, consumer, art, ids, args.repeats, args.dtype)
-    if args.json:
-        print(json.dumps(r))
-    else:
-        print(f"{pair} at {r['tokens']} tokens, median of {r['repeats']} interleaved runs, plan {r['plan']}:\n"
-              f"  consumer prefill            {r['prefill_ms']:8.2f} ms\n"
-              f"  SCD decode+rebuild+patch    {r['consumer_ms']:8.2f} ms  (codec {r['decode_ms']:.2f}, "
-              f"rebuild {r['rebuild_ms']:.2f}, patch {r['patch_ms']:.2f})\n"
-              f"  ratio                       {r['ratio']:8.3f}   (goal <= 0.100)\n"
-              f"  payload                     {r['payload_bytes'] / 1024:8.1f} KB")
-    return r
+    all_ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(all_ids) < max(args.tokens):
+        raise SystemExit(f"only {len(all_ids)} tokens of text available, asked for {max(args.tokens)}")
+    out = []
+    for n in args.tokens:
+        r = bench(producer, consumer, art, torch.tensor(all_ids[:n])[None], args.repeats, args.dtype)
+        out.append(r)
+        if args.json:
+            print(json.dumps(r))
+        else:
+            print(f"{pair} at {r['tokens']} tokens, median of {r['repeats']} interleaved runs, plan {r['plan']}:\n"
+                  f"  consumer prefill            {r['prefill_ms']:8.2f} ms\n"
+                  f"  SCD decode+rebuild+patch    {r['consumer_ms']:8.2f} ms  (codec {r['decode_ms']:.2f}, "
+                  f"rebuild {r['rebuild_ms']:.2f}, patch {r['patch_ms']:.2f})\n"
+                  f"  ratio                       {r['ratio']:8.3f}\n"
+                  f"  payload                     {r['payload_bytes'] / 1024:8.1f} KB", flush=True)
+    return out
 
 
 if __name__ == "__main__":

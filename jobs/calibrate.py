@@ -62,19 +62,19 @@ def actor_capture(producer_path: str, consumer_path: str, gpus: tuple[float, flo
     return capture_pair
 
 
-def pareto(cal: Calibration, val, budget_bytes_per_token: int) -> list[dict]:
-    """Reuse-only KL and payload ratio for a grid of (r_K, r_V): the rank trade-off behind the defaults."""
-    base = cal.base_plan
-    coded = sum(k == "reuse" for k in base)
-    scorer = None
+def pareto(cal: Calibration, val) -> list[dict]:
+    """Reuse-only KL and payload ratio over a grid of ranks ((r_K, r_V), or r_X for hidden-state Reuse): the
+    rank trade-off behind the chosen point."""
+    if cal.cfg.reuse_source == "hidden":
+        top = 2 * cal.spec.num_kv_heads * cal.spec.head_dim
+        grid = [{"r_x": r} for r in (16, 32, 64, 96, 128, 192, 256) if r <= top]
+    else:
+        grid = [{"r_k": k, "r_v": v} for k, v in PARETO_GRID if max(k, v) <= 2 * cal.spec.head_dim]
+    scorer = PlanScorer(cal.producer, cal.consumer, val, cal.artifacts_for)
     out = []
-    for r_k, r_v in PARETO_GRID:
-        if max(r_k, r_v) > 2 * cal.spec.head_dim:
-            continue
-        scorer = scorer or PlanScorer(cal.producer, cal.consumer, val, cal.artifacts_for)
-        scorer.art_for = lambda plan, rk=r_k, rv=r_v: cal.artifacts_for(plan, rk, rv)
-        per_token = coded * cal.spec.num_kv_heads * (r_k + r_v) * 2          # fp16 codes
-        out.append({"r_k": r_k, "r_v": r_v, "kl": scorer.kl(base), "payload_ratio": per_token / budget_bytes_per_token})
+    for ranks in grid:
+        scorer.art_for = lambda plan, r=ranks: cal.artifacts_for(plan, **r)
+        out.append({**ranks, "kl": scorer.kl(cal.base_plan), "payload_ratio": cal.payload_ratio(ranks)})
     return out
 
 
@@ -180,17 +180,20 @@ def main(argv: list[str] | None = None) -> str:
             f"quality_gate. Figures in {cal.dir / 'gate.json'}")
         raise SystemExit(3)
     log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
-    grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val, spec.kv_bytes_per_token))
+    grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val))
     xn = checkpointed(cal.dir / "xnorm.json", lambda: xnorm_profile(cal, art, held[:8]))
 
     info = art.info["calibration"]
-    extra = {"r_k": art.r_k, "r_v": art.r_v, "r_h": art.r_h, "calibration prefixes": info["prefixes"],
+    ranks = {"r_x": art.r_x} if art.reuse_x else {"r_k": art.r_k, "r_v": art.r_v}
+    extra = {"reuse": "hidden-state (x_norm -> K, V of every head)" if art.reuse_x else "per-head K, V", **ranks,
+             "r_h": art.r_h, "calibration prefixes": info["prefixes"],
              "trace rows": info["rows"], "data digest": info["data_digest"],
              "quality gate": f"passed: KL {gate['kl_scd']:.4f} <= {c.gate_vs_raw_kv:g} x raw KV {gate['kl_raw_kv']:.4f}"
              + (f" and <= max_kl {c.max_kl:g}" if c.max_kl is not None else "")}
     if "ranks" in art.info:
-        extra["ranks chosen"] = ", ".join(f"{t['r_k']}/{t['r_v']}: KL {t['kl']:.4f} @ {t['payload_ratio']:.3f}"
-                                          for t in art.info["ranks"]["tried"])
+        extra["ranks tried"] = "; ".join(
+            ", ".join(f"{k} {v}" for k, v in t.items() if k.startswith("r_")) + f": KL {t['kl']:.4f} @ "
+            f"{t['payload_ratio']:.3f}" for t in art.info["ranks"]["tried"])
     files = report.build_report(args.pair, art.info["policy"], rows, grid, xn, extra)
     metrics = {"kl": by["scd"]["kl"], "kl_reuse_only": by["reuse_only"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"],
                "payload_bytes": float(by["scd"]["payload_bytes"]), "payload_ratio": by["scd"]["payload_ratio"],

@@ -25,11 +25,18 @@ DEMO_DIR = Path(__file__).resolve().parents[1] / "demo_models"
 
 
 def add_pair_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pair", help="PRODUCER:CONSUMER names of models under --models-dir (demo family)")
+    p.add_argument("--pair", help="PRODUCER:CONSUMER names of models under --models-dir (demo family), or in "
+                                  "--config")
+    p.add_argument("--config", help="a deployment config (e.g. configs/smollm2.yaml): --pair names its models, and "
+                                    "its calibration settings and work_dir are used, so the calibration job's "
+                                    "checkpoints are resumed instead of calibrating again")
     p.add_argument("--models-dir", default=str(DEMO_DIR))
     p.add_argument("--producer", help="local model folder (instead of --pair)")
     p.add_argument("--consumer", help="local model folder (instead of --pair)")
     p.add_argument("--text", help="text file for prefixes of a non-demo pair (paragraphs split on blank lines)")
+    p.add_argument("--artifact", help="PRODUCER:CONSUMER[@VERSION] from --store: use that published artifact "
+                                      "(fingerprints checked against the loaded models) instead of calibrating")
+    p.add_argument("--store", default="~/.scd/artifacts", help="artifact store URI for --artifact")
     p.add_argument("--calib", type=int, default=128, help="calibration prefixes")
     p.add_argument("--val", type=int, default=12, help="validation samples for the layer policy")
     p.add_argument("--prefix-tokens", type=int, default=160)
@@ -40,7 +47,10 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_pair(args) -> tuple[str, str, str, str]:
-    """(producer path, consumer path, producer name, consumer name), validated."""
+    """(producer path, consumer path, producer name, consumer name), validated. With --config, also sets
+    the calibration flags (--calib, --val, --prefix-tokens, every CalibConfig field, --work-dir) from it."""
+    if args.config:
+        return _from_config(args)
     if args.pair:
         if args.producer or args.consumer:
             raise SystemExit("give either --pair or --producer/--consumer, not both")
@@ -61,8 +71,42 @@ def resolve_pair(args) -> tuple[str, str, str, str]:
     return args.producer, args.consumer, Path(args.producer).name, Path(args.consumer).name
 
 
+def _from_config(args) -> tuple[str, str, str, str]:
+    from cluster.config import ConfigError, load_config
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+    if not args.pair or args.pair.count(":") != 1:
+        raise SystemExit(f"with --config, give --pair PRODUCER:CONSUMER from it ({', '.join(cfg.pairs())})")
+    a, b = args.pair.split(":")
+    if a != cfg.producer.name or b not in {s.name for s in cfg.specialists}:
+        raise SystemExit(f"--pair {args.pair} is not in {args.config} (it has {', '.join(cfg.pairs())})")
+    c = cfg.calibration
+    args.calib, args.val, args.prefix_tokens, args.work_dir = c.prefixes, c.val, c.prefix_tokens, c.work_dir
+    for f in fields(CalibConfig):
+        if f.name in type(c).model_fields:
+            setattr(args, f.name, getattr(c, f.name))
+        elif f.name != "seed":
+            setattr(args, f.name, f.default)          # what the calibration job uses for fields the config lacks
+    args.consumer_base = cfg.specialist(b).base
+    return cfg.producer.path, cfg.specialist(b).path, a, b
+
+
 def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
-    """Calibrate the pair under --work-dir; a finished (or partly finished) calibration is resumed."""
+    """Calibrate the pair under --work-dir; a finished (or partly finished) calibration is resumed. With
+    --artifact, load that published artifact instead (refused if it was fitted for other models)."""
+    if args.artifact:
+        from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
+        store_uri = args.store if "://" in args.store else str(Path(args.store).expanduser())
+        try:
+            art, manifest = ArtifactStore(store_uri).load(
+                args.artifact, expect=Fingerprints.of(producer=producer, consumer=consumer, tokenizer=tok))
+        except ArtifactStoreError as e:
+            raise SystemExit(f"--artifact {args.artifact}: {e}") from None
+        print(f"artifact {args.artifact} -> {manifest.version} (ranks {art.r_k}/{art.r_v}/{art.r_h}, patch layers "
+              f"{art.patch_layers})", file=sys.stderr)
+        return art
     cfg = CalibConfig(**{f.name: getattr(args, f.name) for f in fields(CalibConfig) if f.name != "seed"},
                       seed=args.seed)
     calib, val, _ = samples.pair_data(pair.split(":")[1], tok, args.calib, args.val, 0, args.prefix_tokens,
@@ -89,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {list(methods.METHODS)}")
     torch.manual_seed(args.seed)
     pa, pb, na, nb = resolve_pair(args)
-    producer, consumer, tok, spec = load_pair(pa, pb)
+    producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
     pair = f"{na}:{nb}"
     art = calibrated(args, producer, consumer, spec, tok, pair)
     _, val, held = samples.pair_data(nb, tok, 0, args.val, args.samples, args.prefix_tokens, text_file=args.text,

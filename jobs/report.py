@@ -10,7 +10,7 @@ The figures mirror the SCD paper's Figures 4-7:
   (gain / cost per k, whose argmax gives k*) is drawn on a twin axis.
 - `pareto.png` (Fig. 6, optional): Reuse-only KL vs payload ratio over a grid of ranks (r_K, r_V). Every point is
   annotated with its ranks, the Pareto frontier (points no other point beats on both payload and KL) is joined by
-  a line, and the ranks actually chosen (`extra["r_k"]`, `extra["r_v"]`) are circled.
+  a line, and the ranks actually chosen (`extra["r_k"]`, `extra["r_v"]`, or `extra["r_x"]`) are circled.
 - `xnorm_error.png` (Fig. 7, optional): relative error of the consumer's pre-attention input x_norm per layer
   (list index = layer number), Reuse-only vs SCD; the patch layers are shaded, showing where SCD resets the error.
 
@@ -92,7 +92,7 @@ def _check_rows(rows: list[dict]) -> None:
 
 def _check_pareto(points: list[dict]) -> None:
     for i, p in enumerate(points):
-        missing = [k for k in ("r_k", "r_v", "payload_ratio", "kl") if k not in p]
+        missing = [k for k in ("payload_ratio", "kl") if k not in p] + ([] if _ranks(p) else ["r_k/r_v or r_x"])
         if missing:
             raise ValueError(f"pareto[{i}] is missing keys: {missing}")
 
@@ -162,17 +162,23 @@ def _frontier(points: list[dict]) -> list[dict]:
     return front
 
 
+def _ranks(p: dict) -> dict:
+    """A point's ranks: r_k and r_v (per-head Reuse) or r_x (hidden-state Reuse)."""
+    return {k: v for k, v in sorted(p.items()) if k in ("r_k", "r_v", "r_x")}
+
+
 def _fig_pareto(pair: str, points: list[dict], extra: dict):
     fig, ax = plt.subplots(figsize=(6.8, 4.2))
     xs, ys = [p["payload_ratio"] for p in points], [p["kl"] for p in points]
-    ax.scatter(xs, ys, color="tab:gray", s=18, label="(r_K, r_V) grid")
+    names = list(_ranks(points[0]))
+    ax.scatter(xs, ys, color="tab:gray", s=18, label=f"({', '.join(n.upper() for n in names)}) grid")
     for p in points:
-        ax.annotate(f"({p['r_k']},{p['r_v']})", (p["payload_ratio"], p["kl"]), textcoords="offset points",
-                    xytext=(4, 3), fontsize=7, color="dimgray")
+        ax.annotate("(" + ",".join(str(v) for v in _ranks(p).values()) + ")", (p["payload_ratio"], p["kl"]),
+                    textcoords="offset points", xytext=(4, 3), fontsize=7, color="dimgray")
     front = _frontier(points)
     ax.plot([p["payload_ratio"] for p in front], [p["kl"] for p in front], "o-", color="tab:blue", ms=5,
             label="Pareto frontier")
-    chosen = [p for p in points if (p["r_k"], p["r_v"]) == (extra.get("r_k"), extra.get("r_v"))]
+    chosen = [p for p in points if all(extra.get(k) == v for k, v in _ranks(p).items())]
     if chosen:
         ax.scatter([chosen[0]["payload_ratio"]], [chosen[0]["kl"]], s=160, facecolors="none",
                    edgecolors="tab:red", linewidths=2, label="chosen ranks", zorder=5)

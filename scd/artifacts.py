@@ -1,7 +1,9 @@
 """The learned artifacts of one producer->consumer pair, as tensors + a JSON description.
 
 This is the numeric content only; the registry (versions, fingerprints, checksums) wraps it. The layer
-plan says how each layer is rebuilt: "exact" (layer 0 from token ids, zero payload), "reuse" or "patch".
+plan says how each layer is rebuilt: "exact" (layer 0 from token ids, zero payload), "reuse" (per-head
+K and V codecs), "hidden" (Reuse from the producer's hidden state: one code per token decoded into the K and V
+of every head) or "patch".
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from scd.patch import Aligner
 from scd.reuse import LinearCodec
 
 FORMAT_VERSION = 2                  # 2: aligners with a causal window and token features
-KINDS = ("exact", "reuse", "patch")
+KINDS = ("exact", "reuse", "hidden", "patch")
 
 
 class IncompatibleArtifact(ValueError):
@@ -41,6 +43,8 @@ class PairArtifacts:
     aligner_context: int = 1                    # codes per aligner input window (1 = per token)
     aligner_tokens: int = 0                     # width of the aligners' token features (0 = none)
     aligner_window: int = 8                     # per-position width of the aligners' window
+    r_x: int = 0                                # rank of the "hidden" layers' codes
+    reuse_x: dict[int, LinearCodec] = field(default_factory=dict)   # x_norm (H) -> [K content; V] (2 n_kv d)
     derived: dict = field(default_factory=dict, repr=False, compare=False)  # per-use tensors made on first use
 
     def __post_init__(self):
@@ -51,6 +55,8 @@ class PairArtifacts:
                 raise ValueError(f"only layer 0 can be regenerated exactly from token ids, not layer {l}")
             if kind == "reuse" and (l not in self.reuse_k or l not in self.reuse_v):
                 raise ValueError(f"layer {l} is planned as reuse but has no Reuse codecs")
+            if kind == "hidden" and l not in self.reuse_x:
+                raise ValueError(f"layer {l} is planned as hidden but has no hidden-state codec")
             if kind == "patch" and (l not in self.patch_enc or l not in self.aligners):
                 raise ValueError(f"layer {l} is planned as patch but has no encoder/aligner")
 
@@ -68,11 +74,24 @@ class PairArtifacts:
             self.derived[key] = (*stack(self.reuse_k), *stack(self.reuse_v))
         return self.derived[key]
 
+    def hidden_decoders(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoders of the given hidden layers stacked: (dec (L, r_x, 2 n_kv d), mu (L, 1, 2 n_kv d)), made once."""
+        key = ("hidden", layers, dtype)
+        if key not in self.derived:
+            self.derived[key] = (torch.stack([self.reuse_x[l].dec for l in layers]).to(dtype),
+                                 torch.stack([self.reuse_x[l].mu_b for l in layers]).to(dtype)[:, None])
+        return self.derived[key]
+
+    @property
+    def reuse_kind(self) -> str:
+        """What a Reuse-only plan of this artifact uses: "hidden" if it has hidden-state codecs, else "reuse"."""
+        return "hidden" if self.reuse_x else "reuse"
+
     def with_plan(self, plan: list[str]) -> "PairArtifacts":
         """The same learned tensors under another layer plan (e.g. Reuse-only)."""
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(plan),
                              self.reuse_k, self.reuse_v, self.patch_enc, self.aligners, self.info, self.aligner_context,
-                             self.aligner_tokens, self.aligner_window)
+                             self.aligner_tokens, self.aligner_window, self.r_x, self.reuse_x)
 
     def to(self, device) -> "PairArtifacts":
         """A copy whose tensors live on `device` (where the model that uses them runs)."""
@@ -80,7 +99,7 @@ class PairArtifacts:
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(self.plan),
                              move(self.reuse_k), move(self.reuse_v), move(self.patch_enc),
                              {l: g.to(device) for l, g in self.aligners.items()}, self.info, self.aligner_context,
-                             self.aligner_tokens, self.aligner_window)
+                             self.aligner_tokens, self.aligner_window, self.r_x, move(self.reuse_x))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -88,6 +107,8 @@ class PairArtifacts:
             out.update(c.tensors(f"reuse.{l}.k"))
         for l, c in self.reuse_v.items():
             out.update(c.tensors(f"reuse.{l}.v"))
+        for l, c in self.reuse_x.items():
+            out.update(c.tensors(f"hidden.{l}"))
         for l, c in self.patch_enc.items():
             out.update(c.tensors(f"patch.{l}.enc"))
         for l, g in self.aligners.items():
@@ -98,7 +119,7 @@ class PairArtifacts:
         return {"format_version": FORMAT_VERSION, "pair": self.pair, "spec": asdict(self.spec),
                 "r_k": self.r_k, "r_v": self.r_v, "r_h": self.r_h, "aligner_width": self.aligner_width,
                 "aligner_context": self.aligner_context, "aligner_tokens": self.aligner_tokens,
-                "aligner_window": self.aligner_window,
+                "aligner_window": self.aligner_window, "r_x": self.r_x,
                 "plan": self.plan, "info": self.info}
 
     def save(self, directory: str | Path) -> None:
@@ -116,6 +137,7 @@ class PairArtifacts:
         layers = lambda pre: sorted({int(k.split(".")[1]) for k in t if k.startswith(pre)})  # noqa: E731
         reuse_k = {l: LinearCodec.from_tensors(t, f"reuse.{l}.k") for l in layers("reuse.")}
         reuse_v = {l: LinearCodec.from_tensors(t, f"reuse.{l}.v") for l in layers("reuse.")}
+        reuse_x = {l: LinearCodec.from_tensors(t, f"hidden.{l}") for l in layers("hidden.")}
         patch_enc, aligners = {}, {}
         for l in layers("patch."):
             patch_enc[l] = LinearCodec.from_tensors(t, f"patch.{l}.enc")
@@ -126,7 +148,7 @@ class PairArtifacts:
             aligners[l] = g.eval()
         return cls(desc["pair"], spec, desc["r_k"], desc["r_v"], desc["r_h"], desc["aligner_width"], desc["plan"],
                    reuse_k, reuse_v, patch_enc, aligners, desc.get("info", {}), desc.get("aligner_context", 1),
-                   desc.get("aligner_tokens", 0), desc.get("aligner_window", 8))
+                   desc.get("aligner_tokens", 0), desc.get("aligner_window", 8), desc.get("r_x", 0), reuse_x)
 
     @classmethod
     def load(cls, directory: str | Path) -> "PairArtifacts":

@@ -54,18 +54,23 @@ class CalibConfig:
     finetune_epochs: int = 3
     finetune_lr: float = 1e-4
     patch_cost: float = 0.25          # one Patch layer's consumer work relative to the whole Reuse rebuild
-    payload_budget: float = 0.0       # > 0: choose r_k, r_v by validation KL among ranks whose codes stay
-                                      # within this fraction of the raw KV (0: use r_k, r_v as given)
+    payload_budget: float = 0.0       # > 0: choose r_k, r_v (or r_x) by validation KL among ranks whose codes
+                                      # stay within this fraction of the raw KV (0: use them as given)
+    reuse_source: str = "kv"          # "kv": per-head codecs of K and V; "hidden": one code per token from the
+                                      # producer's x_norm, decoded into every head's K and V (reduced-rank regression)
+    r_x: int = 64                     # rank of the hidden-state codes
     batch: int = 8
     seed: int = 0
 
     def __post_init__(self):
-        for k in ("r_k", "r_v", "r_h", "pool", "batch", "aligner_width", "aligner_epochs", "aligner_context",
+        for k in ("r_k", "r_v", "r_h", "r_x", "pool", "batch", "aligner_width", "aligner_epochs", "aligner_context",
                   "aligner_window"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if not 0.0 <= self.payload_budget <= 1.0:
             raise ValueError(f"payload_budget must be in [0, 1], got {self.payload_budget}")
+        if self.reuse_source not in ("kv", "hidden"):
+            raise ValueError(f"reuse_source must be 'kv' or 'hidden', got {self.reuse_source!r}")
         if self.aligner_loss not in ("kv", "x"):
             raise ValueError(f"aligner_loss must be 'kv' or 'x', got {self.aligner_loss!r}")
 
@@ -133,9 +138,11 @@ class Calibration:
         self.dir = Path(work_root) / pair.replace(":", "__") / digest
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "key.json").write_text(json.dumps(key, indent=1))
-        self.base_plan = ["exact" if exact_layer0 else "reuse"] + ["reuse"] * (spec.num_layers - 1)
+        kind = "hidden" if cfg.reuse_source == "hidden" else "reuse"
+        self.base_plan = ["exact" if exact_layer0 else kind] + [kind] * (spec.num_layers - 1)
         self._grams = None
-        self._ranks: tuple[int, int] | None = None           # chosen by ranks(), else the config's
+        self._hidden_grams: list[JointGram | None] | None = None
+        self._ranks: dict[str, int] = {}                    # chosen by ranks(), else the config's
         self._linear: dict[tuple[int, int], tuple] = {}
         self._patch_enc: dict[int, LinearCodec] = {}
         self._aligners_logged: set[int] = set()
@@ -201,6 +208,39 @@ class Calibration:
         self._grams = (gk, gv, gx)
         return self._grams
 
+    def hidden_grams(self) -> list[JointGram | None]:
+        """Per layer >= 1, the joint Gram of the producer's x_norm with the consumer's K (de-RoPE'd) and V of
+        every head, [x_A | K_B V_B] (one pass over the chunks, checkpointed): hidden-state Reuse fits from it."""
+        if self._hidden_grams is not None:
+            return self._hidden_grams
+        path = self.dir / "grams_hidden.safetensors"
+        L, hid, m = self.spec.num_layers, self.spec.hidden_size, self.spec.num_kv_heads * self.spec.head_dim
+        if path.is_file():
+            t = load_file(str(path))
+            grams = [None] + [JointGram.from_tensors(t, f"x.{l}", hid) for l in range(1, L)]
+            self.log("stage hidden: resumed from checkpoint")
+        else:
+            grams = [None] + [JointGram(hid, 2 * m) for _ in range(1, L)]
+            for chunk in tqdm(read_chunks(self.dir / "traces"), desc="gram hidden", disable=not self.progress):
+                for l in range(1, L):
+                    grams[l].update(chunk[f"xa.{l}"], torch.cat([chunk[f"kb.{l}"].flatten(1),
+                                                                 chunk[f"vb.{l}"].flatten(1)], 1))
+            t = {}
+            for l in range(1, L):
+                t.update(grams[l].tensors(f"x.{l}"))
+            save_file(t, str(path))
+            self.log(f"stage hidden: accumulated x_norm -> K,V Gram matrices of {L - 1} layers")
+        self._hidden_grams = grams
+        return grams
+
+    def hidden(self, r_x: int | None = None) -> dict[int, LinearCodec]:
+        """Hidden-state Reuse codecs (reduced-rank regression x_norm_A -> [K_B; V_B]) at layers >= 1."""
+        r_x = r_x or self.r_x
+        if ("hidden", r_x) not in self._linear:
+            self._linear[("hidden", r_x)] = {l: g.fit_regression(r_x, self.cfg.ridge)
+                                             for l, g in enumerate(self.hidden_grams()) if g is not None}
+        return self._linear[("hidden", r_x)]
+
     def linear(self, r_k: int | None = None, r_v: int | None = None):
         """Reuse codecs for K (content) and V at every layer (ranks default to the config's) and Patch
         encoders on x_norm at layers >= 1. Closed form from the Gram matrices: cheap, not checkpointed."""
@@ -216,27 +256,39 @@ class Calibration:
 
     @property
     def r_k(self) -> int:
-        return self._ranks[0] if self._ranks else self.cfg.r_k
+        return self._ranks.get("r_k", self.cfg.r_k)
 
     @property
     def r_v(self) -> int:
-        return self._ranks[1] if self._ranks else self.cfg.r_v
+        return self._ranks.get("r_v", self.cfg.r_v)
 
-    def payload_ratio(self, r_k: int, r_v: int, plan: list[str] | None = None) -> float:
-        """Codes of a Reuse-only plan (fp16) over the raw KV (bf16), per token."""
-        coded = sum(k == "reuse" for k in (plan or self.base_plan))
-        return coded * self.spec.num_kv_heads * (r_k + r_v) * 2 / self.spec.kv_bytes_per_token
+    @property
+    def r_x(self) -> int:
+        return self._ranks.get("r_x", self.cfg.r_x)
 
-    def rank_candidates(self) -> list[tuple[int, int]]:
-        """(r_k, r_v) on the budget's frontier: for each r_k of a geometric grid up to the head dim, the
-        largest r_v of the grid that keeps the payload within cfg.payload_budget."""
+    def payload_ratio(self, ranks: dict[str, int], plan: list[str] | None = None) -> float:
+        """Codes of a Reuse-only plan (fp16) over the raw KV (bf16), per token. `ranks`: r_k and r_v, or r_x."""
+        plan = plan or self.base_plan
+        per_layer = {"reuse": self.spec.num_kv_heads * (ranks.get("r_k", 0) + ranks.get("r_v", 0)),
+                     "hidden": ranks.get("r_x", 0)}
+        return sum(per_layer.get(k, 0) for k in plan) * 2 / self.spec.kv_bytes_per_token
+
+    def rank_candidates(self) -> list[dict[str, int]]:
+        """Ranks on the budget's frontier, from a geometric grid. Per-head Reuse: for each r_k up to the head
+        dim, the largest r_v that keeps the payload within cfg.payload_budget. Hidden-state Reuse: the three
+        largest r_x within it (up to the K and V width of a layer)."""
+        fits = lambda r: self.payload_ratio(r) <= self.cfg.payload_budget + 1e-9  # noqa: E731
+        if self.cfg.reuse_source == "hidden":
+            top = 2 * self.spec.num_kv_heads * self.spec.head_dim
+            grid = sorted({r for r in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512) if r <= top} | {top})
+            return [{"r_x": r} for r in grid if fits({"r_x": r})][-3:]
         d = self.spec.head_dim
         grid = sorted({r for r in (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if r <= d} | {d})
         out = []
         for r_k in grid:
-            fits = [r_v for r_v in grid if self.payload_ratio(r_k, r_v) <= self.cfg.payload_budget + 1e-9]
-            if fits:
-                out.append((r_k, fits[-1]))
+            ok = [r_v for r_v in grid if fits({"r_k": r_k, "r_v": r_v})]
+            if ok:
+                out.append({"r_k": r_k, "r_v": ok[-1]})
         return out
 
     def ranks(self, val_samples) -> dict:
@@ -245,24 +297,25 @@ class Calibration:
         path = self.dir / "ranks.json"
         if path.is_file():
             record = json.loads(path.read_text())
-            self.log(f"stage ranks: resumed from checkpoint (r_k {record['r_k']}, r_v {record['r_v']})")
+            self.log(f"stage ranks: resumed from checkpoint ({record['chosen']})")
         else:
             cands = self.rank_candidates()
             if not cands:
-                raise ValueError(f"payload_budget {self.cfg.payload_budget} is below the smallest code "
-                                 f"({self.payload_ratio(1, 1):.4f} of the raw KV at ranks 1/1)")
+                raise ValueError(f"payload_budget {self.cfg.payload_budget} is below the smallest code of this "
+                                 f"model ({self.cfg.reuse_source} Reuse)")
             scorer = PlanScorer(self.producer, self.consumer, val_samples, self.artifacts_for)
             tried = []
-            for r_k, r_v in tqdm(cands, desc="ranks", disable=not self.progress):
-                scorer.art_for = lambda plan, rk=r_k, rv=r_v: self.artifacts_for(plan, rk, rv)
-                tried.append({"r_k": r_k, "r_v": r_v, "payload_ratio": self.payload_ratio(r_k, r_v),
-                              "kl": scorer.kl(self.base_plan)})
+            for ranks in tqdm(cands, desc="ranks", disable=not self.progress):
+                scorer.art_for = lambda plan, r=ranks: self.artifacts_for(plan, **r)
+                tried.append({**ranks, "payload_ratio": self.payload_ratio(ranks), "kl": scorer.kl(self.base_plan)})
             best = min(tried, key=lambda t: t["kl"])
-            record = {"budget": self.cfg.payload_budget, "tried": tried, "r_k": best["r_k"], "r_v": best["r_v"]}
+            chosen = {k: best[k] for k in cands[0]}
+            record = {"budget": self.cfg.payload_budget, "source": self.cfg.reuse_source, "tried": tried,
+                      "chosen": chosen}
             path.write_text(json.dumps(record, indent=1))
-            self.log(f"stage ranks: r_k {best['r_k']}, r_v {best['r_v']} (reuse-only KL {best['kl']:.4f} at "
-                     f"payload {best['payload_ratio']:.3f}; {len(tried)} candidates within {self.cfg.payload_budget})")
-        self._ranks = (record["r_k"], record["r_v"])
+            self.log(f"stage ranks: {chosen} (reuse-only KL {best['kl']:.4f} at payload {best['payload_ratio']:.3f}; "
+                     f"{len(tried)} candidates within {self.cfg.payload_budget})")
+        self._ranks = dict(record["chosen"])
         return record
 
     # -- stage 3 -------------------------------------------------------------------------------------
@@ -303,14 +356,21 @@ class Calibration:
         ws = [attn.k_proj.weight.float().T, attn.v_proj.weight.float().T]
         return torch.cat([w / torch.linalg.matrix_norm(w, ord=2) for w in ws], dim=1).cpu()
 
-    def artifacts_for(self, plan: list[str], r_k: int | None = None, r_v: int | None = None) -> PairArtifacts:
+    def artifacts_for(self, plan: list[str], r_k: int | None = None, r_v: int | None = None,
+                      r_x: int | None = None) -> PairArtifacts:
+        """The artifact of a plan at the given (else chosen, else configured) ranks. It holds the Reuse codecs
+        of every layer of its reuse source, so that its Reuse-only form (methods.reuse_only) is complete."""
         reuse_k, reuse_v, patch_enc = self.linear(r_k, r_v)
+        reuse_x = {}
+        if self.cfg.reuse_source == "hidden":
+            reuse_k, reuse_v, reuse_x = {}, {}, self.hidden(r_x)
         patched = [l for l, k in enumerate(plan) if k == "patch"]
         aligners = {l: self.aligner(l)[0] for l in patched}
         return PairArtifacts(self.pair, self.spec, r_k or self.r_k, r_v or self.r_v, self.cfg.r_h,
                              self.cfg.aligner_width, list(plan), reuse_k, reuse_v, {l: patch_enc[l] for l in patched},
                              aligners, aligner_context=self.cfg.aligner_context,
-                             aligner_tokens=self.cfg.aligner_tokens, aligner_window=self.cfg.aligner_window)
+                             aligner_tokens=self.cfg.aligner_tokens, aligner_window=self.cfg.aligner_window,
+                             r_x=(r_x or self.r_x) if reuse_x else 0, reuse_x=reuse_x)
 
     def plan_with(self, layers) -> list[str]:
         return [("patch" if l in layers else k) for l, k in enumerate(self.base_plan)]

@@ -25,7 +25,9 @@ VERSION = 1
 DTYPES = ("fp16", "bf16", "int8")
 _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # code tensor names per layer kind, and which dims of the artifact give their last axis
-FIELDS = {"reuse": (("z_k", "r_k"), ("z_v", "r_v")), "patch": (("z_h", "r_h"),), "exact": ()}
+FIELDS = {"reuse": (("z_k", "r_k"), ("z_v", "r_v")), "hidden": (("z_x", "r_x"),), "patch": (("z_h", "r_h"),),
+          "exact": ()}
+PER_TOKEN = ("z_h", "z_x")          # one code per token (B, T, r); the others one per KV head (B, n_kv, T, r)
 
 
 class PayloadError(ValueError):
@@ -33,7 +35,7 @@ class PayloadError(ValueError):
 
 
 def _shape(kind_field: str, b: int, t: int, n_kv: int, r: int) -> tuple[int, ...]:
-    return (b, t, r) if kind_field == "z_h" else (b, n_kv, t, r)
+    return (b, t, r) if kind_field in PER_TOKEN else (b, n_kv, t, r)
 
 
 def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
@@ -139,4 +141,4 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: dict
 
 
 def artifact_dims(art) -> dict[str, int]:
-    return {"n_kv": art.spec.num_kv_heads, "r_k": art.r_k, "r_v": art.r_v, "r_h": art.r_h}
+    return {"n_kv": art.spec.num_kv_heads, "r_k": art.r_k, "r_v": art.r_v, "r_h": art.r_h, "r_x": art.r_x}

@@ -153,5 +153,5 @@ class SCDMethod(Method):
 
 
 def reuse_only(art: PairArtifacts) -> SCDMethod:
-    plan = ["exact" if k == "exact" else "reuse" for k in art.plan]
+    plan = ["exact" if k == "exact" else art.reuse_kind for k in art.plan]
     return SCDMethod(art.with_plan(plan), name="reuse_only")

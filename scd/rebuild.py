@@ -3,6 +3,7 @@
 Codes for one request (batch B, prefix length T), per layer by the artifact's plan:
   exact: nothing (the consumer regenerates layer 0 from token ids)
   reuse: z_k (B, n_kv, T, r_k), z_v (B, n_kv, T, r_v)
+  hidden: z_x (B, T, r_x)   (from the producer's x_norm; decoded into K and V of every head)
   patch: z_h (B, T, r_h)
 plus token ids and the left-padding mask, both (B, T).
 """
@@ -37,6 +38,8 @@ def encode(art: PairArtifacts, trace: Trace, token_ids: torch.Tensor) -> Codes:
     for l, kind in enumerate(art.plan):
         if kind == "reuse":
             codes.layers[l] = {"z_k": art.reuse_k[l].encode(trace.content[l]), "z_v": art.reuse_v[l].encode(trace.values[l])}
+        elif kind == "hidden":
+            codes.layers[l] = {"z_x": art.reuse_x[l].encode(trace.xnorm[l])}
         elif kind == "patch":
             codes.layers[l] = {"z_h": art.patch_enc[l].encode(trace.xnorm[l])}
     return codes
@@ -62,6 +65,9 @@ def prepare(model, art: PairArtifacts) -> None:
     reuse = [l for l, k in enumerate(art.plan) if k == "reuse"]
     if reuse:
         art.reuse_decoders(tuple(reuse), dtype)
+    hidden = [l for l, k in enumerate(art.plan) if k == "hidden"]
+    if hidden:
+        art.hidden_decoders(tuple(hidden), dtype)
     if art.patch_layers:
         tables.patches(art, art.patch_layers)
 
@@ -78,8 +84,8 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
     n_kv, d_h = art.spec.num_kv_heads, art.spec.head_dim
     tables = consumer_tables(model, d_h)
     cos, sin = tables.rope(positions_from_mask(codes.mask), dtype)
-    by_kind = {kind: [l for l, k in enumerate(codes.plan) if k == kind] for kind in ("exact", "reuse", "patch")}
-    order = by_kind["exact"] + by_kind["reuse"] + by_kind["patch"]
+    by_kind = {kind: [l for l, k in enumerate(codes.plan) if k == kind] for kind in ("exact", "reuse", "hidden", "patch")}
+    order = by_kind["exact"] + by_kind["reuse"] + by_kind["hidden"] + by_kind["patch"]
     keys = torch.empty(len(order), b, n_kv, t, d_h, dtype=dtype, device=codes.token_ids.device)
     values: dict[int, torch.Tensor] = {}
     heads = lambda x: x.view(b, t, n_kv, d_h).transpose(1, 2)  # noqa: E731  (B, T, n_kv*d) -> (B, n_kv, T, d)
@@ -93,6 +99,14 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         _decode_stacked(dec_k, mu_k, [codes.layers[l]["z_k"] for l in reuse], dtype, out=keys[first:first + len(reuse)])
         v = _decode_stacked(dec_v, mu_v, [codes.layers[l]["z_v"] for l in reuse], dtype)
         values.update({l: v[i] for i, l in enumerate(reuse)})
+    if hidden := by_kind["hidden"]:                     # one code per token -> K and V of every head
+        dec, mu = art.hidden_decoders(tuple(hidden), dtype)
+        z = torch.stack([codes.layers[l]["z_x"] for l in hidden]).to(dtype).flatten(1, 2)     # (L, B*T, r)
+        kv = torch.baddbmm(mu, z, dec)                                                        # (L, B*T, 2m)
+        m = n_kv * d_h
+        first = len(by_kind["exact"]) + len(by_kind["reuse"])
+        keys[first:first + len(hidden)].copy_(kv[..., :m].view(len(hidden), b, t, n_kv, d_h).transpose(2, 3))
+        values.update({l: kv[i, :, m:].view(b, t, n_kv, d_h).transpose(1, 2) for i, l in enumerate(hidden)})
     t_patch = time.perf_counter()
     if patch := by_kind["patch"]:                           # all Patch layers at once
         x0 = tables.x0(codes.token_ids) if art.aligner_tokens and not tables.vocab_kept else None

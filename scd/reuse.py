@@ -81,6 +81,25 @@ class JointGram:
         mu = self.s / self.n
         return self.g / self.n - torch.outer(mu, mu)
 
+    def fit_regression(self, rank: int, ridge: float = 1e-4) -> LinearCodec:
+        """Reduced-rank regression of B on A: the rank-`rank` linear map from A that predicts B best in least
+        squares (ridge OLS B_hat = A W, then the top principal directions of B_hat). Encoder (d_a, r) and
+        decoder (r, d_b) as a LinearCodec. Used for Reuse from hidden states, where A is the producer's
+        x_norm and B the consumer's K and V of every head: unlike the joint SVD it spends its rank only on
+        what A can predict, and it maps all heads at once."""
+        if self.n == 0:
+            raise ValueError("no rows accumulated")
+        if not 1 <= rank <= self.d_b:
+            raise ValueError(f"rank must be in [1, {self.d_b}], got {rank}")
+        da = self.d_a
+        mu, cov = self.s / self.n, self._cov()
+        c_aa, c_ab = cov[:da, :da], cov[:da, da:]
+        lam = ridge * c_aa.diagonal().mean().clamp(min=1e-12)
+        w = torch.linalg.solve(c_aa + lam * torch.eye(da, dtype=cov.dtype), c_ab)        # (d_a, d_b)
+        _, vecs = torch.linalg.eigh(w.T @ c_aa @ w)                                     # covariance of B_hat
+        v = vecs[:, -rank:].flip(1)                                                     # (d_b, r)
+        return LinearCodec(mu[:da].float(), (w @ v).float(), mu[da:].float(), v.T.contiguous().float())
+
     def fit(self, rank: int, ridge: float = 1e-4) -> LinearCodec:
         """Truncated joint SVD at `rank` + ridge encoder; `ridge` is relative to the mean variance of A."""
         if self.n == 0:

@@ -135,3 +135,25 @@ def test_identical_pair_at_full_rank_rebuilds_its_own_kv(arch, tmp_path):
     err = max(max(((k - tk) * keep).abs().max().item(), ((v - tv) * keep).abs().max().item())
               for (k, v), tk, tv in zip(kv, tr.keys, tr.values))
     assert err < 1e-4, f"{arch}: full-rank Reuse of an identical pair, max KV error {err:.2e}"
+
+
+@pytest.mark.parametrize("arch", sorted(a for a in ARCHS if a != "qwen3"))
+def test_identical_pair_at_full_rank_rebuilds_its_own_kv_from_hidden_states(arch, tmp_path):
+    """K and V are affine in x_norm (qwen3's k_norm is not: that architecture is covered by the per-head
+    Reuse test above), so regression from x_norm at the full K/V width reproduces the cache."""
+    model = tiny(arch)
+    spec = ModelSpec.from_config(model.config)
+    g = torch.Generator().manual_seed(1)
+    prefixes = [torch.randint(2, 97, (int(n),), generator=g) for n in torch.randint(20, 48, (24,), generator=g)]
+    cfg = CalibConfig(reuse_source="hidden", r_x=2 * 2 * D, ridge=1e-9, batch=8)
+    cal = Calibration(model, model, spec, "a:a", prefixes, tmp_path, cfg, progress=False, log=lambda s: None)
+    cal.traces()
+    art = cal.artifacts_for(cal.base_plan)
+    assert art.plan[1:] == ["hidden"] * 2 and art.r_x == 32
+    ids, mask = _batch()
+    tr = trace.capture(model, ids, mask)
+    kv, _ = rebuild(model, art, encode(art, tr, ids))
+    keep = mask.bool()[:, None, :, None]
+    err = max(max(((k - tk) * keep).abs().max().item(), ((v - tv) * keep).abs().max().item())
+              for (k, v), tk, tv in zip(kv, tr.keys, tr.values))
+    assert err < 1e-3, f"{arch}: full-rank hidden-state Reuse of an identical pair, max KV error {err:.2e}"

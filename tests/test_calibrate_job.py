@@ -121,3 +121,23 @@ def test_quality_gate_compares_with_raw_kv_and_the_absolute_bound():
     assert quality_gate(by, SimpleNamespace(gate_vs_raw_kv=2.5, max_kl=None))["passed"]
     assert quality_gate(by, SimpleNamespace(gate_vs_raw_kv=0, max_kl=None))["passed"]       # gate off
     assert not quality_gate(by, SimpleNamespace(gate_vs_raw_kv=0, max_kl=0.15))["passed"]
+
+
+def test_eval_with_the_config_resumes_the_jobs_checkpoints_and_can_load_the_published_artifact(job, capsys):
+    from jobs.evaluate import main as evaluate
+    tmp_path, cfg, ref, _ = job
+    rows = evaluate(["--config", str(cfg), "--pair", "base:qa", "--samples", "2", "--methods", "oracle,raw_kv,scd"])
+    err = capsys.readouterr().err
+    for line in ("stage traces: resumed", "stage policy: resumed"):
+        assert line in err, f"{line!r} missing: scd eval --config must reuse the job's checkpoints\n{err}"
+    by = {r["method"]: r for r in rows}
+    assert by["oracle"]["kl"] < 1e-9 and by["scd"]["payload_ratio"] < 1.0, by
+    rows2 = evaluate(["--producer", str(DEMO / "base"), "--consumer", str(DEMO / "qa"), "--artifact", ref,
+                      "--store", str(tmp_path / "store"), "--samples", "2", "--methods", "scd"])
+    assert f"artifact {ref}" in capsys.readouterr().err
+    assert abs(rows2[0]["payload_ratio"] - by["scd"]["payload_ratio"]) < 1e-9
+    with pytest.raises(SystemExit, match="fingerprint|weights"):          # fitted for qa, not prose
+        evaluate(["--producer", str(DEMO / "base"), "--consumer", str(DEMO / "prose"), "--artifact", ref,
+                  "--store", str(tmp_path / "store"), "--samples", "1", "--methods", "scd"])
+    with pytest.raises(SystemExit, match="not in"):
+        evaluate(["--config", str(cfg), "--pair", "base:nope", "--samples", "1"])

@@ -45,11 +45,14 @@ def test_eval_json_on_the_demo_family(tmp_path, capsys):
 
 
 def test_bench_prints_side_by_side_ratio(tmp_path, capsys):
-    scd(["bench", "--pair", "base:qa", "--tokens", "256", "--repeats", "2", "--calib", "16", "--val", "2",
+    scd(["bench", "--pair", "base:qa", "--tokens", "128,256", "--repeats", "2", "--calib", "16", "--val", "2",
          "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
          "--work-dir", str(tmp_path), "--json"])
-    r = json.loads(capsys.readouterr().out)
-    assert r["tokens"] == 256 and r["prefill_ms"] > 0 and r["ratio"] == pytest.approx(r["consumer_ms"] / r["prefill_ms"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["tokens"] for r in rows] == [128, 256], rows
+    for r in rows:
+        assert r["prefill_ms"] > 0 and r["ratio"] == pytest.approx(r["consumer_ms"] / r["prefill_ms"])
+    assert rows[1]["payload_bytes"] > rows[0]["payload_bytes"]
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -57,6 +60,7 @@ def test_bench_prints_side_by_side_ratio(tmp_path, capsys):
     (["eval", "--pair", "base:nope"], "no model 'nope'"),
     (["eval", "--pair", "../..:qa"], "no model '../..'"),
     (["eval", "--pair", "base:qa", "--methods", "magic"], "unknown method"),
+    (["bench", "--pair", "base:qa", "--tokens", "1024,x"], "integers separated by commas"),
 ])
 def test_cli_rejects_bad_input_with_a_message(argv, msg):
     with pytest.raises(SystemExit, match=msg):

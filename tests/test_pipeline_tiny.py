@@ -154,23 +154,81 @@ def test_ranks_are_chosen_by_validation_kl_within_the_payload_budget(tmp_path):
     a = tiny_llama(0)
     b = perturbed(a, 0.3)
     spec = ModelSpec.from_config(a.config)
-    cfg = CalibConfig(payload_budget=0.3, aligner_epochs=2, pool=1, batch=16)
+    prefixes = [s.prefix for s in _samples(24, 1)]
+    val = _samples(3, 2)
+    for source in ("kv", "hidden"):
+        cfg = CalibConfig(payload_budget=0.3, reuse_source=source, aligner_epochs=2, pool=1, batch=16)
+        cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path / source, cfg, progress=False, log=lambda s: None)
+        cal.traces()
+        rec = cal.ranks(val)
+        assert rec["tried"] and all(t["payload_ratio"] <= 0.3 + 1e-9 for t in rec["tried"]), rec
+        assert [{k: t[k] for k in rec["chosen"]} for t in rec["tried"]] == cal.rank_candidates()
+        best = min(rec["tried"], key=lambda t: t["kl"])
+        assert rec["chosen"] == {k: best[k] for k in rec["chosen"]}
+        # the scores are what a plain scorer gives, and the artifact carries the chosen ranks
+        scorer = PlanScorer(a, b, val, lambda plan: cal.artifacts_for(plan, **rec["chosen"]))
+        assert abs(scorer.kl(cal.base_plan) - best["kl"]) < 1e-9
+        art = cal.artifacts_for(cal.base_plan)
+        got = {"r_x": art.r_x} if source == "hidden" else {"r_k": art.r_k, "r_v": art.r_v}
+        assert got == rec["chosen"], (got, rec["chosen"])
+        assert art.plan[1:] == [("hidden" if source == "hidden" else "reuse")] * 2
+        again = Calibration(a, b, spec, "a:b", prefixes, tmp_path / source, cfg, progress=False, log=lambda s: None)
+        assert again.ranks(val) == rec                                                      # resumed
+    with pytest.raises(ValueError, match="payload_budget"):
+        CalibConfig(payload_budget=1.5)
+    with pytest.raises(ValueError, match="reuse_source"):
+        CalibConfig(reuse_source="magic")
+
+
+def test_hidden_state_reuse_beats_per_head_reuse_at_equal_payload_on_a_perturbed_pair(tmp_path):
+    """A fine-tune that moves k/v projections: per-head codecs of the producer's K cannot see the hidden
+    state the consumer's new projections read; one code per token from x_norm can."""
+    a = tiny_llama(0)
+    b = perturbed(a, 0.5)
+    spec = ModelSpec.from_config(a.config)
+    prefixes = [s.prefix for s in _samples(48, 1)]
+    val = _samples(6, 2)
+    kl = {}
+    for source, ranks in (("kv", {"r_k": 2, "r_v": 2}), ("hidden", {"r_x": 8})):   # 8 B/token/layer each
+        cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path / source,
+                          CalibConfig(reuse_source=source, batch=16, **ranks), progress=False, log=lambda s: None)
+        cal.traces()
+        assert abs(cal.payload_ratio(ranks) - 2 * 2 * 4 * 2 / spec.kv_bytes_per_token) < 1e-12
+        kl[source] = PlanScorer(a, b, val, cal.artifacts_for).kl(cal.base_plan)
+    assert kl["hidden"] < kl["kv"], f"hidden-state Reuse KL {kl['hidden']:.4f} vs per-head {kl['kv']:.4f}"
+
+
+def test_hidden_state_artifacts_survive_save_load_and_the_wire_and_rebuild_padded_batches_row_by_row(tmp_path):
+    from scd import codec
+    from scd.artifacts import PairArtifacts
+    from scd.rebuild import encode, rebuild
+    from scd.trace import capture
+    from tests.conftest import left_padded_batch
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    spec = ModelSpec.from_config(a.config)
+    cfg = CalibConfig(reuse_source="hidden", r_x=12, r_h=16, aligner_epochs=2, batch=16)
     cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path, cfg, progress=False,
                       log=lambda s: None)
     cal.traces()
-    val = _samples(3, 2)
-    rec = cal.ranks(val)
-    assert rec["tried"] and all(t["payload_ratio"] <= 0.3 + 1e-9 for t in rec["tried"]), rec
-    best = min(rec["tried"], key=lambda t: t["kl"])
-    assert (cal.r_k, cal.r_v) == (rec["r_k"], rec["r_v"]) == (best["r_k"], best["r_v"])
-    assert [(t["r_k"], t["r_v"]) for t in rec["tried"]] == cal.rank_candidates()
-    # the scores are what a plain scorer gives, and the artifact carries the chosen ranks
-    scorer = PlanScorer(a, b, val, lambda plan: cal.artifacts_for(plan, best["r_k"], best["r_v"]))
-    assert abs(scorer.kl(cal.base_plan) - best["kl"]) < 1e-9
-    art = cal.artifacts_for(cal.base_plan)
-    assert (art.r_k, art.r_v) == (best["r_k"], best["r_v"])
-    again = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path, cfg, progress=False,
-                        log=lambda s: None)
-    assert again.ranks(val) == rec and (again.r_k, again.r_v) == (cal.r_k, cal.r_v)      # resumed
-    with pytest.raises(ValueError, match="payload_budget"):
-        CalibConfig(payload_budget=1.5)
+    art = cal.artifacts_for(["exact", "patch", "hidden"])
+    art.save(tmp_path / "art")
+    back = PairArtifacts.load(tmp_path / "art")
+    assert back.r_x == 12 and back.plan == art.plan and set(back.reuse_x) == {1, 2} and not back.reuse_k
+    ids, mask = left_padded_batch()
+    codes = encode(back, capture(a, ids, mask), ids)
+    payload = codec.encode(codes, "a:b", "v1", codec.artifact_dims(back), "fp16")
+    wire = codec.decode(payload, "a:b", "v1", back.plan, codec.artifact_dims(back))
+    assert wire.layers[2]["z_x"].shape == (*ids.shape, 12)
+    kv_batch, _ = rebuild(b, back, wire)
+    kv_direct, _ = rebuild(b, art, encode(art, capture(a, ids, mask), ids))
+    err = max((x - y).abs().max().item() for kvb, kvd in zip(kv_batch, kv_direct) for x, y in zip(kvb, kvd))
+    assert err < 5e-2, f"through save/load and fp16 codes the rebuilt KV moved by {err:.2e}"
+    for i in range(ids.shape[0]):
+        keep = mask[i].bool()
+        row = ids[i, keep][None]
+        kv_row, _ = rebuild(b, art, encode(art, capture(a, row), row))
+        for l, ((kb, vb), (kr, vr)) in enumerate(zip(kv_direct, kv_row)):
+            e = max((kb[i][:, keep] - kr[0]).abs().max().item(), (vb[i][:, keep] - vr[0]).abs().max().item())
+            assert e < 1e-4, f"row {i} layer {l} ({art.plan[l]}): batched vs single rebuild differ by {e:.2e}"
+    assert methods.reuse_only(art).art.plan == ["exact", "hidden", "hidden"]

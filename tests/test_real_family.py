@@ -1,0 +1,42 @@
+"""The real family (SmolLM2-135M-Instruct + the committed LoRA specialists). Marked `real`: run where
+`scd fetch-family smollm2` has built the producer, skipped elsewhere (CI stays on the tiny family)."""
+import json
+
+import pytest
+import torch
+
+from jobs import samples
+from scd import cache
+from scd.models import adapter_digest, folder_digest, load
+from scd.trace import capture
+from tests.conftest import DEMO
+
+pytestmark = pytest.mark.real
+ADAPTERS = DEMO / "smollm2"
+
+
+def test_the_committed_adapters_are_small_and_name_the_fetched_base(real_family):
+    total = sum(f.stat().st_size for f in ADAPTERS.rglob("*") if f.is_file())
+    assert total <= 25 * 2**20, f"adapters take {total / 2**20:.1f} MB, the budget is 25 MB together"
+    for name in ("qa", "code"):
+        cfg = json.loads((ADAPTERS / name / "adapter_config.json").read_text())
+        assert cfg["base_model_name_or_path"] == "~/.scd/models/SmolLM2-135M-Instruct"
+        assert json.loads((ADAPTERS / name / "scd_train.json").read_text())["specialist"] == name
+
+
+@torch.no_grad()
+def test_the_qa_specialist_merges_onto_the_base_and_answers_held_out_chat_questions(real_family):
+    model, tok, spec = load(ADAPTERS / "qa")
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (30, 3, 64)
+    import hashlib
+    both = f"{folder_digest(real_family)}+{adapter_digest(ADAPTERS / 'qa')}"
+    assert model.scd_weights_digest == hashlib.sha256(both.encode()).hexdigest()[:32]
+    hits = 0
+    held = samples.qa_samples(tok, "heldout", 4, prefix_tokens=512)
+    for s in held:
+        ids = s.prefix[None]
+        tr = capture(model, ids, want_xnorm=False)                      # the specialist's own prefill
+        kv = cache.assemble(model, list(zip(tr.keys, tr.values)))
+        out = cache.generate(model, kv, torch.ones_like(ids), s.question[None], 8, eos_id=tok.eos_token_id)[0].tolist()
+        hits += s.answer in tok.decode(out, skip_special_tokens=True)
+    assert hits >= 3, f"the QA specialist found {hits} of 4 held-out answers with its own prefill"
