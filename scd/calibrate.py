@@ -406,6 +406,9 @@ class Calibration:
         if done.is_file():
             for l in art.patch_layers:
                 art.aligners[l].load_state_dict(load_file(str(d / f"layer_{l}.safetensors")))
+            if (d / "hidden.safetensors").is_file():
+                t = load_file(str(d / "hidden.safetensors"))
+                art.reuse_x = {l: LinearCodec.from_tensors(t, f"hidden.{l}") for l in art.reuse_x}
             art.derived.clear()
             self.log("stage finetune: resumed from checkpoint")
             return json.loads(done.read_text())
@@ -416,6 +419,9 @@ class Calibration:
         d.mkdir(exist_ok=True)
         for l in art.patch_layers:
             save_file({k: v.contiguous() for k, v in art.aligners[l].state_dict().items()}, str(d / f"layer_{l}.safetensors"))
+        if art.reuse_x:
+            save_file({k: v for l, c in art.reuse_x.items() for k, v in c.tensors(f"hidden.{l}").items()},
+                      str(d / "hidden.safetensors"))
         record = {"samples": len(tune_samples), "train": fit.train, "val": fit.val, "best_epoch": fit.best_epoch}
         done.write_text(json.dumps(record))
         self.log(f"stage finetune: validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f} "
@@ -434,7 +440,7 @@ class Calibration:
             self.prefixes), "config": asdict(self.cfg)}, "policy": record}
         if ranks:
             info["ranks"] = ranks
-        if self.cfg.finetune_samples and tune_samples and art.patch_layers:
+        if self.cfg.finetune_samples and tune_samples and (art.patch_layers or "hidden" in art.plan):
             info["finetune"] = self.finetune(art, tune_samples[:self.cfg.finetune_samples], val_samples)
         art.info = info
         return art

@@ -1,10 +1,13 @@
-"""End-to-end fine-tuning of a pair's Patch aligners on the consumer's own next-token distribution.
+"""End-to-end fine-tuning of a pair's Patch aligners and hidden-state Reuse decoders on the consumer's own
+next-token distribution.
 
 The aligners are first fitted locally (each on the K/V error of its own layer). Here, with the layer plan
 fixed, the consumer runs teacher-forced continuations on top of the rebuilt cache, and the aligners are
 trained on KL(oracle || rebuilt) of its predictions: they learn what matters to the consumer's outputs, and
-to make up for the error the Reuse layers leave. The consumer and the codes stay fixed; the weights of the
-best epoch on the validation samples are kept (the locally fitted ones if no epoch beats them).
+to make up for the error the Reuse layers leave. The decoders of "hidden" layers (fitted in closed form on
+the K/V error) are trained with them: the producer-side encoders and so the codes stay fixed, only what the
+consumer makes of them moves. The consumer stays fixed; the weights of the best epoch on the validation
+samples are kept (the locally fitted ones if no epoch beats them).
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from scd import cache
 from scd.artifacts import PairArtifacts
 from scd.calibrate import pad
 from scd.rebuild import encode, rebuild
-from scd.rope import cos_sin, positions_from_mask
+from scd.reuse import LinearCodec
+from scd.rope import apply_rope, cos_sin, positions_from_mask
 from scd.patch import regenerate_kv
 from scd.tables import layer0_input
 from scd.trace import capture
@@ -50,6 +54,14 @@ def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int | None) 
 def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
     """Mean KL(oracle || rebuilt) over the valid continuation targets, differentiable in the aligners."""
     kv = list(b["kv"])
+    n_kv, d = art.spec.num_kv_heads, art.spec.head_dim
+    for l in _hidden_layers(art):
+        z = b["codes"].layers[l]["z_x"].float()
+        y = z @ art.reuse_x[l].dec + art.reuse_x[l].mu_b                      # (B, T, 2 n_kv d)
+        bt = y.shape[:2]
+        k = y[..., :n_kv * d].view(*bt, n_kv, d).transpose(1, 2)
+        v = y[..., n_kv * d:].view(*bt, n_kv, d).transpose(1, 2)
+        kv[l] = (apply_rope(k.to(b["cos"].dtype), b["cos"], b["sin"]), v.to(b["cos"].dtype))
     for l in art.patch_layers:
         x = art.aligners[l](b["codes"].layers[l]["z_h"].float(), b["mask"], b["x0"])
         kv[l] = regenerate_kv(consumer.model.layers[l], x.to(b["cos"].dtype), b["cos"], b["sin"], art.spec.head_dim)
@@ -61,16 +73,36 @@ def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
     return (per_token * valid).sum() / valid.sum().clamp(min=1)
 
 
+def _hidden_layers(art: PairArtifacts) -> list[int]:
+    return [l for l, k in enumerate(art.plan) if k == "hidden"]
+
+
+def _state(art: PairArtifacts) -> dict:
+    """A copy of everything fine-tuning moves: aligner weights and hidden-state decoders."""
+    return {"aligners": {l: {k: t.detach().clone() for k, t in art.aligners[l].state_dict().items()}
+                         for l in art.patch_layers},
+            "hidden": {l: (art.reuse_x[l].dec.detach().clone(), art.reuse_x[l].mu_b.detach().clone())
+                       for l in _hidden_layers(art)}}
+
+
 def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: Callable[[PairArtifacts], float],
                       epochs: int = 3, lr: float = 1e-4, batch: int = 8, pad_id: int | None = 0, seed: int = 0,
                       progress: bool = False, log: Callable[[str], None] = lambda s: None) -> FinetuneFit:
-    """Fine-tune art's aligners in place on (prefix, continuation) samples; val_kl(art) scores a candidate."""
-    if not art.patch_layers:
-        raise ValueError("the plan has no Patch layers: nothing to fine-tune")
+    """Fine-tune art's aligners and hidden-state decoders in place on (prefix, continuation) samples;
+    val_kl(art) scores a candidate."""
+    hidden = _hidden_layers(art)
+    if not art.patch_layers and not hidden:
+        raise ValueError("the plan has no Patch or hidden layers: nothing to fine-tune")
+    art.reuse_x = dict(art.reuse_x)              # own codecs: the calibration's closed-form ones stay as they are
+    for l in hidden:
+        c = art.reuse_x[l]
+        art.reuse_x[l] = LinearCodec(c.mu_a, c.enc, c.mu_b.detach().clone().requires_grad_(True),
+                                     c.dec.detach().clone().requires_grad_(True))
     params = [q for l in art.patch_layers for q in art.aligners[l].parameters()]
+    params += [t for l in hidden for t in (art.reuse_x[l].dec, art.reuse_x[l].mu_b)]
     frozen = [q for q in consumer.parameters() if q.requires_grad]
     batches = [_batch(producer, consumer, art, samples[i:i + batch], pad_id) for i in range(0, len(samples), batch)]
-    best_state = {l: {k: t.clone() for k, t in art.aligners[l].state_dict().items()} for l in art.patch_layers}
+    best_state = _state(art)
     fit = FinetuneFit([], [val_kl(art.with_plan(art.plan))], 0)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(params, lr=lr)
@@ -92,13 +124,14 @@ def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: C
                 log(f"finetune epoch {epoch}: train KL {fit.train[-1]:.4f}, validation KL {fit.val[-1]:.4f}")
                 if fit.val[-1] < min(fit.val[:-1]):
                     fit.best_epoch = epoch
-                    best_state = {l: {k: t.clone() for k, t in art.aligners[l].state_dict().items()}
-                                  for l in art.patch_layers}
+                    best_state = _state(art)
     finally:
         for q in frozen:
             q.requires_grad_(True)
     for l in art.patch_layers:
-        art.aligners[l].load_state_dict(best_state[l])
+        art.aligners[l].load_state_dict(best_state["aligners"][l])
         art.aligners[l].eval()
+    for l in hidden:
+        art.reuse_x[l].dec, art.reuse_x[l].mu_b = best_state["hidden"][l]
     art.derived.clear()                                         # fused forms of the old weights
     return fit

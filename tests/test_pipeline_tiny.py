@@ -105,19 +105,21 @@ def test_calibration_resumes_from_its_checkpoints(tmp_path):
         assert torch.equal(v, art2.tensors()[k]), k
 
 
-def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path):
+@pytest.mark.parametrize("source", ["kv", "hidden"])
+def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, source):
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
     prefixes = [s.prefix for s in _samples(24, 1)]
-    cfg = CalibConfig(r_k=2, r_v=3, r_h=8, aligner_epochs=3, pool=2, batch=8, finetune_samples=16,
-                      finetune_epochs=3, finetune_lr=3e-3)
+    cfg = CalibConfig(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source=source, aligner_epochs=3,
+                      pool=1 if source == "hidden" else 2, batch=8,
+                      finetune_samples=16, finetune_epochs=3, finetune_lr=3e-3)
     tune, val = _samples(16, 4, t=20, c=8), _samples(4, 2)
     logs = []
     cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)
     art = cal.run(val, tune_samples=tune)
     rec = art.info["finetune"]
-    assert art.patch_layers and len(rec["val"]) == 4 and len(rec["train"]) == 3, rec
+    assert (art.patch_layers or source == "hidden") and len(rec["val"]) == 4 and len(rec["train"]) == 3, rec
     assert rec["val"][rec["best_epoch"]] == min(rec["val"]) <= rec["val"][0], rec
     assert rec["train"][-1] < rec["train"][0], f"training KL did not fall: {rec['train']}"
     # the returned artifacts rebuild with the fine-tuned aligners (nothing stale), as scored
@@ -129,6 +131,11 @@ def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path):
         val, tune_samples=tune)
     assert any("finetune: resumed" in line for line in logs), logs
     assert abs(PlanScorer(a, b, val, lambda plan: again.with_plan(plan)).kl(again.plan) - got) < 1e-6
+    if source == "hidden":                                # the decoders moved, the calibration's own did not
+        assert "hidden" in art.plan and rec["best_epoch"] > 0, (art.plan, rec)
+        fitted = cal.hidden()
+        moved = max((art.reuse_x[l].dec - fitted[l].dec).abs().max().item() for l in art.reuse_x)
+        assert moved > 0 and not any(c.dec.requires_grad for c in art.reuse_x.values())
 
 
 def test_padding_id_does_not_matter_and_none_is_accepted(tmp_path):
