@@ -91,12 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         connect(cfg.ray)
         store = ArtifactStore(cfg.artifacts.uri)
-        missing = [pair for pair in cfg.pairs() if not usable(store, pair)]
+        missing = [pair for pair in cfg.pairs() if not usable(store, pair) and store.refusal(pair) is None]
         if missing:
             print(f"calibrating {missing} as Ray Jobs (first run only; checkpoints in {cfg.calibration.work_dir})")
-            if submit_and_follow("http://" + ctx.dashboard_url, missing, args.config, str(REPO)):
-                print("calibration failed; see the job logs above")
+            submit_and_follow("http://" + ctx.dashboard_url, missing, args.config, str(REPO))
+        for pair in cfg.pairs():
+            if usable(store, pair):
+                continue
+            refusal = store.refusal(pair)
+            if refusal is None:
+                print(f"calibration of {pair} failed; see the job logs above")
                 return 1
+            print(f"{pair}: not published, it failed the quality gate ({'; '.join(refusal['reasons'])}); "
+                  "its specialist answers with its own prefill (fallback reason quality_gate)")
         deploy(cfg)
         url = f"http://{cfg.http.host}:{cfg.http.port}"
         wait_healthy(url)
@@ -108,7 +115,16 @@ def main(argv: list[str] | None = None) -> int:
             for n in names]})
         print(f"fan-out to {names}: one producer prefill (prefilled={fan['prefilled']})")
         for r in fan["results"]:
-            print(f"  {r['specialist']:<6} [{r['scd']['mode']}] {r['text']!r}")
+            why = f":{r['scd']['reason']}" if r["scd"].get("reason") else ""
+            print(f"  {r['specialist']:<6} [{r['scd']['mode']}{why}] {r['text']!r}")
+        if getattr(tok, "chat_template", None) and "qa" in names:
+            ex = demo_data.qa_examples("heldout", 1, seed=7, people=(15, 15))[0]
+            chat = _call(url + "/v1/chat/completions", {"model": "qa", "max_tokens": 16, "messages": [
+                {"role": "system", "content": demo_data.qa_system_prompt(ex.document)},
+                {"role": "user", "content": demo_data.bare_question(ex.question)}]})
+            print(f"\nPOST /v1/chat/completions (qa): {demo_data.bare_question(ex.question)!r} -> "
+                  f"{chat['choices'][0]['message']['content']!r} [{chat['scd']['mode']}"
+                  f"{':' + chat['scd']['reason'] if chat['scd']['reason'] else ''}] (gold {ex.answer.strip()!r})")
         print("\nper specialist, time to first token (ms): SCD vs the specialist's own prefill (oracle);\n"
               "the SCD requests reuse the prefix's codes from the producer's cache (prefill=0: no new prefill)")
         for n in names:

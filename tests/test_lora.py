@@ -125,3 +125,15 @@ def test_qa_samples_of_a_chat_model_share_the_system_turn_and_ask_in_the_user_tu
         assert s.answer in prefix and tok.decode(s.cont[len(s.question):]) == s.answer
     mean = lambda ss: sum(len(s.prefix) for s in ss) / len(ss)  # noqa: E731
     assert mean(long) > 2 * mean(short), "prefix_tokens must size the documents"
+
+
+def test_demo_prompts_of_a_chat_family_share_the_system_turn(base):
+    from jobs.demo import demo_prompts
+    tok = AutoTokenizer.from_pretrained(base)
+    prefix, suffixes = demo_prompts(tok)
+    assert prefix.startswith("<|im_start|>system\nAnswer the question") and prefix.endswith("<|im_end|>\n")
+    assert set(suffixes) == {"qa", "code"}
+    for s in suffixes.values():
+        assert s.startswith("<|im_start|>user\n") and s.endswith("<|im_start|>assistant\n"), s
+    plain_prefix, plain = demo_prompts(None)                 # the tiny family keeps its plain text forms
+    assert plain_prefix.startswith("Notes:") and set(plain) == {"qa", "prose", "code"}

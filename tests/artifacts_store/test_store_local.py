@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from artifacts_store import (ArtifactNotFound, ArtifactStore, ChecksumMismatch, FingerprintMismatch, Fingerprints,
+                             InvalidReference,
                              ModelFingerprint, SCHEMA_VERSION, new_version_id, weights_digest)
 from scd.models import ModelSpec
 from tests.artifacts_store.conftest import CALIB, METRICS, fingerprints, publish, tiny_artifacts
@@ -181,3 +182,19 @@ def test_an_artifact_of_another_format_is_refused_with_a_recalibrate_message(sto
     assert not usable(store, "base:qa") and not usable(store, "base:prose")
     publish(store, tiny_artifacts(patch=True))                 # recalibrated: latest loads again
     assert usable(store, "base:qa")
+
+
+def test_a_quality_gate_refusal_is_recorded_until_a_newer_version_is_published(store):
+    import time
+    assert store.refusal("base:qa") is None
+    publish(store)
+    time.sleep(0.01)
+    store.refuse("base:qa", {"passed": False, "reasons": ["KL 2.0 is worse than raw KV's 1.0"], "kl_scd": 2.0})
+    rec = store.refusal("base:qa")
+    assert rec["pair"] == "base:qa" and rec["kl_scd"] == 2.0 and rec["reasons"], rec
+    assert [v.version for v in store.list("base:qa")], "a refusal does not remove the versions already there"
+    time.sleep(0.01)
+    publish(store)
+    assert store.refusal("base:qa") is None, "a version newer than the refusal supersedes it"
+    with pytest.raises(InvalidReference):
+        store.refusal("base:qa@latest")
