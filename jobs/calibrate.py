@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -111,7 +113,15 @@ def xnorm_profile(cal: Calibration, art, samples_) -> dict[str, list[float]]:
     return {k: (v / len(samples_)).tolist() for k, v in sums.items()}
 
 
+def cost(t0: float) -> dict:
+    """Wall time of this job so far and the peak resident memory of its process (trace actors, when used,
+    hold their models in their own processes and are not counted)."""
+    return {"wall_s": round(time.time() - t0, 1),
+            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+
+
 def main(argv: list[str] | None = None) -> str:
+    t0 = time.time()
     p = argparse.ArgumentParser(prog="jobs.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pair", required=True, help="PRODUCER:CONSUMER, names from the config")
@@ -172,7 +182,7 @@ def main(argv: list[str] | None = None) -> str:
     by = {r["method"]: r for r in rows}
     log("held-out: " + ", ".join(f"{m} kl={r['kl']:.4f} ratio={r['payload_ratio']:.3f}"
                                  + (f" f1={r['f1']:.3f}" if r["f1"] is not None else "") for m, r in by.items()))
-    gate = quality_gate(by, c)
+    gate = quality_gate(by, c) | {"job": cost(t0)}
     (cal.dir / "gate.json").write_text(json.dumps(gate, indent=1))
     if not gate["passed"]:
         store.refuse(args.pair, gate)
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> str:
     files = report.build_report(args.pair, art.info["policy"], rows, grid, xn, extra)
     metrics = {"kl": by["scd"]["kl"], "kl_reuse_only": by["reuse_only"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"],
                "payload_bytes": float(by["scd"]["payload_bytes"]), "payload_ratio": by["scd"]["payload_ratio"],
-               "top1": by["scd"]["top1"], "gate_vs_raw_kv": c.gate_vs_raw_kv}
+               "top1": by["scd"]["top1"], "gate_vs_raw_kv": c.gate_vs_raw_kv, **{f"job_{k}": v for k, v in cost(t0).items()}}
     if by["scd"]["f1"] is not None:
         metrics.update(f1=by["scd"]["f1"], f1_oracle=by["oracle"]["f1"], f1_raw_kv=by["raw_kv"]["f1"])
     manifest = store.publish(
@@ -206,7 +216,9 @@ def main(argv: list[str] | None = None) -> str:
         metrics, {f"report/{k}": v for k, v in files.items()})
     ref = f"{args.pair}@{manifest.version}"
     published.write_text(json.dumps({"ref": ref}))
-    log(f"published {ref} to {args.store or cfg.artifacts.uri}")
+    job = cost(t0)
+    log(f"published {ref} to {args.store or cfg.artifacts.uri} ({job['wall_s']:.0f} s, peak memory "
+        f"{job['peak_rss_gib']:.2f} GiB in this process)")
     return ref
 
 
