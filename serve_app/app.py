@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from ray import serve
@@ -14,6 +15,8 @@ from serve_app.errors import key_digest
 from serve_app.producer_client import start_producer
 from serve_app.router import Router
 from serve_app.specialist import SpecialistServer
+
+log = logging.getLogger(__name__)
 
 APP_NAME = "scd"
 
@@ -82,13 +85,30 @@ def wait_healthy(url: str, timeout_s: float = 180) -> bool:
     return False
 
 
+def start_proxy(cfg: DeploymentConfig, tries: int = 3) -> None:
+    """serve.start, again when its first HTTP proxy did not come up: on a saturated machine Serve's
+    controller may replace a proxy that is slow to start while serve.start still waits on the first one
+    (it then raises ActorDiedError, or TimeoutError after 60 s); the controller and the new proxy remain,
+    and a second call waits for them."""
+    import ray
+    for attempt in range(1, tries + 1):
+        try:
+            serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+            return
+        except (ray.exceptions.RayActorError, TimeoutError) as e:
+            if attempt == tries:
+                raise
+            log.warning("Serve's HTTP proxy did not start (%s); waiting for it again (%d/%d)",
+                        type(e).__name__, attempt, tries)
+
+
 def deploy(cfg: DeploymentConfig, app=None, blocking: bool = False):
     """Connect (or start Ray), start the producer, start Serve's HTTP proxy and run the app (`build(cfg)`
     unless given)."""
     app = app or build(cfg)                            # refuses an open non-loopback address before any start
     connect(cfg.ray)
     producer = start_producer(cfg)
-    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    start_proxy(cfg)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
     return producer
 

@@ -74,6 +74,14 @@ class Sampling(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+def _only_neutral(value, neutral):
+    """An OpenAI field this server does not implement: null, its neutral value, or (for a field whose neutral
+    value is null) an empty {} / [] / 0 pass; anything else is refused."""
+    if value is not None and value != neutral and not (neutral is None and value in ({}, [], 0)):
+        raise ValueError(f"{value!r} is not supported by this server (only {neutral!r})")
+    return value
+
+
 # OpenAI completion fields this server does not implement, with the only value it accepts for each
 NEUTRAL: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None,
                            "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "stream_options": None}
@@ -117,10 +125,7 @@ class CompletionRequest(Sampling):
     @field_validator(*NEUTRAL)
     @classmethod
     def _neutral(cls, value, info):
-        neutral = NEUTRAL[info.field_name]
-        if value is not None and value != neutral and not (neutral is None and value in ({}, 0)):
-            raise ValueError(f"{value!r} is not supported by this server (only {neutral!r})")
-        return value
+        return _only_neutral(value, NEUTRAL[info.field_name])
 
     @property
     def text(self) -> str:
@@ -185,10 +190,7 @@ class ChatCompletionRequest(Sampling):
     @field_validator(*CHAT_NEUTRAL)
     @classmethod
     def _neutral(cls, value, info):
-        neutral = CHAT_NEUTRAL[info.field_name]
-        if value is not None and value != neutral and not (neutral is None and value in ({}, [], 0)):
-            raise ValueError(f"{value!r} is not supported by this server (only {neutral!r})")
-        return value
+        return _only_neutral(value, CHAT_NEUTRAL[info.field_name])
 
     def model_post_init(self, _):
         if self.max_completion_tokens is not None:

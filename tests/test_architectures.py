@@ -118,6 +118,15 @@ def test_fused_patches_equal_the_direct_path(arch):
         assert err < 1e-4, f"{arch}: fused patch layer {i} differs from the direct path by {err:.2e}"
 
 
+def _rebuild_error(model, art, ids, mask) -> float:
+    """Largest |rebuilt - cached| over every layer's K and V at real (unpadded) positions."""
+    tr = trace.capture(model, ids, mask)
+    kv, _ = rebuild(model, art, encode(art, tr, ids))
+    keep = mask.bool()[:, None, :, None]
+    return max(max(((k - tk) * keep).abs().max().item(), ((v - tv) * keep).abs().max().item())
+               for (k, v), tk, tv in zip(kv, tr.keys, tr.values))
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_identical_pair_at_full_rank_rebuilds_its_own_kv(arch, tmp_path):
     model = tiny(arch)
@@ -129,11 +138,7 @@ def test_identical_pair_at_full_rank_rebuilds_its_own_kv(arch, tmp_path):
     cal.traces()
     art = cal.artifacts_for(cal.base_plan)
     ids, mask = _batch()
-    tr = trace.capture(model, ids, mask)
-    kv, _ = rebuild(model, art, encode(art, tr, ids))
-    keep = mask.bool()[:, None, :, None]
-    err = max(max(((k - tk) * keep).abs().max().item(), ((v - tv) * keep).abs().max().item())
-              for (k, v), tk, tv in zip(kv, tr.keys, tr.values))
+    err = _rebuild_error(model, art, ids, mask)
     assert err < 1e-4, f"{arch}: full-rank Reuse of an identical pair, max KV error {err:.2e}"
 
 
@@ -151,9 +156,5 @@ def test_identical_pair_at_full_rank_rebuilds_its_own_kv_from_hidden_states(arch
     art = cal.artifacts_for(cal.base_plan)
     assert art.plan[1:] == ["hidden"] * 2 and art.r_x == 32
     ids, mask = _batch()
-    tr = trace.capture(model, ids, mask)
-    kv, _ = rebuild(model, art, encode(art, tr, ids))
-    keep = mask.bool()[:, None, :, None]
-    err = max(max(((k - tk) * keep).abs().max().item(), ((v - tv) * keep).abs().max().item())
-              for (k, v), tk, tv in zip(kv, tr.keys, tr.values))
+    err = _rebuild_error(model, art, ids, mask)
     assert err < 1e-3, f"{arch}: full-rank hidden-state Reuse of an identical pair, max KV error {err:.2e}"
