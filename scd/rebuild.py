@@ -100,13 +100,16 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         v = _decode_stacked(dec_v, mu_v, [codes.layers[l]["z_v"] for l in reuse], dtype)
         values.update({l: v[i] for i, l in enumerate(reuse)})
     if hidden := by_kind["hidden"]:                     # one code per token -> K and V of every head
-        dec, mu = art.hidden_decoders(tuple(hidden), dtype)
-        z = torch.stack([codes.layers[l]["z_x"] for l in hidden]).to(dtype).flatten(1, 2)     # (L, B*T, r)
-        kv = torch.baddbmm(mu, z, dec)                                                        # (L, B*T, 2m)
-        m = n_kv * d_h
+        dec_k, mu_k, dec_v, mu_v = art.hidden_decoders(tuple(hidden), dtype)
+        z = torch.stack([codes.layers[l]["z_x"] for l in hidden]).to(dtype)                   # (L, B, T, r)
         first = len(by_kind["exact"]) + len(by_kind["reuse"])
-        keys[first:first + len(hidden)].copy_(kv[..., :m].view(len(hidden), b, t, n_kv, d_h).transpose(2, 3))
-        values.update({l: kv[i, :, m:].view(b, t, n_kv, d_h).transpose(1, 2) for i, l in enumerate(hidden)})
+        k = keys[first:first + len(hidden)]                                                   # (L, B, n_kv, T, d)
+        v = torch.empty_like(k)
+        for row in range(b):
+            for h in range(n_kv):
+                torch.baddbmm(mu_k[h], z[:, row], dec_k[h], out=k[:, row, h])
+                torch.baddbmm(mu_v[h], z[:, row], dec_v[h], out=v[:, row, h])
+        values.update({l: v[i] for i, l in enumerate(hidden)})
     t_patch = time.perf_counter()
     if patch := by_kind["patch"]:                           # all Patch layers at once
         x0 = tables.x0(codes.token_ids) if art.aligner_tokens and not tables.vocab_kept else None
