@@ -272,7 +272,7 @@ CASES = [
     Case("DELETE-models", 405, path="/v1/models", method="DELETE"),
     Case("POST-healthz", 405, {}, "/healthz"),
     Case("unknown-path", 404, path="/v1/nothing", method="GET"),
-    Case("chat-completions-not-served", 404, {"model": "qa", "messages": []}, "/v1/chat/completions"),
+    Case("chat-completions-no-messages", 400, {"model": "qa", "messages": []}, "/v1/chat/completions"),
     Case("model-retrieve-not-served", 404, path="/v1/models/qa", method="GET"),
     Case("root", 404, path="/", method="GET"),
     Case("completions-trailing-slash", 404, comp(), "/v1/completions/"),

@@ -19,7 +19,7 @@ def test_train_family_on_a_tiny_budget_produces_a_loadable_compatible_family(tmp
 
 
 def test_committed_demo_family_is_small_and_loads():
-    files = [p for p in DEMO.rglob("*") if p.is_file()]
+    files = [p for name in ("base", "qa", "prose", "code") for p in (DEMO / name).rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
     assert total <= 25 * 2**20, f"demo family is {total / 2**20:.1f} MiB (limit 25)"
     for name in ("base", "qa", "prose", "code"):

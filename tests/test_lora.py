@@ -13,7 +13,9 @@ from artifacts_store.fingerprints import Fingerprints
 from jobs import train_lora
 from jobs.train_family import train_tokenizer
 from scd.models import adapter_digest, is_adapter, load
+from tests.conftest import DEMO
 
+SMOLLM2_ADAPTERS = DEMO / "smollm2"      # the real family's committed specialists (checked without the base)
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -137,3 +139,12 @@ def test_demo_prompts_of_a_chat_family_share_the_system_turn(base):
         assert s.startswith("<|im_start|>user\n") and s.endswith("<|im_start|>assistant\n"), s
     plain_prefix, plain = demo_prompts(None)                 # the tiny family keeps its plain text forms
     assert plain_prefix.startswith("Notes:") and set(plain) == {"qa", "prose", "code"}
+
+
+def test_the_committed_adapters_are_small_and_name_the_fetched_base():
+    total = sum(f.stat().st_size for f in SMOLLM2_ADAPTERS.rglob("*") if f.is_file())
+    assert total <= 25 * 2**20, f"adapters take {total / 2**20:.1f} MB, the budget is 25 MB together"
+    for name in ("qa", "code"):
+        cfg = json.loads((SMOLLM2_ADAPTERS / name / "adapter_config.json").read_text())
+        assert cfg["base_model_name_or_path"] == "~/.scd/models/SmolLM2-135M-Instruct"
+        assert json.loads((SMOLLM2_ADAPTERS / name / "scd_train.json").read_text())["specialist"] == name
