@@ -160,8 +160,10 @@ def main(argv: list[str] | None = None) -> str:
         f"checkpoints in {cal.dir}")
 
     published = cal.dir / "published.json"
-    if published.is_file():
-        ref = json.loads(published.read_text())["ref"]
+    store_uri = args.store or cfg.artifacts.uri
+    done = json.loads(published.read_text()) if published.is_file() else {}
+    ref = done.get("ref") if done.get("store", store_uri) == store_uri else None   # another store: publish here too
+    if ref:
         log(f"already published as {ref}; nothing to do")
         return ref
 
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> str:
         CalibrationData(digest=calibration_digest(calib), n_prefixes=len(calib), rows=info["rows"]),
         metrics, {f"report/{k}": v for k, v in files.items()})
     ref = f"{args.pair}@{manifest.version}"
-    published.write_text(json.dumps({"ref": ref}))
+    published.write_text(json.dumps({"ref": ref, "store": store_uri}))
     job = cost(t0)
     log(f"published {ref} to {args.store or cfg.artifacts.uri} ({job['wall_s']:.0f} s, peak memory "
         f"{job['peak_rss_gib']:.2f} GiB in this process)")

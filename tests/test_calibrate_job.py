@@ -143,3 +143,14 @@ def test_eval_with_the_config_resumes_the_jobs_checkpoints_and_can_load_the_publ
                   "--store", str(tmp_path / "store"), "--samples", "1", "--methods", "scd"])
     with pytest.raises(SystemExit, match="not in"):
         evaluate(["--config", str(cfg), "--pair", "base:nope", "--samples", "1"])
+
+
+def test_a_finished_calibration_is_published_to_another_store_from_its_checkpoints(job, capsys):
+    tmp_path, cfg, _, _ = job
+    other = tmp_path / "store-other"
+    ref = calibrate(["--pair", "base:qa", "--config", str(cfg), "--store", str(other)])
+    out = capsys.readouterr().out
+    assert "already published" not in out and "stage policy: resumed" in out, out
+    assert ArtifactStore(other).verify(ref).ok
+    assert calibrate(["--pair", "base:qa", "--config", str(cfg), "--store", str(other)]) == ref
+    assert "already published" in capsys.readouterr().out
