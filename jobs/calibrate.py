@@ -15,7 +15,6 @@ import json
 import resource
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import ray
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> str:
     torch.manual_seed(0)
     producer, consumer, tok, spec = load_pair(cfg.producer.path, spec_cfg.path, consumer_base=spec_cfg.base)
     calib, val, held = samples.pair_data(cons_name, tok, n_prefixes, c.val, n_held, c.prefix_tokens)
-    ccfg = CalibConfig(**{f.name: getattr(c, f.name) for f in fields(CalibConfig) if f.name in type(c).model_fields})
+    ccfg = CalibConfig.of(c)
     cal = Calibration(producer, consumer, spec, args.pair, calib, work, ccfg, pad_id=tok.pad_token_id, log=log)
     log(f"pair {args.pair}: {len(calib)} calibration prefixes, {len(val)} validation, {len(held)} held-out; "
         f"checkpoints in {cal.dir}")

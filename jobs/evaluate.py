@@ -84,11 +84,10 @@ def _from_config(args) -> tuple[str, str, str, str]:
         raise SystemExit(f"--pair {args.pair} is not in {args.config} (it has {', '.join(cfg.pairs())})")
     c = cfg.calibration
     args.calib, args.val, args.prefix_tokens, args.work_dir = c.prefixes, c.val, c.prefix_tokens, c.work_dir
+    job = CalibConfig.of(c)                               # what the calibration job fits with
     for f in fields(CalibConfig):
-        if f.name in type(c).model_fields:
-            setattr(args, f.name, getattr(c, f.name))
-        elif f.name != "seed":
-            setattr(args, f.name, f.default)          # what the calibration job uses for fields the config lacks
+        if f.name != "seed":
+            setattr(args, f.name, getattr(job, f.name))
     args.consumer_base = cfg.specialist(b).base
     return cfg.producer.path, cfg.specialist(b).path, a, b
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -61,6 +61,11 @@ class CalibConfig:
     r_x: int = 64                     # rank of the hidden-state codes
     batch: int = 8
     seed: int = 0
+
+    @classmethod
+    def of(cls, settings) -> "CalibConfig":
+        """From a config's calibration settings: the fields they name, the defaults for the others."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls) if hasattr(settings, f.name)})
 
     def __post_init__(self):
         for k in ("r_k", "r_v", "r_h", "r_x", "pool", "batch", "aligner_width", "aligner_epochs", "aligner_context",
@@ -143,7 +148,7 @@ class Calibration:
         self._grams = None
         self._hidden_grams: list[JointGram | None] | None = None
         self._ranks: dict[str, int] = {}                    # chosen by ranks(), else the config's
-        self._linear: dict[tuple[int, int], tuple] = {}
+        self._linear: dict[tuple, object] = {}       # (r_k, r_v) -> per-head codecs; ("hidden", r_x) -> hidden
         self._patch_enc: dict[int, LinearCodec] = {}
         self._aligners_logged: set[int] = set()
 
@@ -266,12 +271,11 @@ class Calibration:
     def r_x(self) -> int:
         return self._ranks.get("r_x", self.cfg.r_x)
 
-    def payload_ratio(self, ranks: dict[str, int], plan: list[str] | None = None) -> float:
-        """Codes of a Reuse-only plan (fp16) over the raw KV (bf16), per token. `ranks`: r_k and r_v, or r_x."""
-        plan = plan or self.base_plan
+    def payload_ratio(self, ranks: dict[str, int]) -> float:
+        """Codes of the Reuse-only plan (fp16) over the raw KV (bf16), per token. `ranks`: r_k and r_v, or r_x."""
         per_layer = {"reuse": self.spec.num_kv_heads * (ranks.get("r_k", 0) + ranks.get("r_v", 0)),
                      "hidden": ranks.get("r_x", 0)}
-        return sum(per_layer.get(k, 0) for k in plan) * 2 / self.spec.kv_bytes_per_token
+        return sum(per_layer.get(k, 0) for k in self.base_plan) * 2 / self.spec.kv_bytes_per_token
 
     def rank_candidates(self) -> list[dict[str, int]]:
         """Ranks on the budget's frontier, from a geometric grid. Per-head Reuse: for each r_k up to the head
