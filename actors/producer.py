@@ -36,8 +36,8 @@ class EncodeResult:
 
 class ProducerEngine:
     def __init__(self, model, tokenizer, artifacts: dict[str, tuple[PairArtifacts, str]],
-                 cache_bytes: int = 64 << 20, dtype: str = "fp16", device: str = "cpu"):
-        self.model, self.tok, self.dtype, self.device = model, tokenizer, dtype, device
+                 cache_bytes: int = 64 << 20, device: str = "cpu"):
+        self.model, self.tok, self.device = model, tokenizer, device
         self.artifacts = dict(artifacts)          # pair -> (artifacts, version)
         self.cache = PrefixCodeCache(cache_bytes)
         self.prefills = 0
@@ -69,7 +69,7 @@ class ProducerEngine:
         self.prefills += 1
         for pair in todo:
             art, version = self.artifacts[pair]
-            payload = codec.encode(encode(art, trace, ids.cpu()), pair, version, codec.artifact_dims(art), self.dtype)
+            payload = codec.encode(encode(art, trace, ids.cpu()), pair, version, codec.artifact_dims(art), art.code_dtype)
             self.cache.put(prefix_key(prefix_ids, pair, version), payload)
             res.per_pair[pair] = Encoded(payload, version)
         res.prefilled, res.prefill_ms, res.encode_ms = True, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3

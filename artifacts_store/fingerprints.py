@@ -10,28 +10,11 @@ and loading with `expect=` refuses any difference, naming which one.
 """
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Mapping
-
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts_store.errors import FingerprintMismatch
 from scd.calibrate import data_digest as calibration_digest  # noqa: F401  (one digest for both)
-
-DIGEST_HEX = 32                 # 128 bits: collisions are not a practical concern, manifests stay readable
-
-
-def weights_digest(model: "torch.nn.Module | Mapping[str, torch.Tensor]") -> str:
-    """sha256 over (name, dtype, shape, raw bytes) of every state_dict entry in sorted name order."""
-    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().to("cpu").contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        # a uint8 view is a zero-copy byte image that works for every dtype (bf16 included)
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()[:DIGEST_HEX]
+from scd.models import ModelSpec, model_digest, weights_digest  # noqa: F401  (weights_digest re-exported)
 
 
 class ModelFingerprint(BaseModel):
@@ -42,9 +25,7 @@ class ModelFingerprint(BaseModel):
     @classmethod
     def of(cls, model) -> "ModelFingerprint":
         """Fingerprint of a loaded transformers model (its config must be one ModelSpec supports)."""
-        from scd.models import ModelSpec
-        digest = getattr(model, "scd_weights_digest", None) or weights_digest(model)   # base + adapter, if merged
-        return cls(config_hash=ModelSpec.from_config(model.config).fingerprint(), weights_digest=digest)
+        return cls(config_hash=ModelSpec.from_config(model.config).fingerprint(), weights_digest=model_digest(model))
 
 
 class Fingerprints(BaseModel):

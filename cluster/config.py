@@ -186,6 +186,9 @@ class CalibrationSettings(_Strict):
         "Reuse codes: 'kv' per-head codecs of the producer's K and V (r_k, r_v); 'hidden' one code per token "
         "from the producer's x_norm, decoded into the K and V of every head of the consumer (r_x)"))
     r_x: int = Field(64, ge=1, description="rank of the hidden-state Reuse codes")
+    code_dtype: Literal["fp16", "bf16", "int8"] = Field("fp16", description=(
+        "precision of the codes on the wire; int8 (per-row scales) halves the bytes of a rank, so a payload "
+        "budget buys twice the rank"))
     pool: int = Field(4, ge=1)
     patch_cost: float = Field(0.25, ge=0)
     payload_budget: float = Field(0.0, ge=0, le=1, description=(
@@ -202,6 +205,10 @@ class CalibrationSettings(_Strict):
     finetune_samples: int = Field(512, ge=0, description="samples for end-to-end aligner fine-tuning on the "
                                                        "consumer's next-token KL (0 = off)")
     finetune_epochs: int = Field(3, ge=1)
+    finetune_lr: float = Field(1e-4, gt=0)
+    finetune_encoders: bool = Field(False, description=(
+        "fine-tuning also moves the producer-side encoders of the hidden-state codes (the codes themselves "
+        "learn what the consumer needs), not only the consumer-side decoders and aligners"))
     work_dir: str = Field("runs/calibrate", description="checkpoints of running/finished calibrations")
 
 

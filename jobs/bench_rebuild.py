@@ -22,10 +22,10 @@ from scd.trace import capture
 
 
 @torch.no_grad()
-def bench(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str = "fp16") -> dict:
+def bench(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str | None = None) -> dict:
     mask = torch.ones_like(ids)
     dims = codec.artifact_dims(art)
-    payload = codec.encode(encode(art, capture(producer, ids, mask), ids), art.pair, "bench", dims, dtype)
+    payload = codec.encode(encode(art, capture(producer, ids, mask), ids), art.pair, "bench", dims, dtype or art.code_dtype)
     prefill, consumer_side, phases = [], [], []
     for _ in range(repeats + 1):                       # first round warms up both paths
         t0 = time.perf_counter()
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_pair_args(p)
     p.add_argument("--tokens", default="1024", help="prefix length(s), e.g. 1024,2048,4096")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "int8"])
+    p.add_argument("--dtype", choices=["fp16", "bf16", "int8"], help="code precision (default: the artifact's)")
     p.add_argument("--work-dir", default="runs/eval")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

@@ -25,7 +25,7 @@ from cluster.config import load_config
 from cluster.runtime import actor_options, connect
 from jobs import report, samples
 from scd import methods
-from scd.calibrate import CalibConfig, Calibration, PlanScorer
+from scd.calibrate import CalibConfig, Calibration, PlanScorer, load_record, samples_digest, save_record
 from scd.diagnostics import xnorm_errors
 from scd.evaluate import Evaluator
 from scd.models import load_pair
@@ -39,16 +39,15 @@ def log(msg: str) -> None:
     print(f"[calibrate] {msg}", flush=True)
 
 
-def checkpointed(path: Path, compute):
-    """JSON stage checkpoint: load if present, else compute, write, return."""
-    if path.is_file():
+def checkpointed(path: Path, compute, samples_):
+    """JSON stage checkpoint of a result computed on `samples_`: loaded if present for the same samples, else
+    computed, written, returned."""
+    inputs = {"samples": samples_digest(samples_)}
+    record = load_record(path, inputs, log)
+    if record is not None:
         log(f"stage {path.stem}: resumed from checkpoint")
-        return json.loads(path.read_text())
-    value = compute()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    tmp.replace(path)
-    return value
+        return record["value"]
+    return save_record(path, {"value": compute()}, inputs)["value"]
 
 
 def actor_capture(producer_path: str, consumer_path: str, gpus: tuple[float, float], consumer_base: str | None = None):
@@ -160,8 +159,10 @@ def main(argv: list[str] | None = None) -> str:
 
     published = cal.dir / "published.json"
     store_uri = args.store or cfg.artifacts.uri
-    done = json.loads(published.read_text()) if published.is_file() else {}
-    ref = done.get("ref") if done.get("store", store_uri) == store_uri else None   # another store: publish here too
+    # published to this store after an evaluation on these held-out samples: nothing left (another store or
+    # other held-out samples: evaluate and publish again, from the checkpoints)
+    done = load_record(published, {"store": store_uri, "heldout": samples_digest(held)}) or {}
+    ref = done.get("ref")
     if ref:
         log(f"already published as {ref}; nothing to do")
         return ref
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> str:
     def evaluate():
         ms = [methods.Oracle(), methods.RawKV(), methods.reuse_only(art), methods.SCDMethod(art)]
         return Evaluator(producer, consumer, tok).run(held, ms, desc=f"held-out {args.pair}")
-    rows = checkpointed(cal.dir / "eval.json", evaluate)
+    rows = checkpointed(cal.dir / "eval.json", evaluate, held)
     by = {r["method"]: r for r in rows}
     log("held-out: " + ", ".join(f"{m} kl={r['kl']:.4f} ratio={r['payload_ratio']:.3f}"
                                  + (f" f1={r['f1']:.3f}" if r["f1"] is not None else "") for m, r in by.items()))
@@ -191,8 +192,8 @@ def main(argv: list[str] | None = None) -> str:
             f"quality_gate. Figures in {cal.dir / 'gate.json'}")
         raise SystemExit(3)
     log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
-    grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val))
-    xn = checkpointed(cal.dir / "xnorm.json", lambda: xnorm_profile(cal, art, held[:8]))
+    grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val), val)
+    xn = checkpointed(cal.dir / "xnorm.json", lambda: xnorm_profile(cal, art, held[:8]), held[:8])
 
     info = art.info["calibration"]
     ranks = {"r_x": art.r_x} if art.reuse_x else {"r_k": art.r_k, "r_v": art.r_v}
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> str:
         CalibrationData(digest=calibration_digest(calib), n_prefixes=len(calib), rows=info["rows"]),
         metrics, {f"report/{k}": v for k, v in files.items()})
     ref = f"{args.pair}@{manifest.version}"
-    published.write_text(json.dumps({"ref": ref, "store": store_uri}))
+    save_record(published, {"ref": ref}, {"store": store_uri, "heldout": samples_digest(held)})
     job = cost(t0)
     log(f"published {ref} to {args.store or cfg.artifacts.uri} ({job['wall_s']:.0f} s, peak memory "
         f"{job['peak_rss_gib']:.2f} GiB in this process)")

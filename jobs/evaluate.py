@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_pair_args(p)
     p.add_argument("--samples", type=int, default=48, help="held-out evaluation samples")
     p.add_argument("--methods", default=",".join(methods.METHODS))
-    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "int8"], help="code precision on the wire")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "int8"],
+                   help="code precision on the wire (default: the one the artifact was calibrated for)")
     p.add_argument("--droidspeak-layers", type=int, default=2)
     p.add_argument("--work-dir", default="runs/eval", help="traces and the calibrated artifact are kept here")
     p.add_argument("--json", action="store_true")
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(table(rows, f"{pair}: {len(held)} held-out prefixes, plan {art.plan}, codes {args.dtype}"))
+        print(table(rows, f"{pair}: {len(held)} held-out prefixes, plan {art.plan}, codes {args.dtype or art.code_dtype}"))
     return rows
 
 

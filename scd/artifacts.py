@@ -20,6 +20,7 @@ from scd.reuse import LinearCodec
 
 FORMAT_VERSION = 2                  # 2: aligners with a causal window and token features
 KINDS = ("exact", "reuse", "hidden", "patch")
+CODE_DTYPES = ("fp16", "bf16", "int8")      # wire precisions of codes (scd.codec)
 
 
 class IncompatibleArtifact(ValueError):
@@ -45,9 +46,12 @@ class PairArtifacts:
     aligner_window: int = 8                     # per-position width of the aligners' window
     r_x: int = 0                                # rank of the "hidden" layers' codes
     reuse_x: dict[int, LinearCodec] = field(default_factory=dict)   # x_norm (H) -> [K content; V] (2 n_kv d)
+    code_dtype: str = "fp16"                    # precision of the codes on the wire, one of CODE_DTYPES
     derived: dict = field(default_factory=dict, repr=False, compare=False)  # per-use tensors made on first use
 
     def __post_init__(self):
+        if self.code_dtype not in CODE_DTYPES:
+            raise ValueError(f"code_dtype must be one of {CODE_DTYPES}, got {self.code_dtype!r}")
         if len(self.plan) != self.spec.num_layers or any(k not in KINDS for k in self.plan):
             raise ValueError(f"plan must name one of {KINDS} for each of {self.spec.num_layers} layers: {self.plan}")
         for l, kind in enumerate(self.plan):
@@ -98,7 +102,7 @@ class PairArtifacts:
         """The same learned tensors under another layer plan (e.g. Reuse-only)."""
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(plan),
                              self.reuse_k, self.reuse_v, self.patch_enc, self.aligners, self.info, self.aligner_context,
-                             self.aligner_tokens, self.aligner_window, self.r_x, self.reuse_x)
+                             self.aligner_tokens, self.aligner_window, self.r_x, self.reuse_x, self.code_dtype)
 
     def to(self, device) -> "PairArtifacts":
         """A copy whose tensors live on `device` (where the model that uses them runs)."""
@@ -106,7 +110,8 @@ class PairArtifacts:
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(self.plan),
                              move(self.reuse_k), move(self.reuse_v), move(self.patch_enc),
                              {l: g.to(device) for l, g in self.aligners.items()}, self.info, self.aligner_context,
-                             self.aligner_tokens, self.aligner_window, self.r_x, move(self.reuse_x))
+                             self.aligner_tokens, self.aligner_window, self.r_x, move(self.reuse_x),
+                             self.code_dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -126,7 +131,7 @@ class PairArtifacts:
         return {"format_version": FORMAT_VERSION, "pair": self.pair, "spec": asdict(self.spec),
                 "r_k": self.r_k, "r_v": self.r_v, "r_h": self.r_h, "aligner_width": self.aligner_width,
                 "aligner_context": self.aligner_context, "aligner_tokens": self.aligner_tokens,
-                "aligner_window": self.aligner_window, "r_x": self.r_x,
+                "aligner_window": self.aligner_window, "r_x": self.r_x, "code_dtype": self.code_dtype,
                 "plan": self.plan, "info": self.info}
 
     def save(self, directory: str | Path) -> None:
@@ -155,7 +160,8 @@ class PairArtifacts:
             aligners[l] = g.eval()
         return cls(desc["pair"], spec, desc["r_k"], desc["r_v"], desc["r_h"], desc["aligner_width"], desc["plan"],
                    reuse_k, reuse_v, patch_enc, aligners, desc.get("info", {}), desc.get("aligner_context", 1),
-                   desc.get("aligner_tokens", 0), desc.get("aligner_window", 8), desc.get("r_x", 0), reuse_x)
+                   desc.get("aligner_tokens", 0), desc.get("aligner_window", 8), desc.get("r_x", 0), reuse_x,
+                   desc.get("code_dtype", "fp16"))
 
     @classmethod
     def load(cls, directory: str | Path) -> "PairArtifacts":

@@ -5,9 +5,17 @@
             rank follow in closed form (linear), so rank sweeps need no second pass over the traces
   policy    restore-one sensitivity -> pool -> aligners trained for the pool -> greedy -> k*
   artifacts the PairArtifacts under the chosen plan
-Every stage checkpoints its result (safetensors + JSON, never pickle) and, when called again in the same
-work directory, loads the checkpoint instead of recomputing: a killed calibration resumes where it stopped.
-The work directory is keyed by the config and the calibration data, so changing either starts afresh.
+Every stage checkpoints its result (safetensors + JSON, never pickle) and, when called again, loads the
+checkpoint instead of recomputing: a killed calibration resumes where it stopped. Each stage's folder is keyed
+by exactly what it depends on, so a changed setting redoes only the stages after it:
+
+  <work>/<pair>/<traces key>/                 traces, Gram matrices: the models' weights, the calibration
+                                              prefixes, the architecture, the batch
+               aligners/<aligner key>/        Patch aligners: + r_h, ridge, the aligner_* settings, seed
+               plan-<plan key>/               ranks, policy: + every setting but the finetune_* ones
+                        tune-<tune key>/      fine-tuning and what the calibration job writes (Calibration.dir)
+Records that depend on samples (validation, fine-tuning) carry those samples' digest and are recomputed when
+it differs.
 """
 from __future__ import annotations
 
@@ -22,8 +30,9 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from scd import cache, metrics, policy
-from scd.artifacts import PairArtifacts
-from scd.models import ModelSpec
+from scd import codec
+from scd.artifacts import CODE_DTYPES, PairArtifacts
+from scd.models import ModelSpec, model_digest
 from scd.patch import Aligner, train_aligner
 from scd.rebuild import encode, rebuild
 from scd.reuse import JointGram, LinearCodec
@@ -31,7 +40,12 @@ from scd.trace import capture, chunk_path, read_chunks, trace_rows, write_chunk
 
 # bumped whenever what a checkpoint holds changes shape (e.g. the aligner's layers), so old work directories
 # are not resumed into new code
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 3
+# the CalibConfig fields each stage folder is keyed by (see the module docstring); the plan folder takes the rest
+TRACE_FIELDS = ("batch",)
+ALIGNER_FIELDS = ("r_h", "ridge", "aligner_width", "aligner_epochs", "aligner_context", "aligner_window",
+                  "aligner_tokens", "aligner_loss", "seed")
+TUNE_FIELDS = ("finetune_samples", "finetune_epochs", "finetune_lr", "finetune_encoders")
 
 # capture_pair(ids, mask) -> (producer rows, consumer rows) as named by scd.trace.trace_rows
 CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]
@@ -53,12 +67,15 @@ class CalibConfig:
     finetune_samples: int = 512       # (prefix, continuation) samples for end-to-end aligner fine-tuning; 0 = off
     finetune_epochs: int = 3
     finetune_lr: float = 1e-4
+    finetune_encoders: bool = False   # also train the producer-side encoders of hidden-state codes
     patch_cost: float = 0.25          # one Patch layer's consumer work relative to the whole Reuse rebuild
     payload_budget: float = 0.0       # > 0: choose r_k, r_v (or r_x) by validation KL among ranks whose codes
                                       # stay within this fraction of the raw KV (0: use them as given)
     reuse_source: str = "kv"          # "kv": per-head codecs of K and V; "hidden": one code per token from the
                                       # producer's x_norm, decoded into every head's K and V (reduced-rank regression)
     r_x: int = 64                     # rank of the hidden-state codes
+    code_dtype: str = "fp16"          # precision of the codes on the wire (scd.codec.DTYPES): what the payload
+                                      # budget counts and what validation scores
     batch: int = 8
     seed: int = 0
 
@@ -76,6 +93,8 @@ class CalibConfig:
             raise ValueError(f"payload_budget must be in [0, 1], got {self.payload_budget}")
         if self.reuse_source not in ("kv", "hidden"):
             raise ValueError(f"reuse_source must be 'kv' or 'hidden', got {self.reuse_source!r}")
+        if self.code_dtype not in CODE_DTYPES:
+            raise ValueError(f"code_dtype must be one of {CODE_DTYPES}, got {self.code_dtype!r}")
         if self.aligner_loss not in ("kv", "x"):
             raise ValueError(f"aligner_loss must be 'kv' or 'x', got {self.aligner_loss!r}")
 
@@ -104,6 +123,38 @@ def data_digest(prefixes) -> str:
     return h.hexdigest()[:32]
 
 
+def samples_digest(samples) -> str:
+    """data_digest of (prefix, continuation) samples, in order."""
+    return data_digest([t for s in samples for t in (s.prefix, s.cont)])
+
+
+def _key_dir(parent: Path, prefix: str, key: dict) -> Path:
+    """parent/<prefix><12 hex of the key>, created, with the key beside its contents (key.json)."""
+    d = parent / f"{prefix}{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True))
+    return d
+
+
+def load_record(path: Path, inputs: dict, log: Callable[[str], None] = lambda s: None) -> dict | None:
+    """A JSON stage record written by save_record for the same inputs (e.g. sample digests), else None."""
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("inputs") != inputs:
+        log(f"stage {path.stem}: checkpoint was computed on other samples; recomputing")
+        return None
+    return {k: v for k, v in record.items() if k != "inputs"}
+
+
+def save_record(path: Path, record: dict, inputs: dict) -> dict:
+    """Write a JSON stage record with the inputs it depends on, atomically (the file marks the stage done)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**record, "inputs": inputs}, indent=1))
+    tmp.replace(path)
+    return record
+
+
 class PlanScorer:
     """Mean KL(oracle || rebuilt) over validation samples for a plan, with oracle traces computed once."""
 
@@ -123,7 +174,7 @@ class PlanScorer:
         art = self.art_for(plan)
         total = 0.0
         for ids, mask, ptrace, oracle_kv, cont, ref in self.items:
-            kv, _ = rebuild(self.consumer, art, encode(art, ptrace, ids))
+            kv, _ = rebuild(self.consumer, art, codec.as_received(encode(art, ptrace, ids), art.code_dtype))
             if restore is not None:
                 kv[restore] = oracle_kv[restore]
             logits, _ = cache.extend(self.consumer, cache.assemble(self.consumer, kv), mask, cont)
@@ -137,12 +188,16 @@ class Calibration:
                  log: Callable[[str], None] = print, exact_layer0: bool = True):
         self.producer, self.consumer, self.spec, self.pair, self.cfg = producer, consumer, spec, pair, cfg
         self.prefixes, self.pad_id, self.progress, self.log = prefixes, pad_id, progress, log
-        key = {"format": CHECKPOINT_FORMAT, "pair": pair, "config": asdict(cfg), "data": data_digest(prefixes),
-               "spec": spec.fingerprint(), "exact_layer0": exact_layer0}
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-        self.dir = Path(work_root) / pair.replace(":", "__") / digest
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "key.json").write_text(json.dumps(key, indent=1))
+        config = asdict(cfg)
+        models = [model_digest(producer), model_digest(consumer)]
+        self.trace_dir = _key_dir(Path(work_root) / pair.replace(":", "__"), "", {
+            "format": CHECKPOINT_FORMAT, "pair": pair, "models": models, "data": data_digest(prefixes),
+            "spec": spec.fingerprint(), **{k: config[k] for k in TRACE_FIELDS}})
+        self.aligner_dir = _key_dir(self.trace_dir / "aligners", "", {k: config[k] for k in ALIGNER_FIELDS})
+        self.plan_dir = _key_dir(self.trace_dir, "plan-", {
+            "exact_layer0": exact_layer0,
+            **{k: v for k, v in config.items() if k not in TRACE_FIELDS + TUNE_FIELDS}})
+        self.dir = _key_dir(self.plan_dir, "tune-", {k: config[k] for k in TUNE_FIELDS})
         kind = "hidden" if cfg.reuse_source == "hidden" else "reuse"
         self.base_plan = ["exact" if exact_layer0 else kind] + [kind] * (spec.num_layers - 1)
         self._grams = None
@@ -155,13 +210,13 @@ class Calibration:
     # -- stage 1 -------------------------------------------------------------------------------------
     def traces(self, capture_pair: CapturePair | None = None) -> int:
         """Write one chunk per batch of prefixes; batches already on disk are skipped. Returns total rows."""
-        done_file = self.dir / "traces.json"
+        done_file = self.trace_dir / "traces.json"
         if done_file.is_file():
             rows = json.loads(done_file.read_text())["rows"]
             self.log(f"stage traces: resumed from checkpoint ({rows} rows)")
             return rows
         capture_pair = capture_pair or self._capture_local
-        tdir = self.dir / "traces"
+        tdir = self.trace_dir / "traces"
         batches = range(0, len(self.prefixes), self.cfg.batch)
         have = sum(chunk_path(tdir, i).is_file() for i in range(len(batches)))
         if have:
@@ -185,7 +240,7 @@ class Calibration:
         """Joint Gram matrices of every layer's paired K, V and x_norm rows (one pass over the chunks)."""
         if self._grams is not None:
             return self._grams
-        path = self.dir / "grams.safetensors"
+        path = self.trace_dir / "grams.safetensors"
         L, d, hid = self.spec.num_layers, self.spec.head_dim, self.spec.hidden_size
         if path.is_file():
             t = load_file(str(path))
@@ -196,7 +251,7 @@ class Calibration:
         else:
             gk, gv = [JointGram(d, d) for _ in range(L)], [JointGram(d, d) for _ in range(L)]
             gx = [None] + [JointGram(hid, hid) for _ in range(1, L)]
-            for chunk in tqdm(read_chunks(self.dir / "traces"), desc="gram", disable=not self.progress):
+            for chunk in tqdm(read_chunks(self.trace_dir / "traces"), desc="gram", disable=not self.progress):
                 for l in range(L):
                     gk[l].update(chunk[f"ka.{l}"], chunk[f"kb.{l}"])
                     gv[l].update(chunk[f"va.{l}"], chunk[f"vb.{l}"])
@@ -218,7 +273,7 @@ class Calibration:
         every head, [x_A | K_B V_B] (one pass over the chunks, checkpointed): hidden-state Reuse fits from it."""
         if self._hidden_grams is not None:
             return self._hidden_grams
-        path = self.dir / "grams_hidden.safetensors"
+        path = self.trace_dir / "grams_hidden.safetensors"
         L, hid, m = self.spec.num_layers, self.spec.hidden_size, self.spec.num_kv_heads * self.spec.head_dim
         if path.is_file():
             t = load_file(str(path))
@@ -226,7 +281,7 @@ class Calibration:
             self.log("stage hidden: resumed from checkpoint")
         else:
             grams = [None] + [JointGram(hid, 2 * m) for _ in range(1, L)]
-            for chunk in tqdm(read_chunks(self.dir / "traces"), desc="gram hidden", disable=not self.progress):
+            for chunk in tqdm(read_chunks(self.trace_dir / "traces"), desc="gram hidden", disable=not self.progress):
                 for l in range(1, L):
                     grams[l].update(chunk[f"xa.{l}"], torch.cat([chunk[f"kb.{l}"].flatten(1),
                                                                  chunk[f"vb.{l}"].flatten(1)], 1))
@@ -272,10 +327,12 @@ class Calibration:
         return self._ranks.get("r_x", self.cfg.r_x)
 
     def payload_ratio(self, ranks: dict[str, int]) -> float:
-        """Codes of the Reuse-only plan (fp16) over the raw KV (bf16), per token. `ranks`: r_k and r_v, or r_x."""
-        per_layer = {"reuse": self.spec.num_kv_heads * (ranks.get("r_k", 0) + ranks.get("r_v", 0)),
-                     "hidden": ranks.get("r_x", 0)}
-        return sum(per_layer.get(k, 0) for k in self.base_plan) * 2 / self.spec.kv_bytes_per_token
+        """Codes of the Reuse-only plan (at cfg.code_dtype) over the raw KV (bf16), per token. `ranks`: r_k and
+        r_v, or r_x."""
+        row = lambda r: codec.code_bytes_per_row(r, self.cfg.code_dtype) if r else 0  # noqa: E731
+        per_layer = {"reuse": self.spec.num_kv_heads * (row(ranks.get("r_k", 0)) + row(ranks.get("r_v", 0))),
+                     "hidden": row(ranks.get("r_x", 0))}
+        return sum(per_layer.get(k, 0) for k in self.base_plan) / self.spec.kv_bytes_per_token
 
     def rank_candidates(self) -> list[dict[str, int]]:
         """Ranks on the budget's frontier, from a geometric grid. Per-head Reuse: for each r_k up to the head
@@ -298,9 +355,9 @@ class Calibration:
     def ranks(self, val_samples) -> dict:
         """Stage 2b (only with cfg.payload_budget > 0): Reuse-only validation KL of every candidate on the
         budget's frontier; the lowest is used from here on. Checkpointed; returns its record."""
-        path = self.dir / "ranks.json"
-        if path.is_file():
-            record = json.loads(path.read_text())
+        path, inputs = self.plan_dir / "ranks.json", {"val": samples_digest(val_samples)}
+        record = load_record(path, inputs, self.log)
+        if record is not None:
             self.log(f"stage ranks: resumed from checkpoint ({record['chosen']})")
         else:
             cands = self.rank_candidates()
@@ -314,9 +371,8 @@ class Calibration:
                 tried.append({**ranks, "payload_ratio": self.payload_ratio(ranks), "kl": scorer.kl(self.base_plan)})
             best = min(tried, key=lambda t: t["kl"])
             chosen = {k: best[k] for k in cands[0]}
-            record = {"budget": self.cfg.payload_budget, "source": self.cfg.reuse_source, "tried": tried,
-                      "chosen": chosen}
-            path.write_text(json.dumps(record, indent=1))
+            record = save_record(path, {"budget": self.cfg.payload_budget, "source": self.cfg.reuse_source,
+                                        "tried": tried, "chosen": chosen}, inputs)
             self.log(f"stage ranks: {chosen} (reuse-only KL {best['kl']:.4f} at payload {best['payload_ratio']:.3f}; "
                      f"{len(tried)} candidates within {self.cfg.payload_budget})")
         self._ranks = dict(record["chosen"])
@@ -325,7 +381,7 @@ class Calibration:
     # -- stage 3 -------------------------------------------------------------------------------------
     def aligner(self, layer: int) -> tuple[Aligner, dict]:
         """Train (or load) the Patch aligner of one layer on the traced (Z_H, x_norm_B) rows."""
-        path = self.dir / "aligners" / f"layer_{layer}.safetensors"
+        path = self.aligner_dir / f"layer_{layer}.safetensors"
         enc = self.linear()[2][layer]
         g = Aligner(self.cfg.r_h, self.spec.hidden_size, self.cfg.aligner_width, self.cfg.aligner_context,
                     self.cfg.aligner_tokens, self.cfg.aligner_window)
@@ -336,7 +392,7 @@ class Calibration:
                 self._aligners_logged.add(layer)
             return g.eval(), json.loads(path.with_suffix(".json").read_text())
         xa, xb, pos, x0 = zip(*((c[f"xa.{layer}"], c[f"xb.{layer}"], c["posa"], c["xb.0"])
-                                for c in read_chunks(self.dir / "traces")))
+                                for c in read_chunks(self.trace_dir / "traces")))
         with torch.no_grad():
             z = enc.encode(torch.cat(xa))
         fit = train_aligner(z, torch.cat(xb), enc.dec, enc.mu_b, torch.cat(pos), self.cfg.aligner_context,
@@ -374,17 +430,18 @@ class Calibration:
                              self.cfg.aligner_width, list(plan), reuse_k, reuse_v, {l: patch_enc[l] for l in patched},
                              aligners, aligner_context=self.cfg.aligner_context,
                              aligner_tokens=self.cfg.aligner_tokens, aligner_window=self.cfg.aligner_window,
-                             r_x=(r_x or self.r_x) if reuse_x else 0, reuse_x=reuse_x)
+                             r_x=(r_x or self.r_x) if reuse_x else 0, reuse_x=reuse_x, code_dtype=self.cfg.code_dtype)
 
     def plan_with(self, layers) -> list[str]:
         return [("patch" if l in layers else k) for l, k in enumerate(self.base_plan)]
 
     def policy(self, val_samples) -> dict:
         """Run the layer policy on validation samples (or load its checkpoint). Returns its JSON record."""
-        path = self.dir / "policy.json"
-        if path.is_file():
+        path, inputs = self.plan_dir / "policy.json", {"val": samples_digest(val_samples)}
+        record = load_record(path, inputs, self.log)
+        if record is not None:
             self.log("stage policy: resumed from checkpoint")
-            return json.loads(path.read_text())
+            return record
         scorer = PlanScorer(self.producer, self.consumer, val_samples, self.artifacts_for)
         base_kl = scorer.kl(self.base_plan)
         layers = list(range(1, self.spec.num_layers))
@@ -395,7 +452,7 @@ class Calibration:
                   "pool": res.pool, "order": res.order, "curve": res.curve, "k_star": res.k_star,
                   "efficiency": res.efficiency, "chosen": res.chosen,
                   "aligner_curves": {str(l): self.aligner(l)[1] for l in res.pool}}
-        path.write_text(json.dumps(record, indent=1))
+        save_record(path, record, inputs)
         self.log(f"stage policy: patch layers {res.chosen} (k*={res.k_star}); KL reuse-only {base_kl:.4f} -> "
                  f"{res.curve[res.k_star]:.4f}")
         return record
@@ -406,8 +463,9 @@ class Calibration:
         record; art's aligners are replaced by the fine-tuned ones."""
         from scd.finetune import finetune_aligners
         d = self.dir / "finetuned"
-        done = d / "record.json"
-        if done.is_file():
+        inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples)}
+        done = load_record(d / "record.json", inputs, self.log)
+        if done is not None:
             for l in art.patch_layers:
                 art.aligners[l].load_state_dict(load_file(str(d / f"layer_{l}.safetensors")))
             if (d / "hidden.safetensors").is_file():
@@ -415,19 +473,20 @@ class Calibration:
                 art.reuse_x = {l: LinearCodec.from_tensors(t, f"hidden.{l}") for l in art.reuse_x}
             art.derived.clear()
             self.log("stage finetune: resumed from checkpoint")
-            return json.loads(done.read_text())
+            return done
         scorer = PlanScorer(self.producer, self.consumer, val_samples, lambda plan: art.with_plan(plan))
         fit = finetune_aligners(self.producer, self.consumer, art, tune_samples, lambda a: scorer.kl(a.plan),
                                 self.cfg.finetune_epochs, self.cfg.finetune_lr, self.cfg.batch, self.pad_id,
-                                self.cfg.seed, self.progress, lambda line: self.log(f"stage {line}"))
+                                self.cfg.seed, self.progress, lambda line: self.log(f"stage {line}"),
+                                encoders=self.cfg.finetune_encoders)
         d.mkdir(exist_ok=True)
         for l in art.patch_layers:
             save_file({k: v.contiguous() for k, v in art.aligners[l].state_dict().items()}, str(d / f"layer_{l}.safetensors"))
         if art.reuse_x:
             save_file({k: v for l, c in art.reuse_x.items() for k, v in c.tensors(f"hidden.{l}").items()},
                       str(d / "hidden.safetensors"))
-        record = {"samples": len(tune_samples), "train": fit.train, "val": fit.val, "best_epoch": fit.best_epoch}
-        done.write_text(json.dumps(record))
+        record = save_record(d / "record.json", {"samples": len(tune_samples), "train": fit.train, "val": fit.val,
+                                                 "best_epoch": fit.best_epoch}, inputs)
         self.log(f"stage finetune: validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f} "
                  f"(epoch {fit.best_epoch} of {len(fit.train)})")
         return record

@@ -18,11 +18,11 @@ import zlib
 
 import torch
 
+from scd.artifacts import CODE_DTYPES as DTYPES
 from scd.rebuild import Codes
 
 MAGIC = b"SCDC"
 VERSION = 1
-DTYPES = ("fp16", "bf16", "int8")
 _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # code tensor names per layer kind, and which dims of the artifact give their last axis
 FIELDS = {"reuse": (("z_k", "r_k"), ("z_v", "r_v")), "hidden": (("z_x", "r_x"),), "patch": (("z_h", "r_h"),),
@@ -38,21 +38,51 @@ def _shape(kind_field: str, b: int, t: int, n_kv: int, r: int) -> tuple[int, ...
     return (b, t, r) if kind_field in PER_TOKEN else (b, n_kv, t, r)
 
 
+def _int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (last dim) symmetric int8: (fp16 scales (rows,), int8 values (rows, r))."""
+    rows = x.reshape(-1, x.shape[-1])
+    scale = (rows.abs().amax(-1) / 127.0).clamp(min=1e-8).half()
+    return scale, torch.round(rows / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+
+
 def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
     x = x.detach().float().cpu().contiguous()
     if dtype == "int8":
-        rows = x.reshape(-1, x.shape[-1])
-        scale = (rows.abs().amax(-1) / 127.0).clamp(min=1e-8).half()
-        q = torch.round(rows / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        scale, q = _int8(x)
         return scale.numpy().tobytes() + q.numpy().tobytes()
     return x.to(_TORCH[dtype]).view(torch.int16).numpy().tobytes()
 
 
+def wire_round(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """One code tensor as the consumer decodes it after the wire at `dtype` (rounded to fp16/bf16, or int8
+    per row with an fp16 scale), in float32. Not differentiable: training uses x + (wire_round(x) - x).detach()."""
+    x = x.detach().float()
+    if dtype == "int8":
+        scale, q = _int8(x)
+        return (q.float() * scale.float()[:, None]).reshape(x.shape)
+    return x.to(_TORCH[dtype]).float()
+
+
+def as_received(codes: Codes, dtype: str) -> Codes:
+    """The codes after a trip over the wire at `dtype`, without serialising: what calibration scores and
+    fine-tunes on."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    out = Codes(codes.token_ids, codes.mask, list(codes.plan))
+    out.layers = {l: {name: wire_round(x, dtype) for name, x in fields.items()} for l, fields in codes.layers.items()}
+    return out
+
+
+def code_bytes_per_row(r: int, dtype: str) -> int:
+    """Wire bytes of one code row of width r (an int8 row carries its fp16 scale)."""
+    return r + 2 if dtype == "int8" else 2 * r
+
+
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n + 2 * (n // shape[-1]) if dtype == "int8" else 2 * n
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    return rows * code_bytes_per_row(shape[-1], dtype)
 
 
 def _field(body: torch.Tensor, off: int, n: int, dtype: torch.dtype) -> torch.Tensor:

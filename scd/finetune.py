@@ -5,9 +5,10 @@ The aligners are first fitted locally (each on the K/V error of its own layer). 
 fixed, the consumer runs teacher-forced continuations on top of the rebuilt cache, and the aligners are
 trained on KL(oracle || rebuilt) of its predictions: they learn what matters to the consumer's outputs, and
 to make up for the error the Reuse layers leave. The decoders of "hidden" layers (fitted in closed form on
-the K/V error) are trained with them: the producer-side encoders and so the codes stay fixed, only what the
-consumer makes of them moves. The consumer stays fixed; the weights of the best epoch on the validation
-samples are kept (the locally fitted ones if no epoch beats them).
+the K/V error) are trained with them; with `encoders=True` so are their producer-side encoders, and the codes
+themselves learn what the consumer needs (through the wire's rounding with a straight-through gradient).
+The consumer stays fixed; the weights of the best epoch on the validation samples are kept (the locally
+fitted ones if no epoch beats them).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from scd import cache
+from scd import cache, codec
 from scd.artifacts import PairArtifacts
 from scd.calibrate import pad
 from scd.rebuild import encode, rebuild
@@ -37,18 +38,21 @@ class FinetuneFit:
 
 
 @torch.no_grad()
-def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int | None) -> dict:
-    """Everything fixed for one batch: codes, the non-patch layers' K/V, the oracle's log-probabilities."""
+def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int | None, encoders: bool) -> dict:
+    """Everything fixed for one batch: codes as received (and, to train encoders, the producer's x_norm of the
+    hidden layers, in bf16), the non-trained layers' K/V, the oracle's log-probabilities."""
     ids, mask = pad([s.prefix for s in samples], pad_id, left=True)
     cont, cmask = pad([s.cont for s in samples], pad_id, left=False)
-    codes = encode(art, capture(producer, ids, mask), ids)
+    trace = capture(producer, ids, mask)
+    codes = codec.as_received(encode(art, trace, ids), art.code_dtype)
+    xa = {l: trace.xnorm[l].to(torch.bfloat16) for l in _hidden_layers(art)} if encoders else {}
     kv, _ = rebuild(consumer, art, codes)
     o = capture(consumer, ids, mask, want_xnorm=False)
     ref, _ = cache.extend(consumer, cache.assemble(consumer, list(zip(o.keys, o.values))), mask, cont[:, :-1],
                           cmask[:, :-1])
     cos, sin = cos_sin(consumer, positions_from_mask(mask))
     return {"ids": ids, "mask": mask, "cont": cont, "cmask": cmask, "codes": codes, "kv": kv, "cos": cos,
-            "sin": sin, "ref": F.log_softmax(ref.float(), -1), "x0": layer0_input(consumer, ids)}
+            "sin": sin, "ref": F.log_softmax(ref.float(), -1), "x0": layer0_input(consumer, ids), "xa": xa}
 
 
 def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
@@ -56,8 +60,13 @@ def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
     kv = list(b["kv"])
     n_kv, d = art.spec.num_kv_heads, art.spec.head_dim
     for l in _hidden_layers(art):
-        z = b["codes"].layers[l]["z_x"].float()
-        y = z @ art.reuse_x[l].dec + art.reuse_x[l].mu_b                      # (B, T, 2 n_kv d)
+        c = art.reuse_x[l]
+        if l in b["xa"]:                                        # trained encoder: codes through the wire's rounding
+            z = c.encode(b["xa"][l].float())
+            z = z + (codec.wire_round(z, art.code_dtype) - z).detach()
+        else:
+            z = b["codes"].layers[l]["z_x"].float()
+        y = z @ c.dec + c.mu_b                                                # (B, T, 2 n_kv d)
         bt = y.shape[:2]
         k = y[..., :n_kv * d].view(*bt, n_kv, d).transpose(1, 2)
         v = y[..., n_kv * d:].view(*bt, n_kv, d).transpose(1, 2)
@@ -81,27 +90,29 @@ def _state(art: PairArtifacts) -> dict:
     """A copy of everything fine-tuning moves: aligner weights and hidden-state decoders."""
     return {"aligners": {l: {k: t.detach().clone() for k, t in art.aligners[l].state_dict().items()}
                          for l in art.patch_layers},
-            "hidden": {l: (art.reuse_x[l].dec.detach().clone(), art.reuse_x[l].mu_b.detach().clone())
-                       for l in _hidden_layers(art)}}
+            "hidden": {l: LinearCodec(*(t.detach().clone() for t in (c.mu_a, c.enc, c.mu_b, c.dec)))
+                       for l, c in art.reuse_x.items() if l in _hidden_layers(art)}}
 
 
 def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: Callable[[PairArtifacts], float],
                       epochs: int = 3, lr: float = 1e-4, batch: int = 8, pad_id: int | None = 0, seed: int = 0,
-                      progress: bool = False, log: Callable[[str], None] = lambda s: None) -> FinetuneFit:
-    """Fine-tune art's aligners and hidden-state decoders in place on (prefix, continuation) samples;
-    val_kl(art) scores a candidate."""
+                      progress: bool = False, log: Callable[[str], None] = lambda s: None,
+                      encoders: bool = False) -> FinetuneFit:
+    """Fine-tune art's aligners and hidden-state decoders (and with `encoders`, their encoders) in place on
+    (prefix, continuation) samples; val_kl(art) scores a candidate."""
     hidden = _hidden_layers(art)
     if not art.patch_layers and not hidden:
         raise ValueError("the plan has no Patch or hidden layers: nothing to fine-tune")
     art.reuse_x = dict(art.reuse_x)              # own codecs: the calibration's closed-form ones stay as they are
     for l in hidden:
         c = art.reuse_x[l]
-        art.reuse_x[l] = LinearCodec(c.mu_a, c.enc, c.mu_b.detach().clone().requires_grad_(True),
-                                     c.dec.detach().clone().requires_grad_(True))
+        own = lambda t, train: t.detach().clone().requires_grad_(train)  # noqa: E731
+        art.reuse_x[l] = LinearCodec(own(c.mu_a, encoders), own(c.enc, encoders), own(c.mu_b, True), own(c.dec, True))
     params = [q for l in art.patch_layers for q in art.aligners[l].parameters()]
-    params += [t for l in hidden for t in (art.reuse_x[l].dec, art.reuse_x[l].mu_b)]
+    params += [t for l in hidden for t in vars(art.reuse_x[l]).values() if t.requires_grad]
     frozen = [q for q in consumer.parameters() if q.requires_grad]
-    batches = [_batch(producer, consumer, art, samples[i:i + batch], pad_id) for i in range(0, len(samples), batch)]
+    batches = [_batch(producer, consumer, art, samples[i:i + batch], pad_id, encoders)
+               for i in tqdm(range(0, len(samples), batch), desc="finetune batches", disable=not progress)]
     best_state = _state(art)
     fit = FinetuneFit([], [val_kl(art.with_plan(art.plan))], 0)
     gen = torch.Generator().manual_seed(seed)
@@ -132,6 +143,6 @@ def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: C
         art.aligners[l].load_state_dict(best_state["aligners"][l])
         art.aligners[l].eval()
     for l in hidden:
-        art.reuse_x[l].dec, art.reuse_x[l].mu_b = best_state["hidden"][l]
+        art.reuse_x[l] = best_state["hidden"][l]
     art.derived.clear()                                         # fused forms of the old weights
     return fit

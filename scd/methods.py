@@ -137,8 +137,9 @@ class DroidSpeak(Method):
 class SCDMethod(Method):
     """Codes through the real wire format: producer encode -> bytes -> consumer decode + rebuild."""
 
-    def __init__(self, art: PairArtifacts, name: str = "scd", dtype: str = "fp16", artifact_id: str = "local"):
-        self.art, self.name, self.dtype, self.artifact_id = art, name, dtype, artifact_id
+    def __init__(self, art: PairArtifacts, name: str = "scd", dtype: str | None = None, artifact_id: str = "local"):
+        """dtype: the codes' wire precision (default: the one the artifact was calibrated for)."""
+        self.art, self.name, self.dtype, self.artifact_id = art, name, dtype or art.code_dtype, artifact_id
 
     def build(self, consumer, ids, mask, producer_trace):
         t0 = time.perf_counter()

@@ -89,6 +89,24 @@ def folder_digest(path: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
+def weights_digest(model: "torch.nn.Module | dict[str, torch.Tensor]") -> str:
+    """sha256 over (name, dtype, shape, raw bytes) of every state_dict entry in sorted name order, 32 hex."""
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        # a uint8 view is a zero-copy byte image that works for every dtype (bf16 included)
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()[:32]
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """A loaded model's identity: `scd_weights_digest` for an adapter merged at load (see load), else
+    weights_digest of its state_dict."""
+    return getattr(model, "scd_weights_digest", None) or weights_digest(model)
+
+
 def is_adapter(path: str | Path) -> bool:
     """A PEFT adapter folder (adapter_config.json, no config.json of its own)."""
     p = Path(path).expanduser()

@@ -35,7 +35,7 @@ def test_job_publishes_a_verified_artifact_with_report_and_resumes(job, capsys):
     assert "already published" in capsys.readouterr().out
 
     # a job killed after the policy stage resumes its checkpoints and publishes a new version
-    work = next((tmp_path / "work" / "base__qa").iterdir())
+    work = next((tmp_path / "work" / "base__qa").rglob("published.json")).parent     # the job's own folder
     for name in ("published.json", "eval.json", "pareto.json"):
         (work / name).unlink()
     ref2 = calibrate(["--pair", "base:qa", "--config", str(cfg)])
@@ -97,7 +97,7 @@ def test_a_calibration_that_fails_the_quality_gate_is_not_published_and_says_why
     strict.write_text(yaml.safe_dump(raw))
     store = ArtifactStore(tmp_path / "store")
     before = [v.version for v in store.list("base:qa")]
-    work = next((tmp_path / "work" / "base__qa").iterdir())
+    work = next((tmp_path / "work" / "base__qa").rglob("published.json")).parent
     (work / "published.json").unlink(missing_ok=True)       # else the finished calibration is not looked at again
     with pytest.raises(SystemExit) as e:
         calibrate(["--pair", "base:qa", "--config", str(strict)])

@@ -1,4 +1,6 @@
 """End-to-end numeric pipeline on a tiny random pair: calibrate, then every method through the harness."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -94,8 +96,8 @@ def test_calibration_resumes_from_its_checkpoints(tmp_path):
     first = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)
     first.traces()
     # simulate a kill after the first chunk: drop the done marker and the later chunks
-    (first.dir / "traces.json").unlink()
-    for p in sorted((first.dir / "traces").glob("chunk_*"))[1:]:
+    (first.trace_dir / "traces.json").unlink()
+    for p in sorted((first.trace_dir / "traces").glob("chunk_*"))[1:]:
         p.unlink()
     calls = []
     second = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)
@@ -111,15 +113,47 @@ def test_calibration_resumes_from_its_checkpoints(tmp_path):
         assert torch.equal(v, art2.tensors()[k]), k
 
 
-@pytest.mark.parametrize("source", ["kv", "hidden"])
-def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, source):
+def test_a_changed_setting_redoes_only_the_stages_that_depend_on_it(tmp_path):
+    a = tiny_llama(0)
+    b = perturbed(a, 0.5)
+    spec = ModelSpec.from_config(a.config)
+    prefixes = [s.prefix for s in _samples(16, 1)]
+    cfg = CalibConfig(r_k=2, r_v=3, r_h=8, aligner_epochs=2, pool=1, batch=8, finetune_samples=8, finetune_epochs=1)
+    val, tune = _samples(3, 2), _samples(8, 4, t=20, c=8)
+    logs = []
+
+    def run(c, v=val, consumer=b):
+        logs.clear()
+        cal = Calibration(a, consumer, spec, "a:b", prefixes, tmp_path, c, progress=False, log=logs.append)
+        cal.run(v, tune_samples=tune)
+        return cal, " | ".join(logs)
+
+    first, _ = run(cfg)
+    # fine-tuning settings: traces, aligners, ranks and policy are reused, fine-tuning is redone
+    second, out = run(CalibConfig(**{**cfg.__dict__, "finetune_lr": 3e-4}))
+    assert "traces: resumed" in out and "policy: resumed" in out and "finetune: resumed" not in out, out
+    assert second.trace_dir == first.trace_dir and second.plan_dir == first.plan_dir and second.dir != first.dir
+    # a policy setting: the aligners and traces stay, the policy is redone
+    third, out = run(CalibConfig(**{**cfg.__dict__, "patch_cost": 0.5}))
+    assert "traces: resumed" in out and "policy: resumed" not in out and "aligner for layer" in out, out
+    assert "trained" not in out and third.plan_dir != first.plan_dir, out
+    # other validation samples: the policy is recomputed in the same folder
+    _, out = run(cfg, v=_samples(3, 7))
+    assert "policy: checkpoint was computed on other samples" in out and "policy: resumed" not in out, out
+    # other consumer weights: nothing is reused
+    fourth, out = run(cfg, consumer=perturbed(a, 0.4))
+    assert fourth.trace_dir != first.trace_dir and "traces: done" in out, out
+
+
+@pytest.mark.parametrize("source, encoders", [("kv", False), ("hidden", False), ("hidden", True)])
+def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, source, encoders):
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
     prefixes = [s.prefix for s in _samples(24, 1)]
     cfg = CalibConfig(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source=source, aligner_epochs=3,
-                      pool=1 if source == "hidden" else 2, batch=8,
-                      finetune_samples=16, finetune_epochs=3, finetune_lr=3e-3)
+                      pool=1 if source == "hidden" else 2, batch=8, finetune_samples=16, finetune_epochs=3,
+                      finetune_lr=3e-3, finetune_encoders=encoders, code_dtype="int8" if encoders else "fp16")
     tune, val = _samples(16, 4, t=20, c=8), _samples(4, 2)
     logs = []
     cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)
@@ -141,7 +175,9 @@ def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, s
         assert "hidden" in art.plan and rec["best_epoch"] > 0, (art.plan, rec)
         fitted = cal.hidden()
         moved = max((art.reuse_x[l].dec - fitted[l].dec).abs().max().item() for l in art.reuse_x)
-        assert moved > 0 and not any(c.dec.requires_grad for c in art.reuse_x.values())
+        assert moved > 0 and not any(c.dec.requires_grad or c.enc.requires_grad for c in art.reuse_x.values())
+        enc_moved = max((art.reuse_x[l].enc - fitted[l].enc).abs().max().item() for l in art.reuse_x)
+        assert (enc_moved > 0) == encoders, f"encoders moved by {enc_moved:.2e} with finetune_encoders={encoders}"
 
 
 def test_padding_id_does_not_matter_and_none_is_accepted(tmp_path):
@@ -209,6 +245,40 @@ def test_hidden_state_reuse_beats_per_head_reuse_at_equal_payload_on_a_perturbed
         assert abs(cal.payload_ratio(ranks) - 2 * 2 * 4 * 2 / spec.kv_bytes_per_token) < 1e-12
         kl[source] = PlanScorer(a, b, val, cal.artifacts_for).kl(cal.base_plan)
     assert kl["hidden"] < kl["kv"], f"hidden-state Reuse KL {kl['hidden']:.4f} vs per-head {kl['kv']:.4f}"
+
+
+def test_int8_codes_count_their_bytes_and_are_what_the_artifact_sends(tmp_path):
+    """code_dtype int8: the payload budget counts one byte per value plus a 2-byte scale per row, the artifact
+    carries the precision through save/load, and the evaluated method sends exactly those bytes; the KL it is
+    scored at in calibration is the KL of what arrives."""
+    from scd.artifacts import PairArtifacts
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    spec = ModelSpec.from_config(a.config)
+    prefixes = [s.prefix for s in _samples(24, 1)]
+    val = _samples(3, 2)
+    cals = {d: Calibration(a, b, spec, "a:b", prefixes, tmp_path / d, CalibConfig(reuse_source="hidden", r_x=12,
+                                                                                 code_dtype=d, batch=16),
+                           progress=False, log=lambda s: None) for d in ("fp16", "int8")}
+    layers = spec.num_layers - 1                                               # layer 0 is exact
+    for d, per_row in (("fp16", 24), ("int8", 14)):
+        got = cals[d].payload_ratio({"r_x": 12})
+        assert abs(got - layers * per_row / spec.kv_bytes_per_token) < 1e-12, (d, got)
+    cals["int8"].traces()
+    art = cals["int8"].artifacts_for(cals["int8"].base_plan)
+    art.save(tmp_path / "art")
+    back = PairArtifacts.load(tmp_path / "art")
+    assert back.code_dtype == "int8"
+    sent = Evaluator(a, b).sample(val[0], [methods.SCDMethod(back)])[0].payload_bytes
+    t = len(val[0].prefix)
+    want = layers * t * 14 + 5 * t                                            # codes + token ids and mask
+    assert want < sent < want + 600, (sent, want)                             # + header and crc
+    # calibration scores what arrives: the int8 KL differs from the fp16 one, and only slightly
+    fp16 = PlanScorer(a, b, val, lambda plan: dataclasses.replace(art.with_plan(plan), code_dtype="fp16")).kl(art.plan)
+    int8 = PlanScorer(a, b, val, art.with_plan).kl(art.plan)
+    assert 0 < abs(int8 - fp16) < 0.05 * fp16 + 1e-3, (int8, fp16)
+    with pytest.raises(ValueError, match="code_dtype"):
+        CalibConfig(code_dtype="int3")
 
 
 def test_hidden_state_artifacts_survive_save_load_and_the_wire_and_rebuild_padded_batches_row_by_row(tmp_path):
