@@ -42,8 +42,13 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-tokens", type=int, default=160)
     p.add_argument("--seed", type=int, default=0)
     for f in fields(CalibConfig):
-        if f.name not in ("seed",):
-            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+        if f.name == "seed":
+            continue
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            p.add_argument(flag, type=type(f.default), default=f.default)
 
 
 def resolve_pair(args) -> tuple[str, str, str, str]:
