@@ -47,6 +47,9 @@ def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int | None, 
     codes = codec.as_received(encode(art, trace, ids), art.code_dtype)
     xa = {l: trace.xnorm[l].to(torch.bfloat16) for l in _hidden_layers(art)} if encoders else {}
     kv, _ = rebuild(consumer, art, codes)
+    trained = set(_hidden_layers(art)) | set(art.patch_layers)
+    # _kl makes the trained layers' K/V; keep only the others, as copies (they are views of whole-model buffers)
+    kv = [None if l in trained else (layer[0].clone(), layer[1].clone()) for l, layer in enumerate(kv)]
     o = capture(consumer, ids, mask, want_xnorm=False)
     ref, _ = cache.extend(consumer, cache.assemble(consumer, list(zip(o.keys, o.values))), mask, cont[:, :-1],
                           cmask[:, :-1])
