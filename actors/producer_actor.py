@@ -33,12 +33,12 @@ PRODUCER_NAME = "scd-producer"
 @ray.remote(concurrency_groups={"control": 4})
 class ProducerActor:
     def __init__(self, model_path: str, pairs: dict[str, str], store_uri: str, namespace: str | None = None,
-                 cache_bytes: int = 64 << 20, dtype: str = "fp16", transport: str = "object_store",
+                 cache_bytes: int = 64 << 20, transport: str = "object_store",
                  watch_s: float = 10.0):
         torch.set_num_threads(cpu_threads())
         dev = device()
         model, tok, _ = load(model_path)
-        self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dtype, dev)
+        self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dev)
         self.registry = registry(store_uri, namespace)
         self.store_uri, self.store = store_uri, None       # the store itself only for leases (registry reads)
         self.expect = Fingerprints.of(producer=model, tokenizer=tok)
