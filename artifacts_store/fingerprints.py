@@ -13,7 +13,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts_store.errors import FingerprintMismatch
-from scd.calibrate import data_digest as calibration_digest  # noqa: F401  (one digest for both)
+from scd.checkpoints import data_digest as calibration_digest  # noqa: F401  (one digest for both)
 from scd.models import ModelSpec, model_digest, weights_digest  # noqa: F401  (weights_digest re-exported)
 
 

@@ -25,7 +25,8 @@ from cluster.config import load_config
 from cluster.runtime import actor_options, connect
 from jobs import report, samples
 from scd import methods
-from scd.calibrate import CalibConfig, Calibration, PlanScorer, load_record, samples_digest, save_record
+from scd.calibrate import CalibConfig, Calibration, PlanScorer
+from scd.checkpoints import load_record, samples_digest, save_record
 from scd.diagnostics import xnorm_errors
 from scd.evaluate import Evaluator
 from scd.models import load_pair

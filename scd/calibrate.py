@@ -19,7 +19,6 @@ it differs.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -32,6 +31,7 @@ from tqdm import tqdm
 from scd import cache, metrics, policy
 from scd import codec
 from scd.artifacts import CODE_DTYPES, PairArtifacts
+from scd.checkpoints import data_digest, key_dir, load_record, samples_digest, save_record
 from scd.models import ModelSpec, model_digest
 from scd.patch import Aligner, train_aligner
 from scd.rebuild import encode, rebuild
@@ -112,49 +112,6 @@ def pad(seqs: list[torch.Tensor], pad_id: int | None, left: bool = True) -> tupl
     return ids, mask
 
 
-def data_digest(prefixes) -> str:
-    """sha256 over the token ids of the calibration prefixes, in order (same data -> same digest), 32 hex.
-    Keys the checkpoint folder, and the registry records it in each manifest (as calibration_digest)."""
-    h = hashlib.sha256()
-    for p in prefixes:
-        t = torch.as_tensor(p).detach().to("cpu", torch.int64).contiguous()
-        h.update(f"{tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()[:32]
-
-
-def samples_digest(samples) -> str:
-    """data_digest of (prefix, continuation) samples, in order."""
-    return data_digest([t for s in samples for t in (s.prefix, s.cont)])
-
-
-def _key_dir(parent: Path, prefix: str, key: dict) -> Path:
-    """parent/<prefix><12 hex of the key>, created, with the key beside its contents (key.json)."""
-    d = parent / f"{prefix}{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True))
-    return d
-
-
-def load_record(path: Path, inputs: dict, log: Callable[[str], None] = lambda s: None) -> dict | None:
-    """A JSON stage record written by save_record for the same inputs (e.g. sample digests), else None."""
-    if not path.is_file():
-        return None
-    record = json.loads(path.read_text())
-    if record.get("inputs") != inputs:
-        log(f"stage {path.stem}: checkpoint was computed on other samples; recomputing")
-        return None
-    return {k: v for k, v in record.items() if k != "inputs"}
-
-
-def save_record(path: Path, record: dict, inputs: dict) -> dict:
-    """Write a JSON stage record with the inputs it depends on, atomically (the file marks the stage done)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**record, "inputs": inputs}, indent=1))
-    tmp.replace(path)
-    return record
-
-
 class PlanScorer:
     """Mean KL(oracle || rebuilt) over validation samples for a plan, with oracle traces computed once."""
 
@@ -190,14 +147,14 @@ class Calibration:
         self.prefixes, self.pad_id, self.progress, self.log = prefixes, pad_id, progress, log
         config = asdict(cfg)
         models = [model_digest(producer), model_digest(consumer)]
-        self.trace_dir = _key_dir(Path(work_root) / pair.replace(":", "__"), "", {
+        self.trace_dir = key_dir(Path(work_root) / pair.replace(":", "__"), "", {
             "format": CHECKPOINT_FORMAT, "pair": pair, "models": models, "data": data_digest(prefixes),
             "spec": spec.fingerprint(), **{k: config[k] for k in TRACE_FIELDS}})
-        self.aligner_dir = _key_dir(self.trace_dir / "aligners", "", {k: config[k] for k in ALIGNER_FIELDS})
-        self.plan_dir = _key_dir(self.trace_dir, "plan-", {
+        self.aligner_dir = key_dir(self.trace_dir / "aligners", "", {k: config[k] for k in ALIGNER_FIELDS})
+        self.plan_dir = key_dir(self.trace_dir, "plan-", {
             "exact_layer0": exact_layer0,
             **{k: v for k, v in config.items() if k not in TRACE_FIELDS + TUNE_FIELDS}})
-        self.dir = _key_dir(self.plan_dir, "tune-", {k: config[k] for k in TUNE_FIELDS})
+        self.dir = key_dir(self.plan_dir, "tune-", {k: config[k] for k in TUNE_FIELDS})
         kind = "hidden" if cfg.reuse_source == "hidden" else "reuse"
         self.base_plan = ["exact" if exact_layer0 else kind] + [kind] * (spec.num_layers - 1)
         self._grams = None

@@ -1,0 +1,53 @@
+"""Digests and JSON records of calibration checkpoints: what a stage's checkpoint depends on, and whether a
+checkpoint on disk was computed for the same inputs (see scd.calibrate for the folder layout)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def data_digest(prefixes) -> str:
+    """sha256 over the token ids of the calibration prefixes, in order (same data -> same digest), 32 hex.
+    Keys the checkpoint folder, and the registry records it in each manifest (as calibration_digest)."""
+    h = hashlib.sha256()
+    for p in prefixes:
+        t = torch.as_tensor(p).detach().to("cpu", torch.int64).contiguous()
+        h.update(f"{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()[:32]
+
+
+def samples_digest(samples) -> str:
+    """data_digest of (prefix, continuation) samples, in order."""
+    return data_digest([t for s in samples for t in (s.prefix, s.cont)])
+
+
+def key_dir(parent: Path, prefix: str, key: dict) -> Path:
+    """parent/<prefix><12 hex of the key>, created, with the key beside its contents (key.json)."""
+    d = parent / f"{prefix}{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True))
+    return d
+
+
+def load_record(path: Path, inputs: dict, log: Callable[[str], None] = lambda s: None) -> dict | None:
+    """A JSON stage record written by save_record for the same inputs (e.g. sample digests), else None."""
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("inputs") != inputs:
+        log(f"stage {path.stem}: checkpoint was computed on other samples; recomputing")
+        return None
+    return {k: v for k, v in record.items() if k != "inputs"}
+
+
+def save_record(path: Path, record: dict, inputs: dict) -> dict:
+    """Write a JSON stage record with the inputs it depends on, atomically (the file marks the stage done)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**record, "inputs": inputs}, indent=1))
+    tmp.replace(path)
+    return record
