@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_pair_args(p)
     p.add_argument("--tokens", default="1024", help="prefix length(s), e.g. 1024,2048,4096")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--dtype", choices=["fp16", "bf16", "int8"], help="code precision (default: the artifact's)")
+    p.add_argument("--dtype", choices=codec.DTYPES, help="code precision (default: the artifact's)")
     p.add_argument("--work-dir", default="runs/eval")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

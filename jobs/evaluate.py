@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from jobs import samples
-from scd import methods
+from scd import codec, methods
 from scd.artifacts import PairArtifacts
 from scd.calibrate import CalibConfig, Calibration
 from scd.evaluate import Evaluator, table
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_pair_args(p)
     p.add_argument("--samples", type=int, default=48, help="held-out evaluation samples")
     p.add_argument("--methods", default=",".join(methods.METHODS))
-    p.add_argument("--dtype", choices=["fp16", "bf16", "int8"],
+    p.add_argument("--dtype", choices=codec.DTYPES,
                    help="code precision on the wire (default: the one the artifact was calibrated for)")
     p.add_argument("--droidspeak-layers", type=int, default=2)
     p.add_argument("--work-dir", default="runs/eval", help="traces and the calibrated artifact are kept here")

@@ -28,8 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from scd import cache, metrics, policy
-from scd import codec
+from scd import cache, codec, metrics, policy
 from scd.artifacts import CODE_DTYPES, PairArtifacts
 from scd.checkpoints import data_digest, key_dir, load_record, samples_digest, save_record
 from scd.models import ModelSpec, model_digest

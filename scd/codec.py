@@ -45,6 +45,11 @@ def _int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, torch.round(rows / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
 
 
+def _dequant(scale: torch.Tensor, q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Float32 values of per-row int8 codes (the inverse of _int8, up to rounding), shaped `shape`."""
+    return (q.float().reshape(-1, shape[-1]) * scale.float()[:, None]).reshape(shape)
+
+
 def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
     x = x.detach().float().cpu().contiguous()
     if dtype == "int8":
@@ -58,8 +63,7 @@ def wire_round(x: torch.Tensor, dtype: str) -> torch.Tensor:
     per row with an fp16 scale), in float32. Not differentiable: training uses x + (wire_round(x) - x).detach()."""
     x = x.detach().float()
     if dtype == "int8":
-        scale, q = _int8(x)
-        return (q.float() * scale.float()[:, None]).reshape(x.shape)
+        return _dequant(*_int8(x), x.shape)
     return x.to(_TORCH[dtype]).float()
 
 
@@ -101,9 +105,7 @@ def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str
         n *= s
     if dtype == "int8":
         rows = n // shape[-1]
-        scale = _field(body, off, 2 * rows, torch.float16).float()
-        q = _field(body, off + 2 * rows, n, torch.int8).float().reshape(rows, shape[-1])
-        return (q * scale[:, None]).reshape(shape)
+        return _dequant(_field(body, off, 2 * rows, torch.float16), _field(body, off + 2 * rows, n, torch.int8), shape)
     return _field(body, off, 2 * n, _TORCH[dtype]).reshape(shape)
 
 
