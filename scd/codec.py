@@ -58,13 +58,22 @@ def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
     return x.to(_TORCH[dtype]).view(torch.int16).numpy().tobytes()
 
 
+def wire_tensors(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ...]:
+    """One code tensor in its wire precision, compact: (fp16 scales, int8 values) for int8, else the tensor in
+    fp16/bf16. `from_wire_tensors` gives back what the consumer decodes."""
+    x = x.detach().float()
+    return _int8(x) if dtype == "int8" else (x.to(_TORCH[dtype]),)
+
+
+def from_wire_tensors(parts: tuple[torch.Tensor, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 code of shape `shape` that `wire_tensors` parts stand for."""
+    return _dequant(*parts, shape) if len(parts) == 2 else parts[0].float().reshape(shape)
+
+
 def wire_round(x: torch.Tensor, dtype: str) -> torch.Tensor:
     """One code tensor as the consumer decodes it after the wire at `dtype` (rounded to fp16/bf16, or int8
     per row with an fp16 scale), in float32. Not differentiable: training uses x + (wire_round(x) - x).detach()."""
-    x = x.detach().float()
-    if dtype == "int8":
-        return _dequant(*_int8(x), x.shape)
-    return x.to(_TORCH[dtype]).float()
+    return from_wire_tensors(wire_tensors(x, dtype), tuple(x.shape))
 
 
 def as_received(codes: Codes, dtype: str) -> Codes:

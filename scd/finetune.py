@@ -39,12 +39,15 @@ class FinetuneFit:
 
 @torch.no_grad()
 def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int | None, encoders: bool) -> dict:
-    """Everything fixed for one batch: codes as received (and, to train encoders, the producer's x_norm of the
-    hidden layers, in bf16), the non-trained layers' K/V, the oracle's log-probabilities."""
+    """Everything fixed for one batch, compact so that many samples fit in memory: the codes as received, in
+    their wire precision (and, to train encoders, the producer's x_norm of the hidden layers, in bf16), the
+    non-trained layers' K/V, the oracle's log-probabilities in bf16."""
     ids, mask = pad([s.prefix for s in samples], pad_id, left=True)
     cont, cmask = pad([s.cont for s in samples], pad_id, left=False)
     trace = capture(producer, ids, mask)
     codes = codec.as_received(encode(art, trace, ids), art.code_dtype)
+    wire = {l: {name: (tuple(x.shape), codec.wire_tensors(x, art.code_dtype)) for name, x in fields.items()}
+            for l, fields in codes.layers.items()}                    # exact: x is already wire-rounded
     xa = {l: trace.xnorm[l].to(torch.bfloat16) for l in _hidden_layers(art)} if encoders else {}
     kv, _ = rebuild(consumer, art, codes)
     trained = set(_hidden_layers(art)) | set(art.patch_layers)
@@ -54,8 +57,14 @@ def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int | None, 
     ref, _ = cache.extend(consumer, cache.assemble(consumer, list(zip(o.keys, o.values))), mask, cont[:, :-1],
                           cmask[:, :-1])
     cos, sin = cos_sin(consumer, positions_from_mask(mask))
-    return {"ids": ids, "mask": mask, "cont": cont, "cmask": cmask, "codes": codes, "kv": kv, "cos": cos,
-            "sin": sin, "ref": F.log_softmax(ref.float(), -1), "x0": layer0_input(consumer, ids), "xa": xa}
+    return {"ids": ids, "mask": mask, "cont": cont, "cmask": cmask, "wire": wire, "kv": kv, "cos": cos,
+            "sin": sin, "ref": F.log_softmax(ref.float(), -1).bfloat16(), "x0": layer0_input(consumer, ids), "xa": xa}
+
+
+def _code(b: dict, layer: int, name: str) -> torch.Tensor:
+    """One layer's code of a batch as received, float32."""
+    shape, parts = b["wire"][layer][name]
+    return codec.from_wire_tensors(parts, shape)
 
 
 def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
@@ -68,18 +77,18 @@ def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
             z = c.encode(b["xa"][l].float())
             z = z + (codec.wire_round(z, art.code_dtype) - z).detach()
         else:
-            z = b["codes"].layers[l]["z_x"].float()
+            z = _code(b, l, "z_x")
         y = z @ c.dec + c.mu_b                                                # (B, T, 2 n_kv d)
         bt = y.shape[:2]
         k = y[..., :n_kv * d].view(*bt, n_kv, d).transpose(1, 2)
         v = y[..., n_kv * d:].view(*bt, n_kv, d).transpose(1, 2)
         kv[l] = (apply_rope(k.to(b["cos"].dtype), b["cos"], b["sin"]), v.to(b["cos"].dtype))
     for l in art.patch_layers:
-        x = art.aligners[l](b["codes"].layers[l]["z_h"].float(), b["mask"], b["x0"])
+        x = art.aligners[l](_code(b, l, "z_h"), b["mask"], b["x0"])
         kv[l] = regenerate_kv(consumer.model.layers[l], x.to(b["cos"].dtype), b["cos"], b["sin"], art.spec.head_dim)
     logits, _ = cache.forward_on_cache(consumer, cache.assemble(consumer, kv), b["mask"], b["cont"][:, :-1],
                                        b["cmask"][:, :-1])
-    lp, ref = F.log_softmax(logits.float(), -1), b["ref"]
+    lp, ref = F.log_softmax(logits.float(), -1), b["ref"].float()
     per_token = (ref.exp() * (ref - lp)).sum(-1)
     valid = b["cmask"][:, 1:].to(per_token.dtype)               # targets cont[1:] that are real tokens
     return (per_token * valid).sum() / valid.sum().clamp(min=1)
