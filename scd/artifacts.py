@@ -79,18 +79,15 @@ class PairArtifacts:
         return self.derived[key]
 
     def hidden_decoders(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Decoders of the given hidden layers stacked per head, made once, so that one batched matmul per
-        head writes that head's K (or V) of every layer straight into the cache's (B, n_kv, T, d) layout (one
-        matmul over all heads plus a transposing copy was slower, measured): (dec_k (n_kv, L, r_x, d),
-        mu_k (n_kv, L, 1, d), dec_v, mu_v)."""
+        """Decoders of the given hidden layers split into their K and V halves and stacked, made once:
+        (dec_k (L, r_x, n_kv d), mu_k (L, n_kv d), dec_v, mu_v)."""
         key = ("hidden", layers, dtype)
         if key not in self.derived:
-            n_kv, d = self.spec.num_kv_heads, self.spec.head_dim
+            m = self.spec.num_kv_heads * self.spec.head_dim
             dec = torch.stack([self.reuse_x[l].dec for l in layers]).to(dtype)            # (L, r, 2 n_kv d)
             mu = torch.stack([self.reuse_x[l].mu_b for l in layers]).to(dtype)            # (L, 2 n_kv d)
-            dec = dec.unflatten(-1, (2, n_kv, d)).permute(2, 3, 0, 1, 4)                   # (2, n_kv, L, r, d)
-            mu = mu.unflatten(-1, (2, n_kv, d)).permute(1, 2, 0, 3)[:, :, :, None]         # (2, n_kv, L, 1, d)
-            self.derived[key] = (dec[0].contiguous(), mu[0].contiguous(), dec[1].contiguous(), mu[1].contiguous())
+            self.derived[key] = (dec[..., :m].contiguous(), mu[:, :m].contiguous(), dec[..., m:].contiguous(),
+                                 mu[:, m:].contiguous())
         return self.derived[key]
 
     @property
