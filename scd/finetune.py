@@ -12,6 +12,8 @@ fitted ones if no epoch beats them).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 from typing import Callable
 
@@ -94,6 +96,16 @@ def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
     return (per_token * valid).sum() / valid.sum().clamp(min=1)
 
 
+def _release_freed_memory() -> None:
+    """Hand the memory freed by building a batch back to the OS (glibc's malloc_trim; a no-op elsewhere).
+    Building a batch frees about 2 GB of temporaries around the 60 MB it keeps; without this the heap's
+    free pages stayed resident and a 768-sample fine-tuning grew by about 200 MB per 60 MB batch."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def _hidden_layers(art: PairArtifacts) -> list[int]:
     return [l for l, k in enumerate(art.plan) if k == "hidden"]
 
@@ -123,8 +135,10 @@ def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: C
     params = [q for l in art.patch_layers for q in art.aligners[l].parameters()]
     params += [t for l in hidden for t in vars(art.reuse_x[l]).values() if t.requires_grad]
     frozen = [q for q in consumer.parameters() if q.requires_grad]
-    batches = [_batch(producer, consumer, art, samples[i:i + batch], pad_id, encoders)
-               for i in tqdm(range(0, len(samples), batch), desc="finetune batches", disable=not progress)]
+    batches = []
+    for i in tqdm(range(0, len(samples), batch), desc="finetune batches", disable=not progress):
+        batches.append(_batch(producer, consumer, art, samples[i:i + batch], pad_id, encoders))
+        _release_freed_memory()
     best_state = _state(art)
     fit = FinetuneFit([], [val_kl(art.with_plan(art.plan))], 0)
     gen = torch.Generator().manual_seed(seed)

@@ -76,12 +76,12 @@ def prepare(model, art: PairArtifacts) -> None:
 def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str, float]]:
     """Consumer side: per-layer (K post-RoPE, V) in the consumer's own feature space, plus phase times (ms).
 
-    Hidden layers (most of a real family's plan) decode layer by layer, K and V straight into the
-    (B, T, n_kv, d) layout of their matmul, keys rotated while that output is still in cache: per-layer
-    tensors come from the allocator's free lists, where one buffer for all layers is fresh pages on every
-    request (measured 1.3-1.6x slower at 2048 tokens). The other layers' keys are gathered before RoPE into
-    one buffer (ordered exact, reuse, patch) and rotated once at the end; all Reuse layers decode in one
-    batched matmul each for K and V."""
+    Every kind of layer decodes K before RoPE and V in the (B, T, n_kv, d) layout its matmul writes, and the
+    keys are rotated there; the cache holds (B, n_kv, T, d) views of that storage (no transposing copies).
+    Hidden layers (most of a real family's plan) go layer by layer, keys rotated while the matmul's output
+    is still in cache: per-layer tensors come from the allocator's free lists, where one buffer for all
+    layers is fresh pages on every request (measured 1.3-1.6x slower at 2048 tokens). Per-head Reuse
+    layers decode in one batched matmul each for K and V; all Patch layers run together."""
     t0 = time.perf_counter()
     dtype = next(model.parameters()).dtype
     b, t = codes.token_ids.shape
@@ -89,48 +89,34 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
     tables = consumer_tables(model, d_h)
     cos, sin = tables.rope(positions_from_mask(codes.mask), dtype)
     by_kind = {kind: [l for l, k in enumerate(codes.plan) if k == kind] for kind in ("exact", "reuse", "hidden", "patch")}
-    order = by_kind["exact"] + by_kind["reuse"] + by_kind["patch"]            # keys rotated together at the end
-    hidden_kv: dict[int, KV] = {}
-    keys = torch.empty(len(order), b, n_kv, t, d_h, dtype=dtype, device=codes.token_ids.device)
-    values: dict[int, torch.Tensor] = {}
-    heads = lambda x: x.view(b, t, n_kv, d_h).transpose(1, 2)  # noqa: E731  (B, T, n_kv*d) -> (B, n_kv, T, d)
+    kv: dict[int, KV] = {}
+    heads = lambda x: x.view(*x.shape[:-2], t, n_kv, d_h).transpose(-3, -2)  # noqa: E731  (..., T, n_kv*d) -> (..., n_kv, T, d)
     if by_kind["exact"]:
         k0, v0 = tables.layer0(codes.token_ids)
-        keys[0].copy_(heads(k0))
-        values[0] = heads(v0)
+        kv[0] = (apply_rope(heads(k0), cos, sin), heads(v0))
     if reuse := by_kind["reuse"]:
         dec_k, mu_k, dec_v, mu_v = art.reuse_decoders(tuple(reuse), dtype)
-        first = len(by_kind["exact"])
-        _decode_stacked(dec_k, mu_k, [codes.layers[l]["z_k"] for l in reuse], dtype, out=keys[first:first + len(reuse)])
+        k = apply_rope(_decode_stacked(dec_k, mu_k, [codes.layers[l]["z_k"] for l in reuse], dtype), cos, sin)
         v = _decode_stacked(dec_v, mu_v, [codes.layers[l]["z_v"] for l in reuse], dtype)
-        values.update({l: v[i] for i, l in enumerate(reuse)})
+        kv.update({l: (k[i], v[i]) for i, l in enumerate(reuse)})
     if hidden := by_kind["hidden"]:                     # one code per token -> K and V of every head
         dec_k, mu_k, dec_v, mu_v = art.hidden_decoders(tuple(hidden), dtype)
         for i, l in enumerate(hidden):
             z = codes.layers[l]["z_x"].reshape(b * t, -1).to(dtype)
-            k = torch.addmm(mu_k[i], z, dec_k[i]).view(b, t, n_kv, d_h).transpose(1, 2)
-            v = torch.addmm(mu_v[i], z, dec_v[i]).view(b, t, n_kv, d_h).transpose(1, 2)
-            hidden_kv[l] = (apply_rope(k, cos, sin), v)  # (B, n_kv, T, d) views of (B, T, n_kv, d) storage
+            k = torch.addmm(mu_k[i], z, dec_k[i]).view(b, t, -1)
+            kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(mu_v[i], z, dec_v[i]).view(b, t, -1)))
     t_patch = time.perf_counter()
-    if patch := by_kind["patch"]:                           # all Patch layers at once
+    if patch := by_kind["patch"]:                       # all Patch layers at once
         x0 = tables.x0(codes.token_ids) if art.aligner_tokens and not tables.vocab_kept else None
         k, v = tables.patches(art, patch)([codes.layers[l]["z_h"] for l in patch], codes.mask, codes.token_ids, x0)
-        first = len(order) - len(patch)
-        keys[first:].copy_(k.view(len(patch), b, t, n_kv, d_h).transpose(2, 3))
-        values.update({l: heads(v[i]) for i, l in enumerate(patch)})
-    t_rope = time.perf_counter()
-    keys = apply_rope(keys, cos, sin)                        # every layer's keys in one pass
+        k = apply_rope(heads(k), cos, sin)                                      # (P, B, n_kv, T, d)
+        kv.update({l: (k[i], heads(v[i])) for i, l in enumerate(patch)})
     t_end = time.perf_counter()
-    slot = {l: i for i, l in enumerate(order)}
-    return ([hidden_kv[l] if l in hidden_kv else (keys[slot[l]], values[l]) for l in range(len(codes.plan))],
-            {"rebuild_ms": (t_patch - t0 + t_end - t_rope) * 1e3, "patch_ms": (t_rope - t_patch) * 1e3})
+    return [kv[l] for l in range(len(codes.plan))], {"rebuild_ms": (t_patch - t0) * 1e3,
+                                                      "patch_ms": (t_end - t_patch) * 1e3}
 
 
-def _decode_stacked(dec: torch.Tensor, mu: torch.Tensor, zs: list[torch.Tensor], dtype,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode one code (B, n_kv, T, r) per layer as one batched matmul with stacked decoders: (L, B, n_kv, T, d).
-    `out`, if given, is a contiguous (L, B, n_kv, T, d) tensor written in place."""
+def _decode_stacked(dec: torch.Tensor, mu: torch.Tensor, zs: list[torch.Tensor], dtype) -> torch.Tensor:
+    """Decode one code (B, n_kv, T, r) per layer as one batched matmul with stacked decoders: (L, B, n_kv, T, d)."""
     z = torch.stack(zs).to(dtype)                                     # (L, B, n_kv, T, r)
-    shape = (*z.shape[:-1], dec.shape[-1])
-    flat = None if out is None else out.view(z.shape[0], -1, dec.shape[-1])
-    return torch.baddbmm(mu, z.flatten(1, -2), dec, out=flat).view(shape)
+    return torch.baddbmm(mu, z.flatten(1, -2), dec).view(*z.shape[:-1], dec.shape[-1])
