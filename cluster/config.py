@@ -11,6 +11,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from scd.settings import CalibConfig
+
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
@@ -174,41 +176,17 @@ class ArtifactSettings(_Strict):
                                                    "and renews its leases on the versions it serves (0 = never)")
 
 
-class CalibrationSettings(_Strict):
+class CalibrationSettings(CalibConfig):
+    """The `calibration:` section: every fit setting (scd.settings.CalibConfig, one set of defaults) plus
+    what the calibration job needs around the fit."""
     prefixes: int = Field(128, ge=1, description="calibration prefixes per pair")
     val: int = Field(12, ge=1, description="validation samples for the layer policy")
     heldout: int = Field(48, ge=1, description="held-out samples for the published metrics")
-    prefix_tokens: int = Field(160, ge=8)
-    r_k: int = Field(8, ge=1)
-    r_v: int = Field(12, ge=1)
-    r_h: int = Field(32, ge=1)
-    reuse_source: Literal["kv", "hidden"] = Field("kv", description=(
-        "Reuse codes: 'kv' per-head codecs of the producer's K and V (r_k, r_v); 'hidden' one code per token "
-        "from the producer's x_norm, decoded into the K and V of every head of the consumer (r_x)"))
-    r_x: int = Field(64, ge=1, description="rank of the hidden-state Reuse codes")
-    code_dtype: Literal["fp16", "bf16", "int8"] = Field("fp16", description=(
-        "precision of the codes on the wire; int8 (per-row scales) halves the bytes of a rank, so a payload "
-        "budget buys twice the rank"))
-    pool: int = Field(4, ge=1)
-    patch_cost: float = Field(0.25, ge=0)
-    payload_budget: float = Field(0.0, ge=0, le=1, description=(
-        "> 0: calibration chooses r_k and r_v by validation KL among the ranks whose codes stay within this "
-        "fraction of the raw KV (0: r_k and r_v as given)"))
+    prefix_tokens: int = Field(160, ge=8, description="tokens per calibration prefix")
     gate_vs_raw_kv: float = Field(1.0, ge=0, description=(
         "quality gate: publish only if held-out KL(scd) <= this x KL(raw KV reuse), which costs the consumer "
         "nothing either (0 = off)"))
     max_kl: float | None = Field(None, gt=0, description="quality gate: publish only if held-out KL(scd) <= this")
-    aligner_epochs: int = Field(100, ge=1)
-    aligner_context: int = Field(8, ge=1, description="codes per Patch aligner input (1 = per token)")
-    aligner_tokens: int = Field(32, ge=0, description="width of the aligner's token features (0 = none)")
-    aligner_loss: Literal["kv", "x"] = Field("kv", description="aligner fit: regenerated K/V error or x_norm error")
-    finetune_samples: int = Field(512, ge=0, description="samples for end-to-end aligner fine-tuning on the "
-                                                       "consumer's next-token KL (0 = off)")
-    finetune_epochs: int = Field(3, ge=1)
-    finetune_lr: float = Field(1e-4, gt=0)
-    finetune_encoders: bool = Field(False, description=(
-        "fine-tuning also moves the producer-side encoders of the hidden-state codes (the codes themselves "
-        "learn what the consumer needs), not only the consumer-side decoders and aligners"))
     work_dir: str = Field("runs/calibrate", description="checkpoints of running/finished calibrations")
 
 

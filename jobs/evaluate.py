@@ -9,17 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import torch
 
+from cluster.config import CalibrationSettings
 from jobs import samples
 from scd import codec, methods
 from scd.artifacts import PairArtifacts
-from scd.calibrate import CalibConfig, Calibration
+from scd.calibrate import Calibration
 from scd.evaluate import Evaluator, table
 from scd.models import load_pair
+from scd.settings import CalibConfig
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo_models"
 
@@ -37,23 +39,33 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--artifact", help="PRODUCER:CONSUMER[@VERSION] from --store: use that published artifact "
                                       "(fingerprints checked against the loaded models) instead of calibrating")
     p.add_argument("--store", default="~/.scd/artifacts", help="artifact store URI for --artifact")
-    p.add_argument("--calib", type=int, default=128, help="calibration prefixes")
-    p.add_argument("--val", type=int, default=12, help="validation samples for the layer policy")
-    p.add_argument("--prefix-tokens", type=int, default=160)
-    p.add_argument("--seed", type=int, default=0)
-    for f in fields(CalibConfig):
-        if f.name == "seed":
+    add_settings_flags(p)
+
+
+# settings of the calibration job that an evaluation does not use (it has --samples and its own --work-dir)
+NOT_FLAGS = {"heldout", "gate_vs_raw_kv", "max_kl", "work_dir"}
+
+
+def add_settings_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per calibration setting (cluster.config.CalibrationSettings): the same names (dashed), defaults,
+    choices and help as a config's `calibration:` section. --calib is kept as another name for --prefixes."""
+    for name, f in CalibrationSettings.model_fields.items():
+        if name in NOT_FLAGS:
             continue
-        flag = f"--{f.name.replace('_', '-')}"
-        if isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        flags = [f"--{name.replace('_', '-')}"] + (["--calib"] if name == "prefixes" else [])
+        kw = {"default": f.default, "help": f.description}
+        if f.annotation is bool or f.annotation == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        elif get_origin(f.annotation) is Literal:
+            kw["choices"] = get_args(f.annotation)
         else:
-            p.add_argument(flag, type=type(f.default), default=f.default)
+            kw["type"] = type(f.default)
+        p.add_argument(*flags, dest=name, **kw)
 
 
 def resolve_pair(args) -> tuple[str, str, str, str]:
     """(producer path, consumer path, producer name, consumer name), validated. With --config, also sets
-    the calibration flags (--calib, --val, --prefix-tokens, every CalibConfig field, --work-dir) from it."""
+    every calibration flag and --work-dir from its `calibration:` section."""
     if args.config:
         return _from_config(args)
     if args.pair:
@@ -87,12 +99,9 @@ def _from_config(args) -> tuple[str, str, str, str]:
     a, b = args.pair.split(":")
     if a != cfg.producer.name or b not in {s.name for s in cfg.specialists}:
         raise SystemExit(f"--pair {args.pair} is not in {args.config} (it has {', '.join(cfg.pairs())})")
-    c = cfg.calibration
-    args.calib, args.val, args.prefix_tokens, args.work_dir = c.prefixes, c.val, c.prefix_tokens, c.work_dir
-    job = CalibConfig.of(c)                               # what the calibration job fits with
-    for f in fields(CalibConfig):
-        if f.name != "seed":
-            setattr(args, f.name, getattr(job, f.name))
+    for name in set(CalibrationSettings.model_fields) - NOT_FLAGS:   # what the calibration job fits with
+        setattr(args, name, getattr(cfg.calibration, name))
+    args.work_dir = cfg.calibration.work_dir
     args.consumer_base = cfg.specialist(b).base
     return cfg.producer.path, cfg.specialist(b).path, a, b
 
@@ -111,9 +120,11 @@ def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
         print(f"artifact {args.artifact} -> {manifest.version} (ranks {art.r_k}/{art.r_v}/{art.r_h}, patch layers "
               f"{art.patch_layers})", file=sys.stderr)
         return art
-    cfg = CalibConfig(**{f.name: getattr(args, f.name) for f in fields(CalibConfig) if f.name != "seed"},
-                      seed=args.seed)
-    calib, val, _ = samples.pair_data(pair.split(":")[1], tok, args.calib, args.val, 0, args.prefix_tokens,
+    try:
+        cfg = CalibConfig(**{name: getattr(args, name) for name in CalibConfig.model_fields})
+    except ValueError as e:
+        raise SystemExit(f"calibration settings: {e}") from None
+    calib, val, _ = samples.pair_data(pair.split(":")[1], tok, args.prefixes, args.val, 0, args.prefix_tokens,
                                       text_file=args.text, seed=args.seed)
     tune = samples.tune_samples(pair.split(":")[1], tok, cfg.finetune_samples, args.prefix_tokens,
                                 text_file=args.text, seed=args.seed)

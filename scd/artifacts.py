@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 from scd.models import ModelSpec
 from scd.patch import Aligner
 from scd.reuse import LinearCodec
+from scd.settings import CODE_DTYPES
 
 FORMAT_VERSION = 2                  # 2: aligners with a causal window and token features
 KINDS = ("exact", "reuse", "hidden", "patch")
-CODE_DTYPES = ("fp16", "bf16", "int8")      # wire precisions of codes (scd.codec)
 
 
 class IncompatibleArtifact(ValueError):

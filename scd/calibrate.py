@@ -20,7 +20,6 @@ it differs.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -29,11 +28,12 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from scd import cache, codec, metrics, policy
-from scd.artifacts import CODE_DTYPES, PairArtifacts
+from scd.artifacts import PairArtifacts
 from scd.checkpoints import data_digest, key_dir, load_record, samples_digest, save_record
 from scd.models import ModelSpec, model_digest
 from scd.patch import Aligner, train_aligner
 from scd.rebuild import encode, rebuild
+from scd.settings import CalibConfig
 from scd.reuse import JointGram, LinearCodec
 from scd.trace import capture, chunk_path, read_chunks, trace_rows, write_chunk
 
@@ -50,52 +50,6 @@ TUNE_FIELDS = ("finetune_samples", "finetune_epochs", "finetune_lr", "finetune_e
 CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]
 
 
-@dataclass
-class CalibConfig:
-    r_k: int = 8
-    r_v: int = 12
-    r_h: int = 32
-    ridge: float = 1e-4
-    aligner_width: int = 128
-    aligner_epochs: int = 100
-    aligner_context: int = 8          # codes per aligner input (1 = the paper's per-token aligner)
-    aligner_window: int = 8           # per-position width of the squeezed features the window reads
-    aligner_tokens: int = 32          # width of the aligner's token features from the consumer's x0 (0 = none)
-    aligner_loss: str = "kv"          # "kv": error of the regenerated K/V; "x": error of x_norm itself
-    pool: int = 4
-    finetune_samples: int = 512       # (prefix, continuation) samples for end-to-end aligner fine-tuning; 0 = off
-    finetune_epochs: int = 3
-    finetune_lr: float = 1e-4
-    finetune_encoders: bool = False   # also train the producer-side encoders of hidden-state codes
-    patch_cost: float = 0.25          # one Patch layer's consumer work relative to the whole Reuse rebuild
-    payload_budget: float = 0.0       # > 0: choose r_k, r_v (or r_x) by validation KL among ranks whose codes
-                                      # stay within this fraction of the raw KV (0: use them as given)
-    reuse_source: str = "kv"          # "kv": per-head codecs of K and V; "hidden": one code per token from the
-                                      # producer's x_norm, decoded into every head's K and V (reduced-rank regression)
-    r_x: int = 64                     # rank of the hidden-state codes
-    code_dtype: str = "fp16"          # precision of the codes on the wire (scd.codec.DTYPES): what the payload
-                                      # budget counts and what validation scores
-    batch: int = 8
-    seed: int = 0
-
-    @classmethod
-    def of(cls, settings) -> "CalibConfig":
-        """From a config's calibration settings: the fields they name, the defaults for the others."""
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls) if hasattr(settings, f.name)})
-
-    def __post_init__(self):
-        for k in ("r_k", "r_v", "r_h", "r_x", "pool", "batch", "aligner_width", "aligner_epochs", "aligner_context",
-                  "aligner_window"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
-        if not 0.0 <= self.payload_budget <= 1.0:
-            raise ValueError(f"payload_budget must be in [0, 1], got {self.payload_budget}")
-        if self.reuse_source not in ("kv", "hidden"):
-            raise ValueError(f"reuse_source must be 'kv' or 'hidden', got {self.reuse_source!r}")
-        if self.code_dtype not in CODE_DTYPES:
-            raise ValueError(f"code_dtype must be one of {CODE_DTYPES}, got {self.code_dtype!r}")
-        if self.aligner_loss not in ("kv", "x"):
-            raise ValueError(f"aligner_loss must be 'kv' or 'x', got {self.aligner_loss!r}")
 
 
 def pad(seqs: list[torch.Tensor], pad_id: int | None, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +98,7 @@ class Calibration:
                  log: Callable[[str], None] = print, exact_layer0: bool = True):
         self.producer, self.consumer, self.spec, self.pair, self.cfg = producer, consumer, spec, pair, cfg
         self.prefixes, self.pad_id, self.progress, self.log = prefixes, pad_id, progress, log
-        config = asdict(cfg)
+        config = cfg.model_dump()
         models = [model_digest(producer), model_digest(consumer)]
         self.trace_dir = key_dir(Path(work_root) / pair.replace(":", "__"), "", {
             "format": CHECKPOINT_FORMAT, "pair": pair, "models": models, "data": data_digest(prefixes),
@@ -456,7 +410,7 @@ class Calibration:
         record = self.policy(val_samples)
         art = self.artifacts_for(self.plan_with(record["chosen"]))
         info = {"calibration": {"prefixes": len(self.prefixes), "rows": rows, "data_digest": data_digest(
-            self.prefixes), "config": asdict(self.cfg)}, "policy": record}
+            self.prefixes), "config": self.cfg.model_dump()}, "policy": record}
         if ranks:
             info["ranks"] = ranks
         if self.cfg.finetune_samples and tune_samples and (art.patch_layers or "hidden" in art.plan):

@@ -18,7 +18,7 @@ import zlib
 
 import torch
 
-from scd.artifacts import CODE_DTYPES as DTYPES
+from scd.settings import CODE_DTYPES as DTYPES
 from scd.rebuild import Codes
 
 MAGIC = b"SCDC"

@@ -125,3 +125,42 @@ def test_the_example_cluster_file_passes_rays_checks_and_offers_what_placed_mode
                  if all(t["resources"].get(k, 0) >= v for k, v in m.resources.items())
                  and all(t.get("labels", {}).get(k) == v for k, v in m.node_labels.items())]
         assert hosts and "head" not in hosts, f"{m.name}: no node type offers {m.resources} {m.node_labels}"
+
+
+def _other_value(name, field):
+    """A valid value of a calibration setting that differs from its default."""
+    from typing import Literal, get_args, get_origin
+    if get_origin(field.annotation) is Literal:
+        return next(v for v in get_args(field.annotation) if v != field.default)
+    if isinstance(field.default, bool):
+        return not field.default
+    if field.default is None:
+        return 0.5
+    return field.default + 1 if not isinstance(field.default, float) else min(field.default * 0.5 + 0.01, 1.0)
+
+
+def test_every_calibration_setting_is_settable_from_the_config_and_is_a_scd_eval_flag_with_its_default():
+    import argparse
+
+    from cluster.config import CalibrationSettings
+    from jobs.evaluate import NOT_FLAGS, add_pair_args
+    from scd.settings import CalibConfig
+    changed = {n: _other_value(n, f) for n, f in CalibrationSettings.model_fields.items() if n != "work_dir"}
+    cfg = parse({**GOOD, "calibration": changed})
+    for name, value in changed.items():
+        assert getattr(cfg.calibration, name) == value, name
+    fit = CalibConfig.of(cfg.calibration)
+    assert set(CalibConfig.model_fields) <= set(CalibrationSettings.model_fields)
+    assert fit.model_dump() == {n: changed[n] for n in CalibConfig.model_fields}     # the fit sees every change
+    p = argparse.ArgumentParser()
+    add_pair_args(p)
+    defaults = vars(p.parse_args([]))
+    for name, field in CalibrationSettings.model_fields.items():
+        if name not in NOT_FLAGS:
+            assert defaults[name] == field.default, f"--{name} default {defaults[name]!r} != {field.default!r}"
+    flip = "--no-finetune-encoders" if CalibConfig().finetune_encoders else "--finetune-encoders"
+    args = p.parse_args(["--calib", "7", "--ridge", "0.5", "--code-dtype", "int8", flip])
+    assert (args.prefixes, args.ridge, args.code_dtype) == (7, 0.5, "int8")
+    assert args.finetune_encoders != CalibConfig().finetune_encoders
+    with pytest.raises(SystemExit):                                    # choices come from the schema
+        p.parse_args(["--reuse-source", "telepathy"])

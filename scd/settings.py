@@ -1,0 +1,58 @@
+"""Calibration settings: the one schema of what a pair's fit depends on (pydantic, no torch).
+
+Fitting code (scd.calibrate) takes a CalibConfig; the deployment config's `calibration:` section extends it
+(cluster.config.CalibrationSettings) and `scd eval`/`scd bench` derive their flags from that, so every
+setting has one name, one default and one description.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CODE_DTYPES = ("fp16", "bf16", "int8")      # wire precisions of codes (scd.codec)
+
+
+class CalibConfig(BaseModel):
+    """Everything a pair's fit depends on: the one schema of calibration settings. The deployment config's
+    `calibration:` section extends it (cluster.config.CalibrationSettings: how many prefixes, the quality
+    gate, where checkpoints go) and `scd eval`/`scd bench` derive their flags from that."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    r_k: int = Field(8, ge=1, description="rank of the per-head key codes (reuse_source kv)")
+    r_v: int = Field(12, ge=1, description="rank of the per-head value codes (reuse_source kv)")
+    r_h: int = Field(32, ge=1, description="rank of the Patch layers' hidden-state codes")
+    ridge: float = Field(1e-4, ge=0, description="ridge of the producer-side encoders, relative to the mean variance")
+    aligner_width: int = Field(128, ge=1, description="hidden width of the Patch aligners' MLP")
+    aligner_epochs: int = Field(100, ge=1)
+    aligner_context: int = Field(8, ge=1, description="codes per Patch aligner input (1 = the paper's per-token aligner)")
+    aligner_window: int = Field(8, ge=1, description="per-position width of the squeezed features the window reads")
+    aligner_tokens: int = Field(32, ge=0, description="width of the aligner's token features from the consumer's "
+                                                      "layer-0 input (0 = none)")
+    aligner_loss: Literal["kv", "x"] = Field("kv", description="aligner fit: regenerated K/V error or x_norm error")
+    pool: int = Field(4, ge=1, description="Patch candidates: the most sensitive layers kept for the greedy policy")
+    finetune_samples: int = Field(512, ge=0, description="(prefix, continuation) samples for end-to-end fine-tuning "
+                                                         "on the consumer's next-token KL (0 = off)")
+    finetune_epochs: int = Field(3, ge=1)
+    finetune_lr: float = Field(1e-4, gt=0)
+    finetune_encoders: bool = Field(False, description=(
+        "fine-tuning also moves the producer-side encoders of the hidden-state codes (the codes themselves "
+        "learn what the consumer needs), not only the consumer-side decoders and aligners"))
+    patch_cost: float = Field(0.25, ge=0, description="one Patch layer's consumer work relative to the whole Reuse rebuild")
+    payload_budget: float = Field(0.0, ge=0, le=1, description=(
+        "> 0: calibration chooses r_k and r_v (or r_x) by validation KL among the ranks whose codes stay within "
+        "this fraction of the raw KV (0: the ranks as given)"))
+    reuse_source: Literal["kv", "hidden"] = Field("kv", description=(
+        "Reuse codes: 'kv' per-head codecs of the producer's K and V (r_k, r_v); 'hidden' one code per token "
+        "from the producer's x_norm, decoded into the K and V of every head of the consumer (r_x)"))
+    r_x: int = Field(64, ge=1, description="rank of the hidden-state Reuse codes")
+    code_dtype: Literal[CODE_DTYPES] = Field("fp16", description=(
+        "precision of the codes on the wire, what the payload budget counts and what validation scores; int8 "
+        "(per-row scales) halves the bytes of a rank, so a payload budget buys twice the rank"))
+    batch: int = Field(8, ge=1, description="prefixes per tracing and fine-tuning batch")
+    seed: int = 0
+
+    @classmethod
+    def of(cls, settings: BaseModel) -> "CalibConfig":
+        """The fit settings within a larger settings model (e.g. the config's calibration section)."""
+        return cls(**settings.model_dump(include=set(cls.model_fields)))
