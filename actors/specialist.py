@@ -43,6 +43,31 @@ class ServedInfo:
                 "payload_bytes": self.payload_bytes, "timings_ms": {k: round(v, 3) for k, v in self.timings.items()}}
 
 
+class IncrementalDetokenizer:
+    """Text pieces of a growing sequence of generated tokens, each piece decoded from a short window of the
+    latest tokens (vLLM's prefix/read offsets) instead of the whole output every token. A piece is held back
+    while the window ends inside a multi-byte character (byte-level BPE); the concatenated pieces equal
+    tokenizer.decode(all tokens)."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        done = self.tok.decode(self.ids[self.prefix:self.read])
+        now = self.tok.decode(self.ids[self.prefix:])
+        if len(now) <= len(done) or now.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(done):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (an unfinished character decodes as U+FFFD, as decode() would)."""
+        rest = self.tok.decode(self.ids[self.prefix:])[len(self.tok.decode(self.ids[self.prefix:self.read])):]
+        self.prefix = self.read = len(self.ids)
+        return rest
+
+
 class SpecialistEngine:
     def __init__(self, name: str, model, tokenizer, art: PairArtifacts | None = None, version: str | None = None,
                  unavailable_reason: str = "no_artifact", device: str = "cpu"):
@@ -102,31 +127,36 @@ class SpecialistEngine:
         t_start = time.perf_counter()
         kv, info = self._prefix_kv(prefix_ids, payload, reason, dict(timings or {}))
         mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
-        c = cache.assemble(self.model, kv)
         gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
-        logits, mask = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device))
-        text, out_ids, finish = "", [], "length"
-        for i in range(params.max_tokens):
-            nxt = cache.pick(logits[:, -1].float(), params.temperature, params.top_p, gen)
-            if i == 0:
+        steps = cache.decode_steps(self.model, cache.assemble(self.model, kv), mask,
+                                   torch.tensor([suffix_ids], device=self.device), params.max_tokens,
+                                   params.temperature, params.top_p, self.tok.eos_token_id, gen)
+        detok, text, n_out, finish = IncrementalDetokenizer(self.tok), "", 0, "length"
+        longest_stop = max((len(s) for s in params.stop), default=0)
+        for nxt in steps:
+            if n_out == 0:
                 info.timings["first_token"] = (time.perf_counter() - t_start) * 1e3
             if int(nxt[0]) == self.tok.eos_token_id:
                 finish = "stop"
                 break
-            out_ids.append(int(nxt[0]))
-            new_text = self.tok.decode(out_ids)
-            piece, text = new_text[len(text):], new_text
-            hit = next((s for s in params.stop if s and s in text), None)
-            if hit is not None:                      # emit up to the stop string, never the string itself
-                keep = len(piece) - (len(text) - text.index(hit))
+            n_out += 1
+            piece = detok.add(int(nxt[0]))
+            tail = max(0, len(text) - longest_stop + 1)          # a stop string can only end in the new piece
+            text += piece
+            hits = [i for i in (text.find(s, tail) for s in params.stop if s) if i >= 0]
+            if hits:                                 # emit up to the stop string, never the string itself
+                keep = len(piece) - (len(text) - min(hits))
                 if keep > 0:
                     yield "token", piece[:keep]
                 finish = "stop"
                 break
-            yield "token", piece
-            logits, mask = cache.extend(self.model, c, mask, nxt[:, None])
+            if piece:
+                yield "token", piece
+        else:
+            if rest := detok.flush():                # bytes of an unfinished character at max_tokens
+                yield "token", rest
         info.timings["total"] = (time.perf_counter() - t_start) * 1e3
-        info.tokens = len(out_ids)
+        info.tokens = n_out
         yield "done", (info, finish)
 
     def complete(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,

@@ -6,6 +6,8 @@ the attention mask and position ids continuing the prefix's.
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 from transformers import DynamicCache
 
@@ -36,25 +38,33 @@ extend = torch.no_grad()(forward_on_cache)
 
 
 @torch.no_grad()
-def generate(model, cache, prefix_mask: torch.Tensor, first_ids: torch.Tensor, max_new_tokens: int,
-             temperature: float = 0.0, top_p: float = 1.0, eos_id: int | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """Decode after the prefix cache. first_ids (B, S) are fed first (at least the suffix's last token).
-
-    temperature 0 = greedy; otherwise nucleus sampling. Returns new tokens (B, <= max_new_tokens); rows that
-    hit eos are padded with eos.
-    """
+def decode_steps(model, cache, prefix_mask: torch.Tensor, first_ids: torch.Tensor, max_new_tokens: int,
+                 temperature: float = 0.0, top_p: float = 1.0, eos_id: int | None = None,
+                 generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+    """The decode loop (serving engines and evaluation both use it). first_ids (B, S) are fed first (at least
+    the suffix's last token); then yields each step's next token of every row (B,), at most max_new_tokens
+    times. temperature 0 = greedy, otherwise nucleus sampling. Rows that hit eos keep yielding eos; the loop
+    ends after the step where every row has. Nothing is computed past the last token taken: a caller that
+    stops early (a stop string) wastes no forward pass."""
     logits, mask = extend(model, cache, prefix_mask, first_ids)
-    out, done = [], torch.zeros(first_ids.shape[0], dtype=torch.bool)
-    for _ in range(max_new_tokens):
+    done = torch.zeros(first_ids.shape[0], dtype=torch.bool, device=first_ids.device)
+    for step in range(max_new_tokens):
         nxt = pick(logits[:, -1].float(), temperature, top_p, generator)
         if eos_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
             done |= nxt == eos_id
-        out.append(nxt)
-        if bool(done.all()):
-            break
+        yield nxt
+        if step + 1 == max_new_tokens or bool(done.all()):
+            return
         logits, mask = extend(model, cache, mask, nxt[:, None])
+
+
+def generate(model, cache, prefix_mask: torch.Tensor, first_ids: torch.Tensor, max_new_tokens: int,
+             temperature: float = 0.0, top_p: float = 1.0, eos_id: int | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """decode_steps collected: new tokens (B, <= max_new_tokens); rows that hit eos are padded with eos."""
+    out = list(decode_steps(model, cache, prefix_mask, first_ids, max_new_tokens, temperature, top_p, eos_id,
+                            generator))
     return torch.stack(out, dim=1) if out else first_ids[:, :0]
 
 

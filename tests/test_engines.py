@@ -100,3 +100,23 @@ def test_empty_prefix_decodes_the_suffix_alone(setup):
     _, specialists, _ = setup
     text, info, _ = specialists["b"].complete([], [11, 12], None, "prefix_too_short", GenParams(max_tokens=3))
     assert info.mode == "fallback" and info.reason == "prefix_too_short"
+
+
+def test_incremental_detokenizer_pieces_join_to_the_whole_decode_even_through_multibyte_characters():
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from actors.specialist import IncrementalDetokenizer
+    tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "demo_models" / "base")
+    text = "héllo wörld 🎉 naïve café — 日本語 ok"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "the sample must split characters across tokens"
+    g = torch.Generator().manual_seed(0)
+    for seq in (ids, torch.randint(0, tok.vocab_size, (200,), generator=g).tolist()):
+        d = IncrementalDetokenizer(tok)
+        pieces = [d.add(i) for i in seq]
+        joined = "".join(pieces) + d.flush()
+        assert joined == tok.decode(seq), (joined, tok.decode(seq))
+        if seq is ids:
+            assert "\ufffd" not in "".join(pieces), "a piece was emitted in the middle of a character"
