@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.messages import FallbackReason
 from actors.prefix_cache import PrefixCodeCache, prefix_key
 from scd import codec
 from scd.artifacts import PairArtifacts
@@ -52,7 +53,7 @@ class ProducerEngine:
         todo = []
         for pair in pairs:
             if pair not in self.artifacts:
-                res.per_pair[pair] = Encoded(None, None, "no_artifact")
+                res.per_pair[pair] = Encoded(None, None, FallbackReason.NO_ARTIFACT)
                 continue
             _, version = self.artifacts[pair]
             hit = self.cache.get(prefix_key(prefix_ids, pair, version))

@@ -20,6 +20,7 @@ import uuid
 import ray
 import torch
 
+from actors.messages import FallbackReason
 from actors.producer import ProducerEngine
 from actors.registry import fetch, registry
 from actors.transport import NcclTransport, Ticket, TransportError, make_transport
@@ -141,7 +142,7 @@ class ProducerActor:
                     else:
                         entry["ticket"] = self.transport.send(payload)
                 except TransportError:
-                    entry["error"] = "transport_error"
+                    entry["error"] = FallbackReason.TRANSPORT_ERROR
                 if self.fault == "misdeliver" and entry["ticket"] is not None:   # ticket and object disagree
                     entry["ticket"] = dataclasses.replace(entry["ticket"], nbytes=entry["ticket"].nbytes + 1)
             out[pair] = entry

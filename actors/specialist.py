@@ -11,13 +11,11 @@ from typing import Iterator
 
 import torch
 
+from actors.messages import FallbackReason
 from scd import cache, codec
 from scd.artifacts import PairArtifacts
 from scd.rebuild import prepare, rebuild
 from scd.trace import capture
-
-FALLBACK_REASONS = ("no_artifact", "artifact_mismatch", "artifact_unavailable", "producer_unavailable",
-                    "producer_timeout", "transport_error", "codec_error", "prefix_too_short", "quality_gate")
 
 
 @dataclass
@@ -70,11 +68,12 @@ class IncrementalDetokenizer:
 
 class SpecialistEngine:
     def __init__(self, name: str, model, tokenizer, art: PairArtifacts | None = None, version: str | None = None,
-                 unavailable_reason: str = "no_artifact", device: str = "cpu"):
+                 unavailable_reason: str = FallbackReason.NO_ARTIFACT, device: str = "cpu"):
         self.name, self.model, self.tok, self.device = name, model, tokenizer, device
         self.set_artifact(art, version, unavailable_reason)
 
-    def set_artifact(self, art: PairArtifacts | None, version: str | None, reason: str = "no_artifact") -> None:
+    def set_artifact(self, art: PairArtifacts | None, version: str | None,
+                     reason: str = FallbackReason.NO_ARTIFACT) -> None:
         if art is not None:
             prepare(self.model, art)          # lookup tables and fused patches now, not on the first request
         self.art, self.version, self.unavailable_reason = art, version, reason
@@ -83,9 +82,9 @@ class SpecialistEngine:
     def _prefix_kv(self, prefix_ids: list[int], payload: bytes | None, reason: str | None, timings: dict):
         """(kv, ServedInfo). Uses the codes when it can; otherwise prefills and says why."""
         if not prefix_ids:                                      # nothing to cache: the suffix is the whole input
-            return [], ServedInfo("fallback", "prefix_too_short", self.version, 0, timings)
+            return [], ServedInfo("fallback", FallbackReason.PREFIX_TOO_SHORT, self.version, 0, timings)
         ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
-        if reason == "no_artifact" and self.art is None:          # the producer has none; this side may know why
+        if reason == FallbackReason.NO_ARTIFACT and self.art is None:   # the producer has none; this side may know why
             reason = self.unavailable_reason
         if payload is not None and reason is None:
             if self.art is None:
@@ -96,14 +95,14 @@ class SpecialistEngine:
                     codes = codec.decode(payload, self.art.pair, self.version, self.art.plan,
                                          codec.artifact_dims(self.art))
                 except codec.PayloadError:
-                    reason = "codec_error"
+                    reason = FallbackReason.CODEC_ERROR
                 else:
                     codes.token_ids, codes.mask = codes.token_ids.to(self.device), codes.mask.to(self.device)
                     for fields_ in codes.layers.values():
                         for k in fields_:
                             fields_[k] = fields_[k].to(self.device)
                     if codes.token_ids.tolist() != [prefix_ids]:
-                        reason = "codec_error"
+                        reason = FallbackReason.CODEC_ERROR
                     else:
                         timings["decode"] = (time.perf_counter() - t0) * 1e3
                         kv, ph = rebuild(self.model, self.art, codes)
@@ -114,8 +113,8 @@ class SpecialistEngine:
         timings["prefill"] = (time.perf_counter() - t0) * 1e3
         if reason == "oracle":                                   # asked for the reference path on purpose
             return list(zip(tr.keys, tr.values)), ServedInfo("oracle", None, None, 0, timings)
-        return list(zip(tr.keys, tr.values)), ServedInfo("fallback", reason or "no_artifact", self.version,
-                                                         0, timings)
+        return list(zip(tr.keys, tr.values)), ServedInfo("fallback", reason or FallbackReason.NO_ARTIFACT,
+                                                         self.version, 0, timings)
 
     @torch.no_grad()
     def stream(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,

@@ -9,6 +9,7 @@ import time
 
 from ray import serve
 
+from actors.messages import pair_id
 from cluster.config import ConfigError, DeploymentConfig
 from cluster.runtime import actor_options, connect
 from serve_app.errors import key_digest
@@ -51,7 +52,7 @@ def build(cfg: DeploymentConfig):
     ns, base, lim = cfg.ray.namespace, cfg.producer.name, cfg.limits
     transport = cfg.resolved_transport()
     handles = {s.name: serve.deployment(SpecialistServer).options(**specialist_options(cfg, s.name)).bind(
-        s.name, s.path, f"{base}:{s.name}", cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
+        s.name, s.path, pair_id(base, s.name), cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
         lim.control_timeout_s, s.base)
         for s in cfg.specialists}
     return Router.options(ray_actor_options={"num_cpus": 0}, num_replicas=lim.router_replicas,

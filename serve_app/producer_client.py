@@ -15,6 +15,7 @@ import time
 
 import ray
 
+from actors.messages import FallbackReason, pair_id
 from actors.producer_actor import PRODUCER_NAME, ProducerActor
 from cluster.config import DeploymentConfig
 from cluster.runtime import actor_options
@@ -25,7 +26,7 @@ log = logging.getLogger("scd.router")
 def start_producer(cfg: DeploymentConfig):
     """The detached, named producer actor (reused if it already runs with the same transport; one left by a
     deployment with another transport is replaced, since replicas must speak the producer's transport)."""
-    pairs = {f"{cfg.producer.name}:{s.name}": s.artifact for s in cfg.specialists}
+    pairs = {pair_id(cfg.producer.name, s.name): s.artifact for s in cfg.specialists}
     transport = cfg.resolved_transport()
     opts = actor_options(cfg.producer.num_gpus, name=PRODUCER_NAME, detached=True, namespace=cfg.ray.namespace,
                          num_cpus=cfg.producer.num_cpus, resources=cfg.producer.resources,
@@ -104,27 +105,27 @@ class ProducerClient:
         """(codes, None) or (None, fallback reason). Never waits past producer_timeout_s, and the producer
         skips an encode whose deadline passed while it was queued (the router has fallen back by then)."""
         if not self.up:
-            return None, "producer_unavailable"
+            return None, FallbackReason.PRODUCER_UNAVAILABLE
         try:
             handle = await self._lookup()
         except ValueError:
             self._mark_down("no producer actor")
-            return None, "producer_unavailable"
+            return None, FallbackReason.PRODUCER_UNAVAILABLE
         ref = handle.encode.remote(prefix_ids, pairs, time.time() + self.timeout_s)
         try:
             out = await asyncio.wait_for(ref, timeout=self.timeout_s)
         except asyncio.TimeoutError:
             ray.cancel(ref)                           # dropped if still queued; skipped by its deadline otherwise
-            return None, "producer_timeout"
+            return None, FallbackReason.PRODUCER_TIMEOUT
         except ray.exceptions.RayActorError as e:
             self.handle = None
             self._mark_down(f"{type(e).__name__}")
-            return None, "producer_unavailable"
+            return None, FallbackReason.PRODUCER_UNAVAILABLE
         except ray.exceptions.RayError as e:
             self._mark_down(f"{type(e).__name__}: {e}")
-            return None, "producer_unavailable"
+            return None, FallbackReason.PRODUCER_UNAVAILABLE
         if out.get("skipped"):
-            return None, "producer_timeout"
+            return None, FallbackReason.PRODUCER_TIMEOUT
         return out, None
 
     async def stats(self) -> dict:

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from actors.messages import FallbackReason, pair_id
 from cluster.config import DeploymentConfig
 from serve_app import telemetry
 from serve_app.errors import ApiError, Guard, install, overloaded
@@ -107,10 +108,10 @@ class Router:
                  reason: str | None, trace: dict) -> dict:
         entry, timings = {}, {}
         if enc is not None:
-            entry, timings = enc["per_pair"][f"{self.base}:{name}"], dict(enc["timings"])
+            entry, timings = enc["per_pair"][pair_id(self.base, name)], dict(enc["timings"])
             reason = reason or entry["error"]
         if not prefix_ids:
-            reason = "prefix_too_short"
+            reason = FallbackReason.PREFIX_TOO_SHORT
         return {"prefix_ids": prefix_ids, "suffix_ids": suffix_ids, "trace": trace, "timings": timings,
                 "params": {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
                            "stop": p.stops(), "seed": p.seed},
@@ -228,9 +229,9 @@ class Router:
             if body.oracle:
                 enc, reason = None, "oracle"
             elif prefix_ids:
-                enc, reason = await self.producer.encode(prefix_ids, [f"{self.base}:{body.model}"])
+                enc, reason = await self.producer.encode(prefix_ids, [pair_id(self.base, body.model)])
             else:
-                enc, reason = None, "prefix_too_short"
+                enc, reason = None, FallbackReason.PREFIX_TOO_SHORT
             req = self._request(body.model, prefix_ids, suffix_ids, body, enc, reason, trace)
         cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
@@ -294,7 +295,7 @@ class Router:
             names = sorted({r.specialist for r in body.requests})
             with telemetry.span("router.fanout", specialists=",".join(names)):
                 trace = telemetry.carrier()
-                enc, reason = await self.producer.encode(prefix_ids, [f"{self.base}:{n}" for n in names])
+                enc, reason = await self.producer.encode(prefix_ids, [pair_id(self.base, n) for n in names])
                 reqs = [self._request(r.specialist, prefix_ids, s, r, enc, reason, trace)
                         for r, s in zip(body.requests, suffixes)]
                 outs = await asyncio.gather(*(self._generate(r.specialist, q) for r, q in zip(body.requests, reqs)),

@@ -23,6 +23,7 @@ import torch
 from ray.serve.metrics import Counter, Histogram
 
 from actors.drills import hold_until_open
+from actors.messages import FallbackReason
 from actors.registry import fetch, registry
 from actors.specialist import GenParams, SpecialistEngine
 from actors.producer_actor import PRODUCER_NAME
@@ -130,11 +131,11 @@ class SpecialistServer:
         try:
             art, manifest = fetch(self.registry, f"{self.pair}@{version}", self.expect, timeout_s=120)
         except ArtifactNotFound:
-            return "quality_gate" if self._refused() else "no_artifact"
+            return FallbackReason.QUALITY_GATE if self._refused() else FallbackReason.NO_ARTIFACT
         except ArtifactStoreError:                           # fingerprints, checksums, manifest problems
-            return "artifact_mismatch"
+            return FallbackReason.ARTIFACT_MISMATCH
         except ray.exceptions.RayError:                      # the registry actor or the store failed
-            return "artifact_unavailable"
+            return FallbackReason.ARTIFACT_UNAVAILABLE
         self.engine.set_artifact(art.to(self.engine.device), manifest.version)
         return None
 
@@ -182,7 +183,7 @@ class SpecialistServer:
             else:
                 payload = self.transport.recv(req["ticket"], timeout_s=self.timeout_s)
         except (TransportError, ray.exceptions.RayError, ValueError):
-            return None, "transport_error", (time.perf_counter() - t0) * 1e3
+            return None, FallbackReason.TRANSPORT_ERROR, (time.perf_counter() - t0) * 1e3
         return payload, None, (time.perf_counter() - t0) * 1e3
 
     def _events(self, req: dict):
