@@ -19,7 +19,7 @@ import zlib
 import torch
 
 from scd.settings import CODE_DTYPES as DTYPES
-from scd.rebuild import Codes
+from scd.rebuild import Codes, Int8Code
 
 MAGIC = b"SCDC"
 VERSION = 1
@@ -45,11 +45,6 @@ def _int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, torch.round(rows / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
 
 
-def _dequant(scale: torch.Tensor, q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Float32 values of per-row int8 codes (the inverse of _int8, up to rounding), shaped `shape`."""
-    return torch.mul(q.reshape(-1, shape[-1]), scale.float()[:, None]).reshape(shape)   # one pass, int8 -> float32
-
-
 def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
     x = x.detach().float().cpu().contiguous()
     if dtype == "int8":
@@ -67,7 +62,7 @@ def wire_tensors(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ...]:
 
 def from_wire_tensors(parts: tuple[torch.Tensor, ...], shape: tuple[int, ...]) -> torch.Tensor:
     """The float32 code of shape `shape` that `wire_tensors` parts stand for."""
-    return _dequant(*parts, shape) if len(parts) == 2 else parts[0].float().reshape(shape)
+    return Int8Code(*parts, shape).dense() if len(parts) == 2 else parts[0].float().reshape(shape)
 
 
 def wire_round(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -107,14 +102,15 @@ def _field(body: torch.Tensor, off: int, n: int, dtype: torch.dtype) -> torch.Te
         return raw.clone().view(dtype)
 
 
-def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-    """A code tensor in its wire dtype (fp16/bf16), or dequantised to float32 for int8."""
+def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str) -> "torch.Tensor | Int8Code":
+    """A code tensor in its wire dtype (fp16/bf16), or an Int8Code that rebuild() dequantises where it uses it."""
     n = 1
     for s in shape:
         n *= s
     if dtype == "int8":
         rows = n // shape[-1]
-        return _dequant(_field(body, off, 2 * rows, torch.float16), _field(body, off + 2 * rows, n, torch.int8), shape)
+        return Int8Code(_field(body, off, 2 * rows, torch.float16), _field(body, off + 2 * rows, n, torch.int8).view(rows, -1),
+                        shape)
     return _field(body, off, 2 * n, _TORCH[dtype]).reshape(shape)
 
 

@@ -24,11 +24,35 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
+class Int8Code:
+    """A code as it arrives in int8 (per-row fp16 scales, int8 values), dequantised where it is used: one
+    layer at a time into a buffer that stays in cache, instead of the whole payload into fresh memory first
+    (at 2048 tokens the up-front conversion of ~10 MB of codes cost as much as a third of the rebuild)."""
+    scale: torch.Tensor                                 # (rows,) fp16
+    q: torch.Tensor                                     # (rows, r) int8
+    shape: tuple[int, ...]                              # of the code it stands for; rows * r elements
+
+    def to(self, device) -> "Int8Code":
+        return Int8Code(self.scale.to(device), self.q.to(device), self.shape)
+
+    def dense(self, dtype=torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The code's values (rows * r,) reshaped to `shape`, written into `out` when given."""
+        rows = self.q.view(-1, self.shape[-1])
+        out = torch.empty(rows.shape, dtype=dtype, device=rows.device) if out is None else out.view(rows.shape)
+        return torch.mul(rows, self.scale.to(dtype)[:, None], out=out).view(self.shape)
+
+
+def dense(x: "torch.Tensor | Int8Code", dtype=torch.float32) -> torch.Tensor:
+    """A code's values in `dtype`, whether it arrived as a float tensor or as an Int8Code."""
+    return x.dense(dtype) if isinstance(x, Int8Code) else x.to(dtype)
+
+
+@dataclass
 class Codes:
     token_ids: torch.Tensor                             # (B, T) int
     mask: torch.Tensor                                  # (B, T) 0/1
     plan: list[str]
-    layers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    layers: dict[int, dict[str, "torch.Tensor | Int8Code"]] = field(default_factory=dict)
 
 
 @torch.no_grad()
@@ -96,19 +120,21 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         kv[0] = (apply_rope(heads(k0), cos, sin), heads(v0))
     if reuse := by_kind["reuse"]:
         dec_k, mu_k, dec_v, mu_v = art.reuse_decoders(tuple(reuse), dtype)
-        k = apply_rope(_decode_stacked(dec_k, mu_k, [codes.layers[l]["z_k"] for l in reuse], dtype), cos, sin)
-        v = _decode_stacked(dec_v, mu_v, [codes.layers[l]["z_v"] for l in reuse], dtype)
+        k = apply_rope(_decode_stacked(dec_k, mu_k, [dense(codes.layers[l]["z_k"], dtype) for l in reuse]), cos, sin)
+        v = _decode_stacked(dec_v, mu_v, [dense(codes.layers[l]["z_v"], dtype) for l in reuse])
         kv.update({l: (k[i], v[i]) for i, l in enumerate(reuse)})
     if hidden := by_kind["hidden"]:                     # one code per token -> K and V of every head
         dec_k, mu_k, dec_v, mu_v = art.hidden_decoders(tuple(hidden), dtype)
+        buf = torch.empty(b * t, art.r_x, dtype=dtype, device=cos.device)     # every layer's code, in turn
         for i, l in enumerate(hidden):
-            z = codes.layers[l]["z_x"].reshape(b * t, -1).to(dtype)
+            x = codes.layers[l]["z_x"]
+            z = x.dense(dtype, buf).view(b * t, -1) if isinstance(x, Int8Code) else x.reshape(b * t, -1).to(dtype)
             k = torch.addmm(mu_k[i], z, dec_k[i]).view(b, t, -1)
             kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(mu_v[i], z, dec_v[i]).view(b, t, -1)))
     t_patch = time.perf_counter()
     if patch := by_kind["patch"]:                       # all Patch layers at once
         x0 = tables.x0(codes.token_ids) if art.aligner_tokens and not tables.vocab_kept else None
-        k, v = tables.patches(art, patch)([codes.layers[l]["z_h"] for l in patch], codes.mask, codes.token_ids, x0)
+        k, v = tables.patches(art, patch)([dense(codes.layers[l]["z_h"]) for l in patch], codes.mask, codes.token_ids, x0)
         k = apply_rope(heads(k), cos, sin)                                      # (P, B, n_kv, T, d)
         kv.update({l: (k[i], heads(v[i])) for i, l in enumerate(patch)})
     t_end = time.perf_counter()
@@ -116,7 +142,7 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
                                                       "patch_ms": (t_end - t_patch) * 1e3}
 
 
-def _decode_stacked(dec: torch.Tensor, mu: torch.Tensor, zs: list[torch.Tensor], dtype) -> torch.Tensor:
+def _decode_stacked(dec: torch.Tensor, mu: torch.Tensor, zs: list[torch.Tensor]) -> torch.Tensor:
     """Decode one code (B, n_kv, T, r) per layer as one batched matmul with stacked decoders: (L, B, n_kv, T, d)."""
-    z = torch.stack(zs).to(dtype)                                     # (L, B, n_kv, T, r)
+    z = torch.stack(zs)                                               # (L, B, n_kv, T, r)
     return torch.baddbmm(mu, z.flatten(1, -2), dec).view(*z.shape[:-1], dec.shape[-1])

@@ -277,6 +277,18 @@ def test_int8_codes_count_their_bytes_and_are_what_the_artifact_sends(tmp_path):
     fp16 = PlanScorer(a, b, val, lambda plan: dataclasses.replace(art.with_plan(plan), code_dtype="fp16")).kl(art.plan)
     int8 = PlanScorer(a, b, val, art.with_plan).kl(art.plan)
     assert 0 < abs(int8 - fp16) < 0.05 * fp16 + 1e-3, (int8, fp16)
+    # the consumer rebuilds from the payload's int8 codes, dequantised layer by layer, exactly what
+    # calibration scores (codec.as_received)
+    from scd import codec
+    from scd.rebuild import encode, rebuild
+    from scd.trace import capture
+    ids = val[0].prefix[None]
+    codes = encode(back, capture(a, ids, torch.ones_like(ids)), ids)
+    wire = codec.decode(codec.encode(codes, "a:b", "v", codec.artifact_dims(back), "int8"), "a:b", "v", back.plan,
+                        codec.artifact_dims(back))
+    got, want = rebuild(b, back, wire)[0], rebuild(b, back, codec.as_received(codes, "int8"))[0]
+    err = max((x - y).abs().max().item() for g, w in zip(got, want) for x, y in zip(g, w))
+    assert err < 1e-5, f"rebuild from the int8 payload differs from the as-received codes by {err:.2e}"
     with pytest.raises(ValueError, match="code_dtype"):
         CalibConfig(code_dtype="int3")
 
