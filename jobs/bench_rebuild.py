@@ -14,7 +14,7 @@ import time
 import torch
 
 from jobs import demo_data
-from jobs.evaluate import add_pair_args, calibrated, resolve_pair
+from jobs.evaluate import add_pair_args, calibrated, parse, resolve_pair
 from scd import codec
 from scd.models import load_pair
 from scd.rebuild import encode, rebuild
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", choices=codec.DTYPES, help="code precision (default: the artifact's)")
     p.add_argument("--work-dir", default="runs/eval")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     args.tokens = _sizes(args.tokens)
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))

@@ -31,7 +31,8 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
                                   "--config")
     p.add_argument("--config", help="a deployment config (e.g. configs/smollm2.yaml): --pair names its models, and "
                                     "its calibration settings and work_dir are used, so the calibration job's "
-                                    "checkpoints are resumed instead of calibrating again")
+                                    "checkpoints are resumed instead of calibrating again; a setting's flag given "
+                                    "as well overrides the config's value")
     p.add_argument("--models-dir", default=str(DEMO_DIR))
     p.add_argument("--producer", help="local model folder (instead of --pair)")
     p.add_argument("--consumer", help="local model folder (instead of --pair)")
@@ -61,6 +62,16 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         else:
             kw["type"] = type(f.default)
         p.add_argument(*flags, dest=name, **kw)
+
+
+def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """p.parse_args(argv), remembering which calibration settings were given on the command line
+    (args.given_settings): with --config, those override the config's values and the others take them."""
+    args = p.parse_args(argv)
+    unset = object()
+    probe = p.parse_args(argv, argparse.Namespace(**{n: unset for n in set(CalibrationSettings.model_fields) - NOT_FLAGS}))
+    args.given_settings = {n for n, v in vars(probe).items() if n in CalibrationSettings.model_fields and v is not unset}
+    return args
 
 
 def resolve_pair(args) -> tuple[str, str, str, str]:
@@ -99,8 +110,8 @@ def _from_config(args) -> tuple[str, str, str, str]:
     a, b = args.pair.split(":")
     if a != cfg.producer.name or b not in {s.name for s in cfg.specialists}:
         raise SystemExit(f"--pair {args.pair} is not in {args.config} (it has {', '.join(cfg.pairs())})")
-    for name in set(CalibrationSettings.model_fields) - NOT_FLAGS:   # what the calibration job fits with
-        setattr(args, name, getattr(cfg.calibration, name))
+    for name in set(CalibrationSettings.model_fields) - NOT_FLAGS - getattr(args, "given_settings", set()):
+        setattr(args, name, getattr(cfg.calibration, name))            # what the calibration job fits with
     args.work_dir = cfg.calibration.work_dir
     args.consumer_base = cfg.specialist(b).base
     return cfg.producer.path, cfg.specialist(b).path, a, b
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--droidspeak-layers", type=int, default=2)
     p.add_argument("--work-dir", default="runs/eval", help="traces and the calibrated artifact are kept here")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     wanted = args.methods.split(",")
     unknown = [m for m in wanted if m not in methods.METHODS]
     if unknown:

@@ -164,3 +164,17 @@ def test_every_calibration_setting_is_settable_from_the_config_and_is_a_scd_eval
     assert args.finetune_encoders != CalibConfig().finetune_encoders
     with pytest.raises(SystemExit):                                    # choices come from the schema
         p.parse_args(["--reuse-source", "telepathy"])
+
+
+def test_with_a_config_an_explicit_settings_flag_overrides_the_config_and_the_others_come_from_it():
+    import argparse
+    from jobs.evaluate import add_pair_args, parse as parse_args, resolve_pair
+    cfg = load_config("configs/smollm2.yaml")
+    assert cfg.calibration.finetune_samples != 0 and cfg.calibration.r_h != 32
+    p = argparse.ArgumentParser()
+    add_pair_args(p)
+    args = parse_args(p, ["--config", "configs/smollm2.yaml", "--pair", "smollm2:qa", "--finetune-samples", "0"])
+    resolve_pair(args)
+    assert args.finetune_samples == 0, "an explicit flag must win over the config"
+    assert args.r_h == cfg.calibration.r_h and args.reuse_source == cfg.calibration.reuse_source
+    assert args.work_dir == cfg.calibration.work_dir
