@@ -119,6 +119,18 @@ def qa_examples(split: str, n: int, seed: int = 0, people: tuple[int, int] = (2,
     return out
 
 
+def qa_conversations(split: str, n: int, seed: int = 0, people: tuple[int, int] = (2, 4),
+                     turns: int = 4) -> list[tuple[str, list[tuple[str, str]]]]:
+    """`n` (document, [(question, answer), ...]) with up to `turns` distinct questions per document, from a
+    stream of their own (the single-question splits of qa_examples are unchanged)."""
+    rng = random.Random(f"qa-conv-{split}-{seed}-{people}")
+    out = []
+    for _ in range(n):
+        doc, qas = facts_document(rng, rng.randint(*people))
+        out.append((doc, [(q, a.strip()) for q, a in rng.sample(qas, min(turns, len(qas)))]))
+    return out
+
+
 def qa_training_text(rng: random.Random) -> str:
     """A document followed by many of its questions with answers: the QA specialist's fine-tuning text.
     Dense questions give the retrieval skill many supervised answers per document."""

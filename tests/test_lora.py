@@ -129,6 +129,22 @@ def test_qa_samples_of_a_chat_model_share_the_system_turn_and_ask_in_the_user_tu
     assert mean(long) > 2 * mean(short), "prefix_tokens must size the documents"
 
 
+def test_fine_tuning_samples_of_a_chat_qa_family_ask_several_questions_about_one_prefix(base):
+    from jobs.samples import tune_samples
+    tok = AutoTokenizer.from_pretrained(base)
+    got = tune_samples("qa", tok, 3, prefix_tokens=200)
+    assert len(got) == 3
+    for s in got:
+        prefix, cont = tok.decode(s.prefix), tok.decode(s.cont)
+        assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_end|>\n"), prefix[-40:]
+        turns = cont.split("<|im_start|>user\n")[1:]
+        assert len(turns) == 4, cont
+        for turn in turns:                        # every answer is a span of the notes, closed by its end of turn
+            question, answer = turn.split("<|im_end|>\n<|im_start|>assistant\n")
+            assert answer.endswith("<|im_end|>\n") and answer[:-len("<|im_end|>\n")] in prefix, turn
+    assert got[0].question is None              # not a single-question sample (those stay for policy and evaluation)
+
+
 def test_demo_prompts_of_a_chat_family_share_the_system_turn(base):
     from jobs.demo import demo_prompts
     tok = AutoTokenizer.from_pretrained(base)
