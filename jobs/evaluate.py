@@ -45,6 +45,7 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
 
 # settings of the calibration job that an evaluation does not use (it has --samples and its own --work-dir)
 NOT_FLAGS = {"heldout", "gate_vs_raw_kv", "max_kl", "work_dir"}
+SETTING_FLAGS = set(CalibrationSettings.model_fields) - NOT_FLAGS     # the settings that are flags too
 
 
 def add_settings_flags(p: argparse.ArgumentParser) -> None:
@@ -69,8 +70,8 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namesp
     (args.given_settings): with --config, those override the config's values and the others take them."""
     args = p.parse_args(argv)
     unset = object()
-    probe = p.parse_args(argv, argparse.Namespace(**{n: unset for n in set(CalibrationSettings.model_fields) - NOT_FLAGS}))
-    args.given_settings = {n for n, v in vars(probe).items() if n in CalibrationSettings.model_fields and v is not unset}
+    probe = p.parse_args(argv, argparse.Namespace(**{n: unset for n in SETTING_FLAGS}))
+    args.given_settings = {n for n in SETTING_FLAGS if getattr(probe, n) is not unset}
     return args
 
 
@@ -110,7 +111,7 @@ def _from_config(args) -> tuple[str, str, str, str]:
     a, b = args.pair.split(":")
     if a != cfg.producer.name or b not in {s.name for s in cfg.specialists}:
         raise SystemExit(f"--pair {args.pair} is not in {args.config} (it has {', '.join(cfg.pairs())})")
-    for name in set(CalibrationSettings.model_fields) - NOT_FLAGS - getattr(args, "given_settings", set()):
+    for name in SETTING_FLAGS - getattr(args, "given_settings", set()):
         setattr(args, name, getattr(cfg.calibration, name))            # what the calibration job fits with
     args.work_dir = cfg.calibration.work_dir
     args.consumer_base = cfg.specialist(b).base

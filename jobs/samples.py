@@ -16,6 +16,12 @@ def _ids(tok, text: str) -> torch.Tensor:
 TOKENS_PER_PERSON = 36      # a person's 3-5 facts in a notes document, in SmolLM2 tokens (measured: 33-38)
 
 
+def _people(prefix_tokens: int) -> tuple[int, int]:
+    """(min, max) persons per notes document so that a chat family's document is about `prefix_tokens` long."""
+    lo = max(2, prefix_tokens // TOKENS_PER_PERSON)
+    return lo, lo + 2
+
+
 def qa_samples(tok, split: str, n: int, seed: int = 0, prefix_tokens: int | None = None) -> list[Sample]:
     """Extractive QA samples. With a chat template (a real instruct family) the prefix is the rendered system
     turn holding the notes, the question the rendered user turn and assistant header, the answer the bare
@@ -24,8 +30,7 @@ def qa_samples(tok, split: str, n: int, seed: int = 0, prefix_tokens: int | None
     chat = getattr(tok, "chat_template", None) is not None
     people = (2, 4)
     if chat and prefix_tokens:
-        lo = max(2, prefix_tokens // TOKENS_PER_PERSON)
-        people = (lo, lo + 2)
+        people = _people(prefix_tokens)
     out = []
     for ex in demo_data.qa_examples(split, n, seed, people):
         if chat:
@@ -48,9 +53,8 @@ def qa_chat_conversations(tok, split: str, n: int, seed: int = 0, prefix_tokens:
     with the chat template, each answer closed by its end of turn. Fine-tuning on them trains each rebuilt
     cache on several answers instead of one question and one answer (answers are ~15% of a single-question
     continuation's tokens)."""
-    lo = max(2, prefix_tokens // TOKENS_PER_PERSON)
     out = []
-    for doc, qas in demo_data.qa_conversations(split, n, seed, (lo, lo + 2), turns):
+    for doc, qas in demo_data.qa_conversations(split, n, seed, _people(prefix_tokens), turns):
         msgs = [{"role": "system", "content": demo_data.qa_system_prompt(doc)}]
         prefix_text = tok.apply_chat_template(msgs, tokenize=False)
         for q, a in qas:

@@ -42,9 +42,10 @@ class Int8Code:
         return torch.mul(rows, self.scale.to(dtype)[:, None], out=out).view(self.shape)
 
 
-def dense(x: "torch.Tensor | Int8Code", dtype=torch.float32) -> torch.Tensor:
-    """A code's values in `dtype`, whether it arrived as a float tensor or as an Int8Code."""
-    return x.dense(dtype) if isinstance(x, Int8Code) else x.to(dtype)
+def dense(x: "torch.Tensor | Int8Code", dtype=torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A code's values in `dtype`, whether it arrived as a float tensor or as an Int8Code (dequantised into
+    `out` when given; a float tensor is only cast)."""
+    return x.dense(dtype, out) if isinstance(x, Int8Code) else x.to(dtype)
 
 
 @dataclass
@@ -127,8 +128,7 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         dec_k, mu_k, dec_v, mu_v = art.hidden_decoders(tuple(hidden), dtype)
         buf = torch.empty(b * t, art.r_x, dtype=dtype, device=cos.device)     # every layer's code, in turn
         for i, l in enumerate(hidden):
-            x = codes.layers[l]["z_x"]
-            z = x.dense(dtype, buf).view(b * t, -1) if isinstance(x, Int8Code) else x.reshape(b * t, -1).to(dtype)
+            z = dense(codes.layers[l]["z_x"], dtype, buf).reshape(b * t, -1)
             k = torch.addmm(mu_k[i], z, dec_k[i]).view(b, t, -1)
             kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(mu_v[i], z, dec_v[i]).view(b, t, -1)))
     t_patch = time.perf_counter()
