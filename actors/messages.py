@@ -1,7 +1,18 @@
-"""Names shared by every process of the request path: a pair's id and why a request fell back to a prefill."""
+"""What the processes of the request path say to each other, typed: a pair's id, why a request fell back to
+a prefill, the producer's answer to an encode (Codes), what the router asks a specialist replica
+(SpecialistRequest) and what the replica answers (Output: one per streamed piece, or the whole answer).
+
+    router --encode(prefix ids, pairs)--> producer --Codes (a PairCodes per pair: ticket or reason)--> router
+    router --SpecialistRequest (ids, GenParams, that pair's PairCodes)--> replica --Output...--> router
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from actors.transport import Ticket
 
 
 def pair_id(producer: str, consumer: str) -> str:
@@ -20,3 +31,56 @@ class FallbackReason(StrEnum):
     CODEC_ERROR = "codec_error"                     # the payload did not parse or did not match the request
     PREFIX_TOO_SHORT = "prefix_too_short"           # nothing shared to rebuild
     QUALITY_GATE = "quality_gate"                   # calibration refused to publish an artifact for the pair
+
+
+@dataclass(frozen=True)
+class GenParams:
+    max_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class PairCodes:
+    """The producer's codes of one prefix for one pair: a ticket to the payload on the transport, or why
+    there is none (reason)."""
+    version: str | None
+    ticket: Ticket | None = None
+    payload_bytes: int = 0
+    cache_hit: bool = False
+    reason: FallbackReason | None = None
+
+
+@dataclass(frozen=True)
+class Codes:
+    """The producer's answer to one encode: one PairCodes per pair asked for, from at most one prefill."""
+    per_pair: dict[str, PairCodes]
+    prefilled: bool
+    incarnation: str                            # the producer's start; a replica's NCCL channel belongs to one
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SpecialistRequest:
+    """What the router asks one specialist replica: token ids (tokenized once, at the router), sampling, and
+    either that pair's codes or the reason it prefills."""
+    prefix_ids: list[int]
+    suffix_ids: list[int]
+    params: GenParams
+    codes: PairCodes | None = None
+    reason: str | None = None                   # a fallback reason, or "oracle": prefill on purpose
+    incarnation: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    trace: dict = field(default_factory=dict)   # telemetry context carrier
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a replica answers: a streamed piece of text, or (the last event of a stream, and a whole
+    answer) the finish reason, how it was served (`scd`) and the number of generated tokens."""
+    text: str = ""
+    finish_reason: str | None = None
+    scd: dict | None = None
+    tokens: int = 0

@@ -11,10 +11,10 @@ import torch
 
 from actors.messages import FallbackReason
 from actors.prefix_cache import PrefixCodeCache, prefix_key
-from scd import codec
-from scd.artifacts import PairArtifacts
-from scd.rebuild import encode
-from scd.trace import capture
+from scd.online import codec
+from scd.online.artifacts import PairArtifacts
+from scd.online.rebuild import encode
+from scd.online.trace import capture
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 It loads each pair's artifact through the registry actor (verified, fingerprints checked against the base
 model it holds), prefills a prefix once per request, and puts every pair's payload on the transport
-(object store: in Ray's object store at once; NCCL: staged until the serving replica asks for a push).
-Replicas of an NCCL deployment register here when they start and unregister when they stop.
+(`Transport.offer`: in Ray's object store at once, or staged until the serving replica asks for a push over
+its NCCL communicator). Replicas register here when they start and unregister when they stop.
 
 Encodes run one at a time; stats, fault drills and the NCCL control calls run in a small "control" group
 of threads beside them, so health checks and pushes never wait behind a long prefill. Each start of the
@@ -20,13 +20,13 @@ import uuid
 import ray
 import torch
 
-from actors.messages import FallbackReason
+from actors.messages import Codes, FallbackReason, PairCodes
 from actors.producer import ProducerEngine
 from actors.registry import fetch, registry
-from actors.transport import NcclTransport, Ticket, TransportError, make_transport
+from actors.transport import Ticket, TransportError, make_transport
 from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device
-from scd.models import load
+from scd.online.models import load
 
 PRODUCER_NAME = "scd-producer"
 
@@ -117,65 +117,56 @@ class ProducerActor:
             raise ValueError(f"unknown fault {fault!r}")
         self.fault = fault
 
-    def encode(self, prefix_ids: list[int], pairs: list[str], deadline: float | None = None) -> dict:
-        """Prefill once, encode for every pair, put each payload on the transport; tickets come back.
-        `deadline` (time.time() of the caller's give-up): an encode still queued past it is skipped."""
+    def encode(self, prefix_ids: list[int], pairs: list[str], deadline: float | None = None) -> Codes | None:
+        """Prefill once, encode for every pair, offer each payload on the transport; tickets come back.
+        `deadline` (time.time() of the caller's give-up): an encode still queued past it is skipped (None)."""
         if deadline is not None and time.time() > deadline:
             self.skipped += 1
-            return {"skipped": True}
+            return None
         if self.fault and self.fault.startswith("delay:"):
             time.sleep(float(self.fault.split(":", 1)[1]))
-        ids = list(prefix_ids)
-        res = self.engine.encode(ids, pairs)
+        res = self.engine.encode(list(prefix_ids), pairs)
         t0 = time.perf_counter()
-        out = {}
-        for pair, e in res.per_pair.items():
-            entry = {"version": e.version, "error": e.error, "cache_hit": e.cache_hit,
-                     "payload_bytes": len(e.payload) if e.payload else 0, "ticket": None}
-            if e.payload is not None:
-                payload = e.payload
-                if self.fault == "corrupt":
-                    payload = payload[:-1] + bytes([payload[-1] ^ 0xFF])
-                try:
-                    if isinstance(self.transport, NcclTransport):
-                        entry["ticket"] = self.transport.stage(payload)
-                    else:
-                        entry["ticket"] = self.transport.send(payload)
-                except TransportError:
-                    entry["error"] = FallbackReason.TRANSPORT_ERROR
-                if self.fault == "misdeliver" and entry["ticket"] is not None:   # ticket and object disagree
-                    entry["ticket"] = dataclasses.replace(entry["ticket"], nbytes=entry["ticket"].nbytes + 1)
-            out[pair] = entry
-        return {"prefix_ids": ids, "per_pair": out, "prefilled": res.prefilled, "incarnation": self.incarnation,
-                "timings": {"prefill": res.prefill_ms, "encode": res.encode_ms,
-                            "transfer_put": (time.perf_counter() - t0) * 1e3}}
+        per_pair = {pair: self._offer(e) for pair, e in res.per_pair.items()}
+        return Codes(per_pair, res.prefilled, self.incarnation,
+                     {"prefill": res.prefill_ms, "encode": res.encode_ms,
+                      "transfer_put": (time.perf_counter() - t0) * 1e3})
 
-    # -- NCCL replicas ------------------------------------------------------------------------------
-    def _nccl(self) -> NcclTransport:
-        if not isinstance(self.transport, NcclTransport):
-            raise TransportError(f"this producer's transport is {self.transport_kind!r}, not NCCL")
-        return self.transport
+    def _offer(self, e) -> PairCodes:
+        """One pair's payload on the transport (with the drills' damage), or why there is none."""
+        if e.payload is None:
+            return PairCodes(e.version, reason=e.error, cache_hit=e.cache_hit)
+        payload = e.payload
+        if self.fault == "corrupt":
+            payload = payload[:-1] + bytes([payload[-1] ^ 0xFF])
+        try:
+            ticket = self.transport.offer(payload)
+        except TransportError:
+            return PairCodes(e.version, payload_bytes=len(payload), cache_hit=e.cache_hit,
+                             reason=FallbackReason.TRANSPORT_ERROR)
+        if self.fault == "misdeliver":                       # ticket and object disagree
+            ticket = dataclasses.replace(ticket, nbytes=ticket.nbytes + 1)
+        return PairCodes(e.version, ticket, len(payload), e.cache_hit)
 
+    # -- replicas' channels (NCCL: a communicator each; the object store has none) -----------------------
     @ray.method(concurrency_group="control")
     def register(self, replica_id: str):
-        """A replica starts: rank 0 of its communicator begins joining; returns the rendezvous id."""
-        return self._nccl().open_for(replica_id)
+        """A replica starts: its channel begins opening; returns what the replica joins it with."""
+        return self.transport.attach(replica_id)
 
     @ray.method(concurrency_group="control")
     def unregister(self, replica_id: str) -> None:
-        """A replica stops: its communicator is torn down."""
-        self._nccl().close_for(replica_id)
+        """A replica stops: its channel is torn down."""
+        self.transport.detach(replica_id)
 
     @ray.method(concurrency_group="control")
     def push(self, key: str, replica_id: str) -> Ticket:
-        """Send a staged payload to the replica serving its request; the replica receives with the ticket."""
-        return self._nccl().push(key, replica_id)
+        """Send an offered payload to the replica serving its request; the replica receives with the ticket."""
+        return self.transport.push(key, replica_id)
 
     @ray.method(concurrency_group="control")
     def stats(self) -> dict:
-        out = {**self.engine.stats(), "problems": dict(self.problems), "transport": self.transport_kind,
+        return {**self.engine.stats(), "problems": dict(self.problems), "transport": self.transport_kind,
                "incarnation": self.incarnation, "skipped": self.skipped, "refused": dict(self.refused),
-               "versions": {pair: v for pair, (_, v) in self.engine.artifacts.items()}}
-        if isinstance(self.transport, NcclTransport):
-            out["nccl_replicas"] = self.transport.open_replicas()
-        return out
+               "versions": {pair: v for pair, (_, v) in self.engine.artifacts.items()},
+               "channels": self.transport.channels()}

@@ -16,7 +16,7 @@ from safetensors.torch import save as st_save
 
 from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints, Manifest, StorageUnavailable
 from artifacts_store.fingerprints import check
-from scd.artifacts import PairArtifacts
+from scd.online.artifacts import PairArtifacts
 
 REGISTRY_NAME = "scd-artifact-registry"
 MAX_ENTRIES = 8

@@ -5,26 +5,20 @@ was served: mode "scd", or "fallback" with the reason, plus the phase timings.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from actors.messages import FallbackReason
-from scd import cache, codec
-from scd.artifacts import PairArtifacts
-from scd.rebuild import prepare, rebuild
-from scd.trace import capture
-
-
-@dataclass
-class GenParams:
-    max_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
+from actors.batching import BatchDecoder, Row
+from actors.messages import FallbackReason, GenParams
+from scd.online import cache, codec
+from scd.online.artifacts import PairArtifacts
+from scd.online.rebuild import prepare, rebuild
+from scd.online.trace import capture
 
 
 @dataclass
@@ -66,10 +60,33 @@ class IncrementalDetokenizer:
         return rest
 
 
+class TextStream:
+    """The text of one request's generated tokens: detokenized incrementally, cut before its first stop string."""
+
+    def __init__(self, tokenizer, stop):
+        self.detok, self.text = IncrementalDetokenizer(tokenizer), ""
+        self.stop = [x for x in stop if x]
+        self.longest = max((len(x) for x in self.stop), default=0)
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """(the text piece to emit, whether a stop string ended here: then nothing more is emitted)."""
+        piece = self.detok.add(token_id)
+        tail = max(0, len(self.text) - self.longest + 1)        # a stop string can only end in the new piece
+        self.text += piece
+        hits = [i for i in (self.text.find(x, tail) for x in self.stop) if i >= 0]
+        if hits:                                    # emit up to the stop string, never the string itself
+            return piece[:max(0, len(piece) - (len(self.text) - min(hits)))], True
+        return piece, False
+
+    def flush(self) -> str:
+        return self.detok.flush()
+
+
 class SpecialistEngine:
     def __init__(self, name: str, model, tokenizer, art: PairArtifacts | None = None, version: str | None = None,
-                 unavailable_reason: str = FallbackReason.NO_ARTIFACT, device: str = "cpu"):
+                 unavailable_reason: str = FallbackReason.NO_ARTIFACT, device: str = "cpu", max_batch: int = 8):
         self.name, self.model, self.tok, self.device = name, model, tokenizer, device
+        self.decoder = BatchDecoder(model, tokenizer.eos_token_id, max_batch)
         self.set_artifact(art, version, unavailable_reason)
 
     def set_artifact(self, art: PairArtifacts | None, version: str | None,
@@ -116,47 +133,67 @@ class SpecialistEngine:
         return list(zip(tr.keys, tr.values)), ServedInfo("fallback", reason or FallbackReason.NO_ARTIFACT,
                                                          self.version, 0, timings)
 
-    @torch.no_grad()
-    def stream(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
-               params: GenParams, timings: dict | None = None) -> Iterator[tuple[str, object]]:
-        """Events: ("token", text piece) per generated token, then one ("done", (info, finish_reason)).
-        finish_reason is "stop" (stop string or EOS) or "length" (max_tokens)."""
+    def start(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
+              params: GenParams, put: Callable[[tuple], None], timings: dict | None = None) -> Callable[[], None]:
+        """Build the request's own cache (codes or prefill) and run its suffix, in the calling thread; then its
+        decode steps run in the engine's batch with every other running request (BatchDecoder). Events go to
+        put(), from the decode loop's thread: ("token", text piece) per generated token, then ("done", info,
+        finish_reason) with finish_reason "stop" (stop string or EOS) or "length" (max_tokens), or ("error",
+        message). Returns cancel(): the request's row leaves at its next token (a client gone)."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token")
         t_start = time.perf_counter()
-        kv, info = self._prefix_kv(prefix_ids, payload, reason, dict(timings or {}))
-        mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
-        gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
-        steps = cache.decode_steps(self.model, cache.assemble(self.model, kv), mask,
-                                   torch.tensor([suffix_ids], device=self.device), params.max_tokens,
-                                   params.temperature, params.top_p, self.tok.eos_token_id, gen)
-        detok, text, n_out, finish = IncrementalDetokenizer(self.tok), "", 0, "length"
-        longest_stop = max((len(s) for s in params.stop), default=0)
-        for nxt in steps:
-            if n_out == 0:
-                info.timings["first_token"] = (time.perf_counter() - t_start) * 1e3
-            if int(nxt[0]) == self.tok.eos_token_id:
-                finish = "stop"
-                break
-            n_out += 1
-            piece = detok.add(int(nxt[0]))
-            tail = max(0, len(text) - longest_stop + 1)          # a stop string can only end in the new piece
-            text += piece
-            hits = [i for i in (text.find(s, tail) for s in params.stop if s) if i >= 0]
-            if hits:                                 # emit up to the stop string, never the string itself
-                keep = len(piece) - (len(text) - min(hits))
-                if keep > 0:
-                    yield "token", piece[:keep]
-                finish = "stop"
-                break
+        row, info, text = self._row(prefix_ids, suffix_ids, payload, reason, params, dict(timings or {}))
+        cancelled = threading.Event()
+
+        def on_token(token_id: int) -> bool:
+            info.timings.setdefault("first_token", (time.perf_counter() - t_start) * 1e3)
+            piece, stop = text.add(token_id)
             if piece:
-                yield "token", piece
-        else:
-            if rest := detok.flush():                # bytes of an unfinished character at max_tokens
-                yield "token", rest
-        info.timings["total"] = (time.perf_counter() - t_start) * 1e3
-        info.tokens = n_out
-        yield "done", (info, finish)
+                put(("token", piece))
+            return not (stop or cancelled.is_set())
+
+        def on_done(finish: str, n_out: int) -> None:
+            if finish.startswith("error"):
+                put(("error", finish))
+                return
+            info.timings.setdefault("first_token", (time.perf_counter() - t_start) * 1e3)
+            if finish == "length" and (rest := text.flush()):      # bytes of an unfinished character
+                put(("token", rest))
+            info.timings["total"] = (time.perf_counter() - t_start) * 1e3
+            info.tokens = n_out
+            put(("done", info, finish))
+
+        row.on_token, row.on_done = on_token, on_done
+        self.decoder.submit(row)
+        return cancelled.set
+
+    def stream(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
+               params: GenParams, timings: dict | None = None) -> Iterator[tuple[str, object]]:
+        """start() as a blocking generator: ("token", piece)..., then ("done", (info, finish_reason))."""
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        cancel = self.start(prefix_ids, suffix_ids, payload, reason, params, events.put, timings)
+        try:
+            while (ev := events.get())[0] == "token":
+                yield ev
+        finally:
+            cancel()
+        if ev[0] == "error":
+            raise RuntimeError(f"decode failed: {ev[1]}")
+        yield "done", (ev[1], ev[2])
+
+    @torch.no_grad()
+    def _row(self, prefix_ids, suffix_ids, payload, reason, params: GenParams, timings: dict):
+        """(a Row for the batch, its ServedInfo, its TextStream): the prefix cache (rebuilt or prefilled), the
+        suffix run on top of it, the first next-token logits; start() gives the row its callbacks."""
+        kv, info = self._prefix_kv(prefix_ids, payload, reason, timings)
+        c = cache.assemble(self.model, kv)
+        mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
+        logits, _ = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device))
+        gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
+        row = Row([layer.keys for layer in c.layers], [layer.values for layer in c.layers], logits[0, -1], params,
+                  generator=gen)
+        return row, info, TextStream(self.tok, params.stop)
 
     def complete(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
                  params: GenParams, timings: dict | None = None) -> tuple[str, ServedInfo, str]:

@@ -5,8 +5,9 @@ import ray
 import torch
 
 from cluster.runtime import cpu_threads, device
-from scd.models import load
-from scd.trace import capture, trace_rows
+from scd.fitting.traces import trace_rows
+from scd.online.models import load
+from scd.online.trace import capture
 
 
 @ray.remote

@@ -1,25 +1,35 @@
-"""How a payload gets from the producer to a specialist replica.
+"""How a payload gets from the producer to a specialist replica: one interface, three implementations.
 
-  object_store  the producer puts the payload in Ray's object store and returns a ticket carrying the
-                reference; the router hands it to whichever replica Serve picks, which fetches it. CPU and GPU.
+The producer and the replicas hold a `Transport` and call only its methods; neither knows which one it is.
+Producer side: `offer` makes a request's payload available and returns the ticket the router forwards;
+`attach`/`detach` open and close a replica's channel; `push` sends an offered payload down one; `channels`
+lists them. Replica side: `receiver(...)` gives the replica's end, whose `receive(ticket, incarnation)`
+returns the payload's bytes (any number of receives at once) and `close()` leaves.
+
+  object_store  `offer` puts the payload in Ray's object store; the ticket carries the reference, and
+                whichever replica Serve picks fetches it. No channels. CPU and GPU.
   nccl          the payload goes GPU to GPU over a two-rank NCCL communicator per (producer, replica),
-                created when the replica registers and destroyed when it leaves (so autoscaling works).
-                The router cannot know which replica Serve will pick, so the producer *stages* the payload
-                and returns a ticket with its key; the chosen replica asks the producer to push that key to
-                it, gets back a ticket with (replica, sequence number, byte count), and receives the bytes
-                from its communicator: they never touch Ray. Sends run on one thread per communicator, so
-                they are in order and the producer never blocks on a receiver.
+                opened when the replica starts (`attach`) and torn down when it stops (so autoscaling
+                works). The router cannot know which replica Serve will pick, so `offer` *stages* the
+                payload and the ticket carries its key; the serving replica asks the producer to push that
+                key to it and receives the bytes from its communicator: they never touch Ray. Every send
+                is a frame (sequence number, size, then the bytes) on one sender thread per communicator;
+                the replica's reader thread files arriving frames by sequence number, so concurrent
+                receives on one communicator each take their own frame, and a receive that gave up never
+                leaves the stream out of step.
   nccl_fake     the same protocol over FakeCommunicator (a hub actor stands in for the network): CPU tests
-                and drills of registration, teardown and ordering.
+                and drills of registration, teardown, ordering and concurrent receives.
 """
 from __future__ import annotations
 
+import struct
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import ray
 
@@ -30,7 +40,7 @@ class Ticket:
     nbytes: int
     ref: list | None = None        # object_store: [ObjectRef] (in a list so Ray does not resolve it in transit)
     replica: str | None = None     # nccl: which communicator
-    seq: int = 0                   # nccl: position in that communicator's stream of sends
+    seq: int = 0                   # nccl: the frame's sequence number on that communicator
     key: str | None = None         # nccl: the staged payload a replica asks the producer to push
 
 
@@ -38,26 +48,81 @@ class TransportError(RuntimeError):
     """The payload could not be delivered; the specialist falls back to its own prefill."""
 
 
+class Receiver(Protocol):
+    """A replica's end of a transport."""
+
+    def open(self) -> bool: ...
+
+    def receive(self, ticket: Ticket, incarnation: str | None = None) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    """What the producer and the replicas call, whichever transport a deployment uses."""
+    name: str
+
+    def offer(self, payload: bytes) -> Ticket: ...
+
+    def attach(self, replica_id: str) -> Any: ...
+
+    def detach(self, replica_id: str) -> None: ...
+
+    def push(self, key: str, replica_id: str) -> Ticket: ...
+
+    def channels(self) -> list[str]: ...
+
+    def receiver(self, replica_id: str, producer: Callable[[], Any], timeout_s: float = 30.0) -> Receiver: ...
+
+
 class ObjectStoreTransport:
     name = "object_store"
 
-    def send(self, payload: bytes, replica_id: str | None = None) -> Ticket:
+    def offer(self, payload: bytes) -> Ticket:
         return Ticket("object_store", len(payload), ref=[ray.put(payload)])
 
-    def recv(self, ticket: Ticket, timeout_s: float = 30.0) -> bytes:
+    def attach(self, replica_id: str) -> None:
+        raise TransportError("the object store transport has no per-replica channels")
+
+    def detach(self, replica_id: str) -> None:
+        pass
+
+    def push(self, key: str, replica_id: str) -> Ticket:
+        raise TransportError("the object store transport has nothing to push: replicas fetch by reference")
+
+    def channels(self) -> list[str]:
+        return []
+
+    def receiver(self, replica_id: str, producer: Callable[[], Any] | None = None,
+                 timeout_s: float = 30.0) -> "ObjectStoreReceiver":
+        return ObjectStoreReceiver(timeout_s)
+
+
+class ObjectStoreReceiver:
+    def __init__(self, timeout_s: float = 30.0):
+        self.timeout_s = timeout_s
+
+    def open(self) -> bool:
+        return True
+
+    def receive(self, ticket: Ticket, incarnation: str | None = None) -> bytes:
         if ticket.kind != "object_store" or not ticket.ref:
             raise TransportError(f"object_store transport cannot read a {ticket.kind!r} ticket")
         try:
-            data = ray.get(ticket.ref[0], timeout=timeout_s)
+            data = ray.get(ticket.ref[0], timeout=self.timeout_s)
         except Exception as e:                                     # lost object, timeout, owner died
             raise TransportError(f"object store fetch failed: {type(e).__name__}: {e}") from None
         if len(data) != ticket.nbytes:
             raise TransportError(f"object store returned {len(data)} bytes, ticket says {ticket.nbytes}")
         return data
 
+    def close(self) -> None:
+        pass
+
 
 class Communicator(Protocol):
-    """Two ranks, point to point, in order. Real: cupy NCCL on CUDA buffers; tests: FakeCommunicator."""
+    """Two ranks, point to point, in order. Real: cupy NCCL on CUDA buffers; tests: FakeCommunicator.
+    recv may raise TimeoutError when nothing arrived within its wait; the caller then asks again."""
 
     def send(self, data: bytes, peer: int) -> None: ...
 
@@ -66,15 +131,16 @@ class Communicator(Protocol):
     def close(self) -> None: ...
 
 
-class NcclTransport:
-    """One side of the per-replica communicators. The producer is rank 0, each replica rank 1 of its own pair.
+FRAME = struct.Struct("<QQ")        # (sequence number, payload bytes) ahead of every payload
 
-    make_comm(uid, rank) builds a Communicator (blocking until both ranks joined); new_uid() makes the id
-    the two ranks rendezvous on. Both come from `cupy_nccl()` on GPUs, or from the fake on CPU.
-    """
+
+class NcclTransport:
+    """The producer's side of the per-replica communicators (rank 0 of each), and the factory of the
+    replicas' ends (rank 1). make_comm(uid, rank) builds a Communicator, blocking until both ranks joined;
+    new_uid() makes the id they rendezvous on. Both come from `cupy_nccl()` on GPUs, or from the fake."""
     name = "nccl"
 
-    def __init__(self, make_comm, new_uid, stage_bytes: int = 256 << 20):
+    def __init__(self, make_comm, new_uid, stage_bytes: int = 256 << 20, join_timeout_s: float = 30.0):
         self.make_comm, self.new_uid = make_comm, new_uid
         self.comms: dict[str, Communicator] = {}
         self.seq: dict[str, int] = {}
@@ -82,13 +148,13 @@ class NcclTransport:
         self.senders: dict[str, ThreadPoolExecutor] = {}
         self.staged: OrderedDict[str, bytes] = OrderedDict()
         self.stage_bytes, self.staged_total = stage_bytes, 0
+        self.join_timeout_s = join_timeout_s
         self.lock = threading.Lock()
 
-    # producer side ---------------------------------------------------------------------------------
-    def open_for(self, replica_id: str):
+    def attach(self, replica_id: str):
         """Start rank 0 of a new communicator for a registering replica; returns the rendezvous id.
         Rank 0 joins in a background thread because init blocks until the replica joins as rank 1."""
-        self.close_for(replica_id)                   # a replica that registers again starts afresh
+        self.detach(replica_id)                      # a replica that registers again starts afresh
         uid = self.new_uid()
 
         def join():
@@ -101,8 +167,8 @@ class NcclTransport:
         t.start()
         return uid
 
-    def stage(self, payload: bytes) -> Ticket:
-        """Hold a payload until the replica that serves the request asks for it (push). The oldest staged
+    def offer(self, payload: bytes) -> Ticket:
+        """Stage a payload until the replica that serves the request asks for it (push). The oldest staged
         payloads are dropped past `stage_bytes`; pushing a dropped key fails (the replica falls back)."""
         key = uuid.uuid4().hex
         with self.lock:
@@ -112,31 +178,31 @@ class NcclTransport:
                 self.staged_total -= len(self.staged.popitem(last=False)[1])
         return Ticket("nccl", len(payload), key=key)
 
-    def push(self, key: str, replica_id: str, join_timeout_s: float = 30.0) -> Ticket:
-        """Send a staged payload to a replica; returns the ticket it receives with."""
+    def push(self, key: str, replica_id: str) -> Ticket:
+        """Send a staged payload to a replica; returns at once with the ticket it receives with."""
         with self.lock:
             payload = self.staged.pop(key, None)
             if payload is not None:
                 self.staged_total -= len(payload)
         if payload is None:
             raise TransportError(f"no staged payload {key!r} (already pushed, or dropped for space)")
-        return self.send(payload, replica_id, join_timeout_s)
+        return self.send(payload, replica_id)
 
-    def send(self, payload: bytes, replica_id: str | None = None, join_timeout_s: float = 30.0) -> Ticket:
-        """Queue a payload on the replica's communicator; returns at once with its ticket."""
+    def send(self, payload: bytes, replica_id: str) -> Ticket:
+        """Queue one frame on the replica's communicator; returns at once with its ticket."""
         pending = self.joining.pop(replica_id, None)
         if pending is not None:                      # the replica registered; rank 0 may still be joining
-            pending.join(join_timeout_s)
+            pending.join(self.join_timeout_s)
         with self.lock:
             comm = self.comms.get(replica_id)
             if comm is None:
                 raise TransportError(f"no NCCL communicator for replica {replica_id!r} (not registered or gone)")
             self.seq[replica_id] += 1
             seq = self.seq[replica_id]
-            self.senders[replica_id].submit(comm.send, len(payload).to_bytes(8, "little") + payload, 1)
+            self.senders[replica_id].submit(_send_frame, comm, seq, payload)
         return Ticket("nccl", len(payload), replica=replica_id, seq=seq)
 
-    def close_for(self, replica_id: str) -> None:
+    def detach(self, replica_id: str) -> None:
         """Tear down a replica's communicator (after the sends already queued on it)."""
         self.joining.pop(replica_id, None)
         with self.lock:
@@ -148,32 +214,133 @@ class NcclTransport:
         if comm is not None:
             comm.close()
 
-    def open_replicas(self) -> list[str]:
+    def channels(self) -> list[str]:
+        """Replicas with a communicator, counting those whose rank 0 is still joining (a registered replica
+        returns from its side of the rendezvous before the producer's join thread has filed the channel)."""
         with self.lock:
-            return sorted(self.comms)
+            joining = {rid for rid, t in list(self.joining.items()) if t.is_alive()}
+            return sorted(set(self.comms) | joining)
 
-    # replica side ----------------------------------------------------------------------------------
-    def join(self, replica_id: str, uid) -> None:
-        self.comms[replica_id], self.seq[replica_id] = self.make_comm(uid, 1), 0
+    def receiver(self, replica_id: str, producer: Callable[[], Any], timeout_s: float = 30.0) -> "NcclReceiver":
+        return NcclReceiver(self.make_comm, replica_id, producer, timeout_s)
 
-    def recv(self, ticket: Ticket, timeout_s: float = 30.0) -> bytes:
-        comm = self.comms.get(ticket.replica)
-        if ticket.kind != "nccl" or comm is None:
-            raise TransportError(f"this replica has no communicator for ticket {ticket}")
-        self.seq[ticket.replica] += 1
-        if self.seq[ticket.replica] != ticket.seq:
-            raise TransportError(f"out of order: expected send #{self.seq[ticket.replica]}, ticket is #{ticket.seq}")
-        framed = comm.recv(8 + ticket.nbytes, 0)
-        n = int.from_bytes(framed[:8], "little")
-        if n != ticket.nbytes:
-            raise TransportError(f"received a {n}-byte payload, ticket says {ticket.nbytes}")
-        return framed[8:]
 
-    def leave(self, replica_id: str) -> None:
-        comm = self.comms.pop(replica_id, None)
-        self.seq.pop(replica_id, None)
-        if comm is not None:
-            comm.close()
+def _send_frame(comm: Communicator, seq: int, payload: bytes) -> None:
+    comm.send(FRAME.pack(seq, len(payload)), 1)
+    comm.send(payload, 1)
+
+
+class _Inbox:
+    """Rank 1 of one communicator: a reader thread files arriving frames by sequence number until closed."""
+
+    def __init__(self, comm: Communicator):
+        self.comm, self.frames, self.abandoned = comm, {}, set()
+        self.cond = threading.Condition()
+        self.error: str | None = None
+        self.closed = False
+        threading.Thread(target=self._read, daemon=True, name="nccl-inbox").start()
+
+    def _recv(self, nbytes: int) -> bytes | None:
+        while not self.closed:
+            try:
+                return self.comm.recv(nbytes, 0)
+            except TimeoutError:
+                continue
+        return None
+
+    def _read(self) -> None:
+        try:
+            while (head := self._recv(FRAME.size)) is not None:
+                seq, n = FRAME.unpack(head)
+                data = self._recv(n)
+                with self.cond:
+                    if seq in self.abandoned:
+                        self.abandoned.discard(seq)
+                    elif data is not None:
+                        self.frames[seq] = data
+                    self.cond.notify_all()
+        except Exception as e:                              # noqa: BLE001 - a broken communicator
+            with self.cond:
+                self.error = f"{type(e).__name__}: {e}"
+                self.cond.notify_all()
+
+    def take(self, ticket: Ticket, timeout_s: float) -> bytes:
+        with self.cond:
+            ok = self.cond.wait_for(lambda: ticket.seq in self.frames or self.error or self.closed, timeout_s)
+            data = self.frames.pop(ticket.seq, None)
+            if data is None:
+                if not ok:
+                    self.abandoned.add(ticket.seq)          # the frame is dropped when it arrives
+                raise TransportError(self.error or ("communicator closed" if self.closed else
+                                                    f"frame #{ticket.seq} did not arrive within {timeout_s}s"))
+        if len(data) != ticket.nbytes:
+            raise TransportError(f"received a {len(data)}-byte payload, ticket says {ticket.nbytes}")
+        return data
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.comm.close()
+
+
+class NcclReceiver:
+    """A replica's end: registers with the producer (again when the producer is a new incarnation), asks it
+    to push each request's staged payload, and takes that payload's frame from its inbox."""
+
+    def __init__(self, make_comm, replica_id: str, producer: Callable[[], Any], timeout_s: float = 30.0):
+        self.make_comm, self.replica_id, self.producer, self.timeout_s = make_comm, replica_id, producer, timeout_s
+        self.inbox: _Inbox | None = None
+        self.incarnation: str | None = None          # the producer incarnation our communicator belongs to
+        self.lock = threading.Lock()                 # registration only; receives run concurrently
+
+    def open(self) -> bool:
+        """Build this replica's communicator with the producer. False if the producer is not reachable:
+        receives then fail (the request falls back) and the next receive tries again."""
+        with self.lock:
+            return self._open()
+
+    def _open(self) -> bool:
+        self._drop()
+        try:
+            producer = self.producer()
+            incarnation = ray.get(producer.stats.remote(), timeout=self.timeout_s)["incarnation"]
+            uid = ray.get(producer.register.remote(self.replica_id), timeout=self.timeout_s)
+            self.inbox = _Inbox(self.make_comm(uid, 1))
+        except Exception:                                   # noqa: BLE001 - any failure: not connected
+            return False
+        self.incarnation = incarnation
+        return True
+
+    def receive(self, ticket: Ticket, incarnation: str | None = None) -> bytes:
+        if ticket.kind != "nccl" or not ticket.key:
+            raise TransportError(f"the nccl transport cannot read a {ticket.kind!r} ticket")
+        with self.lock:
+            if (self.inbox is None or self.inbox.error or self.incarnation != incarnation) and not self._open():
+                raise TransportError(f"replica {self.replica_id} has no communicator with the producer")
+            inbox = self.inbox
+        try:
+            sent = ray.get(self.producer().push.remote(ticket.key, self.replica_id), timeout=self.timeout_s)
+        except ray.exceptions.RayTaskError as e:
+            raise TransportError(f"push failed: {e.cause if e.cause else e}") from None
+        except ray.exceptions.RayError as e:
+            raise TransportError(f"push failed: {type(e).__name__}") from None
+        return inbox.take(sent, self.timeout_s)
+
+    def _drop(self) -> None:
+        if self.inbox is not None:
+            self.inbox.close()
+        self.inbox, self.incarnation = None, None
+
+    def close(self) -> None:
+        """Leave: the producer frees its side, and ours is closed."""
+        with self.lock:
+            if self.inbox is not None:
+                try:
+                    self.producer().unregister.remote(self.replica_id)
+                except Exception:                           # noqa: BLE001 - the producer may be gone
+                    pass
+            self._drop()
 
 
 # -- a fake communicator for CPU tests: rendezvous and queues live in a Ray actor ------------------------
@@ -208,7 +375,6 @@ class FakeCommunicator:
     """A Communicator over FakeNcclHub; like NCCL init, construction blocks until both ranks joined."""
 
     def __init__(self, hub, uid: str, rank: int, timeout_s: float = 30.0):
-        import time
         self.hub, self.uid, self.rank = hub, uid, rank
         ray.get(hub.join.remote(uid, rank))
         deadline = time.monotonic() + timeout_s
@@ -220,12 +386,11 @@ class FakeCommunicator:
     def send(self, data: bytes, peer: int) -> None:
         ray.get(self.hub.put.remote(self.uid, peer, data))
 
-    def recv(self, nbytes: int, peer: int, timeout_s: float = 30.0) -> bytes:
-        import time
+    def recv(self, nbytes: int, peer: int, timeout_s: float = 1.0) -> bytes:
         deadline = time.monotonic() + timeout_s
         while (data := ray.get(self.hub.take.remote(self.uid, self.rank))) is None:
             if time.monotonic() > deadline:
-                raise TransportError(f"rank {self.rank} waited {timeout_s}s for {nbytes} bytes")
+                raise TimeoutError(f"rank {self.rank} waited {timeout_s}s for {nbytes} bytes")
             time.sleep(0.005)
         if len(data) != nbytes:
             raise TransportError(f"expected {nbytes} bytes, got {len(data)}")
@@ -263,7 +428,7 @@ def cupy_nccl() -> tuple:
             return cupy.asnumpy(buf).tobytes()
 
         def close(self) -> None:
-            self.comm.destroy()
+            self.comm.abort()             # not destroy(): the replica's reader may be blocked in a recv
 
     return CupyCommunicator, nccl.get_unique_id
 

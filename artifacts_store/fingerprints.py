@@ -4,8 +4,8 @@ Artifacts are only valid for the exact producer/consumer weights and tokenizer t
 fitted for one fine-tune silently produces a wrong cache for another. So every artifact records
   config hash     = ModelSpec.fingerprint() (architecture fields that shape the KV cache),
   weights digest  = sha256 over the state_dict (names, dtypes, shapes, bytes; sorted by name), or for a
-                    PEFT adapter merged at load, sha256 of base folder digest + adapter digest (scd.models.load),
-  tokenizer       = scd.models.tokenizer_fingerprint (vocabulary),
+                    PEFT adapter merged at load, sha256 of base folder digest + adapter digest (scd.online.models.load),
+  tokenizer       = scd.online.models.tokenizer_fingerprint (vocabulary),
 and loading with `expect=` refuses any difference, naming which one.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts_store.errors import FingerprintMismatch
-from scd.checkpoints import data_digest as calibration_digest  # noqa: F401  (one digest for both)
-from scd.models import ModelSpec, model_digest, weights_digest  # noqa: F401  (weights_digest re-exported)
+from scd.online.models import ModelSpec, model_digest, weights_digest  # noqa: F401  (weights_digest re-exported)
+from scd.online.models import data_digest as calibration_digest  # noqa: F401  (one digest for both)
 
 
 class ModelFingerprint(BaseModel):
@@ -34,11 +34,11 @@ class Fingerprints(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     producer: ModelFingerprint | None = Field(default=None, description="the base model that prefills and encodes")
     consumer: ModelFingerprint | None = Field(default=None, description="the specialist that rebuilds its cache")
-    tokenizer: str | None = Field(default=None, description="scd.models.tokenizer_fingerprint of the shared tokenizer")
+    tokenizer: str | None = Field(default=None, description="scd.online.models.tokenizer_fingerprint of the shared tokenizer")
 
     @classmethod
     def of(cls, producer=None, consumer=None, tokenizer=None) -> "Fingerprints":
-        from scd.models import tokenizer_fingerprint
+        from scd.online.models import tokenizer_fingerprint
         return cls(producer=ModelFingerprint.of(producer) if producer is not None else None,
                    consumer=ModelFingerprint.of(consumer) if consumer is not None else None,
                    tokenizer=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None)

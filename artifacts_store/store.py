@@ -40,7 +40,7 @@ from artifacts_store.leases import GcReport, Kept
 from artifacts_store.manifest import CalibrationData, FileEntry, Manifest, PairNames, Ranks, code_version
 from artifacts_store.refs import (LATEST, RESERVED_FILES, Ref, check_file_name, is_version_id, new_version_id,
                                   parse_pair_dir, parse_ref, version_time)
-from scd.artifacts import IncompatibleArtifact, PairArtifacts
+from scd.online.artifacts import IncompatibleArtifact, PairArtifacts
 
 MANIFEST, TENSORS, DESCRIPTION = "manifest.json", "tensors.safetensors", "artifact.json"
 REFUSED = "refused.json"             # the last quality-gate refusal of a pair (see refuse())

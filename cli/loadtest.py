@@ -12,6 +12,11 @@ over the ok requests, `ttft_ms` time to the first chunk carrying text over the o
 or fan-out's time to first token is its latency). `health` polls `/healthz` once a second: [seconds since start,
 status or HTTP code] at each change. `--kill-producer-at K` kills the producer actor (Ray may restart it) when
 the K-th request is issued and reports how long until a request issued after the kill was served by `scd` again.
+`first_token_ms` is time to first token over every ok request (a stream's first text chunk, else the whole answer).
+`--compare` runs the same requests twice against the one service, first as they are (SCD) and then with
+`"oracle": true` (every specialist prefills the prefix itself), and reports both with their ratios.
+`--prefix-tokens N` pads every prefix with further notes to about N tokens (4 characters a token; the report's
+`prompt_tokens` is what the service counted).
 Exit code 0 when no request failed or got lost, else 1.
 """
 from __future__ import annotations
@@ -49,6 +54,11 @@ class Result:
     modes: list[str] = field(default_factory=list)
     done: float = 0.0
     ttft: float | None = None          # streams only
+    prompt_tokens: int | None = None   # completions only (the service's usage)
+
+    def first_token(self) -> float:
+        """Seconds from issue to the first token: a stream's first text chunk, else the whole answer."""
+        return self.ttft if self.ttft is not None else self.done - self.issued
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -80,13 +90,20 @@ def plan(n: int, mix: dict[str, float], seed: int = 0) -> list[str]:
     return kinds
 
 
-def prompt(i: int) -> tuple[str, str]:
+def prompt(i: int, prefix_tokens: int = 0) -> tuple[str, str]:
     """(prefix, suffix) for request i: even requests share four prefixes, odd ones have a prefix of their own,
-    so the producer's prefix code cache answers some requests and the others need a prefill."""
+    so the producer's prefix code cache answers some requests and the others need a prefill. With
+    prefix_tokens, further notes about the others pad the prefix to about that many tokens."""
     name, place, job = FACTS[i // 2 % len(FACTS)]
     other = FACTS[(i // 2 + 1) % len(FACTS)]
     prefix = (f"Notes:\n{name} lives in {place}. {other[0]} works as {other[2]}. {name} works as {job}. "
-              f"{other[0]} lives in {other[1]}.\n" + (f"Entry {i}.\n" if i % 2 else ""))
+              f"{other[0]} lives in {other[1]}.\n")
+    k = 0
+    while len(prefix) < 4 * prefix_tokens:
+        who, where, what = FACTS[(i // 2 + 1 + k) % len(FACTS)]
+        prefix += f"On day {k + 1}, {who} worked as {what} in {where}.\n"
+        k += 1
+    prefix += f"Entry {i}.\n" if i % 2 else ""
     return prefix, QUESTIONS[i % len(QUESTIONS)].format(name)
 
 
@@ -108,6 +125,7 @@ class Client:
         return urllib.request.urlopen(req, timeout=self.timeout)
 
     def run(self, r: Result, body: dict, path: str, items: int, t0: float) -> Result:
+        """Send one request and classify what comes back (its outcome, status, modes, timings) into r."""
         try:
             with self.open(path, body) as resp:
                 r.status = resp.status
@@ -119,6 +137,7 @@ class Client:
                     complete = len(results) == items and all("scd" in x for x in results)
                     r.outcome = "error" if "error" in out or not complete else "ok"
                     r.modes = [mode_of(x["scd"]) for x in results if "scd" in x]   # a failed item has none
+                    r.prompt_tokens = out.get("usage", {}).get("prompt_tokens")
         except urllib.error.HTTPError as e:
             r.outcome, r.status = "error", e.code
         except (OSError, http.client.HTTPException):             # refused, dropped, timed out, truncated
@@ -223,7 +242,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="kill the producer actor once the K-th request is issued")
     p.add_argument("--config", default="ray_config.yaml", help="where the Ray namespace of the producer is")
     p.add_argument("--ray-address", default="auto", help="default: %(default)s")
+    p.add_argument("--compare", action="store_true", help="run the requests as SCD, then as the oracle, and compare")
+    p.add_argument("--prefix-tokens", type=int, default=0, metavar="N", help="pad prefixes to about N tokens")
     args = p.parse_args(argv)
+    if args.compare and args.kill_producer_at:
+        p.error("--compare and --kill-producer-at do not go together")
+    if args.prefix_tokens < 0:
+        p.error("--prefix-tokens must be >= 0")
     if not args.timeout > 0:
         p.error("--timeout must be > 0")
     if args.kill_producer_at and args.kill_producer_at > args.requests:
@@ -231,17 +256,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def request(i: int, kind: str, models: list[str]) -> tuple[str, dict, int]:
+def request(i: int, kind: str, models: list[str], prefix_tokens: int = 0, oracle: bool = False) -> tuple[str, dict, int]:
     """(path, body, items expected back) of request i."""
-    prefix, suffix = prompt(i)
+    prefix, suffix = prompt(i, prefix_tokens)
+    mode = {"oracle": True} if oracle else {}
     if kind == "fanouts":
         items = [{"specialist": m, "suffix": suffix, "max_tokens": 8} for m in models]
-        return "/v1/fanout", {"prefix": prefix, "requests": items}, len(models)
-    body = {"model": models[i % len(models)], "prefix": prefix, "prompt": suffix, "max_tokens": 8}
+        return "/v1/fanout", {"prefix": prefix, "requests": items, **mode}, len(models)
+    body = {"model": models[i % len(models)], "prefix": prefix, "prompt": suffix, "max_tokens": 8, **mode}
     return "/v1/completions", {**body, "stream": kind == "streams"}, 1
 
 
-def run(client: Client, models: list[str], kinds: list[str], concurrency: int, kill_at: int | None, kill):
+def run(client: Client, models: list[str], kinds: list[str], concurrency: int, kill_at: int | None, kill,
+        prefix_tokens: int = 0, oracle: bool = False):
     """Every planned request at `concurrency`; `kill` runs right after the kill_at-th request is issued, under
     the issuing lock, so every later request is issued after it returned.
     Returns (results, health samples, wall seconds, seconds at which the kill returned or None)."""
@@ -249,7 +276,7 @@ def run(client: Client, models: list[str], kinds: list[str], concurrency: int, k
     stop, health, t0 = threading.Event(), [], time.monotonic()
 
     def one(i: int, kind: str) -> Result:
-        path, body, items = request(i, kind, models)
+        path, body, items = request(i, kind, models, prefix_tokens, oracle)
         with lock:
             r = Result(kind, time.monotonic() - t0)
             if next(issued) == kill_at:
@@ -293,13 +320,40 @@ def main(argv: list[str] | None = None) -> int:
         kill, disconnect = producer_killer(args.ray_address, namespace)   # connected before the load starts
 
     kinds = plan(args.requests, args.mix)
+    if args.compare:
+        reports = {mode: summary(args, kinds, *run(client, models, kinds, args.concurrency, None, None,
+                                                   args.prefix_tokens, mode == "oracle")[:3])
+                   for mode in ("scd", "oracle")}
+        s, o = reports["scd"], reports["oracle"]
+        ratio = lambda a, b: round(a / b, 3) if a and b else None       # noqa: E731
+        report = {**reports, "scd_over_oracle": {
+            "requests_per_s": ratio(s["requests_per_s"], o["requests_per_s"]),
+            "first_token_p50": ratio(s["first_token_ms"]["p50"], o["first_token_ms"]["p50"]),
+            "first_token_p99": ratio(s["first_token_ms"]["p99"], o["first_token_ms"]["p99"])}}
+        print(comparison_table(report), file=sys.stderr)
+        print(json.dumps(report), flush=True)
+        return 0 if all(r["errors"] == r["lost"] == 0 for r in reports.values()) else 1
     try:
-        results, health, wall, killed = run(client, models, kinds, args.concurrency, args.kill_producer_at, kill)
+        results, health, wall, killed = run(client, models, kinds, args.concurrency, args.kill_producer_at, kill,
+                                            args.prefix_tokens)
     finally:
         disconnect()
-    count = lambda xs: dict(sorted(((str(k), xs.count(k)) for k in set(xs)), key=lambda kv: -kv[1]))
+    report = summary(args, kinds, results, health, wall)
+    if args.kill_producer_at:
+        ok = [r for r in results if r.outcome == "ok"]
+        back = [r.done for r in ok if killed is not None and r.issued >= killed and "scd" in r.modes]
+        report["producer_killed_at_s"] = None if killed is None else round(killed, 3)
+        report["scd_again_after_kill_s"] = round(min(back) - killed, 3) if back else None
+    print(json.dumps(report), flush=True)
+    return 0 if report["errors"] == report["lost"] == 0 else 1
+
+
+def summary(args, kinds: list[str], results: list[Result], health: list, wall: float) -> dict:
+    """One run's report (see the module docstring)."""
+    count = lambda xs: dict(sorted(((str(k), xs.count(k)) for k in set(xs)), key=lambda kv: -kv[1]))  # noqa: E731
     ok = [r for r in results if r.outcome == "ok"]
-    report = {
+    prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens]
+    return {
         "requests": args.requests, "concurrency": args.concurrency, "mix": count(kinds),
         "ok": len(ok), "errors": sum(r.outcome == "error" for r in results),
         "lost": sum(r.outcome == "lost" for r in results),
@@ -307,10 +361,17 @@ def main(argv: list[str] | None = None) -> int:
         "modes": count([m for r in results for m in r.modes]),
         "latency_ms": percentiles([r.done - r.issued for r in ok]),
         "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "first_token_ms": percentiles([r.first_token() for r in ok]),
+        "prompt_tokens": round(sum(prompt_tokens) / len(prompt_tokens), 1) if prompt_tokens else None,
         "health": segments(health), "wall_s": round(wall, 3), "requests_per_s": round(args.requests / wall, 2)}
-    if args.kill_producer_at:
-        back = [r.done for r in ok if killed is not None and r.issued >= killed and "scd" in r.modes]
-        report["producer_killed_at_s"] = None if killed is None else round(killed, 3)
-        report["scd_again_after_kill_s"] = round(min(back) - killed, 3) if back else None
-    print(json.dumps(report), flush=True)
-    return 0 if report["errors"] == report["lost"] == 0 else 1
+
+
+def comparison_table(report: dict) -> str:
+    rows = [("requests/s", "requests_per_s", None), ("first token p50 (ms)", "first_token_ms", "p50"),
+            ("first token p99 (ms)", "first_token_ms", "p99")]
+    lines = [f"{'':22}{'scd':>12}{'oracle':>12}{'scd/oracle':>12}"]
+    for label, key, sub in rows:
+        s, o = (report[m][key] if sub is None else report[m][key][sub] for m in ("scd", "oracle"))
+        r = report["scd_over_oracle"]["requests_per_s" if sub is None else f"first_token_{sub}"]
+        lines.append(f"{label:22}{s!s:>12}{o!s:>12}{r!s:>12}")
+    return "\n".join(lines)

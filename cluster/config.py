@@ -162,7 +162,8 @@ class LimitSettings(_Strict):
     router_replicas: int = Field(1, ge=1)
     router_max_ongoing: int = Field(64, ge=1, description="requests a router replica answers at once; beyond, "
                                                           "503 with Retry-After")
-    specialist_max_ongoing: int = Field(4, ge=1, description="requests one specialist replica runs at once")
+    specialist_max_ongoing: int = Field(4, ge=1, description="requests one specialist replica runs at once; "
+                                        "their decode steps run as one batch")
     specialist_max_queued: int = Field(32, ge=0, description="requests waiting for a specialist's replicas; beyond, "
                                                              "503 with Retry-After")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of an overload 503")

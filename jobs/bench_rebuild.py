@@ -15,10 +15,10 @@ import torch
 
 from jobs import demo_data
 from jobs.evaluate import add_pair_args, calibrated, parse, resolve_pair
-from scd import codec
-from scd.models import load_pair
-from scd.rebuild import encode, rebuild
-from scd.trace import capture
+from scd.online import codec
+from scd.online.models import load_pair
+from scd.online.rebuild import encode, rebuild
+from scd.online.trace import capture
 
 
 @torch.no_grad()

@@ -24,14 +24,14 @@ from artifacts_store import ArtifactStore, CalibrationData, Fingerprints, calibr
 from cluster.config import load_config
 from cluster.runtime import actor_options, connect
 from jobs import report, samples
-from scd import methods
-from scd.calibrate import CalibConfig, Calibration, PlanScorer
-from scd.checkpoints import load_record, samples_digest, save_record
-from scd.diagnostics import xnorm_errors
-from scd.evaluate import Evaluator
-from scd.models import load_pair
-from scd.rebuild import encode, rebuild
-from scd.trace import capture
+from scd.evaluation import methods
+from scd.evaluation.diagnostics import xnorm_errors
+from scd.evaluation.evaluate import Evaluator
+from scd.fitting.calibrate import CalibConfig, Calibration, PlanScorer
+from scd.fitting.checkpoints import load_record, samples_digest, save_record
+from scd.online.models import load_pair
+from scd.online.rebuild import encode, rebuild
+from scd.online.trace import capture
 
 PARETO_GRID = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 24), (16, 24), (24, 32)]
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> str:
         connect(cfg.ray)
         capture_pair = actor_capture(cfg.producer.path, spec_cfg.path, (cfg.producer.num_gpus, spec_cfg.num_gpus),
                                      spec_cfg.base)
-    tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens)
+    tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens, c.finetune_tokens)
     art = cal.run(val, capture_pair, tune)
     log(f"plan {art.plan}")
 

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from cli.calibrate import submit_and_follow
+    from cluster.jobs import submit_and_follow
     from cluster.runtime import connect
     from serve_app.app import deploy, wait_healthy
 

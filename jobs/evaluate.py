@@ -16,11 +16,12 @@ import torch
 
 from cluster.config import CalibrationSettings
 from jobs import samples
-from scd import codec, methods
-from scd.artifacts import PairArtifacts
-from scd.calibrate import Calibration
-from scd.evaluate import Evaluator, table
-from scd.models import load_pair
+from scd.evaluation import methods
+from scd.evaluation.evaluate import Evaluator, table
+from scd.fitting.calibrate import Calibration
+from scd.online import codec
+from scd.online.artifacts import PairArtifacts
+from scd.online.models import load_pair
 from scd.settings import CalibConfig
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo_models"
@@ -139,7 +140,7 @@ def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
     calib, val, _ = samples.pair_data(pair.split(":")[1], tok, args.prefixes, args.val, 0, args.prefix_tokens,
                                       text_file=args.text, seed=args.seed)
     tune = samples.tune_samples(pair.split(":")[1], tok, cfg.finetune_samples, args.prefix_tokens,
-                                text_file=args.text, seed=args.seed)
+                                cfg.finetune_tokens, text_file=args.text, seed=args.seed)
     return Calibration(producer, consumer, spec, pair, calib, args.work_dir, cfg, pad_id=tok.pad_token_id,
                        log=lambda line: print(line, file=sys.stderr)).run(val, tune_samples=tune)
 

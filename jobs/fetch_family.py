@@ -106,7 +106,7 @@ def convert(gguf: Path, out: Path) -> None:
 
 def sanity_check(folder: Path) -> str:
     """The converted model must answer a question it knows; returns its answer."""
-    from scd.models import load
+    from scd.online.models import load
     model, tok, _ = load(folder)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

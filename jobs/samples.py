@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from jobs import demo_data
-from scd.evaluate import Sample
+from scd.evaluation.evaluate import Sample
 
 
 def _ids(tok, text: str) -> torch.Tensor:

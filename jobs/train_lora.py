@@ -6,7 +6,7 @@
 The base is the folder `scd fetch-family smollm2` builds. Each specialist is written as a PEFT adapter
 (adapter_config.json + adapter_model.safetensors, stored in bf16 to stay small) whose config names the base
 folder, so `scd eval`, `scd calibrate` and `ray_config.yaml` can take the adapter folder as a consumer and merge
-it into the base at load (scd.models.load). A `scd_train.json` beside it records the recipe and the loss curve.
+it into the base at load (scd.online.models.load). A `scd_train.json` beside it records the recipe and the loss curve.
 
 Both recipes fine-tune hard on purpose (rank 16, lr 1e-3, constant after a short warm-up): the specialists'
 KV caches must drift far enough from the base's that raw KV reuse really hurts, or SCD has nothing to fix.
@@ -164,7 +164,7 @@ def train(name: str, base: str, out: Path, recipe: Recipe, work_root: Path, chec
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from scd.models import folder_digest
+    from scd.online.models import folder_digest
 
     base_p = Path(base).expanduser()
     torch.manual_seed(recipe.seed)

@@ -1,6 +1,6 @@
 """Calibration settings: the one schema of what a pair's fit depends on (pydantic, no torch).
 
-Fitting code (scd.calibrate) takes a CalibConfig; the deployment config's `calibration:` section extends it
+Fitting code (scd.fitting.calibrate) takes a CalibConfig; the deployment config's `calibration:` section extends it
 (cluster.config.CalibrationSettings) and `scd eval`/`scd bench` derive their flags from that, so every
 setting has one name, one default and one description.
 """
@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-CODE_DTYPES = ("fp16", "bf16", "int8")      # wire precisions of codes (scd.codec)
+CODE_DTYPES = ("fp16", "bf16", "int8")      # wire precisions of codes (scd.online.codec)
 
 
 class CalibConfig(BaseModel):
@@ -34,6 +34,8 @@ class CalibConfig(BaseModel):
     finetune_samples: int = Field(512, ge=0, description="(prefix, continuation) samples for end-to-end fine-tuning "
                                                          "on the consumer's next-token KL (0 = off)")
     finetune_epochs: int = Field(3, ge=1)
+    finetune_tokens: int = Field(32, ge=2, description="continuation tokens of each text-window fine-tuning sample "
+                                                       "(LM specialists; a QA sample is as long as its turns)")
     finetune_lr: float = Field(1e-4, gt=0)
     finetune_encoders: bool = Field(False, description=(
         "fine-tuning also moves the producer-side encoders of the hidden-state codes (the codes themselves "

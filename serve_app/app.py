@@ -53,7 +53,7 @@ def build(cfg: DeploymentConfig):
     transport = cfg.resolved_transport()
     handles = {s.name: serve.deployment(SpecialistServer).options(**specialist_options(cfg, s.name)).bind(
         s.name, s.path, pair_id(base, s.name), cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
-        lim.control_timeout_s, s.base)
+        lim.control_timeout_s, s.base, lim.specialist_max_ongoing)
         for s in cfg.specialists}
     return Router.options(ray_actor_options={"num_cpus": 0}, num_replicas=lim.router_replicas,
                           # headroom over the router's own admission limit: its JSON 503 answers first

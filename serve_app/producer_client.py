@@ -15,7 +15,7 @@ import time
 
 import ray
 
-from actors.messages import FallbackReason, pair_id
+from actors.messages import Codes, FallbackReason, pair_id
 from actors.producer_actor import PRODUCER_NAME, ProducerActor
 from cluster.config import DeploymentConfig
 from cluster.runtime import actor_options
@@ -101,7 +101,7 @@ class ProducerClient:
         return self.handle
 
     # -- calls ------------------------------------------------------------------------------------------
-    async def encode(self, prefix_ids: list[int], pairs: list[str]) -> tuple[dict | None, str | None]:
+    async def encode(self, prefix_ids: list[int], pairs: list[str]) -> tuple[Codes | None, str | None]:
         """(codes, None) or (None, fallback reason). Never waits past producer_timeout_s, and the producer
         skips an encode whose deadline passed while it was queued (the router has fallen back by then)."""
         if not self.up:
@@ -124,7 +124,7 @@ class ProducerClient:
         except ray.exceptions.RayError as e:
             self._mark_down(f"{type(e).__name__}: {e}")
             return None, FallbackReason.PRODUCER_UNAVAILABLE
-        if out.get("skipped"):
+        if out is None:                               # skipped: its deadline passed while it was queued
             return None, FallbackReason.PRODUCER_TIMEOUT
         return out, None
 

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from actors.messages import FallbackReason, pair_id
+from actors.messages import Codes, FallbackReason, GenParams, Output, SpecialistRequest, pair_id
 from cluster.config import DeploymentConfig
 from serve_app import telemetry
 from serve_app.errors import ApiError, Guard, install, overloaded
@@ -104,19 +104,15 @@ class Router:
                            "model_not_found")
 
     # -- one specialist request -------------------------------------------------------------------------
-    def _request(self, name: str, prefix_ids: list[int], suffix_ids: list[int], p: Sampling, enc: dict | None,
-                 reason: str | None, trace: dict) -> dict:
-        entry, timings = {}, {}
-        if enc is not None:
-            entry, timings = enc["per_pair"][pair_id(self.base, name)], dict(enc["timings"])
-            reason = reason or entry["error"]
+    def _request(self, name: str, prefix_ids: list[int], suffix_ids: list[int], p: Sampling, enc: Codes | None,
+                 reason: str | None, trace: dict) -> SpecialistRequest:
+        codes = enc.per_pair[pair_id(self.base, name)] if enc is not None else None
         if not prefix_ids:
             reason = FallbackReason.PREFIX_TOO_SHORT
-        return {"prefix_ids": prefix_ids, "suffix_ids": suffix_ids, "trace": trace, "timings": timings,
-                "params": {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
-                           "stop": p.stops(), "seed": p.seed},
-                "ticket": entry.get("ticket"), "version": entry.get("version"), "reason": reason,
-                "incarnation": enc and enc.get("incarnation")}
+        return SpecialistRequest(
+            prefix_ids, suffix_ids, GenParams(p.max_tokens, p.temperature, p.top_p, tuple(p.stops()), p.seed),
+            codes, reason or (codes and codes.reason), enc and enc.incarnation, dict(enc.timings) if enc else {},
+            trace)
 
     def _failure(self, name: str, e: BaseException) -> ApiError:
         if isinstance(e, ApiError):
@@ -146,12 +142,12 @@ class Router:
             except Exception as e:
                 raise self._failure(name, e) from None
 
-    async def _generate(self, name: str, req: dict) -> dict:
+    async def _generate(self, name: str, req: SpecialistRequest) -> Output:
         """The whole answer."""
         return await self._once_more_if_replica_died(name, lambda: asyncio.wait_for(
             self.handles[name].generate.remote(req), self.limits.request_timeout_s))
 
-    async def _first_event(self, name: str, req: dict):
+    async def _first_event(self, name: str, req: SpecialistRequest):
         """(stream, its first event): nothing has reached the client yet, so a dead replica can be retried."""
         async def attempt():
             gen = self.handles[name].options(stream=True).stream.remote(req)
@@ -241,26 +237,26 @@ class Router:
                                      media_type="text/event-stream")
         out = await self._generate(body.model, req)
         n_in = len(prefix_ids) + len(suffix_ids)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
-                   "finish_reason": out["finish_reason"]} if chat else
-                  {"text": out["text"], "index": 0, "logprobs": None, "finish_reason": out["finish_reason"]})
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                   "finish_reason": out.finish_reason} if chat else
+                  {"text": out.text, "index": 0, "logprobs": None, "finish_reason": out.finish_reason})
         return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": body.model, "choices": [choice],
-                "usage": {"prompt_tokens": n_in, "completion_tokens": out["tokens"], "total_tokens": n_in + out["tokens"]},
-                "scd": out["scd"]}
+                "usage": {"prompt_tokens": n_in, "completion_tokens": out.tokens, "total_tokens": n_in + out.tokens},
+                "scd": out.scd}
 
-    async def _sse(self, gen, first: dict, cid: str, created: int, model: str, chat: bool = False):
+    async def _sse(self, gen, first: Output, cid: str, created: int, model: str, chat: bool = False):
         """Server-sent events; a failure after the first byte becomes an error event, then [DONE]."""
-        def chunk(ev: dict, i: int) -> str:
+        def chunk(ev: Output, i: int) -> str:
             if chat:                                      # the first delta names the role, as OpenAI's does
-                delta = {"role": "assistant", "content": ev.get("text", "")} if i == 0 else {"content": ev.get("text", "")}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": ev.get("finish_reason")}
+                delta = {"role": "assistant", "content": ev.text} if i == 0 else {"content": ev.text}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": ev.finish_reason}
             else:
-                choice = {"text": ev.get("text", ""), "index": 0, "logprobs": None, "finish_reason": ev.get("finish_reason")}
+                choice = {"text": ev.text, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
             body = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                     "model": model, "choices": [choice]}
-            if "scd" in ev:
-                body["scd"] = ev["scd"]
+            if ev.scd is not None:
+                body["scd"] = ev.scd
             return f"data: {json.dumps(body)}\n\n"
         try:
             yield chunk(first, 0)
@@ -295,7 +291,10 @@ class Router:
             names = sorted({r.specialist for r in body.requests})
             with telemetry.span("router.fanout", specialists=",".join(names)):
                 trace = telemetry.carrier()
-                enc, reason = await self.producer.encode(prefix_ids, [pair_id(self.base, n) for n in names])
+                if body.oracle:
+                    enc, reason = None, "oracle"
+                else:
+                    enc, reason = await self.producer.encode(prefix_ids, [pair_id(self.base, n) for n in names])
                 reqs = [self._request(r.specialist, prefix_ids, s, r, enc, reason, trace)
                         for r, s in zip(body.requests, suffixes)]
                 outs = await asyncio.gather(*(self._generate(r.specialist, q) for r, q in zip(body.requests, reqs)),
@@ -308,6 +307,6 @@ class Router:
             if isinstance(o, BaseException):
                 results.append({"specialist": r.specialist, **self._failure(r.specialist, o).body()})
             else:
-                results.append({"specialist": r.specialist, "text": o["text"], "finish_reason": o["finish_reason"],
-                                "scd": o["scd"]})
-        return {"object": "fanout", "prefilled": bool(enc and enc["prefilled"]), "results": results}
+                results.append({"specialist": r.specialist, "text": o.text, "finish_reason": o.finish_reason,
+                                "scd": o.scd})
+        return {"object": "fanout", "prefilled": bool(enc and enc.prefilled), "results": results}

@@ -205,3 +205,5 @@ class FanoutItem(Sampling):
 class FanoutRequest(_Body):
     prefix: str = Field(min_length=1, description="the shared prefix: prefilled once by the producer")
     requests: list[FanoutItem] = Field(min_length=1, description="one per answer (at most limits.max_fanout)")
+    oracle: bool = Field(False, description="every specialist prefills the prefix itself (the reference path); "
+                                            "nothing is asked of the producer")

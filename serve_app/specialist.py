@@ -2,35 +2,36 @@
 
 The replica loads its model once, its pair artifact through the registry actor (fingerprints checked against
 its own weights), takes a new artifact version on `reconfigure` (Serve user_config) without a restart,
-receives payloads from the transport and reports every phase and every fallback in metrics and spans.
-With an NCCL transport the replica registers with the producer when it starts (a two-rank communicator
-is built between them), asks the producer to push each request's staged codes to it, and unregisters in
-`__del__`, which Serve calls when the replica stops (scale-down, redeploy, shutdown). It registers again
-when the codes come from a new producer incarnation (a restarted producer), and drops its communicator after
-any failed push or receive, so a half-finished exchange never leaves the two ends counting differently.
+receives payloads through its end of the transport (`Transport.receiver`: opened when the replica starts,
+closed in `__del__`, which Serve calls when the replica stops) and reports every phase and every fallback in
+metrics and spans. Which transport it is does not matter here: over NCCL the receiver registers with the
+producer (again when the codes come from a new producer incarnation) and receives concurrently.
 
 The replica decodes codes with the artifact version the producer encoded them with: when a publish reaches
 the producer first, the replica loads that version (fingerprints checked) instead of falling back.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import threading
 import time
 import uuid
+from typing import AsyncIterator
 
 import ray
 import torch
 from ray.serve.metrics import Counter, Histogram
 
 from actors.drills import hold_until_open
-from actors.messages import FallbackReason
+from actors.messages import FallbackReason, Output, SpecialistRequest
 from actors.registry import fetch, registry
-from actors.specialist import GenParams, SpecialistEngine
+from actors.specialist import SpecialistEngine
 from actors.producer_actor import PRODUCER_NAME
-from actors.transport import NcclTransport, TransportError, make_transport
+from actors.transport import TransportError, make_transport
 from artifacts_store import ArtifactNotFound, ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
-from scd.models import load
+from scd.online.models import load
 from serve_app import telemetry
 
 PHASE_BOUNDS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
@@ -39,13 +40,13 @@ PHASE_BOUNDS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
 class SpecialistServer:
     def __init__(self, name: str, model_path: str, pair: str, store_uri: str, namespace: str | None,
                  telemetry_settings: dict | None = None, transport: str = "object_store",
-                 control_timeout_s: float = 5.0, model_base: str | None = None):
+                 control_timeout_s: float = 5.0, model_base: str | None = None, max_batch: int = 4):
         torch.set_num_threads(cpu_threads())
         lower_cpu_priority()
         telemetry.setup(**(telemetry_settings or {}), service=f"specialist-{name}")
         dev = device()
         model, tok, _ = load(model_path, base=model_base)
-        self.engine = SpecialistEngine(name, model.to(dev), tok, device=dev)
+        self.engine = SpecialistEngine(name, model.to(dev), tok, device=dev, max_batch=max_batch)
         self.name, self.pair = name, pair
         self.registry, self.store_uri = registry(store_uri, namespace), store_uri
         self.expect = Fingerprints.of(consumer=model, tokenizer=tok)
@@ -53,8 +54,7 @@ class SpecialistServer:
         self.transport_kind = transport
         self.transport = make_transport(transport, namespace)
         self.replica_id = self._replica_id(name)
-        self.registered: str | None = None                 # producer incarnation our communicator belongs to
-        self.nccl_lock = threading.Lock()                  # one push + receive at a time on the communicator
+        self.receiver = self.transport.receiver(self.replica_id, self._producer, control_timeout_s)
         self.artifact_lock = threading.Lock()
         self.refused: dict[str, str | None] = {}          # version -> why it could not be used
         self.hold: str | None = None                       # drill: name of a gate actor requests wait on
@@ -65,8 +65,7 @@ class SpecialistServer:
         self.m_phase = Histogram("scd_phase_ms", "phase latency (ms)", boundaries=PHASE_BOUNDS,
                                  tag_keys=tags + ("phase",))
         self.reconfigure({"artifact": "latest"})
-        if isinstance(self.transport, NcclTransport):
-            self._register()
+        self.receiver.open()                     # a producer not reachable yet: the first receive tries again
 
     @staticmethod
     def _replica_id(name: str) -> str:
@@ -79,50 +78,11 @@ class SpecialistServer:
     def _producer(self):
         return ray.get_actor(PRODUCER_NAME, namespace=self.namespace)
 
-    # -- NCCL communicator with the producer --------------------------------------------------------
-    def _register(self) -> bool:
-        """Build this replica's communicator with the producer (rank 1 here). False if the producer is not
-        reachable: requests then fall back with transport_error, and the next request tries again."""
-        self._drop_comm()
-        try:
-            producer = self._producer()
-            incarnation = ray.get(producer.stats.remote(), timeout=self.timeout_s)["incarnation"]
-            uid = ray.get(producer.register.remote(self.replica_id), timeout=self.timeout_s)
-            self.transport.join(self.replica_id, uid)
-        except Exception:
-            return False
-        self.registered = incarnation
-        return True
-
-    def _drop_comm(self) -> None:
-        """Forget our communicator (the producer's side is replaced when we register again)."""
-        self.registered = None
-        self.transport.leave(self.replica_id)
-
     def __del__(self):
-        """Serve calls this when the replica stops: leave the communicator so the producer frees its side."""
-        if getattr(self, "registered", None):
-            try:
-                self._producer().unregister.remote(self.replica_id)
-            except Exception:
-                pass
-            self._drop_comm()
-
-    def _receive_nccl(self, req: dict) -> bytes:
-        if not self.nccl_lock.acquire(timeout=self.timeout_s):
-            raise TransportError(f"replica {self.replica_id}: communicator busy for {self.timeout_s}s")
-        try:
-            if self.registered != req.get("incarnation") and not self._register():
-                raise TransportError(f"replica {self.replica_id} has no communicator with the producer")
-            try:
-                ticket = ray.get(self._producer().push.remote(req["ticket"].key, self.replica_id),
-                                 timeout=self.timeout_s)
-                return self.transport.recv(ticket, timeout_s=self.timeout_s)
-            except BaseException:
-                self._drop_comm()          # a push may have gone out unread: start the next exchange afresh
-                raise
-        finally:
-            self.nccl_lock.release()
+        """Serve calls this when the replica stops: leave the transport (the producer frees our channel)."""
+        receiver = getattr(self, "receiver", None)
+        if receiver is not None:
+            receiver.close()
 
     # -- artifacts ----------------------------------------------------------------------------------
     def _load(self, version: str) -> str | None:
@@ -173,39 +133,47 @@ class SpecialistServer:
         return {"specialist": self.name, "artifact": self.engine.version, "transport": self.transport_kind,
                 "unavailable_reason": None if self.engine.art else self.engine.unavailable_reason}
 
-    def _receive(self, req: dict) -> tuple[bytes | None, str | None, float]:
-        if req.get("reason"):
-            return None, req["reason"], 0.0
+    def _receive(self, req: SpecialistRequest) -> tuple[bytes | None, str | None, float]:
+        if req.reason or req.codes is None or req.codes.ticket is None:
+            return None, req.reason or FallbackReason.TRANSPORT_ERROR, 0.0
         t0 = time.perf_counter()
         try:
-            if isinstance(self.transport, NcclTransport):
-                payload = self._receive_nccl(req)
-            else:
-                payload = self.transport.recv(req["ticket"], timeout_s=self.timeout_s)
+            payload = self.receiver.receive(req.codes.ticket, req.incarnation)
         except (TransportError, ray.exceptions.RayError, ValueError):
             return None, FallbackReason.TRANSPORT_ERROR, (time.perf_counter() - t0) * 1e3
         return payload, None, (time.perf_counter() - t0) * 1e3
 
-    def _events(self, req: dict):
+    def _prepare(self, req: SpecialistRequest) -> tuple[bytes | None, str | None, dict]:
+        """Blocking part before decoding: receive the codes and make sure their artifact version is loaded."""
         if self.hold:
             hold_until_open(self.hold, self.namespace)
-        with telemetry.span("specialist.generate", req.get("trace"), specialist=self.name):
-            payload, reason, transfer_ms = self._receive(req)
-            if payload is not None and req.get("version"):
-                reason = self._follow(req["version"])
-                payload = None if reason else payload
-            timings = {**req.get("timings", {}), "transfer": transfer_ms}
-            p = req["params"]
-            params = GenParams(p["max_tokens"], p["temperature"], p["top_p"], p.get("stop", []), p.get("seed"))
-            for kind, value in self.engine.stream(req["prefix_ids"], req["suffix_ids"], payload, reason, params,
-                                                  timings):
-                if kind == "token":
-                    yield {"text": value}
-                else:
-                    info, finish = value
-                    self._record(info)
-                    telemetry.record_phases(info.timings, telemetry.carrier(), specialist=self.name)
-                    yield {"finish_reason": finish, "scd": info.as_dict(), "tokens": info.tokens}
+        payload, reason, transfer_ms = self._receive(req)
+        if payload is not None and req.codes.version:
+            reason = self._follow(req.codes.version)
+            payload = None if reason else payload
+        return payload, reason, {**req.timings, "transfer": transfer_ms}
+
+    async def _events(self, req: SpecialistRequest) -> AsyncIterator[Output]:
+        """Receive and rebuild off the event loop; then the request decodes in the engine's batch, whose loop
+        hands each event to this coroutine through an asyncio queue (no thread waits per request)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        put = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)     # noqa: E731  from the decode loop
+        with telemetry.span("specialist.generate", req.trace, specialist=self.name):
+            payload, reason, timings = await asyncio.to_thread(self._prepare, req)
+            cancel = await asyncio.to_thread(self.engine.start, req.prefix_ids, req.suffix_ids, payload, reason,
+                                             req.params, put, timings)
+            try:
+                while (ev := await events.get())[0] == "token":
+                    yield Output(ev[1])
+            finally:
+                cancel()
+            if ev[0] == "error":
+                raise RuntimeError(f"specialist {self.name}: {ev[1]}")
+            _, info, finish = ev
+            self._record(info)
+            telemetry.record_phases(info.timings, telemetry.carrier(), specialist=self.name)
+            yield Output(finish_reason=finish, scd=info.as_dict(), tokens=info.tokens)
 
     def _record(self, info) -> None:
         tags = {"specialist": self.name}
@@ -217,14 +185,14 @@ class SpecialistServer:
         for phase, ms in info.timings.items():
             self.m_phase.observe(ms, tags={**tags, "phase": phase})
 
-    def generate(self, req: dict) -> dict:
+    async def generate(self, req: SpecialistRequest) -> Output:
+        """The whole answer in one Output."""
         text, last = [], None
-        for ev in self._events(req):
-            if "text" in ev:
-                text.append(ev["text"])
-            else:
-                last = ev
-        return {"text": "".join(text), **last}
+        async for ev in self._events(req):
+            text.append(ev.text)
+            last = ev
+        return dataclasses.replace(last, text="".join(text))
 
-    def stream(self, req: dict):
-        yield from self._events(req)
+    async def stream(self, req: SpecialistRequest) -> AsyncIterator[Output]:
+        async for ev in self._events(req):
+            yield ev

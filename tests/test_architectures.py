@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from scd import cache, rope, trace
-from scd.calibrate import CalibConfig, Calibration
-from scd.models import ModelSpec
-from scd.patch import Aligner, FusedPatches, regenerate_kv
-from scd.rebuild import encode, rebuild
-from scd.tables import ConsumerTables, layer0_input
+from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.online import cache, rope, trace
+from scd.online.models import ModelSpec
+from scd.online.patch import Aligner, FusedPatches, regenerate_kv
+from scd.online.rebuild import encode, rebuild
+from scd.online.tables import ConsumerTables, layer0_input
 from tests.conftest import left_padded_batch
 
 D = 8   # head dim

@@ -1,8 +1,8 @@
 import torch
 
-from scd import cache, rope, trace
-from scd.rebuild import exact_layer0
-from scd.tables import ConsumerTables, layer0_input
+from scd.online import cache, rope, trace
+from scd.online.rebuild import exact_layer0
+from scd.online.tables import ConsumerTables, layer0_input
 from tests.conftest import left_padded_batch, tiny_llama
 
 
@@ -87,7 +87,7 @@ def test_eos_stops_rows_and_pads_them():
 
 
 def test_xnorm_errors_are_zero_for_the_oracle_and_start_after_a_corrupted_layer():
-    from scd.diagnostics import xnorm_errors
+    from scd.evaluation.diagnostics import xnorm_errors
     model = tiny_llama()
     ids, mask = left_padded_batch()
     tr = trace.capture(model, ids, mask)
@@ -101,7 +101,7 @@ def test_xnorm_errors_are_zero_for_the_oracle_and_start_after_a_corrupted_layer(
 
 
 def test_consumer_tables_follow_the_model_to_another_dtype():
-    from scd.tables import consumer_tables
+    from scd.online.tables import consumer_tables
     model = tiny_llama()
     ids = torch.randint(2, 97, (1, 6))
     first = consumer_tables(model, 8)

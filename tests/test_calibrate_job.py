@@ -3,7 +3,7 @@ import pytest
 
 from artifacts_store import ArtifactStore, Fingerprints, FingerprintMismatch
 from jobs.calibrate import main as calibrate
-from scd.models import load
+from scd.online.models import load
 from tests.conftest import DEMO, write_config
 
 

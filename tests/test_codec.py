@@ -4,8 +4,8 @@ import zlib
 import pytest
 import torch
 
-from scd import codec
-from scd.rebuild import Codes, dense
+from scd.online import codec
+from scd.online.rebuild import Codes, dense
 
 DIMS = {"n_kv": 2, "r_k": 3, "r_v": 4, "r_h": 5}
 PLAN = ["exact", "reuse", "patch", "reuse"]

@@ -3,9 +3,10 @@ import pytest
 import torch
 
 from actors.producer import ProducerEngine
-from actors.specialist import GenParams, SpecialistEngine
-from scd.calibrate import CalibConfig, Calibration
-from scd.models import ModelSpec
+from actors.messages import GenParams
+from actors.specialist import SpecialistEngine
+from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.online.models import ModelSpec
 from tests.conftest import perturbed, tiny_llama
 from tests.test_models import _tokenizer
 

@@ -41,7 +41,7 @@ def test_a_build_counts_only_when_finished_from_the_pinned_gguf(tmp_path):
 
 @pytest.mark.real
 def test_the_real_producer_loads_as_a_local_llama_checkpoint(real_family):
-    from scd.models import load
+    from scd.online.models import load
     model, tok, spec = load(real_family)
     assert (spec.model_type, spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) \
         == ("llama", 30, 576, 9, 3, 64), spec

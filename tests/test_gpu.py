@@ -8,10 +8,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @cuda
 def test_rebuild_on_cuda_matches_cpu(tmp_path):
-    from scd.calibrate import CalibConfig, Calibration
-    from scd.models import ModelSpec
-    from scd.rebuild import encode, rebuild
-    from scd.trace import capture
+    from scd.fitting.calibrate import CalibConfig, Calibration
+    from scd.online.models import ModelSpec
+    from scd.online.rebuild import encode, rebuild
+    from scd.online.trace import capture
     from tests.conftest import perturbed, tiny_llama
     a, b = tiny_llama(0), None
     b = perturbed(a, 0.3)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from cli.main import main as scd
-from scd.models import load, load_pair
+from scd.online.models import load, load_pair
 from tests.conftest import DEMO
 
 

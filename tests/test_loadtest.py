@@ -28,6 +28,7 @@ class FakeService:
         self.hits, self.auth, self.lock = Counter(), [], threading.Lock()
         self.health = (200, "ok")
         self.fallbacks = 0                                       # the next this many requests: producer gone
+        self.bodies = []
 
     def answer(self, h: BaseHTTPRequestHandler, body: dict | None):
         with self.lock:
@@ -39,8 +40,11 @@ class FakeService:
         kind = "fanouts" if h.path == "/v1/fanout" else "streams" if body.get("stream") else "completions"
         with self.lock:
             n, self.hits[kind] = self.hits[kind], self.hits[kind] + 1
+            self.bodies.append(body)
             fault = self.faults[kind][n] if n < len(self.faults[kind]) else None
             scd = {"mode": "fallback", "reason": "producer_unavailable"} if self.fallbacks else {"mode": "scd"}
+            if body.get("oracle"):
+                scd = {"mode": "oracle"}
             self.fallbacks -= self.fallbacks > 0
         if fault == "503":
             return self.json(h, 503, {"error": {"message": "overloaded", "type": "server_error"}})
@@ -51,13 +55,15 @@ class FakeService:
             return h.connection.shutdown(socket.SHUT_RDWR)
         if kind == "fanouts":
             results = [{"specialist": r["specialist"], "text": " x", "finish_reason": "length",
-                        "scd": {"mode": "fallback", "reason": "no_artifact"} if r["specialist"] == "code" else scd}
+                        "scd": {"mode": "fallback", "reason": "no_artifact"}
+                        if r["specialist"] == "code" and not body.get("oracle") else scd}
                        for r in body["requests"]]
             if fault == "partial":                               # one item failed, the others answered
                 results[-1] = {"specialist": results[-1]["specialist"], "error": {"message": "replica died"}}
             return self.json(h, 200, {"object": "fanout", "results": results})
         if kind == "completions":
-            return self.json(h, 200, {"choices": [{"text": " Hythe", "index": 0}], "scd": scd})
+            return self.json(h, 200, {"choices": [{"text": " Hythe", "index": 0}], "scd": scd,
+                                      "usage": {"prompt_tokens": len(body["prefix"]) // 4}})
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream")
         h.end_headers()
@@ -244,3 +250,21 @@ def test_ray_reads_the_token_once_token_auth_is_set(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+
+
+def test_compare_runs_the_same_requests_as_scd_then_as_the_oracle(fake, capsys):
+    rc, out = run(capsys, "--url", fake.url, "--requests", "20", "--concurrency", "4", "--compare",
+                  "--prefix-tokens", "300")
+    assert rc == 0 and set(out) == {"scd", "oracle", "scd_over_oracle"}, out
+    as_scd, as_oracle = fake.bodies[:20], fake.bodies[20:]
+    assert len(as_oracle) == 20 and not any(b.get("oracle") for b in as_scd) and all(b["oracle"] for b in as_oracle)
+    strip = lambda b: {k: v for k, v in b.items() if k != "oracle"}          # noqa: E731
+    key = lambda b: json.dumps(strip(b), sort_keys=True)                     # noqa: E731
+    assert sorted(map(key, as_scd)) == sorted(map(key, as_oracle)), "the two runs sent different requests"
+    assert all(len(b["prefix"]) >= 4 * 300 for b in fake.bodies)
+    assert set(out["oracle"]["modes"]) == {"oracle"} and "oracle" not in out["scd"]["modes"]
+    for mode in ("scd", "oracle"):
+        r = out[mode]
+        assert (r["ok"], r["first_token_ms"]["n"]) == (20, 20) and r["prompt_tokens"] >= 300, r
+    ratio = out["scd_over_oracle"]["requests_per_s"]
+    assert abs(ratio - out["scd"]["requests_per_s"] / out["oracle"]["requests_per_s"]) < 0.01, out

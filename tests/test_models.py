@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from scd.models import IncompatiblePairError, ModelSpec, check_pair, load, load_pair
+from scd.online.models import IncompatiblePairError, ModelSpec, check_pair, load, load_pair
 
 
 def _tokenizer(vocab: int):
@@ -65,13 +65,37 @@ def test_scd_core_imports_without_ray_fastapi_or_distributed():
     import ast
     import pathlib
     banned = ("ray", "fastapi", "torch.distributed", "starlette")
-    for path in pathlib.Path(__file__).resolve().parents[1].joinpath("scd").glob("*.py"):
+    for path in pathlib.Path(__file__).resolve().parents[1].joinpath("scd").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             hits = [n for n in names if any(n == b or n.startswith(b + ".") for b in banned)]
             assert not hits, f"{path.name} imports {hits}"
-    code = ("import sys, scd.calibrate, scd.evaluate, scd.methods, scd.codec, scd.policy, scd.artifacts;"
+    code = ("import sys, scd.fitting.calibrate, scd.evaluation.evaluate, scd.evaluation.methods, scd.online.codec, "
+            "scd.fitting.policy, scd.online.artifacts;"
             "bad = [m for m in ('ray', 'fastapi') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, f"scd pulled in {r.stdout.strip()} {r.stderr[-500:]}"
+
+
+def test_imports_run_one_way_online_evaluation_fitting_and_serving_never_imports_fitting():
+    """The layering the README's layout table states, checked on every import statement (lazy ones too)."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    forbidden = {"scd/online": ("scd.fitting", "scd.evaluation", "jobs", "cli"),
+                 "scd/evaluation": ("scd.fitting", "jobs", "cli"),
+                 "scd/fitting": ("jobs", "cli"),
+                 "artifacts_store": ("scd.fitting", "scd.evaluation", "jobs", "cli"),
+                 "serve_app": ("scd.fitting", "scd.evaluation", "jobs", "cli"),
+                 "jobs": ("cli",)}
+    checked = 0
+    for folder, banned in forbidden.items():
+        for path in (root / folder).rglob("*.py"):
+            checked += 1
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                hits = [n for n in names if any(n == b or n.startswith(b + ".") for b in banned)]
+                assert not hits, f"{path.relative_to(root)} imports {hits}: {folder}/ must not import {banned}"
+    assert checked > 40, f"only {checked} files checked: the folders moved?"

@@ -1,9 +1,10 @@
 """The Patch aligner: its causal window and its token features, on synthetic targets it must (not) fit."""
 import torch
 
-from scd.patch import Aligner, FusedPatches, regenerate_kv, train_aligner, window_index
-from scd.rope import apply_rope, cos_sin, positions_from_mask
-from scd.tables import layer0_input
+from scd.fitting.aligners import train_aligner
+from scd.online.patch import Aligner, FusedPatches, regenerate_kv, window_index
+from scd.online.rope import apply_rope, cos_sin, positions_from_mask
+from scd.online.tables import layer0_input
 from tests.conftest import left_padded_batch, tiny_llama
 
 

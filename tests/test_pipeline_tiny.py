@@ -4,10 +4,10 @@ import dataclasses
 import pytest
 import torch
 
-from scd import methods
-from scd.calibrate import CalibConfig, Calibration, PlanScorer, calibrate
-from scd.evaluate import Evaluator, Sample
-from scd.models import ModelSpec
+from scd.evaluation import methods
+from scd.evaluation.evaluate import Evaluator, Sample
+from scd.fitting.calibrate import CalibConfig, Calibration, PlanScorer, calibrate
+from scd.online.models import ModelSpec
 from tests.conftest import perturbed, tiny_llama
 
 
@@ -43,13 +43,13 @@ def test_identical_pair_full_rank_scd_reproduces_kv(tmp_path):
                     progress=False)
     s = _samples(1, 5)[0]
     ids = s.prefix[None]
-    from scd.trace import capture
+    from scd.online.trace import capture
     tr = capture(a, ids)
     built = methods.reuse_only(art).build(a, ids, torch.ones_like(ids), tr)
     err = max(max((k - tk).abs().max().item(), (v - tv).abs().max().item())
               for (k, v), tk, tv in zip(built.kv, tr.keys, tr.values))
     # fp16 on the wire bounds the error; compare the codes path without the codec for the 1e-4 claim
-    from scd.rebuild import encode, rebuild
+    from scd.online.rebuild import encode, rebuild
     kv, _ = rebuild(a, art.with_plan(["exact", "reuse", "reuse"]), encode(art.with_plan(["exact", "reuse", "reuse"]), tr, ids))
     exact = max(max((k - tk).abs().max().item(), (v - tv).abs().max().item()) for (k, v), tk, tv in zip(kv, tr.keys, tr.values))
     assert exact < 1e-4, f"full-rank Reuse of an identical pair: max KV error {exact:.2e}"
@@ -57,7 +57,7 @@ def test_identical_pair_full_rank_scd_reproduces_kv(tmp_path):
 
 
 def test_rebuild_of_a_left_padded_batch_matches_rebuilding_each_row(tmp_path):
-    from scd.rebuild import prepare
+    from scd.online.rebuild import prepare
     from tests.conftest import left_padded_batch
     a = tiny_llama(0)
     b = perturbed(a, 0.3)
@@ -74,8 +74,8 @@ def test_rebuild_of_a_left_padded_batch_matches_rebuilding_each_row(tmp_path):
 
 def _assert_batch_rebuild_equals_rows(a, b, art, ids, mask):
     """Rebuilding a left-padded batch gives each row what rebuilding it alone gives."""
-    from scd.rebuild import encode, rebuild
-    from scd.trace import capture
+    from scd.online.rebuild import encode, rebuild
+    from scd.online.trace import capture
     kv_batch, _ = rebuild(b, art, encode(art, capture(a, ids, mask), ids))
     for i in range(ids.shape[0]):
         keep = mask[i].bool()
@@ -183,7 +183,7 @@ def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, s
 def test_padding_id_does_not_matter_and_none_is_accepted(tmp_path):
     """A tokenizer with neither pad nor eos token gives pad_id None: calibration must run, and since padded
     positions are masked, it must fit the very same artifact as with any other padding id."""
-    from scd.calibrate import pad
+    from scd.fitting.calibrate import pad
     ids, mask = pad([torch.tensor([5, 6, 7]), torch.tensor([8])], None)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     a = tiny_llama(0)
@@ -251,7 +251,7 @@ def test_int8_codes_count_their_bytes_and_are_what_the_artifact_sends(tmp_path):
     """code_dtype int8: the payload budget counts one byte per value plus a 2-byte scale per row, the artifact
     carries the precision through save/load, and the evaluated method sends exactly those bytes; the KL it is
     scored at in calibration is the KL of what arrives."""
-    from scd.artifacts import PairArtifacts
+    from scd.online.artifacts import PairArtifacts
     a = tiny_llama(0)
     b = perturbed(a, 0.3)
     spec = ModelSpec.from_config(a.config)
@@ -279,9 +279,9 @@ def test_int8_codes_count_their_bytes_and_are_what_the_artifact_sends(tmp_path):
     assert 0 < abs(int8 - fp16) < 0.05 * fp16 + 1e-3, (int8, fp16)
     # the consumer rebuilds from the payload's int8 codes, dequantised layer by layer, exactly what
     # calibration scores (codec.as_received)
-    from scd import codec
-    from scd.rebuild import encode, rebuild
-    from scd.trace import capture
+    from scd.online import codec
+    from scd.online.rebuild import encode, rebuild
+    from scd.online.trace import capture
     ids = val[0].prefix[None]
     codes = encode(back, capture(a, ids, torch.ones_like(ids)), ids)
     wire = codec.decode(codec.encode(codes, "a:b", "v", codec.artifact_dims(back), "int8"), "a:b", "v", back.plan,
@@ -294,10 +294,10 @@ def test_int8_codes_count_their_bytes_and_are_what_the_artifact_sends(tmp_path):
 
 
 def test_hidden_state_artifacts_survive_save_load_and_the_wire_and_rebuild_padded_batches_row_by_row(tmp_path):
-    from scd import codec
-    from scd.artifacts import PairArtifacts
-    from scd.rebuild import encode, rebuild
-    from scd.trace import capture
+    from scd.online import codec
+    from scd.online.artifacts import PairArtifacts
+    from scd.online.rebuild import encode, rebuild
+    from scd.online.trace import capture
     from tests.conftest import left_padded_batch
     a = tiny_llama(0)
     b = perturbed(a, 0.3)

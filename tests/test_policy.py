@@ -1,4 +1,4 @@
-from scd.policy import choose_k, plan_layers
+from scd.fitting.policy import choose_k, plan_layers
 
 
 def test_policy_finds_the_sensitive_layers_and_stops_when_gains_flatten():

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from jobs import samples
-from scd import cache
-from scd.models import adapter_digest, folder_digest, load
-from scd.trace import capture
+from scd.online import cache
+from scd.online.models import adapter_digest, folder_digest, load
+from scd.online.trace import capture
 from tests.conftest import DEMO
 
 pytestmark = pytest.mark.real
@@ -36,8 +36,8 @@ def test_raw_kv_reuse_hurts_both_specialists_on_held_out_prefixes(real_family):
     """The committed adapters diverge from the base: with the producer's raw KV the QA specialist loses at
     least 30% of its own F1 (measured on 16 prefixes: 0.938 -> 0.281), and the code specialist's next-token
     distributions move (measured: KL 0.168 nats/token on 16 prefixes)."""
-    from scd import methods
-    from scd.evaluate import Evaluator
+    from scd.evaluation import methods
+    from scd.evaluation.evaluate import Evaluator
     base, tok, _ = load(real_family)
     for name, check in (("qa", "f1"), ("code", "kl")):
         consumer, _, _ = load(ADAPTERS / name, base=real_family)

@@ -1,6 +1,6 @@
 import torch
 
-from scd.reuse import JointGram
+from scd.fitting.gram import JointGram
 
 
 def test_identical_pair_full_rank_reproduces_rows():

@@ -35,14 +35,14 @@ def served_nccl(ray_cluster, tmp_path_factory):
 
 
 def _replicas(producer):
-    return ray.get(producer.stats.remote())["nccl_replicas"]
+    return ray.get(producer.stats.remote())["channels"]
 
 
 def test_fanout_codes_travel_over_per_replica_communicators(served_nccl):
     url, producer = served_nccl
     stats = ray.get(producer.stats.remote())
     assert stats["transport"] == "nccl_fake"
-    assert sorted(r.split("#")[0] for r in stats["nccl_replicas"]) == ["prose", "qa"], stats["nccl_replicas"]
+    assert sorted(r.split("#")[0] for r in stats["channels"]) == ["prose", "qa"], stats["channels"]
     hub = ray.get_actor("scd-fake-nccl", namespace=NS)
     assert ray.get(hub.open_communicators.remote()) == 2
     for i in range(3):                                        # several requests: in order on each communicator
@@ -82,4 +82,4 @@ def test_replicas_register_again_with_a_restarted_producer(served_nccl):
         return out["scd"]["mode"] == "scd"
     assert wait_for(scd_again, 120, every_s=0.5), "prose never served from codes again after the producer restart"
     stats = ray.get(producer.stats.remote())
-    assert stats["incarnation"] != before and any(r.startswith("prose#") for r in stats["nccl_replicas"]), stats
+    assert stats["incarnation"] != before and any(r.startswith("prose#") for r in stats["channels"]), stats

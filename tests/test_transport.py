@@ -1,65 +1,125 @@
-"""Transports on a real local Ray: object store, and the NCCL protocol over a fake communicator."""
+"""Transports on a real local Ray, through the one interface the producer and the replicas call: object
+store, and the NCCL protocol over a fake communicator (registration, framing, concurrent receives, leave)."""
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 import ray
 
 from actors.transport import (FakeNcclHub, NcclTransport, ObjectStoreTransport, Ticket, TransportError,
                               fake_nccl)
 
 
-def test_object_store_round_trip_across_processes(ray_cluster):
-    t = ObjectStoreTransport()
-    ticket = t.send(b"\x00codes" * 1000)
+@ray.remote(num_cpus=0, max_concurrency=8)
+class Producer:
+    """The producer actor's transport calls (register / unregister / push / stats), around any Transport."""
 
-    @ray.remote(num_cpus=0)
-    def replica(tk):
-        return ObjectStoreTransport().recv(tk)
+    def __init__(self, kind, hub=None):
+        self.t = ObjectStoreTransport() if kind == "object_store" else NcclTransport(*fake_nccl(hub))
+        self.incarnation = "p1"
 
-    assert ray.get(replica.remote(ticket)) == b"\x00codes" * 1000
-    bad = Ticket("object_store", 5, ref=ticket.ref)
-    try:
-        t.recv(bad)
-        raise AssertionError("a size mismatch must be refused")
-    except TransportError as e:
-        assert "ticket says 5" in str(e)
+    def offer(self, payload):
+        return self.t.offer(payload)
+
+    def register(self, rid):
+        return self.t.attach(rid)
+
+    def unregister(self, rid):
+        self.t.detach(rid)
+
+    def push(self, key, rid):
+        return self.t.push(key, rid)
+
+    def stats(self):
+        return {"incarnation": self.incarnation, "channels": self.t.channels()}
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=8)
 class Replica:
-    """A specialist replica's side of the NCCL protocol, in its own process."""
+    """A specialist replica's end of the transport, in its own process, not told which transport it is."""
 
-    def __init__(self, hub, rid):
-        self.t, self.rid = NcclTransport(*fake_nccl(hub)), rid
+    def __init__(self, kind, hub, rid, producer, timeout_s=5.0):
+        t = ObjectStoreTransport() if kind == "object_store" else NcclTransport(*fake_nccl(hub))
+        self.r = t.receiver(rid, lambda: producer, timeout_s)
 
-    def join(self, uid):
-        self.t.join(self.rid, uid)
+    def open(self):
+        return self.r.open()
 
-    def recv(self, ticket):
-        return self.t.recv(ticket)
+    def receive(self, ticket, incarnation="p1"):
+        return self.r.receive(ticket, incarnation)
+
+    def receive_many(self, tickets):
+        with ThreadPoolExecutor(len(tickets)) as pool:
+            return list(pool.map(self.r.receive, tickets, ["p1"] * len(tickets)))
+
+    def close(self):
+        self.r.close()
 
 
-def test_nccl_protocol_register_send_recv_leave_with_a_fake_communicator(ray_cluster):
+def test_object_store_round_trip_across_processes(ray_cluster):
+    producer = Producer.remote("object_store")
+    replica = Replica.remote("object_store", None, "qa#1", producer)
+    assert ray.get(replica.open.remote()) and ray.get(producer.stats.remote())["channels"] == []
+    ticket = ray.get(producer.offer.remote(b"\x00codes" * 1000))
+    assert ray.get(replica.receive.remote(ticket)) == b"\x00codes" * 1000
+    with pytest.raises(ray.exceptions.RayTaskError, match="ticket says 5"):
+        ray.get(replica.receive.remote(Ticket("object_store", 5, ref=ticket.ref)))
+
+
+def test_nccl_register_push_receive_concurrently_and_leave_over_a_fake_communicator(ray_cluster):
     hub = FakeNcclHub.remote()
-    producer = NcclTransport(*fake_nccl(hub))
-    replicas = {rid: Replica.remote(hub, rid) for rid in ("qa#1", "qa#2")}
-    for rid, r in replicas.items():                  # replica registration: rank 0 here, rank 1 there
-        uid = producer.open_for(rid)
-        ray.get(r.join.remote(uid))
+    producer = Producer.remote("nccl", hub)
+    replicas = {rid: Replica.remote("nccl", hub, rid, producer) for rid in ("qa#1", "qa#2")}
+    assert all(ray.get([r.open.remote() for r in replicas.values()]))
+    assert ray.get(producer.stats.remote())["channels"] == ["qa#1", "qa#2"]
     assert ray.get(hub.open_communicators.remote()) == 2
-    for i in range(3):                               # in-order delivery per communicator
+    for i in range(2):                               # payloads offered, then pushed to whichever replica serves
         for rid, r in replicas.items():
             payload = f"{rid}-{i}".encode() * 50
-            assert ray.get(r.recv.remote(producer.send(payload, rid))) == payload
-    producer.close_for("qa#2")                       # scale-down: the communicator goes away
-    try:
-        producer.send(b"x", "qa#2")
-        raise AssertionError("sending to a departed replica must fail")
-    except TransportError as e:
-        assert "qa#2" in str(e)
+            assert ray.get(r.receive.remote(ray.get(producer.offer.remote(payload)))) == payload
+    # eight receives at once on one communicator: each request gets its own payload back
+    payloads = [f"request {i} ".encode() * (10 + i) for i in range(8)]
+    tickets = ray.get([producer.offer.remote(p) for p in payloads])
+    assert ray.get(replicas["qa#1"].receive_many.remote(tickets)) == payloads
+    # a payload pushed once is gone: a second receive of its ticket fails with a stated reason
+    with pytest.raises(ray.exceptions.RayTaskError, match="no staged payload"):
+        ray.get(replicas["qa#1"].receive.remote(tickets[0]))
+    # the replica leaves (scale-down): the producer's side goes too, and pushes to it fail
+    ray.get(replicas["qa#2"].close.remote())
+    assert ray.get(producer.stats.remote())["channels"] == ["qa#1"]
+    ticket = ray.get(producer.offer.remote(b"x"))
+    with pytest.raises(ray.exceptions.RayTaskError, match="qa#2"):
+        ray.get(producer.push.remote(ticket.key, "qa#2"))
     assert ray.get(hub.open_communicators.remote()) == 1
-    # a ticket out of sequence is refused, not silently mis-delivered
-    producer.send(b"first", "qa#1")
-    t2 = producer.send(b"second", "qa#1")
-    try:
-        ray.get(replicas["qa#1"].recv.remote(t2))
-        raise AssertionError("out-of-order ticket must be refused")
-    except ray.exceptions.RayTaskError as e:
-        assert "out of order" in str(e)
+
+
+def test_nccl_receive_that_gives_up_does_not_put_the_stream_out_of_step(ray_cluster):
+    """A frame whose receiver stopped waiting is dropped when it arrives; the next receive gets its own."""
+    from actors.transport import FRAME, _Inbox
+
+    class Slow:                                      # a communicator whose first frame arrives late
+        def __init__(self, frames):
+            self.frames, self.calls = list(frames), 0
+
+        def recv(self, nbytes, peer):
+            import time
+            self.calls += 1
+            if self.calls <= 2:
+                time.sleep(0.3)
+            if not self.frames:
+                raise TimeoutError
+            data = self.frames.pop(0)
+            assert len(data) == nbytes
+            return data
+
+        def close(self):
+            pass
+
+    inbox = _Inbox(Slow([FRAME.pack(1, 5), b"first", FRAME.pack(2, 6), b"second"]))
+    with pytest.raises(TransportError, match="did not arrive"):
+        inbox.take(Ticket("nccl", 5, replica="r", seq=1), timeout_s=0.05)
+    assert inbox.take(Ticket("nccl", 6, replica="r", seq=2), timeout_s=5) == b"second"
+    assert inbox.frames == {} and inbox.abandoned == set()
+    with pytest.raises(TransportError, match="ticket says 7"):
+        inbox.frames[3] = b"third"
+        inbox.take(Ticket("nccl", 7, replica="r", seq=3), timeout_s=1)
+    inbox.close()

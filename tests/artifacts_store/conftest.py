@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints, ModelFingerprint, weights_digest
-from scd.artifacts import PairArtifacts
-from scd.models import ModelSpec, tokenizer_fingerprint
-from scd.patch import Aligner
-from scd.reuse import LinearCodec
+from scd.online.artifacts import PairArtifacts
+from scd.online.models import ModelSpec, tokenizer_fingerprint
+from scd.online.patch import Aligner
+from scd.online.reuse import LinearCodec
 
 SPEC = ModelSpec("llama", 2, 4, 2, 8, 32, 64, 10000.0)      # 2 layers, head_dim 8, hidden 32
 

@@ -9,7 +9,7 @@ import torch
 from artifacts_store import (ArtifactNotFound, ArtifactStore, ChecksumMismatch, FingerprintMismatch, Fingerprints,
                              InvalidReference,
                              ModelFingerprint, SCHEMA_VERSION, new_version_id, weights_digest)
-from scd.models import ModelSpec
+from scd.online.models import ModelSpec
 from tests.artifacts_store.conftest import CALIB, METRICS, fingerprints, publish, tiny_artifacts
 
 
@@ -170,11 +170,11 @@ def test_the_package_imports_without_ray():
 
 
 def test_an_artifact_of_another_format_is_refused_with_a_recalibrate_message(store, monkeypatch):
-    import scd.artifacts
+    import scd.online.artifacts
     from artifacts_store import ManifestError
     from jobs.demo import usable
     with monkeypatch.context() as m:
-        m.setattr(scd.artifacts, "FORMAT_VERSION", 1)         # as an older build wrote it
+        m.setattr(scd.online.artifacts, "FORMAT_VERSION", 1)         # as an older build wrote it
         publish(store, tiny_artifacts(patch=True))
     with pytest.raises(ManifestError) as e:
         store.load("base:qa")

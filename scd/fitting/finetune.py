@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from scd import cache, codec
-from scd.artifacts import PairArtifacts
-from scd.calibrate import pad
-from scd.rebuild import encode, rebuild
-from scd.reuse import LinearCodec
-from scd.rope import apply_rope, cos_sin, positions_from_mask
-from scd.patch import regenerate_kv
-from scd.tables import layer0_input
-from scd.trace import capture
+from scd.fitting.calibrate import pad
+from scd.online import cache, codec
+from scd.online.artifacts import PairArtifacts
+from scd.online.patch import regenerate_kv
+from scd.online.rebuild import encode, rebuild
+from scd.online.reuse import LinearCodec
+from scd.online.rope import apply_rope, cos_sin, positions_from_mask
+from scd.online.tables import layer0_input
+from scd.online.trace import capture
 
 
 @dataclass

@@ -107,6 +107,17 @@ def model_digest(model: torch.nn.Module) -> str:
     return getattr(model, "scd_weights_digest", None) or weights_digest(model)
 
 
+def data_digest(prefixes) -> str:
+    """sha256 over the token ids of the calibration prefixes, in order (same data -> same digest), 32 hex.
+    Keys the checkpoint folder, and the registry records it in each manifest (as calibration_digest)."""
+    h = hashlib.sha256()
+    for p in prefixes:
+        t = torch.as_tensor(p).detach().to("cpu", torch.int64).contiguous()
+        h.update(f"{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()[:32]
+
+
 def is_adapter(path: str | Path) -> bool:
     """A PEFT adapter folder (adapter_config.json, no config.json of its own)."""
     p = Path(path).expanduser()

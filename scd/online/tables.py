@@ -12,8 +12,8 @@ import weakref
 
 import torch
 
-from scd.patch import FusedPatches, key_norm
-from scd.rope import cos_sin
+from scd.online.patch import FusedPatches, key_norm
+from scd.online.rope import cos_sin
 
 
 def layer0_input(model, token_ids: torch.Tensor) -> torch.Tensor:

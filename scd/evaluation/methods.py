@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scd import codec
-from scd.artifacts import PairArtifacts
-from scd.rebuild import encode, rebuild
-from scd.rope import cos_sin
-from scd.trace import Trace, capture
+from scd.online import codec
+from scd.online.artifacts import PairArtifacts
+from scd.online.rebuild import encode, rebuild
+from scd.online.rope import cos_sin
+from scd.online.trace import Trace, capture
 
 KV = tuple[torch.Tensor, torch.Tensor]
 METHODS = ("oracle", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from scd import cache
+from scd.online import cache
 
 KV = tuple[torch.Tensor, torch.Tensor]
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from scd import cache, metrics
-from scd.methods import Built, Method, Oracle
-from scd.trace import capture
+from scd.evaluation import metrics
+from scd.evaluation.methods import Built, Method, Oracle
+from scd.online import cache
+from scd.online.trace import capture
 
 
 @dataclass

@@ -18,8 +18,8 @@ import zlib
 
 import torch
 
+from scd.online.rebuild import Codes, Int8Code
 from scd.settings import CODE_DTYPES as DTYPES
-from scd.rebuild import Codes, Int8Code
 
 MAGIC = b"SCDC"
 VERSION = 1

@@ -27,15 +27,20 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from scd import cache, codec, metrics, policy
-from scd.artifacts import PairArtifacts
-from scd.checkpoints import data_digest, key_dir, load_record, samples_digest, save_record
-from scd.models import ModelSpec, model_digest
-from scd.patch import Aligner, train_aligner
-from scd.rebuild import encode, rebuild
+from scd.evaluation import metrics
+from scd.fitting import policy
+from scd.fitting.aligners import train_aligner
+from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
+from scd.fitting.gram import JointGram
+from scd.fitting.traces import chunk_path, read_chunks, trace_rows, write_chunk
+from scd.online import cache, codec
+from scd.online.artifacts import PairArtifacts
+from scd.online.models import ModelSpec, data_digest, model_digest
+from scd.online.patch import Aligner
+from scd.online.rebuild import encode, rebuild
+from scd.online.reuse import LinearCodec
+from scd.online.trace import capture
 from scd.settings import CalibConfig
-from scd.reuse import JointGram, LinearCodec
-from scd.trace import capture, chunk_path, read_chunks, trace_rows, write_chunk
 
 # bumped whenever what a checkpoint holds changes shape (e.g. the aligner's layers), so old work directories
 # are not resumed into new code
@@ -44,9 +49,9 @@ CHECKPOINT_FORMAT = 3
 TRACE_FIELDS = ("batch",)
 ALIGNER_FIELDS = ("r_h", "ridge", "aligner_width", "aligner_epochs", "aligner_context", "aligner_window",
                   "aligner_tokens", "aligner_loss", "seed")
-TUNE_FIELDS = ("finetune_samples", "finetune_epochs", "finetune_lr", "finetune_encoders")
+TUNE_FIELDS = ("finetune_samples", "finetune_epochs", "finetune_lr", "finetune_encoders", "finetune_tokens")
 
-# capture_pair(ids, mask) -> (producer rows, consumer rows) as named by scd.trace.trace_rows
+# capture_pair(ids, mask) -> (producer rows, consumer rows) as named by scd.online.trace.trace_rows
 CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]
 
 
@@ -369,9 +374,9 @@ class Calibration:
 
     # -- stage 4 (optional) ----------------------------------------------------------------------------
     def finetune(self, art: PairArtifacts, tune_samples, val_samples) -> dict:
-        """End-to-end fine-tuning of the chosen plan's aligners (scd.finetune), or its checkpoint. Returns its
+        """End-to-end fine-tuning of the chosen plan's aligners (scd.fitting.finetune), or its checkpoint. Returns its
         record; art's aligners are replaced by the fine-tuned ones."""
-        from scd.finetune import finetune_aligners
+        from scd.fitting.finetune import finetune_aligners
         d = self.dir / "finetuned"
         inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples)}
         done = load_record(d / "record.json", inputs, self.log)

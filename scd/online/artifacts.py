@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from scd.models import ModelSpec
-from scd.patch import Aligner
-from scd.reuse import LinearCodec
+from scd.online.models import ModelSpec
+from scd.online.patch import Aligner
+from scd.online.reuse import LinearCodec
 from scd.settings import CODE_DTYPES
 
 FORMAT_VERSION = 2                  # 2: aligners with a causal window and token features

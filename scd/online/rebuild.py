@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scd.artifacts import PairArtifacts
-from scd.patch import regenerate_kv
-from scd.rope import apply_rope, positions_from_mask
-from scd.tables import consumer_tables, layer0_input
-from scd.trace import Trace
+from scd.online.artifacts import PairArtifacts
+from scd.online.patch import regenerate_kv
+from scd.online.rope import apply_rope, positions_from_mask
+from scd.online.tables import consumer_tables, layer0_input
+from scd.online.trace import Trace
 
 KV = tuple[torch.Tensor, torch.Tensor]
 

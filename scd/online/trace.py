@@ -5,18 +5,15 @@ For each layer l of a model run on tokens (B, T) with a left-padding mask:
   content[l] (B, n_kv, T, d_h)  keys with RoPE removed (Reuse fits and encodes these)
   values[l]  (B, n_kv, T, d_h)
   xnorm[l]   (B, T, H)          input_layernorm output (Patch encodes these)
-Calibration writes paired traces to disk in chunks of valid (unpadded) rows, so a large calibration set is
-streamed, never held in memory at once.
+Calibration writes paired traces to disk in chunks of valid (unpadded) rows (scd.fitting.traces).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from scd.rope import cos_sin, positions_from_mask, remove_rope
+from scd.online.rope import cos_sin, positions_from_mask, remove_rope
 
 
 @dataclass
@@ -55,42 +52,3 @@ def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, wa
     content = [remove_rope(k, cos, sin) for k in keys]
     hidden = list(out.hidden_states[:-1]) if want_hidden else None
     return Trace(keys, content, values, xnorm, mask, positions, out.logits, hidden)
-
-
-def valid_rows(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, d) KV or (B, T, d) hidden -> rows of real tokens: (N, H, d) or (N, d)."""
-    keep = mask.bool()
-    if t.dim() == 4:
-        return t.transpose(1, 2)[keep]
-    return t[keep]
-
-
-def trace_rows(tr: Trace, side: str) -> dict[str, torch.Tensor]:
-    """One side's valid rows, named for a chunk: k{side}.{l} (N, n_kv, d_h) de-RoPE'd, v{side}.{l}, x{side}.{l} (N, H)."""
-    out = {f"pos{side}": valid_rows(tr.positions, tr.mask).contiguous()}
-    for l in range(len(tr.keys)):
-        out[f"k{side}.{l}"] = valid_rows(tr.content[l], tr.mask).float().contiguous()
-        out[f"v{side}.{l}"] = valid_rows(tr.values[l], tr.mask).float().contiguous()
-        if tr.xnorm:
-            out[f"x{side}.{l}"] = valid_rows(tr.xnorm[l], tr.mask).float().contiguous()
-    return out
-
-
-def chunk_path(directory: str | Path, index: int) -> Path:
-    return Path(directory) / f"chunk_{index:05d}.safetensors"
-
-
-def write_chunk(directory: str | Path, index: int, rows: dict[str, torch.Tensor]) -> Path:
-    """Write atomically (temp file + rename) so a killed job never leaves a half chunk that looks done."""
-    path = chunk_path(directory, index)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file(rows, str(tmp))
-    tmp.replace(path)
-    return path
-
-
-def read_chunks(directory: str | Path):
-    """Yield each chunk's dict of tensors in order."""
-    for path in sorted(Path(directory).glob("chunk_*.safetensors")):
-        yield load_file(str(path))

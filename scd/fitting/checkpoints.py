@@ -1,5 +1,5 @@
 """Digests and JSON records of calibration checkpoints: what a stage's checkpoint depends on, and whether a
-checkpoint on disk was computed for the same inputs (see scd.calibrate for the folder layout)."""
+checkpoint on disk was computed for the same inputs (see scd.fitting.calibrate for the folder layout)."""
 from __future__ import annotations
 
 import hashlib
@@ -7,18 +7,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-
-def data_digest(prefixes) -> str:
-    """sha256 over the token ids of the calibration prefixes, in order (same data -> same digest), 32 hex.
-    Keys the checkpoint folder, and the registry records it in each manifest (as calibration_digest)."""
-    h = hashlib.sha256()
-    for p in prefixes:
-        t = torch.as_tensor(p).detach().to("cpu", torch.int64).contiguous()
-        h.update(f"{tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()[:32]
+from scd.online.models import data_digest
 
 
 def samples_digest(samples) -> str:
