@@ -22,6 +22,7 @@ returns the payload's bytes (any number of receives at once) and `close()` leave
 """
 from __future__ import annotations
 
+import asyncio
 import struct
 import threading
 import time
@@ -347,22 +348,40 @@ class NcclReceiver:
 
 @ray.remote(num_cpus=0)
 class FakeNcclHub:
-    """Stands in for the NCCL network: per (uid, destination rank) FIFO queues of byte strings."""
+    """Stands in for the NCCL network: per (uid, destination rank) FIFO queues of byte strings. An asyncio
+    actor, so a receive waits for its frame inside the hub instead of polling it (polling from every
+    replica's reader thread used to keep both cores of a CI box busy)."""
 
     def __init__(self):
         self.queues: dict[tuple, list[bytes]] = {}
+        self.arrived: dict[tuple, asyncio.Condition] = {}
         self.joined: dict[str, set] = {}
 
-    def join(self, uid: str, rank: int) -> int:
+    def _queue(self, uid: str, dst: int) -> tuple[list[bytes], asyncio.Condition]:
+        key = (uid, dst)
+        if key not in self.arrived:
+            self.queues[key], self.arrived[key] = [], asyncio.Condition()
+        return self.queues[key], self.arrived[key]
+
+    async def join(self, uid: str, rank: int) -> int:
         self.joined.setdefault(uid, set()).add(rank)
         return len(self.joined[uid])
 
-    def put(self, uid: str, dst: int, data: bytes) -> None:
-        self.queues.setdefault((uid, dst), []).append(data)
+    async def put(self, uid: str, dst: int, data: bytes) -> None:
+        q, arrived = self._queue(uid, dst)
+        async with arrived:
+            q.append(data)
+            arrived.notify_all()
 
-    def take(self, uid: str, dst: int) -> bytes | None:
-        q = self.queues.get((uid, dst))
-        return q.pop(0) if q else None
+    async def take(self, uid: str, dst: int, timeout_s: float = 0.0) -> bytes | None:
+        """The oldest frame for (uid, dst), waiting up to timeout_s for one; None if none came."""
+        q, arrived = self._queue(uid, dst)
+        async with arrived:
+            try:
+                await asyncio.wait_for(arrived.wait_for(lambda: bool(q)), timeout_s)
+            except asyncio.TimeoutError:
+                return None
+            return q.pop(0)
 
     def open_communicators(self) -> int:
         return sum(len(r) == 2 for r in self.joined.values())
@@ -387,11 +406,9 @@ class FakeCommunicator:
         ray.get(self.hub.put.remote(self.uid, peer, data))
 
     def recv(self, nbytes: int, peer: int, timeout_s: float = 1.0) -> bytes:
-        deadline = time.monotonic() + timeout_s
-        while (data := ray.get(self.hub.take.remote(self.uid, self.rank))) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank} waited {timeout_s}s for {nbytes} bytes")
-            time.sleep(0.005)
+        data = ray.get(self.hub.take.remote(self.uid, self.rank, timeout_s))
+        if data is None:
+            raise TimeoutError(f"rank {self.rank} waited {timeout_s}s for {nbytes} bytes")
         if len(data) != nbytes:
             raise TransportError(f"expected {nbytes} bytes, got {len(data)}")
         return data
