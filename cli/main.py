@@ -9,7 +9,7 @@ import sys
 # subcommand -> (module with main(argv), one-line help)
 COMMANDS = {
     "eval": ("jobs.evaluate", "calibrate a pair and compare SCD with the baselines on held-out prefixes"),
-    "bench": ("jobs.bench_rebuild", "consumer rebuild + patch vs the consumer's own prefill, side by side"),
+    "bench": ("jobs.bench", "consumer rebuild vs prefill; --fanout compute; --bandwidth TTFT of every method"),
     "train-demo": ("jobs.train_family", "train the demo model family (base + specialists)"),
     "fetch-family": ("jobs.fetch_family", "build a real pretrained producer (smollm2) as a local HF folder, once"),
     "artifacts": ("cli.artifacts", "list | show | verify | leases | gc the artifact registry"),

@@ -1,5 +1,6 @@
 """The jobs and the CLI: training on a reduced budget, and eval/bench on the committed demo family."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -55,12 +56,44 @@ def test_bench_prints_side_by_side_ratio(tmp_path, capsys):
     assert rows[1]["payload_bytes"] > rows[0]["payload_bytes"]
 
 
+def test_bench_fanout_and_bandwidth_views_of_one_measurement(tmp_path, capsys):
+    scd(["bench", "--pair", "base:qa", "--tokens", "128", "--repeats", "1", "--calib", "16", "--val", "2",
+         "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
+         "--work-dir", str(tmp_path / "eval"), "--fanout", "1,4", "--bandwidth", "10,400",
+         "--plot-dir", str(tmp_path / "plots"), "--json"])
+    (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [f["n"] for f in r["fanout"]] == [1, 4] and r["fanout"][1]["ratio"] < r["fanout"][0]["ratio"], r["fanout"]
+    bw = r["bandwidth"]
+    assert list(bw["ttft_ms"]) == ["oracle", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd"]
+    assert bw["ttft_ms"]["oracle"][0] == bw["ttft_ms"]["oracle"][1]              # nothing on the link
+    assert bw["ttft_ms"]["raw_kv"][0] > bw["ttft_ms"]["raw_kv"][1]               # 10 Gbps is slower than 400
+    assert bw["phases"]["scd"]["payload_bytes"] < bw["phases"]["raw_kv"]["payload_bytes"]
+    assert (tmp_path / "plots").joinpath(Path(bw["plot"]).name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_fanout_and_ttft_arithmetic():
+    from jobs.bench import fanout, ttft
+    m = {"prefill_ms": 100.0, "producer_prefill_ms": 90.0,
+         "methods": {"oracle": {"producer_ms": 0.0, "consumer_ms": 100.0, "payload_bytes": 0},
+                     "raw_kv": {"producer_ms": 0.0, "consumer_ms": 1.0, "payload_bytes": 125_000_000},
+                     "scd": {"producer_ms": 10.0, "consumer_ms": 5.0, "payload_bytes": 12_500_000}}}
+    rows = fanout(m, [1, 4])
+    assert rows[0]["ratio"] == pytest.approx((90 + 10 + 5) / 100) and rows[1]["ratio"] == pytest.approx(120 / 400)
+    t = ttft(m, [10.0, 100.0])               # 125 MB is 100 ms at 10 Gbps, 10 ms at 100 Gbps
+    assert t["oracle"] == [100.0, 100.0]
+    assert t["raw_kv"] == pytest.approx([90 + 1 + 100, 90 + 1 + 10])
+    assert t["scd"] == pytest.approx([90 + 10 + 5 + 10, 90 + 10 + 5 + 1])
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["eval", "--pair", "base"], "PRODUCER:CONSUMER"),
     (["eval", "--pair", "base:nope"], "no model 'nope'"),
     (["eval", "--pair", "../..:qa"], "no model '../..'"),
     (["eval", "--pair", "base:qa", "--methods", "magic"], "unknown method"),
     (["bench", "--pair", "base:qa", "--tokens", "1024,x"], "integers separated by commas"),
+    (["bench", "--pair", "base:qa", "--fanout", "0,2"], "--fanout must be positive"),
+    (["bench", "--pair", "base:qa", "--bandwidth", "10,fast"], "numbers separated by commas"),
+    (["bench", "--pair", "base:qa", "--bandwidth", "10", "--plot-dir", __file__], "not a folder"),
 ])
 def test_cli_rejects_bad_input_with_a_message(argv, msg):
     with pytest.raises(SystemExit, match=msg):

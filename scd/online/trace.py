@@ -24,7 +24,6 @@ class Trace:
     xnorm: list[torch.Tensor]
     mask: torch.Tensor          # (B, T) 1 = real token
     positions: torch.Tensor     # (B, T)
-    logits: torch.Tensor        # (B, T, V)
     hidden: list[torch.Tensor] | None = None   # residual stream entering each layer, (B, T, H), if asked
 
 
@@ -42,7 +41,7 @@ def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, wa
             hooks.append(layer.input_layernorm.register_forward_hook(lambda m, i, o: xnorm.append(o.detach())))
     try:
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                    output_hidden_states=want_hidden)
+                    output_hidden_states=want_hidden, logits_to_keep=1)   # the cache is wanted, not the logits
     finally:
         for h in hooks:
             h.remove()
@@ -51,4 +50,4 @@ def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, wa
     values = [layer.values for layer in out.past_key_values.layers]
     content = [remove_rope(k, cos, sin) for k in keys]
     hidden = list(out.hidden_states[:-1]) if want_hidden else None
-    return Trace(keys, content, values, xnorm, mask, positions, out.logits, hidden)
+    return Trace(keys, content, values, xnorm, mask, positions, hidden)

@@ -1,0 +1,232 @@
+"""`scd bench`: compute of SCD against the consumer's own prefill, measured side by side in one process.
+
+Three views of one set of measurements (per prefix length in --tokens):
+  default      consumer side: decode + rebuild + patch of the codes over the consumer's own prefill
+  --fanout     one producer prefill + encode + N consumer rebuilds over N consumer prefills (the compute a
+               fan-out to N specialists costs, against each specialist prefilling the prefix itself)
+  --bandwidth  the paper's Table 4 / Figure 3: time to the first token of every method (oracle, raw_kv,
+               int4_kv, droidspeak, reuse_only, scd) at each link bandwidth, modeled as the measured compute
+               phases plus payload / bandwidth; a table, and a PNG of TTFT against bandwidth under --plot-dir
+
+Every round runs each phase once, in turn, so that a busy machine slows all of them alike; medians over
+--repeats rounds (after one warm-up round) are reported. The codes come from the pair's calibrated artifact
+(the one `scd eval` keeps under --work-dir; calibrated on the spot if missing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from jobs import demo_data
+from jobs.evaluate import add_pair_args, calibrated, parse, resolve_pair
+from scd.evaluation import methods
+from scd.online import codec
+from scd.online.models import load_pair
+from scd.online.trace import capture
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{flag} takes integers separated by commas, got {text!r}") from None
+    if any(n < 1 for n in values):
+        raise SystemExit(f"{flag} must be positive, got {text!r}")
+    return values
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(t) for t in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{flag} takes numbers separated by commas, got {text!r}") from None
+    if any(not v > 0 for v in values):
+        raise SystemExit(f"{flag} must be positive, got {text!r}")
+    return values
+
+
+def _ms(fn) -> tuple[float, object]:
+    t = time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - t) * 1e3, out
+
+
+@torch.no_grad()
+def measure(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str | None = None,
+            every_method: bool = False) -> dict:
+    """Median milliseconds of each phase at one prefix length, the phases interleaved round by round:
+    the consumer's own prefill (the oracle), the producer's prefill with its trace, and per method the
+    producer-side work after the prefill (SCD's encode), the payload bytes and the consumer-side work.
+    Without every_method only SCD is measured (the default and --fanout views)."""
+    mask = torch.ones_like(ids)
+    scd = methods.SCDMethod(art, dtype=dtype)
+    chosen = [scd]
+    if every_method:
+        # DroidSpeak's block position changes its quality, not its cost: any block of the same size will do
+        chosen = [methods.RawKV(), methods.Int4KV(), methods.DroidSpeak(start=1), methods.reuse_only(art), scd]
+    rounds = []
+    for _ in range(repeats + 1):                                 # the first round warms every path up
+        # the consumer's own prefill as its fallback path runs it, and the producer's as the producer actor does
+        r = {"prefill_ms": _ms(lambda: capture(consumer, ids, mask, want_xnorm=False))[0]}
+        r["producer_prefill_ms"], trace = _ms(lambda: capture(producer, ids, mask, want_hidden=every_method))
+        for m in chosen:
+            built = m.build(consumer, ids, mask, trace)
+            r[m.name] = {"producer_ms": built.phases.get("encode_ms", 0.0), "consumer_ms": built.consumer_ms,
+                         "payload_bytes": built.payload_bytes,
+                         **{k: v for k, v in built.phases.items() if k != "encode_ms"}}
+        rounds.append(r)
+    rounds = rounds[1:]
+    med = lambda key, sub=None: statistics.median(r[key] if sub is None else r[key][sub] for r in rounds)  # noqa: E731
+    out = {"tokens": ids.shape[1], "repeats": repeats, "plan": art.plan, "prefill_ms": med("prefill_ms"),
+           "producer_prefill_ms": med("producer_prefill_ms"),
+           "methods": {"oracle": {"producer_ms": 0.0, "consumer_ms": med("prefill_ms"), "payload_bytes": 0}}}
+    for m in chosen:
+        out["methods"][m.name] = {k: med(m.name, k) for k in rounds[0][m.name]}
+    return out
+
+
+def consumer_side(m: dict) -> dict:
+    """The default view: SCD's consumer side (codec decode + rebuild + patch) over the consumer's prefill."""
+    s = m["methods"]["scd"]
+    return {"tokens": m["tokens"], "repeats": m["repeats"], "prefill_ms": m["prefill_ms"],
+            "consumer_ms": s["consumer_ms"], "ratio": s["consumer_ms"] / m["prefill_ms"],
+            "payload_bytes": s["payload_bytes"], "plan": m["plan"], "decode_ms": s.get("decode_ms", 0.0),
+            "rebuild_ms": s.get("rebuild_ms", 0.0), "patch_ms": s.get("patch_ms", 0.0)}
+
+
+def fanout(m: dict, ns: list[int]) -> list[dict]:
+    """Compute of a fan-out to n specialists: one producer prefill + encode + n rebuilds, over n prefills."""
+    s = m["methods"]["scd"]
+    once = m["producer_prefill_ms"] + s["producer_ms"]
+    return [{"n": n, "scd_ms": once + n * s["consumer_ms"], "oracle_ms": n * m["prefill_ms"],
+             "ratio": (once + n * s["consumer_ms"]) / (n * m["prefill_ms"])} for n in ns]
+
+
+def ttft(m: dict, gbps: list[float]) -> dict[str, list[float]]:
+    """Modeled time to the first token per method at each bandwidth: the producer's prefill and encode (not
+    for the oracle, which prefills on the consumer), the payload on the link, the consumer's work."""
+    out = {}
+    for name, p in m["methods"].items():
+        compute = p["consumer_ms"] + (0.0 if name == "oracle" else m["producer_prefill_ms"] + p["producer_ms"])
+        out[name] = [compute + p["payload_bytes"] * 8 / (g * 1e9) * 1e3 for g in gbps]
+    return out
+
+
+def plot_ttft(m: dict, gbps: list[float], times: dict[str, list[float]], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, ys in times.items():
+        ax.plot(gbps, ys, marker="o", label=name, linewidth=2.4 if name == "scd" else 1.2)
+    ax.set_xscale("log")
+    ax.set_xticks(gbps, [f"{g:g}" for g in gbps])
+    ax.set_xlabel("link bandwidth (Gbps)")
+    ax.set_ylabel("time to first token (ms, modeled)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _plot_dir(text: str) -> Path:
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"--plot-dir {text!r} exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--plot-dir {text!r}: {e.strerror}") from None
+    return path
+
+
+def _print_default(pair: str, r: dict) -> None:
+    print(f"{pair} at {r['tokens']} tokens, median of {r['repeats']} interleaved runs, plan {r['plan']}:\n"
+          f"  consumer prefill            {r['prefill_ms']:8.2f} ms\n"
+          f"  SCD decode+rebuild+patch    {r['consumer_ms']:8.2f} ms  (codec {r['decode_ms']:.2f}, "
+          f"rebuild {r['rebuild_ms']:.2f}, patch {r['patch_ms']:.2f})\n"
+          f"  ratio                       {r['ratio']:8.3f}\n"
+          f"  payload                     {r['payload_bytes'] / 1024:8.1f} KB", flush=True)
+
+
+def _print_fanout(pair: str, m: dict, rows: list[dict]) -> None:
+    s = m["methods"]["scd"]
+    print(f"{pair} fan-out compute at {m['tokens']} tokens (medians of {m['repeats']} interleaved rounds): producer "
+          f"prefill {m['producer_prefill_ms']:.2f} ms + encode {s['producer_ms']:.2f} ms once, then per specialist "
+          f"{s['consumer_ms']:.2f} ms of rebuild against a {m['prefill_ms']:.2f} ms prefill")
+    print(f"  {'N':>3}  {'SCD ms':>9}  {'N prefills ms':>13}  {'ratio':>6}")
+    for r in rows:
+        print(f"  {r['n']:>3}  {r['scd_ms']:9.2f}  {r['oracle_ms']:13.2f}  {r['ratio']:6.3f}")
+
+
+def _print_bandwidth(pair: str, m: dict, gbps: list[float], times: dict[str, list[float]], png: Path) -> None:
+    raw = m["methods"]["raw_kv"]["payload_bytes"]
+    print(f"{pair} time to first token at {m['tokens']} tokens (ms; measured compute + payload / bandwidth):")
+    head = "".join(f"{f'{g:g} Gbps':>11}" for g in gbps)
+    print(f"  {'method':<11}{'payload':>8}{'producer':>10}{'consumer':>10}{head}")
+    for name, p in m["methods"].items():
+        producer = 0.0 if name == "oracle" else m["producer_prefill_ms"] + p["producer_ms"]
+        cells = "".join(f"{t:11.2f}" for t in times[name])
+        print(f"  {name:<11}{p['payload_bytes'] / raw:8.3f}{producer:10.2f}{p['consumer_ms']:10.2f}{cells}")
+    print(f"  plot: {png}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="scd bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_pair_args(p)
+    p.add_argument("--tokens", default="1024", help="prefix length(s), e.g. 1024,2048,4096")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--dtype", choices=codec.DTYPES, help="code precision (default: the artifact's)")
+    p.add_argument("--fanout", help="specialist counts, e.g. 1,2,4,8: fan-out compute against N consumer prefills")
+    p.add_argument("--bandwidth", help="link bandwidths in Gbps, e.g. 10,25,100,200,400: TTFT of every method")
+    p.add_argument("--plot-dir", default="runs/bench", help="where --bandwidth writes its PNG")
+    p.add_argument("--work-dir", default="runs/eval")
+    p.add_argument("--json", action="store_true")
+    args = parse(p, argv)
+    sizes = _ints(args.tokens, "--tokens")
+    ns = _ints(args.fanout, "--fanout") if args.fanout else None
+    gbps = _floats(args.bandwidth, "--bandwidth") if args.bandwidth else None
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be positive, got {args.repeats}")
+    plot_dir = _plot_dir(args.plot_dir) if gbps else None
+    pa, pb, na, nb = resolve_pair(args)
+    producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
+    pair = f"{na}:{nb}"
+    art = calibrated(args, producer, consumer, spec, tok, pair)
+    text = "\n\n".join(demo_data.prose_texts("heldout"))
+    all_ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(all_ids) < max(sizes):
+        raise SystemExit(f"only {len(all_ids)} tokens of text available, asked for {max(sizes)}")
+    out = []
+    for n in sizes:
+        m = measure(producer, consumer, art, torch.tensor(all_ids[:n])[None], args.repeats, args.dtype,
+                    every_method=gbps is not None)
+        r = consumer_side(m)
+        if ns:
+            r["fanout"] = fanout(m, ns)
+        if gbps:
+            times = ttft(m, gbps)
+            png = plot_dir / f"ttft_vs_bandwidth_{pair.replace(':', '_')}_{n}.png"
+            plot_ttft(m, gbps, times, png, f"{pair}, {n}-token prefix: TTFT against link bandwidth")
+            r["bandwidth"] = {"gbps": gbps, "ttft_ms": times, "plot": str(png), "phases": m["methods"],
+                              "producer_prefill_ms": m["producer_prefill_ms"]}
+        out.append(r)
+        if args.json:
+            print(json.dumps(r))
+            continue
+        _print_default(pair, r)
+        if ns:
+            _print_fanout(pair, m, r["fanout"])
+        if gbps:
+            _print_bandwidth(pair, m, gbps, times, png)
+    return out
+
+
+if __name__ == "__main__":
+    main()
