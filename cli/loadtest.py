@@ -13,6 +13,8 @@ or fan-out's time to first token is its latency). `health` polls `/healthz` once
 status or HTTP code] at each change. `--kill-producer-at K` kills the producer actor (Ray may restart it) when
 the K-th request is issued and reports how long until a request issued after the kill was served by `scd` again.
 `first_token_ms` is time to first token over every ok request (a stream's first text chunk, else the whole answer).
+`overhead_ms` is the serving overhead of ok completions and fan-outs: latency minus the model work their `scd`
+timings report (producer prefill + encode, the slowest specialist's cache build to last token).
 `--compare` runs the same requests twice against the one service, first as they are (SCD) and then with
 `"oracle": true` (every specialist prefills the prefix itself), and reports both with their ratios.
 `--prefix-tokens N` pads every prefix with further notes to about N tokens (4 characters a token; the report's
@@ -39,6 +41,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from serve_app.schemas import model_compute_ms
+
 KINDS = ("completions", "streams", "fanouts")
 FACTS = [("Clara Petrov", "Galen Cross", "a brewer"), ("Tilda Vance", "Hythe", "a potter"),
          ("Omar Reyes", "Dunmore", "a pilot"), ("Ines Walsh", "Port Ellis", "a baker")]
@@ -55,6 +59,7 @@ class Result:
     done: float = 0.0
     ttft: float | None = None          # streams only
     prompt_tokens: int | None = None   # completions only (the service's usage)
+    overhead: float | None = None      # completions and fan-outs: latency minus the model work the service reports
 
     def first_token(self) -> float:
         """Seconds from issue to the first token: a stream's first text chunk, else the whole answer."""
@@ -138,6 +143,8 @@ class Client:
                     r.outcome = "error" if "error" in out or not complete else "ok"
                     r.modes = [mode_of(x["scd"]) for x in results if "scd" in x]   # a failed item has none
                     r.prompt_tokens = out.get("usage", {}).get("prompt_tokens")
+                    if r.outcome == "ok":
+                        r.overhead = time.monotonic() - t0 - r.issued - model_compute_ms([x["scd"] for x in results]) / 1e3
         except urllib.error.HTTPError as e:
             r.outcome, r.status = "error", e.code
         except (OSError, http.client.HTTPException):             # refused, dropped, timed out, truncated
@@ -362,6 +369,7 @@ def summary(args, kinds: list[str], results: list[Result], health: list, wall: f
         "latency_ms": percentiles([r.done - r.issued for r in ok]),
         "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]),
         "first_token_ms": percentiles([r.first_token() for r in ok]),
+        "overhead_ms": percentiles([r.overhead for r in ok if r.overhead is not None]),
         "prompt_tokens": round(sum(prompt_tokens) / len(prompt_tokens), 1) if prompt_tokens else None,
         "health": segments(health), "wall_s": round(wall, 3), "requests_per_s": round(args.requests / wall, 2)}
 

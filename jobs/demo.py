@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 import urllib.request
 from pathlib import Path
 
 from artifacts_store import ArtifactStore, ArtifactStoreError
 from cluster.config import load_config
 from jobs import demo_data
+from serve_app.schemas import model_compute_ms
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,6 +48,17 @@ def breakdown(scd: dict) -> tuple[float, str]:
     e2e = sum(t.get(k, 0.0) for k in ("prefill", "encode", "transfer_put", "transfer")) + t["first_token"] \
         if scd["mode"] == "scd" else t["first_token"]
     return e2e, "  ".join(f"{k}={t[k]:.1f}" for k in keys if k in t)
+
+
+def overhead_ms(url: str, name: str, prefix: str, prompt: str, n: int = 8) -> float:
+    """Median over n sequential one-token completions of their latency minus their model work."""
+    body = {"model": name, "prefix": prefix, "prompt": prompt, "max_tokens": 1}
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        scd = _call(url + "/v1/completions", body)["scd"]
+        out.append((time.perf_counter() - t) * 1e3 - model_compute_ms([scd]))
+    return statistics.median(out)
 
 
 def build_missing_producer(path: str) -> None:
@@ -135,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {n:<6} scd    ttft={se:7.1f}  {sp}  payload={s['scd']['payload_bytes']}B\n"
                   f"  {'':<6} oracle ttft={oe:7.1f}  {op}\n"
                   f"  {'':<6} answers: scd={s['choices'][0]['text']!r} oracle={o['choices'][0]['text']!r}")
+        print(f"\nserving overhead (HTTP in to answer out, minus the model work the answer reports), one-token "
+              f"completions: median {overhead_ms(url, names[0], prefix, suffixes[names[0]]):.1f} ms")
         return 0
     finally:
         serve.shutdown()

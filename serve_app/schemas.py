@@ -207,3 +207,14 @@ class FanoutRequest(_Body):
     requests: list[FanoutItem] = Field(min_length=1, description="one per answer (at most limits.max_fanout)")
     oracle: bool = Field(False, description="every specialist prefills the prefix itself (the reference path); "
                                             "nothing is asked of the producer")
+
+
+def model_compute_ms(items: list[dict]) -> float:
+    """The model work behind one answered request, from the `scd` objects of its answers (one per fan-out
+    item): the producer's prefill and encode (once, for scd-served items; a cache hit reports 0) plus the
+    slowest specialist's own work, from the start of its prefix cache (rebuild or prefill) to its last token.
+    What a request's latency holds beyond this is serving overhead: HTTP, routing, hops between processes,
+    queueing, moving the codes."""
+    timings = [(x.get("mode"), x.get("timings_ms") or {}) for x in items]
+    producer = max((t.get("prefill", 0.0) + t.get("encode", 0.0) for mode, t in timings if mode == "scd"), default=0.0)
+    return producer + max((t.get("total", 0.0) for _, t in timings), default=0.0)

@@ -268,3 +268,18 @@ def test_compare_runs_the_same_requests_as_scd_then_as_the_oracle(fake, capsys):
         assert (r["ok"], r["first_token_ms"]["n"]) == (20, 20) and r["prompt_tokens"] >= 300, r
     ratio = out["scd_over_oracle"]["requests_per_s"]
     assert abs(ratio - out["scd"]["requests_per_s"] / out["oracle"]["requests_per_s"]) < 0.01, out
+
+
+def test_model_compute_of_a_fanout_is_one_producer_share_and_the_slowest_specialist():
+    from serve_app.schemas import model_compute_ms
+    items = [{"mode": "scd", "timings_ms": {"prefill": 5.0, "encode": 1.0, "rebuild": 2.0, "total": 7.0}},
+             {"mode": "scd", "timings_ms": {"prefill": 5.0, "encode": 1.0, "total": 9.0}},
+             {"mode": "fallback", "timings_ms": {"prefill": 15.0, "total": 20.0}}]   # its own prefill, in total
+    assert model_compute_ms(items) == 5.0 + 1.0 + 20.0
+    assert model_compute_ms(items[2:]) == 20.0 and model_compute_ms([{"mode": "oracle"}]) == 0.0
+
+
+def test_overhead_is_reported_for_completions_and_fanouts_not_streams(fake, capsys):
+    rc, out = run(capsys, "--url", fake.url, "--requests", "12", "--concurrency", "3",
+                  "--mix", "completions=0.5,streams=0.25,fanouts=0.25")
+    assert rc == 0 and out["overhead_ms"]["n"] == 6 + 3, out
