@@ -13,7 +13,7 @@ from pathlib import Path
 from artifacts_store import ArtifactStore, ArtifactStoreError
 from cluster.config import load_config
 from jobs import demo_data
-from serve_app.schemas import model_compute_ms
+from serve_app.schemas import model_compute_ms, overhead_parts_ms
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,15 +50,19 @@ def breakdown(scd: dict) -> tuple[float, str]:
     return e2e, "  ".join(f"{k}={t[k]:.1f}" for k in keys if k in t)
 
 
-def overhead_ms(url: str, name: str, prefix: str, prompt: str, n: int = 8) -> float:
-    """Median over n sequential one-token completions of their latency minus their model work."""
+def overhead(url: str, name: str, prefix: str, prompt: str, n: int = 8) -> str:
+    """Medians over n sequential one-token completions of their latency minus their model work, and of
+    its parts (serve_app.schemas.overhead_parts_ms), as a line of text."""
     body = {"model": name, "prefix": prefix, "prompt": prompt, "max_tokens": 1}
-    out = []
+    total, parts = [], []
     for _ in range(n):
         t = time.perf_counter()
         scd = _call(url + "/v1/completions", body)["scd"]
-        out.append((time.perf_counter() - t) * 1e3 - model_compute_ms([scd]))
-    return statistics.median(out)
+        latency = (time.perf_counter() - t) * 1e3
+        total.append(latency - model_compute_ms([scd]))
+        parts.append(overhead_parts_ms(latency, scd))
+    return f"median {statistics.median(total):.1f} ms = " + " + ".join(
+        f"{k} {statistics.median(p[k] for p in parts):.1f}" for k in parts[0]) + " (medians of each)"
 
 
 def build_missing_producer(path: str) -> None:
@@ -149,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {n:<6} scd    ttft={se:7.1f}  {sp}  payload={s['scd']['payload_bytes']}B\n"
                   f"  {'':<6} oracle ttft={oe:7.1f}  {op}\n"
                   f"  {'':<6} answers: scd={s['choices'][0]['text']!r} oracle={o['choices'][0]['text']!r}")
-        print(f"\nserving overhead (HTTP in to answer out, minus the model work the answer reports), one-token "
-              f"completions: median {overhead_ms(url, names[0], prefix, suffixes[names[0]]):.1f} ms")
+        print(f"\nserving overhead (HTTP in to answer out, minus the model work the answer reports) of "
+              f"one-token completions:\n  {overhead(url, names[0], prefix, suffixes[names[0]])}")
         return 0
     finally:
         serve.shutdown()

@@ -46,6 +46,10 @@ def _split(prompt: str) -> tuple[str, str]:
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)
 
 
+def _ms_since(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
 @serve.deployment
 @serve.ingress(api)
 class Router:
@@ -105,14 +109,15 @@ class Router:
 
     # -- one specialist request -------------------------------------------------------------------------
     def _request(self, name: str, prefix_ids: list[int], suffix_ids: list[int], p: Sampling, enc: Codes | None,
-                 reason: str | None, trace: dict) -> SpecialistRequest:
+                 reason: str | None, trace: dict, producer_ms: float) -> SpecialistRequest:
+        """producer_ms: the router's wait for the producer's codes (its prefill and encode, and the hop)."""
         codes = enc.per_pair[pair_id(self.base, name)] if enc is not None else None
         if not prefix_ids:
             reason = FallbackReason.PREFIX_TOO_SHORT
         return SpecialistRequest(
             prefix_ids, suffix_ids, GenParams(p.max_tokens, p.temperature, p.top_p, tuple(p.stops()), p.seed),
-            codes, reason or (codes and codes.reason), enc and enc.incarnation, dict(enc.timings) if enc else {},
-            trace)
+            codes, reason or (codes and codes.reason), enc and enc.incarnation,
+            {**(enc.timings if enc else {}), "producer_call": producer_ms}, trace)
 
     def _failure(self, name: str, e: BaseException) -> ApiError:
         if isinstance(e, ApiError):
@@ -143,9 +148,13 @@ class Router:
                 raise self._failure(name, e) from None
 
     async def _generate(self, name: str, req: SpecialistRequest) -> Output:
-        """The whole answer."""
-        return await self._once_more_if_replica_died(name, lambda: asyncio.wait_for(
+        """The whole answer; its timings gain the router's wait for it (`specialist_call`)."""
+        t0 = time.perf_counter()
+        out = await self._once_more_if_replica_died(name, lambda: asyncio.wait_for(
             self.handles[name].generate.remote(req), self.limits.request_timeout_s))
+        if out.scd is not None:
+            out.scd["timings_ms"]["specialist_call"] = round(_ms_since(t0), 3)
+        return out
 
     async def _first_event(self, name: str, req: SpecialistRequest):
         """(stream, its first event): nothing has reached the client yet, so a dead replica can be retried."""
@@ -222,13 +231,14 @@ class Router:
         self._check(body.model, len(prefix_ids), len(suffix_ids), body)
         with telemetry.span("router.chat" if chat else "router.completions", model=body.model):
             trace = telemetry.carrier()
+            t0 = time.perf_counter()
             if body.oracle:
                 enc, reason = None, "oracle"
             elif prefix_ids:
                 enc, reason = await self.producer.encode(prefix_ids, [pair_id(self.base, body.model)])
             else:
                 enc, reason = None, FallbackReason.PREFIX_TOO_SHORT
-            req = self._request(body.model, prefix_ids, suffix_ids, body, enc, reason, trace)
+            req = self._request(body.model, prefix_ids, suffix_ids, body, enc, reason, trace, _ms_since(t0))
         cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
             gen, first = await self._first_event(body.model, req)
@@ -291,11 +301,13 @@ class Router:
             names = sorted({r.specialist for r in body.requests})
             with telemetry.span("router.fanout", specialists=",".join(names)):
                 trace = telemetry.carrier()
+                t0 = time.perf_counter()
                 if body.oracle:
                     enc, reason = None, "oracle"
                 else:
                     enc, reason = await self.producer.encode(prefix_ids, [pair_id(self.base, n) for n in names])
-                reqs = [self._request(r.specialist, prefix_ids, s, r, enc, reason, trace)
+                producer_ms = _ms_since(t0)
+                reqs = [self._request(r.specialist, prefix_ids, s, r, enc, reason, trace, producer_ms)
                         for r, s in zip(body.requests, suffixes)]
                 outs = await asyncio.gather(*(self._generate(r.specialist, q) for r, q in zip(body.requests, reqs)),
                                             return_exceptions=True)

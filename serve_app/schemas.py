@@ -218,3 +218,16 @@ def model_compute_ms(items: list[dict]) -> float:
     timings = [(x.get("mode"), x.get("timings_ms") or {}) for x in items]
     producer = max((t.get("prefill", 0.0) + t.get("encode", 0.0) for mode, t in timings if mode == "scd"), default=0.0)
     return producer + max((t.get("total", 0.0) for _, t in timings), default=0.0)
+
+
+def overhead_parts_ms(latency_ms: float, scd: dict) -> dict[str, float]:
+    """Where one completion's serving overhead went, from its `scd` timings (they sum to latency minus
+    model_compute_ms): HTTP, the Serve proxy and the router's own work; the router's call to the producer
+    beyond the producer's prefill and encode; the Serve handle hop to the specialist replica; the replica's
+    own work around the engine (receiving the codes, thread hand-offs)."""
+    t = scd.get("timings_ms") or {}
+    producer_work = t.get("prefill", 0.0) + t.get("encode", 0.0) if scd.get("mode") == "scd" else 0.0
+    return {"http_and_router": latency_ms - t.get("specialist_call", 0.0) - t.get("producer_call", 0.0),
+            "producer_hop": t.get("producer_call", 0.0) - producer_work,
+            "specialist_hop": t.get("specialist_call", 0.0) - t.get("replica", 0.0),
+            "replica": t.get("replica", 0.0) - t.get("total", 0.0)}

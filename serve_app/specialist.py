@@ -159,6 +159,7 @@ class SpecialistServer:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         put = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)     # noqa: E731  from the decode loop
+        t_in = time.perf_counter()
         with telemetry.span("specialist.generate", req.trace, specialist=self.name):
             payload, reason, timings = await asyncio.to_thread(self._prepare, req)
             cancel = await asyncio.to_thread(self.engine.start, req.prefix_ids, req.suffix_ids, payload, reason,
@@ -171,6 +172,7 @@ class SpecialistServer:
             if ev[0] == "error":
                 raise RuntimeError(f"specialist {self.name}: {ev[1]}")
             _, info, finish = ev
+            info.timings["replica"] = (time.perf_counter() - t_in) * 1e3     # the engine's work and the replica's
             self._record(info)
             telemetry.record_phases(info.timings, telemetry.carrier(), specialist=self.name)
             yield Output(finish_reason=finish, scd=info.as_dict(), tokens=info.tokens)
