@@ -6,7 +6,9 @@ Three views of one set of measurements (per prefix length in --tokens):
                fan-out to N specialists costs, against each specialist prefilling the prefix itself)
   --bandwidth  the paper's Table 4 / Figure 3: time to the first token of every method (oracle, raw_kv,
                int4_kv, droidspeak, reuse_only, scd) at each link bandwidth, modeled as the measured compute
-               phases plus payload / bandwidth; a table, and a PNG of TTFT against bandwidth under --plot-dir
+               phases plus payload / bandwidth, with the producer's prefill and with the prefix already
+               prefilled on the producer (a fan-out's later specialists, a cached prefix); tables, and a PNG
+               of TTFT against bandwidth under --plot-dir
 
 Every round runs each phase once, in turn, so that a busy machine slows all of them alike; medians over
 --repeats rounds (after one warm-up round) are reported. The codes come from the pair's calibrated artifact
@@ -107,30 +109,38 @@ def fanout(m: dict, ns: list[int]) -> list[dict]:
              "ratio": (once + n * s["consumer_ms"]) / (n * m["prefill_ms"])} for n in ns]
 
 
-def ttft(m: dict, gbps: list[float]) -> dict[str, list[float]]:
-    """Modeled time to the first token per method at each bandwidth: the producer's prefill and encode (not
-    for the oracle, which prefills on the consumer), the payload on the link, the consumer's work."""
+def ttft(m: dict, gbps: list[float], prefilled: bool = False) -> dict[str, list[float]]:
+    """Modeled time to the first token per method at each bandwidth: the producer's prefill (not when
+    `prefilled`: the producer holds the prefix already, as for every specialist of a fan-out but the first)
+    and its encode, the payload on the link, the consumer's work. The oracle prefills on the consumer."""
     out = {}
     for name, p in m["methods"].items():
-        compute = p["consumer_ms"] + (0.0 if name == "oracle" else m["producer_prefill_ms"] + p["producer_ms"])
-        out[name] = [compute + p["payload_bytes"] * 8 / (g * 1e9) * 1e3 for g in gbps]
+        producer = 0.0 if name == "oracle" else p["producer_ms"] + (0.0 if prefilled else m["producer_prefill_ms"])
+        out[name] = [producer + p["consumer_ms"] + p["payload_bytes"] * 8 / (g * 1e9) * 1e3 for g in gbps]
     return out
 
 
-def plot_ttft(m: dict, gbps: list[float], times: dict[str, list[float]], path: Path, title: str) -> None:
+def plot_ttft(gbps: list[float], cold: dict[str, list[float]], warm: dict[str, list[float]], path: Path,
+              title: str) -> None:
+    """TTFT against bandwidth per method: solid with the producer's prefill, dashed with the prefix already
+    prefilled on the producer (one colour per method)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, ys in times.items():
-        ax.plot(gbps, ys, marker="o", label=name, linewidth=2.4 if name == "scd" else 1.2)
+    for i, (name, ys) in enumerate(cold.items()):
+        width = 2.4 if name == "scd" else 1.2
+        ax.plot(gbps, ys, marker="o", label=name, linewidth=width, color=f"C{i}")
+        if name != "oracle":
+            ax.plot(gbps, warm[name], marker=".", linestyle="--", linewidth=width, color=f"C{i}")
+    ax.plot([], [], linestyle="--", color="grey", label="prefix already prefilled")
     ax.set_xscale("log")
     ax.set_xticks(gbps, [f"{g:g}" for g in gbps])
     ax.set_xlabel("link bandwidth (Gbps)")
     ax.set_ylabel("time to first token (ms, modeled)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
@@ -165,15 +175,18 @@ def _print_fanout(pair: str, m: dict, rows: list[dict]) -> None:
         print(f"  {r['n']:>3}  {r['scd_ms']:9.2f}  {r['oracle_ms']:13.2f}  {r['ratio']:6.3f}")
 
 
-def _print_bandwidth(pair: str, m: dict, gbps: list[float], times: dict[str, list[float]], png: Path) -> None:
+def _print_bandwidth(pair: str, m: dict, gbps: list[float], cold: dict[str, list[float]],
+                     warm: dict[str, list[float]], png: Path) -> None:
     raw = m["methods"]["raw_kv"]["payload_bytes"]
-    print(f"{pair} time to first token at {m['tokens']} tokens (ms; measured compute + payload / bandwidth):")
     head = "".join(f"{f'{g:g} Gbps':>11}" for g in gbps)
-    print(f"  {'method':<11}{'payload':>8}{'producer':>10}{'consumer':>10}{head}")
-    for name, p in m["methods"].items():
-        producer = 0.0 if name == "oracle" else m["producer_prefill_ms"] + p["producer_ms"]
-        cells = "".join(f"{t:11.2f}" for t in times[name])
-        print(f"  {name:<11}{p['payload_bytes'] / raw:8.3f}{producer:10.2f}{p['consumer_ms']:10.2f}{cells}")
+    for times, how in ((cold, f"the producer prefills ({m['producer_prefill_ms']:.2f} ms)"),
+                       (warm, "the prefix already prefilled on the producer")):
+        print(f"{pair} time to first token at {m['tokens']} tokens, {how} (ms; measured compute + payload / "
+              f"bandwidth):")
+        print(f"  {'method':<11}{'payload':>8}{'encode':>8}{'consumer':>10}{head}")
+        for name, p in m["methods"].items():
+            cells = "".join(f"{t:11.2f}" for t in times[name])
+            print(f"  {name:<11}{p['payload_bytes'] / raw:8.3f}{p['producer_ms']:8.2f}{p['consumer_ms']:10.2f}{cells}")
     print(f"  plot: {png}", flush=True)
 
 
@@ -211,11 +224,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if ns:
             r["fanout"] = fanout(m, ns)
         if gbps:
-            times = ttft(m, gbps)
+            cold, warm = ttft(m, gbps), ttft(m, gbps, prefilled=True)
             png = plot_dir / f"ttft_vs_bandwidth_{pair.replace(':', '_')}_{n}.png"
-            plot_ttft(m, gbps, times, png, f"{pair}, {n}-token prefix: TTFT against link bandwidth")
-            r["bandwidth"] = {"gbps": gbps, "ttft_ms": times, "plot": str(png), "phases": m["methods"],
-                              "producer_prefill_ms": m["producer_prefill_ms"]}
+            plot_ttft(gbps, cold, warm, png, f"{pair}, {n}-token prefix: TTFT against link bandwidth")
+            r["bandwidth"] = {"gbps": gbps, "ttft_ms": cold, "ttft_prefilled_ms": warm, "plot": str(png),
+                              "phases": m["methods"], "producer_prefill_ms": m["producer_prefill_ms"]}
         out.append(r)
         if args.json:
             print(json.dumps(r))
@@ -224,7 +237,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if ns:
             _print_fanout(pair, m, r["fanout"])
         if gbps:
-            _print_bandwidth(pair, m, gbps, times, png)
+            _print_bandwidth(pair, m, gbps, cold, warm, png)
     return out
 
 

@@ -66,6 +66,7 @@ def test_bench_fanout_and_bandwidth_views_of_one_measurement(tmp_path, capsys):
     bw = r["bandwidth"]
     assert list(bw["ttft_ms"]) == ["oracle", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd"]
     assert bw["ttft_ms"]["oracle"][0] == bw["ttft_ms"]["oracle"][1]              # nothing on the link
+    assert all(w < c for w, c in zip(bw["ttft_prefilled_ms"]["scd"], bw["ttft_ms"]["scd"]))
     assert bw["ttft_ms"]["raw_kv"][0] > bw["ttft_ms"]["raw_kv"][1]               # 10 Gbps is slower than 400
     assert bw["phases"]["scd"]["payload_bytes"] < bw["phases"]["raw_kv"]["payload_bytes"]
     assert (tmp_path / "plots").joinpath(Path(bw["plot"]).name).read_bytes()[:4] == b"\x89PNG"
@@ -83,6 +84,8 @@ def test_bench_fanout_and_ttft_arithmetic():
     assert t["oracle"] == [100.0, 100.0]
     assert t["raw_kv"] == pytest.approx([90 + 1 + 100, 90 + 1 + 10])
     assert t["scd"] == pytest.approx([90 + 10 + 5 + 10, 90 + 10 + 5 + 1])
+    warm = ttft(m, [10.0], prefilled=True)   # the producer holds the prefix: its encode is left, not its prefill
+    assert warm["scd"] == pytest.approx([10 + 5 + 10]) and warm["oracle"] == [100.0]
 
 
 @pytest.mark.parametrize("argv,msg", [
