@@ -1,153 +1,28 @@
-"""Continuous batching of one specialist's decode steps (nano-vllm's scheduler loop, reduced to one model).
-
-Each request first gets its own cache: its prefix rebuilt from codes or prefilled, then its suffix (the
-prompt's own tokens) run on top, which gives its first next-token logits. From then on it is a row of one
-left-padded batch: every decode step is one forward pass for all running requests, whatever their lengths
-(per-row positions, padding masked out). Requests join between steps, up to `max_batch` rows; a longer
-one re-pads the batch on the left, and the columns nobody needs any more are trimmed when rows leave.
-
-The loop runs on one thread per engine. It deals in token ids only: each request's `on_token` callback gets
-every token it generates (detokenizing and stop strings are the caller's) and says whether to go on.
-"""
+"""The decode loop of a serving engine on its own thread: scd.online.decode.Decoder stepped while it has
+rows, waiting for new ones otherwise. Requests join from other threads (`submit`)."""
 from __future__ import annotations
 
 import threading
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
 
-import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
-
-from actors.messages import GenParams
-from scd.online.cache import pick
-
-
-@dataclass
-class Row:
-    """One running request."""
-    keys: list[torch.Tensor]                    # per layer (1, n_kv, L, d): its whole cache so far
-    values: list[torch.Tensor]
-    logits: torch.Tensor                        # (V,) its next token's logits
-    params: GenParams
-    on_token: Callable[[int], bool] | None = None         # a generated token -> go on?
-    on_done: Callable[[str, int], None] | None = None     # (finish reason "stop" | "length", tokens generated)
-    generator: torch.Generator | None = None
-    n_out: int = 0
-
-
-@dataclass
-class Batch:
-    """The running rows' caches as one left-padded batch: keys/values per layer (B, n_kv, T, d), mask (B, T),
-    next position of each row (B,)."""
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-    mask: torch.Tensor | None = None
-    pos: torch.Tensor | None = None
-    rows: list[Row] = field(default_factory=list)
-
-    def join(self, row: Row) -> None:
-        n = row.keys[0].shape[2]
-        mask = torch.ones(1, n, dtype=torch.long, device=row.logits.device)
-        pos = torch.tensor([n], device=row.logits.device)
-        if not self.rows:
-            self.keys, self.values, self.mask, self.pos = list(row.keys), list(row.values), mask, pos
-        else:
-            t = self.mask.shape[1]
-            pad_old, pad_new = max(0, n - t), max(0, t - n)
-            left = lambda x, p: F.pad(x, (0, 0, p, 0)) if p else x          # noqa: E731  (B, n_kv, T, d)
-            self.keys = [torch.cat([left(a, pad_old), left(b, pad_new)]) for a, b in zip(self.keys, row.keys)]
-            self.values = [torch.cat([left(a, pad_old), left(b, pad_new)]) for a, b in zip(self.values, row.values)]
-            self.mask = torch.cat([F.pad(self.mask, (pad_old, 0)), F.pad(mask, (pad_new, 0))])
-            self.pos = torch.cat([self.pos, pos])
-        row.keys = row.values = None                 # the batch holds them now
-        self.rows.append(row)
-
-    def keep(self, idx: list[int]) -> None:
-        """Only these rows stay; columns that are padding in every remaining row go."""
-        if not idx:
-            self.keys, self.values, self.mask, self.pos, self.rows = [], [], None, None, []
-            return
-        sel = torch.tensor(idx, device=self.mask.device)
-        mask = self.mask.index_select(0, sel)
-        first = int(mask.any(0).nonzero()[0])
-        self.keys = [k.index_select(0, sel)[:, :, first:] for k in self.keys]
-        self.values = [v.index_select(0, sel)[:, :, first:] for v in self.values]
-        self.mask, self.pos = mask[:, first:], self.pos.index_select(0, sel)
-        self.rows = [self.rows[i] for i in idx]
-
-    def step(self, model, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed each row its token (B,); returns the next logits (B, V)."""
-        cache = DynamicCache(config=model.config)
-        for l, (k, v) in enumerate(zip(self.keys, self.values)):
-            cache.update(k, v, l)
-        mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=self.pos[:, None],
-                    past_key_values=cache, use_cache=True)
-        self.keys = [layer.keys for layer in cache.layers]
-        self.values = [layer.values for layer in cache.layers]
-        self.mask, self.pos = mask, self.pos + 1
-        return out.logits[:, -1]
+from scd.online.decode import Decoder, Row
 
 
 class BatchDecoder:
-    """The decode loop of one engine: admits rows, picks each row's token with its own sampling settings,
-    hands it over, drops finished rows, runs one batched step for the rest, and again."""
+    """One thread per engine runs the Decoder's steps; `submit` queues a row for the next step."""
 
     def __init__(self, model, eos_id: int | None, max_batch: int = 8):
-        self.model, self.eos_id, self.max_batch = model, eos_id, max_batch
-        self.waiting: deque[Row] = deque()
-        self.batch = Batch()
+        self.decoder = Decoder(model, eos_id, max_batch)
         self.cond = threading.Condition()
-        self.steps = 0                               # batched forward passes so far
-        self.rows_stepped = 0                        # rows those passes carried (rows_stepped / steps = mean batch)
         threading.Thread(target=self._loop, daemon=True, name="decode-loop").start()
 
     def submit(self, row: Row) -> None:
         with self.cond:
-            self.waiting.append(row)
+            self.decoder.waiting.append(row)
             self.cond.notify()
 
     def _loop(self) -> None:
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.waiting or self.batch.rows)
-                while self.waiting and len(self.batch.rows) < self.max_batch:
-                    self.batch.join(self.waiting.popleft())
-            try:
-                self._step()
-            except Exception as e:                   # noqa: BLE001 - fail the rows, keep the loop for the next ones
-                for row in self.batch.rows:
-                    row.on_done(f"error: {type(e).__name__}: {e}", row.n_out)
-                self.batch.keep([])
-
-    @torch.no_grad()
-    def _step(self) -> None:
-        rows = self.batch.rows
-        picked, live = [], []
-        for i, row in enumerate(rows):
-            nxt = int(pick(row.logits[None].float(), row.params.temperature, row.params.top_p, row.generator)[0])
-            finish = None
-            if nxt == self.eos_id:
-                finish = "stop"
-            else:
-                row.n_out += 1
-                if not row.on_token(nxt):
-                    finish = "stop"
-                elif row.n_out >= row.params.max_tokens:
-                    finish = "length"
-            if finish:
-                row.on_done(finish, row.n_out)
-            else:
-                picked.append(nxt)
-                live.append(i)
-        if len(live) < len(rows):
-            self.batch.keep(live)
-        if not live:
-            return
-        tokens = torch.tensor(picked, device=self.batch.mask.device)
-        logits = self.batch.step(self.model, tokens)
-        self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + len(live)
-        for row, lg in zip(self.batch.rows, logits):
-            row.logits = lg
+                self.cond.wait_for(self.decoder.busy)
+                self.decoder.admit()                 # under the lock: submit() appends to the same queue
+            self.decoder.step()

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from scd.online.decode import GenParams
+
+__all__ = ["GenParams", "Codes", "PairCodes", "SpecialistRequest", "Output", "FallbackReason", "pair_id"]
+
 if TYPE_CHECKING:
     from actors.transport import Ticket
 
@@ -31,15 +35,6 @@ class FallbackReason(StrEnum):
     CODEC_ERROR = "codec_error"                     # the payload did not parse or did not match the request
     PREFIX_TOO_SHORT = "prefix_too_short"           # nothing shared to rebuild
     QUALITY_GATE = "quality_gate"                   # calibration refused to publish an artifact for the pair
-
-
-@dataclass(frozen=True)
-class GenParams:
-    max_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from actors.batching import BatchDecoder, Row
-from actors.messages import FallbackReason, GenParams
+from actors.batching import BatchDecoder
+from actors.messages import FallbackReason
 from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts
+from scd.online.decode import GenParams, Row
 from scd.online.rebuild import prepare, rebuild
 from scd.online.trace import capture
 

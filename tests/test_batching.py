@@ -5,17 +5,20 @@ import time
 
 import torch
 
-from actors.batching import BatchDecoder, Row
-from actors.messages import GenParams
-from scd.online import cache
+from actors.batching import BatchDecoder
+from scd.online import cache, decode
+from scd.online.decode import GenParams, Row
+from scd.online.trace import capture
 from tests.conftest import tiny_llama
 
 
 def _alone(model, prefix: list[int], suffix: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prefix])
-    tr = model(input_ids=ids, use_cache=True)
-    out = cache.generate(model, tr.past_key_values, torch.ones_like(ids), torch.tensor([suffix]), n)
-    return out[0].tolist()
+    """Greedy tokens without any cache: the whole sequence run again for every token (an independent
+    reference for the decode loop)."""
+    seq = list(prefix) + list(suffix)
+    for _ in range(n):
+        seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prefix) + len(suffix):]
 
 
 def _row(model, prefix, suffix, max_tokens, got: list, done: threading.Event) -> Row:
@@ -50,15 +53,15 @@ def test_rows_of_different_lengths_joining_and_leaving_decode_as_they_would_alon
     with dec.cond:                                   # the first three are admitted together
         for r in rows[:3]:
             dec.submit(r)
-    _wait(lambda: dec.steps >= 2)
+    _wait(lambda: dec.decoder.steps >= 2)
     dec.submit(rows[3])                              # the longest joins a running batch: it is re-padded
     for d in done:
         assert d.wait(120), "a request never finished"
     for i, (p, s, k) in enumerate(reqs):
         want = _alone(model, p, s, k)
         assert got[i] == want, f"request {i} (prefix {len(p)}): batched {got[i]} alone {want}"
-    assert dec.rows_stepped > dec.steps, f"{dec.rows_stepped} rows in {dec.steps} steps: nothing was batched"
-    assert dec.batch.rows == [] and dec.batch.mask is None
+    assert dec.decoder.rows_stepped > dec.decoder.steps, f"{dec.decoder.rows_stepped} rows in {dec.decoder.steps} steps: nothing was batched"
+    assert dec.decoder.batch.rows == [] and dec.decoder.batch.mask is None
 
 
 def test_a_row_that_stops_early_leaves_and_the_batch_trims_its_padding():
@@ -70,7 +73,7 @@ def test_a_row_that_stops_early_leaves_and_the_batch_trims_its_padding():
     runner = _row(model, short_p, [4], 10, got_s, ds)
     widths = []
     original = runner.on_token
-    runner.on_token = lambda t: (widths.append(dec.batch.mask.shape[1]), original(t))[1]
+    runner.on_token = lambda t: (widths.append(dec.decoder.batch.mask.shape[1]), original(t))[1]
     with dec.cond:
         dec.submit(stopper)
         dec.submit(runner)
@@ -100,4 +103,26 @@ def test_concurrent_requests_through_the_engine_answer_what_each_answers_alone()
     stream = eng.stream(reqs[2][0], reqs[2][1], None, "oracle", reqs[2][2])
     next(stream)
     stream.close()                                  # the reader goes away after one piece
-    _wait(lambda: not eng.decoder.batch.rows)
+    _wait(lambda: not eng.decoder.decoder.batch.rows)
+
+
+@torch.no_grad()
+def test_generate_runs_the_serving_decode_loop_over_a_left_padded_batch_and_pads_with_eos():
+    """decode.generate (scd eval's) is the engines' loop: rows of a left-padded prefix cache decode as each
+    would alone; a row that hits eos ends with it, padded with eos to the longest row."""
+    model = tiny_llama(3)
+    prefixes = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    width = max(map(len, prefixes))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prefixes])
+    mask = (torch.arange(width)[None] >= torch.tensor([[width - len(p)] for p in prefixes])).long()
+    tr = capture(model, ids, mask, want_xnorm=False)
+    kv = cache.assemble(model, list(zip(tr.keys, tr.values)))
+    got = decode.generate(model, kv, mask, torch.tensor([[3], [4]]), 6)
+    want = [_alone(model, p, [s], 6) for p, s in zip(prefixes, (3, 4))]
+    assert got.tolist() == want, f"generate {got.tolist()} alone {want}"
+    eos = want[0][2]                                 # make row 0's third token the end of its text
+    tr = capture(model, ids, mask, want_xnorm=False)
+    got = decode.generate(model, cache.assemble(model, list(zip(tr.keys, tr.values))), mask,
+                          torch.tensor([[3], [4]]), 6, eos_id=eos)
+    row0 = want[0][:want[0].index(eos) + 1]
+    assert got[0].tolist() == row0 + [eos] * (got.shape[1] - len(row0)), got.tolist()

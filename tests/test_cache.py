@@ -1,6 +1,6 @@
 import torch
 
-from scd.online import cache, rope, trace
+from scd.online import cache, decode, rope, trace
 from scd.online.rebuild import exact_layer0
 from scd.online.tables import ConsumerTables, layer0_input
 from tests.conftest import left_padded_batch, tiny_llama
@@ -50,7 +50,7 @@ def test_generate_from_cache_matches_generate_from_scratch_greedy():
     ids, mask = left_padded_batch()
     prefix, last = ids[:, :-1], ids[:, -1:]
     tr = trace.capture(model, prefix, mask[:, :-1])
-    got = cache.generate(model, cache.assemble(model, list(zip(tr.keys, tr.values))), mask[:, :-1], last, 6)
+    got = decode.generate(model, cache.assemble(model, list(zip(tr.keys, tr.values))), mask[:, :-1], last, 6)
     # reference: plain autoregressive loop re-running the whole sequence each step
     seq, m = ids.clone(), mask.clone()
     ref = []
@@ -68,7 +68,7 @@ def test_sampling_is_seeded_and_tiny_top_p_is_greedy():
     ids, mask = left_padded_batch()
     tr = trace.capture(model, ids[:, :-1], mask[:, :-1])
     kv = list(zip(tr.keys, tr.values))
-    run = lambda **kw: cache.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 8, **kw)  # noqa: E731
+    run = lambda **kw: decode.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 8, **kw)  # noqa: E731
     greedy = run()
     assert torch.equal(run(temperature=1.0, top_p=1e-6, generator=torch.Generator().manual_seed(0)), greedy)
     s1 = run(temperature=1.5, generator=torch.Generator().manual_seed(7))
@@ -81,8 +81,8 @@ def test_eos_stops_rows_and_pads_them():
     ids, mask = left_padded_batch()
     tr = trace.capture(model, ids[:, :-1], mask[:, :-1])
     kv = list(zip(tr.keys, tr.values))
-    first = cache.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 1)[:, 0]
-    out = cache.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 5, eos_id=int(first[0]))
+    first = decode.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 1)[:, 0]
+    out = decode.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 5, eos_id=int(first[0]))
     assert out.shape[1] >= 1 and bool((out[0] == first[0]).all()), out.tolist()
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from jobs import samples
-from scd.online import cache
+from scd.online import cache, decode
 from scd.online.models import adapter_digest, folder_digest, load
 from scd.online.trace import capture
 from tests.conftest import DEMO
@@ -26,7 +26,7 @@ def test_the_qa_specialist_merges_onto_the_base_and_answers_held_out_chat_questi
         ids = s.prefix[None]
         tr = capture(model, ids, want_xnorm=False)                      # the specialist's own prefill
         kv = cache.assemble(model, list(zip(tr.keys, tr.values)))
-        out = cache.generate(model, kv, torch.ones_like(ids), s.question[None], 8, eos_id=tok.eos_token_id)[0].tolist()
+        out = decode.generate(model, kv, torch.ones_like(ids), s.question[None], 8, eos_id=tok.eos_token_id)[0].tolist()
         hits += s.answer in tok.decode(out, skip_special_tokens=True)
     assert hits >= 3, f"the QA specialist found {hits} of 4 held-out answers with its own prefill"
 

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from scd.evaluation import metrics
 from scd.evaluation.methods import Built, Method, Oracle
-from scd.online import cache
+from scd.online import cache, decode
 from scd.online.trace import capture
 
 
@@ -53,7 +53,7 @@ class Evaluator:
 
     def _answer(self, built: Built, mask: torch.Tensor, question: torch.Tensor) -> str:
         c = cache.assemble(self.consumer, built.kv)
-        out = cache.generate(self.consumer, c, mask, question[None], self.answer_tokens)[0].tolist()
+        out = decode.generate(self.consumer, c, mask, question[None], self.answer_tokens)[0].tolist()
         cut = next((i for i, t in enumerate(out) if t in self.stop), len(out))
         return self.tok.decode(out[:cut])
 
@@ -83,13 +83,13 @@ class Evaluator:
         ids, mask, ptrace, oracle, ref_logits = self.reference(s)
         raw = len(oracle.kv) * 2 * oracle.kv[0][0].numel() * 2          # all layers, K and V, bf16
         first = (s.question if s.question is not None else s.cont[:1])[None]
-        ref_gen = cache.generate(self.consumer, cache.assemble(self.consumer, oracle.kv), mask, first, self.greedy_tokens)
+        ref_gen = decode.generate(self.consumer, cache.assemble(self.consumer, oracle.kv), mask, first, self.greedy_tokens)
         out = []
         for m in methods:
             built = oracle if m.name == "oracle" else m.build(self.consumer, ids, mask, ptrace)
             logits = self._logits(built.kv, mask, s.cont)
             kl, tv, top1 = metrics.kl_tv_top1(ref_logits, logits)
-            gen = cache.generate(self.consumer, cache.assemble(self.consumer, built.kv), mask, first, self.greedy_tokens)
+            gen = decode.generate(self.consumer, cache.assemble(self.consumer, built.kv), mask, first, self.greedy_tokens)
             f1 = em = None
             if s.answer is not None and self.tok is not None:
                 f1, em = metrics.f1_em(self._answer(built, mask, s.question), s.answer)
