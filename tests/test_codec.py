@@ -21,14 +21,14 @@ def _codes(b=2, t=7, seed=0):
     return c
 
 
-@pytest.mark.parametrize("dtype,tol", [("fp16", 1e-2), ("bf16", 8e-2), ("int8", 0.1)])
+@pytest.mark.parametrize("dtype,tol", [("fp16", 1e-2), ("bf16", 8e-2), ("int8", 0.1), ("int4", 0.5)])
 def test_round_trip_and_exact_size(dtype, tol):
     c = _codes()
     blob = codec.encode(c, "base:qa", "v3", DIMS, dtype)
-    per = 2 if dtype != "int8" else 1
-    n_vals = 2 * (2 * 2 * 7 * 3 + 2 * 2 * 7 * 4) + 2 * 7 * 5
-    n_rows = 2 * (2 * 2 * 7 * 2) + 2 * 7
-    body = n_vals * per + (2 * n_rows if dtype == "int8" else 0) + 2 * 7 * 5     # + ids (int32) and mask (u8)
+    widths = {3: 2 * 2 * 7 * 2, 4: 2 * 2 * 7 * 2, 5: 2 * 7}       # code width -> rows of that width (z_k, z_v, z_h)
+    row_bytes = {"fp16": lambda r: 2 * r, "bf16": lambda r: 2 * r, "int8": lambda r: r + 2,
+                 "int4": lambda r: (r + 1) // 2 + 2}[dtype]           # a quantised row carries its fp16 scale
+    body = sum(n * row_bytes(r) for r, n in widths.items()) + 2 * 7 * 5   # + ids (int32) and mask (u8)
     hlen = struct.unpack("<I", blob[6:10])[0]
     assert len(blob) == 10 + hlen + body + 4, f"{len(blob)} bytes, expected {10 + hlen + body + 4}"
     d = codec.decode(blob, "base:qa", "v3", PLAN, DIMS)
@@ -71,3 +71,17 @@ def test_encode_refuses_codes_of_the_wrong_shape():
     c.layers[1]["z_k"] = c.layers[1]["z_k"][..., :2]
     with pytest.raises(ValueError, match="layer 1 z_k"):
         codec.encode(c, "base:qa", "v3", DIMS)
+
+
+def test_int4_codes_are_each_within_half_a_step_of_the_value():
+    """int4: odd and even widths, a row of zeros, each value decoded within half its row's step (scale)."""
+    g = torch.Generator().manual_seed(1)
+    for r in (1, 4, 7):
+        x = torch.randn(6, r, generator=g) * torch.tensor([[0.01], [1], [3], [0], [100], [1]])
+        scale, q = codec.wire_tensors(x, "int4")
+        assert q.dtype == torch.uint8 and q.shape == (6, (r + 1) // 2), q.shape
+        back = codec.from_wire_tensors((scale, q), tuple(x.shape))
+        step = scale.float()[:, None]
+        err = ((back - x).abs() / step).max().item()
+        assert err <= 0.5 + 1e-3, f"r={r}: error {err:.3f} steps"
+        assert back.abs().max() <= 7 * step.max() + 1e-6

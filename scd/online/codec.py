@@ -7,7 +7,8 @@ Layout (little-endian):
   header  JSON, hlen bytes     {"pair", "artifact", "dtype", "batch", "tokens", "plan", "dims"}
   body    token_ids (int32, B*T) | mask (uint8, B*T) | per coded layer, in plan order, each code tensor
   crc32   u32 of everything before it
-Code tensors are fp16 or bf16, or int8 with a per-row fp16 scale (row = last dim), stored scales first.
+Code tensors are fp16 or bf16, or int8 / int4 with a per-row fp16 scale (row = last dim), stored scales first;
+int4 values are offset by 8 and packed two to a byte, low nibble first, a row padded to an even width.
 The decoder checks magic, version, lengths, crc, and that pair/artifact/plan/dims match what it expects.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import zlib
 
 import torch
 
-from scd.online.rebuild import Codes, Int8Code
+from scd.online.rebuild import Codes, QuantCode
 from scd.settings import CODE_DTYPES as DTYPES
 
 MAGIC = b"SCDC"
@@ -38,31 +39,43 @@ def _shape(kind_field: str, b: int, t: int, n_kv: int, r: int) -> tuple[int, ...
     return (b, t, r) if kind_field in PER_TOKEN else (b, n_kv, t, r)
 
 
-def _int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (last dim) symmetric int8: (fp16 scales (rows,), int8 values (rows, r))."""
+_QMAX = {"int8": 127, "int4": 7}
+
+
+def _quantise(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (last dim) symmetric int8 or int4: (fp16 scales (rows,), values). int8 values (rows, r) as
+    int8; int4 ones offset by 8 and packed two to a byte, (rows, ceil(r / 2)) uint8."""
     rows = x.reshape(-1, x.shape[-1])
-    scale = (rows.abs().amax(-1) / 127.0).clamp(min=1e-8).half()
-    return scale, torch.round(rows / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    qmax = _QMAX[dtype]
+    scale = (rows.abs().amax(-1) / qmax).half()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))   # a zero row (or one below fp16's range)
+    q = torch.round(rows / scale.float()[:, None]).clamp(-qmax, qmax)
+    if dtype == "int8":
+        return scale, q.to(torch.int8)
+    q = (q + 8).to(torch.uint8)
+    if q.shape[1] % 2:
+        q = torch.nn.functional.pad(q, (0, 1), value=8)
+    return scale, q[:, 0::2] | (q[:, 1::2] << 4)
 
 
 def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
     x = x.detach().float().cpu().contiguous()
-    if dtype == "int8":
-        scale, q = _int8(x)
-        return scale.numpy().tobytes() + q.numpy().tobytes()
+    if dtype in _QMAX:
+        scale, q = _quantise(x, dtype)
+        return scale.numpy().tobytes() + q.contiguous().numpy().tobytes()
     return x.to(_TORCH[dtype]).view(torch.int16).numpy().tobytes()
 
 
 def wire_tensors(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ...]:
-    """One code tensor in its wire precision, compact: (fp16 scales, int8 values) for int8, else the tensor in
+    """One code tensor in its wire precision, compact: (fp16 scales, values) for int8/int4, else the tensor in
     fp16/bf16. `from_wire_tensors` gives back what the consumer decodes."""
     x = x.detach().float()
-    return _int8(x) if dtype == "int8" else (x.to(_TORCH[dtype]),)
+    return _quantise(x, dtype) if dtype in _QMAX else (x.to(_TORCH[dtype]),)
 
 
 def from_wire_tensors(parts: tuple[torch.Tensor, ...], shape: tuple[int, ...]) -> torch.Tensor:
     """The float32 code of shape `shape` that `wire_tensors` parts stand for."""
-    return Int8Code(*parts, shape).dense() if len(parts) == 2 else parts[0].float().reshape(shape)
+    return QuantCode(*parts, shape).dense() if len(parts) == 2 else parts[0].float().reshape(shape)
 
 
 def wire_round(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -82,8 +95,8 @@ def as_received(codes: Codes, dtype: str) -> Codes:
 
 
 def code_bytes_per_row(r: int, dtype: str) -> int:
-    """Wire bytes of one code row of width r (an int8 row carries its fp16 scale)."""
-    return r + 2 if dtype == "int8" else 2 * r
+    """Wire bytes of one code row of width r (an int8 or int4 row carries its fp16 scale)."""
+    return r + 2 if dtype == "int8" else (r + 1) // 2 + 2 if dtype == "int4" else 2 * r
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -102,15 +115,18 @@ def _field(body: torch.Tensor, off: int, n: int, dtype: torch.dtype) -> torch.Te
         return raw.clone().view(dtype)
 
 
-def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str) -> "torch.Tensor | Int8Code":
-    """A code tensor in its wire dtype (fp16/bf16), or an Int8Code that rebuild() dequantises where it uses it."""
+def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str) -> "torch.Tensor | QuantCode":
+    """A code tensor in its wire dtype (fp16/bf16), or a QuantCode that rebuild() dequantises where it uses it."""
     n = 1
     for s in shape:
         n *= s
-    if dtype == "int8":
+    if dtype in _QMAX:
         rows = n // shape[-1]
-        return Int8Code(_field(body, off, 2 * rows, torch.float16), _field(body, off + 2 * rows, n, torch.int8).view(rows, -1),
-                        shape)
+        scale = _field(body, off, 2 * rows, torch.float16)
+        if dtype == "int8":
+            return QuantCode(scale, _field(body, off + 2 * rows, n, torch.int8).view(rows, -1), shape)
+        width = (shape[-1] + 1) // 2
+        return QuantCode(scale, body[off + 2 * rows:off + 2 * rows + rows * width].view(rows, width), shape)
     return _field(body, off, 2 * n, _TORCH[dtype]).reshape(shape)
 
 

@@ -24,28 +24,38 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
-class Int8Code:
-    """A code as it arrives in int8 (per-row fp16 scales, int8 values), dequantised where it is used: one
-    layer at a time into a buffer that stays in cache, instead of the whole payload into fresh memory first
-    (at 2048 tokens the up-front conversion of ~10 MB of codes cost as much as a third of the rebuild)."""
+class QuantCode:
+    """A code as it arrives quantised (per-row fp16 scales; int8 values, or int4 ones packed two to a byte as
+    uint8, low nibble first, offset by 8), dequantised where it is used: one layer at a time into a buffer
+    that stays in cache, instead of the whole payload into fresh memory first (at 2048 tokens the up-front
+    conversion of ~10 MB of codes cost as much as a third of the rebuild)."""
     scale: torch.Tensor                                 # (rows,) fp16
-    q: torch.Tensor                                     # (rows, r) int8
+    q: torch.Tensor                                     # (rows, r) int8, or (rows, ceil(r / 2)) uint8 for int4
     shape: tuple[int, ...]                              # of the code it stands for; rows * r elements
 
-    def to(self, device) -> "Int8Code":
-        return Int8Code(self.scale.to(device), self.q.to(device), self.shape)
+    def to(self, device) -> "QuantCode":
+        return QuantCode(self.scale.to(device), self.q.to(device), self.shape)
+
+    def values(self) -> torch.Tensor:
+        """The integer values (rows, r), signed."""
+        r = self.shape[-1]
+        if self.q.dtype == torch.int8:
+            return self.q.view(-1, r)
+        packed = self.q.view(-1, (r + 1) // 2)
+        nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)[:, :r]
+        return nibbles.to(torch.int8) - 8
 
     def dense(self, dtype=torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
         """The code's values (rows * r,) reshaped to `shape`, written into `out` when given."""
-        rows = self.q.view(-1, self.shape[-1])
+        rows = self.values()
         out = torch.empty(rows.shape, dtype=dtype, device=rows.device) if out is None else out.view(rows.shape)
         return torch.mul(rows, self.scale.to(dtype)[:, None], out=out).view(self.shape)
 
 
-def dense(x: "torch.Tensor | Int8Code", dtype=torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A code's values in `dtype`, whether it arrived as a float tensor or as an Int8Code (dequantised into
+def dense(x: "torch.Tensor | QuantCode", dtype=torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A code's values in `dtype`, whether it arrived as a float tensor or as a QuantCode (dequantised into
     `out` when given; a float tensor is only cast)."""
-    return x.dense(dtype, out) if isinstance(x, Int8Code) else x.to(dtype)
+    return x.dense(dtype, out) if isinstance(x, QuantCode) else x.to(dtype)
 
 
 @dataclass
@@ -53,7 +63,7 @@ class Codes:
     token_ids: torch.Tensor                             # (B, T) int
     mask: torch.Tensor                                  # (B, T) 0/1
     plan: list[str]
-    layers: dict[int, dict[str, "torch.Tensor | Int8Code"]] = field(default_factory=dict)
+    layers: dict[int, dict[str, "torch.Tensor | QuantCode"]] = field(default_factory=dict)
 
 
 @torch.no_grad()
