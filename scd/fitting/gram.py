@@ -56,9 +56,12 @@ class JointGram:
         c_aa, c_ab = cov[:da, :da], cov[:da, da:]
         lam = ridge * c_aa.diagonal().mean().clamp(min=1e-12)
         w = torch.linalg.solve(c_aa + lam * torch.eye(da, dtype=cov.dtype), c_ab)        # (d_a, d_b)
-        _, vecs = torch.linalg.eigh(w.T @ c_aa @ w)                                     # covariance of B_hat
-        v = vecs[:, -rank:].flip(1)                                                     # (d_b, r)
-        return LinearCodec(mu[:da].float(), (w @ v).float(), mu[da:].float(), v.T.contiguous().float())
+        vals, vecs = torch.linalg.eigh(w.T @ c_aa @ w)                                  # covariance of B_hat
+        v, var = vecs[:, -rank:].flip(1), vals[-rank:].flip(0)                          # (d_b, r), (r,)
+        # whitened codes: each column has unit variance (the decoder scales it back), so a quantised row's one
+        # scale suits all its columns instead of being set by the first, widest one
+        sd = var.clamp(min=var.max() * 1e-12).sqrt()
+        return LinearCodec(mu[:da].float(), (w @ v / sd).float(), mu[da:].float(), (sd[:, None] * v.T).contiguous().float())
 
     def fit(self, rank: int, ridge: float = 1e-4) -> LinearCodec:
         """Truncated joint SVD at `rank` + ridge encoder; `ridge` is relative to the mean variance of A."""
