@@ -19,9 +19,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
-
-from scd.online.cache import extend
+from scd.online.cache import assemble, extend
 
 
 @dataclass(frozen=True)
@@ -102,9 +100,7 @@ class Batch:
 
     def step(self, model, tokens: torch.Tensor) -> torch.Tensor:
         """Feed each row its token (B,); returns the next logits (B, V)."""
-        cache = DynamicCache(config=model.config)
-        for l, (k, v) in enumerate(zip(self.keys, self.values)):
-            cache.update(k, v, l)
+        cache = assemble(model, list(zip(self.keys, self.values)))
         mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
         out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=self.pos[:, None],
                     past_key_values=cache, use_cache=True)
