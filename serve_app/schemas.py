@@ -209,15 +209,20 @@ class FanoutRequest(_Body):
                                             "nothing is asked of the producer")
 
 
+def _producer_work_ms(scd: dict) -> float:
+    """The producer's prefill and encode behind an answer served by scd (a fallback's `prefill` is its own)."""
+    t = scd.get("timings_ms") or {}
+    return t.get("prefill", 0.0) + t.get("encode", 0.0) if scd.get("mode") == "scd" else 0.0
+
+
 def model_compute_ms(items: list[dict]) -> float:
     """The model work behind one answered request, from the `scd` objects of its answers (one per fan-out
     item): the producer's prefill and encode (once, for scd-served items; a cache hit reports 0) plus the
     slowest specialist's own work, from the start of its prefix cache (rebuild or prefill) to its last token.
     What a request's latency holds beyond this is serving overhead: HTTP, routing, hops between processes,
     queueing, moving the codes."""
-    timings = [(x.get("mode"), x.get("timings_ms") or {}) for x in items]
-    producer = max((t.get("prefill", 0.0) + t.get("encode", 0.0) for mode, t in timings if mode == "scd"), default=0.0)
-    return producer + max((t.get("total", 0.0) for _, t in timings), default=0.0)
+    producer = max((_producer_work_ms(x) for x in items), default=0.0)
+    return producer + max(((x.get("timings_ms") or {}).get("total", 0.0) for x in items), default=0.0)
 
 
 def overhead_parts_ms(latency_ms: float, scd: dict) -> dict[str, float]:
@@ -226,8 +231,7 @@ def overhead_parts_ms(latency_ms: float, scd: dict) -> dict[str, float]:
     beyond the producer's prefill and encode; the Serve handle hop to the specialist replica; the replica's
     own work around the engine (receiving the codes, thread hand-offs)."""
     t = scd.get("timings_ms") or {}
-    producer_work = t.get("prefill", 0.0) + t.get("encode", 0.0) if scd.get("mode") == "scd" else 0.0
     return {"http_and_router": latency_ms - t.get("specialist_call", 0.0) - t.get("producer_call", 0.0),
-            "producer_hop": t.get("producer_call", 0.0) - producer_work,
+            "producer_hop": t.get("producer_call", 0.0) - _producer_work_ms(scd),
             "specialist_hop": t.get("specialist_call", 0.0) - t.get("replica", 0.0),
             "replica": t.get("replica", 0.0) - t.get("total", 0.0)}
