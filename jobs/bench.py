@@ -32,21 +32,13 @@ from scd.online.models import load_pair
 from scd.online.trace import capture
 
 
-def _ints(text: str, flag: str) -> list[int]:
+def _positives(text: str, flag: str, kind: type = int) -> list:
+    """A flag's comma-separated positive integers (or numbers, kind=float); a clear exit otherwise."""
     try:
-        values = [int(t) for t in text.split(",")]
+        values = [kind(t) for t in text.split(",")]
     except ValueError:
-        raise SystemExit(f"{flag} takes integers separated by commas, got {text!r}") from None
-    if any(n < 1 for n in values):
-        raise SystemExit(f"{flag} must be positive, got {text!r}")
-    return values
-
-
-def _floats(text: str, flag: str) -> list[float]:
-    try:
-        values = [float(t) for t in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"{flag} takes numbers separated by commas, got {text!r}") from None
+        what = "integers" if kind is int else "numbers"
+        raise SystemExit(f"{flag} takes {what} separated by commas, got {text!r}") from None
     if any(not v > 0 for v in values):
         raise SystemExit(f"{flag} must be positive, got {text!r}")
     return values
@@ -202,9 +194,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--work-dir", default="runs/eval")
     p.add_argument("--json", action="store_true")
     args = parse(p, argv)
-    sizes = _ints(args.tokens, "--tokens")
-    ns = _ints(args.fanout, "--fanout") if args.fanout else None
-    gbps = _floats(args.bandwidth, "--bandwidth") if args.bandwidth else None
+    sizes = _positives(args.tokens, "--tokens")
+    ns = _positives(args.fanout, "--fanout") if args.fanout else None
+    gbps = _positives(args.bandwidth, "--bandwidth", float) if args.bandwidth else None
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be positive, got {args.repeats}")
     plot_dir = _plot_dir(args.plot_dir) if gbps else None
