@@ -126,7 +126,7 @@ def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str
         if dtype == "int8":
             return QuantCode(scale, _field(body, off + 2 * rows, n, torch.int8).view(rows, -1), shape)
         width = (shape[-1] + 1) // 2
-        return QuantCode(scale, body[off + 2 * rows:off + 2 * rows + rows * width].view(rows, width), shape)
+        return QuantCode(scale, _field(body, off + 2 * rows, rows * width, torch.uint8).view(rows, width), shape)
     return _field(body, off, 2 * n, _TORCH[dtype]).reshape(shape)
 
 
