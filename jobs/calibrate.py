@@ -68,7 +68,7 @@ def pareto(cal: Calibration, val) -> list[dict]:
     rank trade-off behind the chosen point."""
     if cal.cfg.reuse_source == "hidden":
         top = 2 * cal.spec.num_kv_heads * cal.spec.head_dim
-        grid = [{"r_x": r} for r in (16, 32, 64, 96, 128, 192, 256) if r <= top]
+        grid = [{"r_x": r} for r in (16, 32, 64, 96, 128, 192, 256) if r < top] + [{"r_x": top}]   # full rank: the floor
     else:
         grid = [{"r_k": k, "r_v": v} for k, v in PARETO_GRID if max(k, v) <= 2 * cal.spec.head_dim]
     scorer = PlanScorer(cal.producer, cal.consumer, val, cal.artifacts_for)
@@ -93,6 +93,16 @@ def quality_gate(by: dict, c) -> dict:
     return {"passed": not reasons, "reasons": reasons, "kl_scd": kl, "kl_raw_kv": raw,
             "kl_reuse_only": by["reuse_only"]["kl"], "payload_ratio": by["scd"]["payload_ratio"],
             "gate_vs_raw_kv": c.gate_vs_raw_kv, "max_kl": c.max_kl}
+
+
+def error_split(cal: Calibration, art, val) -> dict[str, float]:
+    """Where the published plan's error lives: its validation KL as built, and with the consumer's own keys
+    (or values) put back at every layer, or its own K and V in one half of the layers."""
+    n, mid = cal.spec.num_layers, cal.spec.num_layers // 2
+    scorer = PlanScorer(cal.producer, cal.consumer, val, lambda plan: art.with_plan(plan))
+    cases = {"as built": ((), "kv"), "own K at every layer": (range(n), "k"), "own V at every layer": (range(n), "v"),
+             f"own K, V at layers 0-{mid - 1}": (range(mid), "kv"), f"own K, V at layers {mid}-{n - 1}": (range(mid, n), "kv")}
+    return {name: scorer.kl(art.plan, layers, streams) for name, (layers, streams) in cases.items()}
 
 
 def xnorm_profile(cal: Calibration, art, samples_) -> dict[str, list[float]]:
@@ -195,6 +205,7 @@ def main(argv: list[str] | None = None) -> str:
     log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
     grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val), val)
     xn = checkpointed(cal.dir / "xnorm.json", lambda: xnorm_profile(cal, art, held[:8]), held[:8])
+    split = checkpointed(cal.dir / "split.json", lambda: error_split(cal, art, val), val)
 
     info = art.info["calibration"]
     ranks = {"r_x": art.r_x} if art.reuse_x else {"r_k": art.r_k, "r_v": art.r_v}
@@ -202,7 +213,8 @@ def main(argv: list[str] | None = None) -> str:
              "r_h": art.r_h, "calibration prefixes": info["prefixes"],
              "trace rows": info["rows"], "data digest": info["data_digest"],
              "quality gate": f"passed: KL {gate['kl_scd']:.4f} <= {c.gate_vs_raw_kv:g} x raw KV {gate['kl_raw_kv']:.4f}"
-             + (f" and <= max_kl {c.max_kl:g}" if c.max_kl is not None else "")}
+             + (f" and <= max_kl {c.max_kl:g}" if c.max_kl is not None else ""),
+             "where the error lives (validation KL)": "; ".join(f"{k}: {v:.4f}" for k, v in split.items())}
     if "ranks" in art.info:
         extra["ranks tried"] = "; ".join(
             ", ".join(f"{k} {v}" for k, v in t.items() if k.startswith("r_")) + f": KL {t['kl']:.4f} @ "

@@ -29,6 +29,8 @@ def test_job_publishes_a_verified_artifact_with_report_and_resumes(job, capsys):
     assert {"report/summary.md", "report/sensitivity.png", "report/greedy.png", "report/pareto.png",
             "report/xnorm_error.png"} <= set(m.files), sorted(m.files)
     assert {"kl", "kl_raw_kv", "payload_ratio", "f1", "f1_oracle"} <= set(m.metrics), m.metrics
+    summary = next((tmp_path / "store").rglob("summary.md")).read_text()
+    assert "where the error lives" in summary and "own K at every layer" in summary, summary
 
     # resubmitting a finished pair publishes nothing new
     assert calibrate(["--pair", "base:qa", "--config", str(cfg)]) == ref

@@ -321,3 +321,37 @@ def test_hidden_state_artifacts_survive_save_load_and_the_wire_and_rebuild_padde
     assert err < 5e-2, f"through save/load and fp16 codes the rebuilt KV moved by {err:.2e}"
     _assert_batch_rebuild_equals_rows(a, b, art, ids, mask)
     assert methods.reuse_only(art).art.plan == ["exact", "hidden", "hidden"]
+
+
+def test_plan_scorer_puts_back_the_consumers_own_keys_or_values_where_asked(tmp_path):
+    """PlanScorer.kl(restore=layers, streams=...) scores a rebuilt cache with the consumer's own K and/or V at
+    those layers: all of both is the oracle cache (KL 0); K only matches a cache assembled by hand."""
+    from scd.evaluation import metrics
+    from scd.online import cache, codec
+    from scd.online.rebuild import encode, rebuild
+    from scd.online.trace import capture
+    a = tiny_llama(0)
+    b = perturbed(a, 0.5)
+    spec = ModelSpec.from_config(a.config)
+    cfg = CalibConfig(r_x=4, reuse_source="hidden", aligner_epochs=2, pool=1, batch=8)
+    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(16, 1)], tmp_path, cfg, progress=False,
+                      log=lambda s: None)
+    cal.traces()
+    art = cal.artifacts_for(cal.base_plan)
+    val = _samples(2, 2)
+    scorer = PlanScorer(a, b, val, lambda plan: art.with_plan(plan))
+    layers = range(spec.num_layers)
+    built, own = scorer.kl(art.plan), scorer.kl(art.plan, layers, "kv")
+    assert own < 1e-9 < built, (own, built)
+    total = 0.0
+    for s in val:
+        ids, mask = s.prefix[None], torch.ones_like(s.prefix[None])
+        o = capture(b, ids, mask, want_xnorm=False)
+        ref, _ = cache.extend(b, cache.assemble(b, list(zip(o.keys, o.values))), mask, s.cont[None])
+        kv, _ = rebuild(b, art, codec.as_received(encode(art, capture(a, ids, mask), ids), art.code_dtype))
+        kv = [(o.keys[l], v) for l, (_, v) in enumerate(kv)]
+        logits, _ = cache.extend(b, cache.assemble(b, kv), mask, s.cont[None])
+        total += metrics.kl_tv_top1(ref, logits)[0]
+    keys_only = scorer.kl(art.plan, layers, "k")
+    assert abs(keys_only - total / len(val)) < 1e-6, f"keys restored: {keys_only:.6f}, by hand {total / len(val):.6f}"
+    assert scorer.kl(art.plan, 1) == scorer.kl(art.plan, [1], "kv")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -85,13 +85,16 @@ class PlanScorer:
             self.items.append((ids, mask, capture(producer, ids, mask), oracle_kv, s.cont[None], ref))
 
     @torch.no_grad()
-    def kl(self, plan: list[str], restore: int | None = None) -> float:
+    def kl(self, plan: list[str], restore: "int | Iterable[int] | None" = None, streams: str = "kv") -> float:
+        """Mean KL of the plan's rebuilt caches; `restore`: layer(s) whose keys and/or values (`streams`: "k",
+        "v" or "kv") are replaced by the consumer's own, to see what the error there costs."""
         art = self.art_for(plan)
+        restored = [restore] if isinstance(restore, int) else list(restore or ())
         total = 0.0
         for ids, mask, ptrace, oracle_kv, cont, ref in self.items:
             kv, _ = rebuild(self.consumer, art, codec.as_received(encode(art, ptrace, ids), art.code_dtype))
-            if restore is not None:
-                kv[restore] = oracle_kv[restore]
+            for l in restored:
+                kv[l] = (oracle_kv[l][0] if "k" in streams else kv[l][0], oracle_kv[l][1] if "v" in streams else kv[l][1])
             logits, _ = cache.extend(self.consumer, cache.assemble(self.consumer, kv), mask, cont)
             total += metrics.kl_tv_top1(ref, logits)[0]
         return total / len(self.items)
