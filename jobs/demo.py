@@ -13,6 +13,7 @@ from pathlib import Path
 from artifacts_store import ArtifactStore, ArtifactStoreError
 from cluster.config import load_config
 from jobs import demo_data
+from jobs.samples import domain
 from serve_app.schemas import model_compute_ms, overhead_parts_ms
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ def _call(url: str, body: dict | None = None, timeout: float = 300) -> dict:
 
 
 def demo_prompts(tok=None) -> tuple[str, dict[str, str]]:
-    """A shared prefix (a fact document) and one suffix per demo specialist. For a family with a chat
+    """A shared prefix (a fact document) and one suffix per specialist domain. For a family with a chat
     template the prefix is the rendered system turn holding a ~550-token document, and each suffix a
     rendered user turn plus the assistant header; otherwise the tiny family's plain text forms."""
     if tok is None or not getattr(tok, "chat_template", None):
@@ -125,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         deploy(cfg)
         url = f"http://{cfg.http.host}:{cfg.http.port}"
         wait_healthy(url)
-        prefix, suffixes = demo_prompts(tok)
-        names = [s.name for s in cfg.specialists if s.name in suffixes]
+        prefix, by_domain = demo_prompts(tok)
+        # a specialist asks what its domain's does (code_few: the code request)
+        suffixes = {s.name: by_domain[domain(s.name)] for s in cfg.specialists if domain(s.name) in by_domain}
+        names = list(suffixes)
         print(f"\nshared prefix ({len(prefix)} chars):\n{prefix}")
         fan = _call(url + "/v1/fanout", {"prefix": prefix, "requests": [
             {"specialist": n, "suffix": suffixes[n], "max_tokens": 16, "stop": ["\n"] if n == "qa" else []}

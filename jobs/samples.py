@@ -81,6 +81,12 @@ def lm_samples(tok, texts: list[str], n: int, prefix_tokens: int, cont_tokens: i
     return out
 
 
+def domain(consumer_name: str) -> str:
+    """What a specialist is calibrated and evaluated on: its name up to the first '_' (`code_few`, the code
+    specialist that changes few layers, takes the `code` data)."""
+    return consumer_name.split("_", 1)[0]
+
+
 def domain_texts(domain: str, split: str, text_file: str | None = None) -> list[str]:
     if text_file:
         p = Path(text_file).expanduser()
@@ -97,14 +103,14 @@ def domain_texts(domain: str, split: str, text_file: str | None = None) -> list[
 def pair_data(consumer_name: str, tok, n_calib: int, n_val: int, n_eval: int, prefix_tokens: int = 160,
               cont_tokens: int = 32, text_file: str | None = None, seed: int = 0):
     """(calibration prefixes, policy validation samples, held-out evaluation samples) for a consumer."""
-    if consumer_name == "qa" and not text_file:
+    if domain(consumer_name) == "qa" and not text_file:
         calib = [s.prefix for s in qa_samples(tok, "calib", n_calib, seed, prefix_tokens)]
         return (calib, qa_samples(tok, "val", n_val, seed, prefix_tokens),
                 qa_samples(tok, "heldout", n_eval, seed, prefix_tokens))
-    train = domain_texts(consumer_name, "train", text_file)
+    train = domain_texts(domain(consumer_name), "train", text_file)
     calib = [s.prefix for s in lm_samples(tok, train, n_calib, prefix_tokens, 1, seed)]
     val = lm_samples(tok, train, n_val, prefix_tokens, cont_tokens, seed + 1)
-    return calib, val, lm_samples(tok, domain_texts(consumer_name, "heldout", text_file), n_eval, prefix_tokens,
+    return calib, val, lm_samples(tok, domain_texts(domain(consumer_name), "heldout", text_file), n_eval, prefix_tokens,
                                   cont_tokens, seed + 2)
 
 
@@ -114,8 +120,9 @@ def tune_samples(consumer_name: str, tok, n: int, prefix_tokens: int = 160, cont
     documents with their question and answer (a chat family: several question/answer turns), or text windows."""
     if n <= 0:
         return []
-    if consumer_name == "qa" and not text_file:
+    if domain(consumer_name) == "qa" and not text_file:
         if getattr(tok, "chat_template", None) is not None:
             return qa_chat_conversations(tok, "calib", n, seed + 11, prefix_tokens)
         return qa_samples(tok, "calib", n, seed + 11, prefix_tokens)
-    return lm_samples(tok, domain_texts(consumer_name, "train", text_file), n, prefix_tokens, cont_tokens, seed + 11)
+    return lm_samples(tok, domain_texts(domain(consumer_name), "train", text_file), n, prefix_tokens, cont_tokens,
+                      seed + 11)

@@ -28,6 +28,17 @@ def test_committed_demo_family_is_small_and_loads():
         assert spec.model_type == "llama" and tok.decode(tok("def f(x):")["input_ids"]) == "def f(x):"
 
 
+def test_a_specialist_named_domain_underscore_variant_uses_its_domains_data():
+    """`code_few` (the code fine-tune confined to a few layers) is calibrated and evaluated on the code data."""
+    from jobs import samples
+    _, tok, _ = load(DEMO / "base")
+    assert [samples.domain(n) for n in ("qa", "code", "code_few", "prose")] == ["qa", "code", "code", "prose"]
+    few, code = (samples.pair_data(n, tok, 2, 1, 1, 32) for n in ("code_few", "code"))
+    assert [s.tolist() for s in few[0]] == [s.tolist() for s in code[0]]
+    assert few[2][0].prefix.tolist() == code[2][0].prefix.tolist()
+    assert few[0][0].tolist() != samples.pair_data("prose", tok, 2, 1, 1, 32)[0][0].tolist()
+
+
 def test_eval_json_on_the_demo_family(tmp_path, capsys):
     scd(["eval", "--pair", "base:qa", "--json", "--samples", "3", "--calib", "24", "--val", "3",
          "--aligner-epochs", "3", "--pool", "2", "--finetune-samples", "8", "--finetune-epochs", "1",
