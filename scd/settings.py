@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-CODE_DTYPES = ("fp16", "bf16", "int8", "int4")      # wire precisions of codes (scd.online.codec)
+CODE_DTYPES = ("fp16", "bf16", "int8", "int4", "mixed")   # wire precisions of codes (scd.online.codec)
 
 
 class CalibConfig(BaseModel):
@@ -51,7 +51,8 @@ class CalibConfig(BaseModel):
     code_dtype: Literal[CODE_DTYPES] = Field("fp16", description=(
         "precision of the codes on the wire, what the payload budget counts and what validation scores; int8 "
         "(per-row scales) halves the bytes of a rank, so a payload budget buys twice the rank; int4 (per-row "
-        "scales, two values a byte) four times"))
+        "scales, two values a byte) four times; mixed: a code's first third (its widest columns) in int8, the "
+        "rest in int4, three times"))
     batch: int = Field(8, ge=1, description="prefixes per tracing and fine-tuning batch")
     seed: int = 0
 

@@ -21,13 +21,14 @@ def _codes(b=2, t=7, seed=0):
     return c
 
 
-@pytest.mark.parametrize("dtype,tol", [("fp16", 1e-2), ("bf16", 8e-2), ("int8", 0.1), ("int4", 0.5)])
+@pytest.mark.parametrize("dtype,tol", [("fp16", 1e-2), ("bf16", 8e-2), ("int8", 0.1), ("int4", 0.5), ("mixed", 0.5)])
 def test_round_trip_and_exact_size(dtype, tol):
     c = _codes()
     blob = codec.encode(c, "base:qa", "v3", DIMS, dtype)
     widths = {3: 2 * 2 * 7 * 2, 4: 2 * 2 * 7 * 2, 5: 2 * 7}       # code width -> rows of that width (z_k, z_v, z_h)
     row_bytes = {"fp16": lambda r: 2 * r, "bf16": lambda r: 2 * r, "int8": lambda r: r + 2,
-                 "int4": lambda r: (r + 1) // 2 + 2}[dtype]           # a quantised row carries its fp16 scale
+                 "int4": lambda r: (r + 1) // 2 + 2,                  # a quantised row carries its fp16 scale
+                 "mixed": lambda r: (r // 3 + 2) + (r - r // 3 + 1) // 2 + 2}[dtype]   # one int8 part, one int4
     body = sum(n * row_bytes(r) for r, n in widths.items()) + 2 * 7 * 5   # + ids (int32) and mask (u8)
     hlen = struct.unpack("<I", blob[6:10])[0]
     assert len(blob) == 10 + hlen + body + 4, f"{len(blob)} bytes, expected {10 + hlen + body + 4}"
@@ -85,3 +86,31 @@ def test_int4_codes_are_each_within_half_a_step_of_the_value():
         err = ((back - x).abs() / step).max().item()
         assert err <= 0.5 + 1e-3, f"r={r}: error {err:.3f} steps"
         assert back.abs().max() <= 7 * step.max() + 1e-6
+
+
+def test_mixed_codes_send_their_first_third_in_int8_and_the_rest_in_int4():
+    """code_dtype mixed: columns [0, r // 3) go as int8, the rest as int4, each part with its own row scales;
+    the payload's MixedCode dequantises (into a caller's buffer too) to exactly what wire_round gives."""
+    from scd.online.rebuild import MixedCode
+    g = torch.Generator().manual_seed(2)
+    for r in (2, 9, 10):
+        x = torch.randn(2, 5, r, generator=g) * torch.linspace(4, 0.2, r)
+        head = r // 3
+        assert codec.parts(r, "mixed") == [(d, w) for d, w in (("int8", head), ("int4", r - head)) if w]
+        assert codec.code_bytes_per_row(r, "mixed") == (head + 2 if head else 0) + (r - head + 1) // 2 + 2
+        back = codec.wire_round(x, "mixed")
+        want = torch.cat(([codec.wire_round(x[..., :head], "int8")] if head else [])
+                         + [codec.wire_round(x[..., head:], "int4")], -1)
+        assert torch.equal(back, want), f"r={r}: parts are not quantised independently"
+        if head:
+            step8 = x[..., :head].abs().amax(-1, keepdim=True) / 127
+            err = ((back[..., :head] - x[..., :head]).abs() / step8).max().item()
+            assert err <= 0.5 + 1e-2, f"r={r}: int8 head off by {err:.3f} steps"
+        c = Codes(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long), ["exact", "hidden"])
+        c.layers[1] = {"z_x": x}
+        dims = {"n_kv": 1, "r_k": 1, "r_v": 1, "r_h": 1, "r_x": r}
+        got = codec.decode(codec.encode(c, "a:b", "v", dims, "mixed"), "a:b", "v", c.plan, dims).layers[1]["z_x"]
+        assert isinstance(got, MixedCode) and got.shape == (2, 5, r)
+        buf = torch.full((10 * r,), float("nan"))
+        assert torch.equal(dense(got, torch.float32, buf), back) and torch.equal(buf.view(2, 5, r), back)
+        assert torch.equal(dense(got.to("cpu")), back)

@@ -355,3 +355,30 @@ def test_plan_scorer_puts_back_the_consumers_own_keys_or_values_where_asked(tmp_
     keys_only = scorer.kl(art.plan, layers, "k")
     assert abs(keys_only - total / len(val)) < 1e-6, f"keys restored: {keys_only:.6f}, by hand {total / len(val):.6f}"
     assert scorer.kl(art.plan, 1) == scorer.kl(art.plan, [1], "kv")
+
+
+@pytest.mark.parametrize("dtype", ["int4", "mixed"])
+def test_quantised_codes_rebuild_from_the_payload_exactly_as_calibration_scores_them(tmp_path, dtype):
+    """int4 and mixed (int8 first third, int4 rest) codes: the payload holds code_bytes_per_row per row, and the
+    consumer's rebuild from it equals the rebuild from codec.as_received (what calibration scores)."""
+    from scd.online import codec
+    from scd.online.rebuild import encode, rebuild
+    from scd.online.trace import capture
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    spec = ModelSpec.from_config(a.config)
+    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(16, 1)], tmp_path,
+                      CalibConfig(reuse_source="hidden", r_x=12, code_dtype=dtype, batch=16), progress=False,
+                      log=lambda s: None)
+    cal.traces()
+    art = cal.artifacts_for(cal.base_plan)
+    ids = _samples(1, 2)[0].prefix[None]
+    codes = encode(art, capture(a, ids, torch.ones_like(ids)), ids)
+    dims = codec.artifact_dims(art)
+    blob = codec.encode(codes, "a:b", "v", dims, dtype)
+    coded = sum(k == "hidden" for k in art.plan) * ids.shape[1] * codec.code_bytes_per_row(12, dtype)
+    assert coded + 5 * ids.shape[1] < len(blob) < coded + 5 * ids.shape[1] + 600, (len(blob), coded)
+    got = rebuild(b, art, codec.decode(blob, "a:b", "v", art.plan, dims))[0]
+    want = rebuild(b, art, codec.as_received(codes, dtype))[0]
+    err = max((x - y).abs().max().item() for g, w in zip(got, want) for x, y in zip(g, w))
+    assert err < 1e-5, f"{dtype}: rebuild from the payload differs from the as-received codes by {err:.2e}"

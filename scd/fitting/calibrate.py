@@ -259,7 +259,7 @@ class Calibration:
         fits = lambda r: self.payload_ratio(r) <= self.cfg.payload_budget + 1e-9  # noqa: E731
         if self.cfg.reuse_source == "hidden":
             top = 2 * self.spec.num_kv_heads * self.spec.head_dim
-            grid = sorted({r for r in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512) if r <= top} | {top})
+            grid = sorted({r for r in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 288, 320, 384, 512) if r <= top} | {top})
             return [{"r_x": r} for r in grid if fits({"r_x": r})][-3:]
         d = self.spec.head_dim
         grid = sorted({r for r in (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if r <= d} | {d})

@@ -8,7 +8,9 @@ Layout (little-endian):
   body    token_ids (int32, B*T) | mask (uint8, B*T) | per coded layer, in plan order, each code tensor
   crc32   u32 of everything before it
 Code tensors are fp16 or bf16, or int8 / int4 with a per-row fp16 scale (row = last dim), stored scales first;
-int4 values are offset by 8 and packed two to a byte, low nibble first, a row padded to an even width.
+int4 values are offset by 8 and packed two to a byte, low nibble first, a row padded to an even width. A
+"mixed" code is two such tensors one after the other: its first r // 3 columns in int8, then the rest in int4
+(codes are ordered widest column first, so the columns that matter most get the finer steps).
 The decoder checks magic, version, lengths, crc, and that pair/artifact/plan/dims match what it expects.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import zlib
 
 import torch
 
-from scd.online.rebuild import Codes, QuantCode
+from scd.online.rebuild import Codes, MixedCode, QuantCode
 from scd.settings import CODE_DTYPES as DTYPES
 
 MAGIC = b"SCDC"
@@ -42,6 +44,13 @@ def _shape(kind_field: str, b: int, t: int, n_kv: int, r: int) -> tuple[int, ...
 _QMAX = {"int8": 127, "int4": 7}
 
 
+def parts(r: int, dtype: str) -> list[tuple[str, int]]:
+    """How a code row of width r goes on the wire: (precision, columns) of each part, in order."""
+    if dtype != "mixed":
+        return [(dtype, r)]
+    return [(d, w) for d, w in (("int8", r // 3), ("int4", r - r // 3)) if w]
+
+
 def _quantise(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (last dim) symmetric int8 or int4: (fp16 scales (rows,), values). int8 values (rows, r) as
     int8; int4 ones offset by 8 and packed two to a byte, (rows, ceil(r / 2)) uint8."""
@@ -58,7 +67,18 @@ def _quantise(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, q[:, 0::2] | (q[:, 1::2] << 4)
 
 
+def _columns(x: torch.Tensor, dtype: str) -> list[tuple[str, torch.Tensor]]:
+    """x split along its last dim into its wire parts (see `parts`)."""
+    out, col = [], 0
+    for d, w in parts(x.shape[-1], dtype):
+        out.append((d, x[..., col:col + w]))
+        col += w
+    return out
+
+
 def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
+    if dtype == "mixed":
+        return b"".join(_to_bytes(part, d) for d, part in _columns(x, dtype))
     x = x.detach().float().cpu().contiguous()
     if dtype in _QMAX:
         scale, q = _quantise(x, dtype)
@@ -70,12 +90,20 @@ def wire_tensors(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ...]:
     """One code tensor in its wire precision, compact: (fp16 scales, values) for int8/int4, else the tensor in
     fp16/bf16. `from_wire_tensors` gives back what the consumer decodes."""
     x = x.detach().float()
+    if dtype == "mixed":
+        return tuple(t for d, part in _columns(x, dtype) for t in _quantise(part, d))
     return _quantise(x, dtype) if dtype in _QMAX else (x.to(_TORCH[dtype]),)
 
 
-def from_wire_tensors(parts: tuple[torch.Tensor, ...], shape: tuple[int, ...]) -> torch.Tensor:
+def from_wire_tensors(tensors: tuple[torch.Tensor, ...], shape: tuple[int, ...]) -> torch.Tensor:
     """The float32 code of shape `shape` that `wire_tensors` parts stand for."""
-    return QuantCode(*parts, shape).dense() if len(parts) == 2 else parts[0].float().reshape(shape)
+    if len(tensors) == 1:
+        return tensors[0].float().reshape(shape)
+    if len(tensors) == 2:
+        return QuantCode(*tensors, shape).dense()
+    widths = [w for _, w in parts(shape[-1], "mixed")]
+    return MixedCode([QuantCode(tensors[2 * i], tensors[2 * i + 1], (*shape[:-1], w)) for i, w in enumerate(widths)],
+                     shape).dense()
 
 
 def wire_round(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -95,7 +123,10 @@ def as_received(codes: Codes, dtype: str) -> Codes:
 
 
 def code_bytes_per_row(r: int, dtype: str) -> int:
-    """Wire bytes of one code row of width r (an int8 or int4 row carries its fp16 scale)."""
+    """Wire bytes of one code row of width r (an int8 or int4 row, or each part of a mixed one, carries its fp16
+    scale)."""
+    if dtype == "mixed":
+        return sum(code_bytes_per_row(w, d) for d, w in parts(r, dtype))
     return r + 2 if dtype == "int8" else (r + 1) // 2 + 2 if dtype == "int4" else 2 * r
 
 
@@ -115,8 +146,15 @@ def _field(body: torch.Tensor, off: int, n: int, dtype: torch.dtype) -> torch.Te
         return raw.clone().view(dtype)
 
 
-def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str) -> "torch.Tensor | QuantCode":
-    """A code tensor in its wire dtype (fp16/bf16), or a QuantCode that rebuild() dequantises where it uses it."""
+def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str) -> "torch.Tensor | QuantCode | MixedCode":
+    """A code tensor in its wire dtype (fp16/bf16), or a QuantCode (MixedCode) that rebuild() dequantises where
+    it uses it."""
+    if dtype == "mixed":
+        codes = []
+        for d, w in parts(shape[-1], dtype):
+            codes.append(_from_bytes(body, off, (*shape[:-1], w), d))
+            off += _nbytes((*shape[:-1], w), d)
+        return MixedCode(codes, shape)
     n = 1
     for s in shape:
         n *= s

@@ -52,10 +52,34 @@ class QuantCode:
         return torch.mul(rows, self.scale.to(dtype)[:, None], out=out).view(self.shape)
 
 
-def dense(x: "torch.Tensor | QuantCode", dtype=torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A code's values in `dtype`, whether it arrived as a float tensor or as a QuantCode (dequantised into
-    `out` when given; a float tensor is only cast)."""
-    return x.dense(dtype, out) if isinstance(x, QuantCode) else x.to(dtype)
+@dataclass
+class MixedCode:
+    """A code whose leading columns arrived in one precision and the rest in another (code_dtype "mixed": the
+    widest third in int8, the rest in int4), each part a QuantCode of its own columns."""
+    parts: list[QuantCode]
+    shape: tuple[int, ...]
+
+    def to(self, device) -> "MixedCode":
+        return MixedCode([p.to(device) for p in self.parts], self.shape)
+
+    def dense(self, dtype=torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The code's values reshaped to `shape`, each part dequantised into its columns (of `out` when given)."""
+        r = self.shape[-1]
+        rows = self.parts[0].scale.shape[0]
+        dev = self.parts[0].q.device
+        out = torch.empty(rows, r, dtype=dtype, device=dev) if out is None else out.view(rows, r)
+        col = 0
+        for p in self.parts:
+            w = p.shape[-1]
+            torch.mul(p.values(), p.scale.to(dtype)[:, None], out=out[:, col:col + w])
+            col += w
+        return out.view(self.shape)
+
+
+def dense(x: "torch.Tensor | QuantCode | MixedCode", dtype=torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A code's values in `dtype`, whether it arrived as a float tensor or quantised (dequantised into `out`
+    when given; a float tensor is only cast)."""
+    return x.dense(dtype, out) if isinstance(x, (QuantCode, MixedCode)) else x.to(dtype)
 
 
 @dataclass
@@ -63,7 +87,7 @@ class Codes:
     token_ids: torch.Tensor                             # (B, T) int
     mask: torch.Tensor                                  # (B, T) 0/1
     plan: list[str]
-    layers: dict[int, dict[str, "torch.Tensor | QuantCode"]] = field(default_factory=dict)
+    layers: dict[int, dict[str, "torch.Tensor | QuantCode | MixedCode"]] = field(default_factory=dict)
 
 
 @torch.no_grad()
