@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         names = list(suffixes)
         print(f"\nshared prefix ({len(prefix)} chars):\n{prefix}")
         fan = _call(url + "/v1/fanout", {"prefix": prefix, "requests": [
-            {"specialist": n, "suffix": suffixes[n], "max_tokens": 16, "stop": ["\n"] if n == "qa" else []}
+            {"specialist": n, "suffix": suffixes[n], "max_tokens": 16, "stop": ["\n"] if domain(n) == "qa" else []}
             for n in names]})
         print(f"fan-out to {names}: one producer prefill (prefilled={fan['prefilled']})")
         for r in fan["results"]:
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
               "the SCD requests reuse the prefix's codes from the producer's cache (prefill=0: no new prefill)")
         for n in names:
             body = {"model": n, "prefix": prefix, "prompt": suffixes[n], "max_tokens": 16,
-                    "stop": ["\n"] if n == "qa" else None}
+                    "stop": ["\n"] if domain(n) == "qa" else None}
             s, o = _call(url + "/v1/completions", body), _call(url + "/v1/completions", {**body, "oracle": True})
             (se, sp), (oe, op) = breakdown(s["scd"]), breakdown(o["scd"])
             print(f"  {n:<6} scd    ttft={se:7.1f}  {sp}  payload={s['scd']['payload_bytes']}B\n"

@@ -103,15 +103,16 @@ def domain_texts(domain: str, split: str, text_file: str | None = None) -> list[
 def pair_data(consumer_name: str, tok, n_calib: int, n_val: int, n_eval: int, prefix_tokens: int = 160,
               cont_tokens: int = 32, text_file: str | None = None, seed: int = 0):
     """(calibration prefixes, policy validation samples, held-out evaluation samples) for a consumer."""
-    if domain(consumer_name) == "qa" and not text_file:
+    data = domain(consumer_name)
+    if data == "qa" and not text_file:
         calib = [s.prefix for s in qa_samples(tok, "calib", n_calib, seed, prefix_tokens)]
         return (calib, qa_samples(tok, "val", n_val, seed, prefix_tokens),
                 qa_samples(tok, "heldout", n_eval, seed, prefix_tokens))
-    train = domain_texts(domain(consumer_name), "train", text_file)
+    train = domain_texts(data, "train", text_file)
     calib = [s.prefix for s in lm_samples(tok, train, n_calib, prefix_tokens, 1, seed)]
     val = lm_samples(tok, train, n_val, prefix_tokens, cont_tokens, seed + 1)
-    return calib, val, lm_samples(tok, domain_texts(domain(consumer_name), "heldout", text_file), n_eval, prefix_tokens,
-                                  cont_tokens, seed + 2)
+    return calib, val, lm_samples(tok, domain_texts(data, "heldout", text_file), n_eval, prefix_tokens, cont_tokens,
+                                  seed + 2)
 
 
 def tune_samples(consumer_name: str, tok, n: int, prefix_tokens: int = 160, cont_tokens: int = 32,

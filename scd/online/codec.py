@@ -77,13 +77,12 @@ def _columns(x: torch.Tensor, dtype: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
-    if dtype == "mixed":
-        return b"".join(_to_bytes(part, d) for d, part in _columns(x, dtype))
-    x = x.detach().float().cpu().contiguous()
-    if dtype in _QMAX:
-        scale, q = _quantise(x, dtype)
-        return scale.numpy().tobytes() + q.contiguous().numpy().tobytes()
-    return x.to(_TORCH[dtype]).view(torch.int16).numpy().tobytes()
+    """One code tensor's wire bytes: its wire_tensors one after the other (each part's scales, then values)."""
+    out = []
+    for t in wire_tensors(x.cpu(), dtype):
+        t = t.contiguous()
+        out.append((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())   # numpy has no bf16
+    return b"".join(out)
 
 
 def wire_tensors(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ...]:
