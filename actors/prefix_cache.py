@@ -29,13 +29,19 @@ class PrefixCodeCache:
         self.stats = CacheStats()
 
     def get(self, key: str) -> bytes | None:
-        payload = self._items.get(key)
-        if payload is None:
-            self.stats.misses += 1
-            return None
-        self._items.move_to_end(key)
-        self.stats.hits += 1
-        return payload
+        hit = self.first([key])
+        return hit[1] if hit else None
+
+    def first(self, keys: list[str]) -> tuple[str, bytes] | None:
+        """(key, payload) of the first of `keys` held (counted as one hit), or None (one miss)."""
+        for key in keys:
+            payload = self._items.get(key)
+            if payload is not None:
+                self._items.move_to_end(key)
+                self.stats.hits += 1
+                return key, payload
+        self.stats.misses += 1
+        return None
 
     def put(self, key: str, payload: bytes) -> None:
         """Insert (most recent); evict least recent entries until within budget. Oversized payloads are not kept."""

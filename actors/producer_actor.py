@@ -35,11 +35,12 @@ PRODUCER_NAME = "scd-producer"
 class ProducerActor:
     def __init__(self, model_path: str, pairs: dict[str, str], store_uri: str, namespace: str | None = None,
                  cache_bytes: int = 64 << 20, transport: str = "object_store",
-                 watch_s: float = 10.0):
+                 watch_s: float = 10.0, link_gbps: dict[str, float] | None = None,
+                 ttft_target_ms: float | None = None):
         torch.set_num_threads(cpu_threads())
         dev = device()
         model, tok, _ = load(model_path)
-        self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dev)
+        self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dev, link_gbps, ttft_target_ms)
         self.registry = registry(store_uri, namespace)
         self.store_uri, self.store = store_uri, None       # the store itself only for leases (registry reads)
         self.expect = Fingerprints.of(producer=model, tokenizer=tok)
@@ -167,6 +168,7 @@ class ProducerActor:
     @ray.method(concurrency_group="control")
     def stats(self) -> dict:
         return {**self.engine.stats(), "problems": dict(self.problems), "transport": self.transport_kind,
+                "link": {"gbps": self.engine.link_gbps, "ttft_target_ms": self.engine.ttft_target_ms},
                "incarnation": self.incarnation, "skipped": self.skipped, "refused": dict(self.refused),
                "versions": {pair: v for pair, (_, v) in self.engine.artifacts.items()},
                "channels": self.transport.channels()}

@@ -30,9 +30,10 @@ class ServedInfo:
     payload_bytes: int
     timings: dict[str, float] = field(default_factory=dict)
     tokens: int = 0                             # generated tokens (usage), set when the answer is done
+    level: dict[str, int] | None = None         # mode "scd": the Reuse ranks the codes arrived at
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode, "reason": self.reason, "artifact": self.artifact,
+        return {"mode": self.mode, "reason": self.reason, "artifact": self.artifact, "level": self.level,
                 "payload_bytes": self.payload_bytes, "timings_ms": {k: round(v, 3) for k, v in self.timings.items()}}
 
 
@@ -111,7 +112,7 @@ class SpecialistEngine:
                 t0 = time.perf_counter()
                 try:
                     codes = codec.decode(payload, self.art.pair, self.version, self.art.plan,
-                                         codec.artifact_dims(self.art))
+                                         codec.level_dims(self.art))
                 except codec.PayloadError:
                     reason = FallbackReason.CODEC_ERROR
                 else:
@@ -125,7 +126,7 @@ class SpecialistEngine:
                         timings["decode"] = (time.perf_counter() - t0) * 1e3
                         kv, ph = rebuild(self.model, self.art, codes)
                         timings["rebuild"], timings["patch"] = ph["rebuild_ms"], ph["patch_ms"]
-                        return kv, ServedInfo("scd", None, self.version, len(payload), timings)
+                        return kv, ServedInfo("scd", None, self.version, len(payload), timings, level=codes.level)
         t0 = time.perf_counter()
         tr = capture(self.model, ids, torch.ones_like(ids), want_xnorm=False)
         timings["prefill"] = (time.perf_counter() - t0) * 1e3

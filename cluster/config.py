@@ -107,6 +107,18 @@ class Autoscaling(_Strict):
 class SpecialistSettings(ModelSettings):
     artifact: str = Field("latest", description="artifact version of the producer->this pair, or 'latest'")
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    link_gbps: float | None = Field(None, gt=0, description="bandwidth from the producer to this specialist "
+                                                            "(Gbps); default: link.bandwidth_gbps")
+
+
+class LinkSettings(_Strict):
+    """Ranks chosen per link: with a bandwidth and a TTFT target, the producer sends each specialist the
+    largest of its artifact's nested code levels that arrives within the target (scd.online.links)."""
+    bandwidth_gbps: float | None = Field(None, gt=0, description="bandwidth from the producer to the specialists "
+                                                                 "(Gbps), unless a specialist sets link_gbps")
+    ttft_target_ms: float | None = Field(None, gt=0, description=(
+        "the codes should reach a specialist this long after the producer starts on the request (its prefill "
+        "and encode count); unset: every code at its artifact's full ranks"))
 
 
 class HttpSettings(_Strict):
@@ -219,6 +231,7 @@ class DeploymentConfig(_Strict):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
+    link: LinkSettings = Field(default_factory=LinkSettings)
     calibration: CalibrationSettings = Field(default_factory=CalibrationSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
 
@@ -255,6 +268,11 @@ class DeploymentConfig(_Strict):
 
     def pairs(self) -> list[str]:
         return [f"{self.producer.name}:{s.name}" for s in self.specialists]
+
+    def link_gbps(self) -> dict[str, float]:
+        """pair -> the bandwidth of its link, for the pairs whose bandwidth is known."""
+        out = {f"{self.producer.name}:{s.name}": s.link_gbps or self.link.bandwidth_gbps for s in self.specialists}
+        return {pair: gbps for pair, gbps in out.items() if gbps}
 
 
 def _where(loc: tuple) -> str:

@@ -24,6 +24,7 @@ from artifacts_store import ArtifactStore, CalibrationData, Fingerprints, calibr
 from cluster.config import load_config
 from cluster.runtime import actor_options, connect
 from jobs import report, samples
+from jobs.evaluate import profile_droidspeak
 from scd.evaluation import methods
 from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator
@@ -77,6 +78,16 @@ def pareto(cal: Calibration, val) -> list[dict]:
         scorer.art_for = lambda plan, r=ranks: cal.artifacts_for(plan, **r)
         out.append({**ranks, "kl": scorer.kl(cal.base_plan), "payload_ratio": cal.payload_ratio(ranks)})
     return out
+
+
+def tradeoff(cal: Calibration, art, tok, val, held) -> list[dict]:
+    """Held-out rows of what the published code is weighed against: the INT4 and DroidSpeak baselines
+    (DroidSpeak's recompute block chosen on the validation samples) and SCD at each lower level of its
+    nested codes."""
+    ds = methods.DroidSpeak()
+    ds.start = profile_droidspeak(ds, cal.producer, cal.consumer, val)
+    return Evaluator(cal.producer, cal.consumer, tok).run(held, [methods.Int4KV(), ds, *methods.at_levels(art)],
+                                                          desc=f"held-out baselines and levels {cal.pair}")
 
 
 def quality_gate(by: dict, c) -> dict:
@@ -203,6 +214,10 @@ def main(argv: list[str] | None = None) -> str:
             f"quality_gate. Figures in {cal.dir / 'gate.json'}")
         raise SystemExit(3)
     log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
+    rows += checkpointed(cal.dir / "tradeoff.json", lambda: tradeoff(cal, art, tok, val, held), held)
+    art.info["levels"] = [{**level, "payload_ratio": r["payload_ratio"], "kl": r["kl"]} for level, r in
+                          zip(art.levels, [next(r for r in rows if r["method"] == m.name) for m in methods.at_levels(art)]
+                              + [by["scd"]])]
     grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val), val)
     xn = checkpointed(cal.dir / "xnorm.json", lambda: xnorm_profile(cal, art, held[:8]), held[:8])
     split = checkpointed(cal.dir / "split.json", lambda: error_split(cal, art, val), val)

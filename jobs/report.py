@@ -11,6 +11,9 @@ The figures mirror the SCD paper's Figures 4-7:
 - `pareto.png` (Fig. 6, optional): Reuse-only KL vs payload ratio over a grid of ranks (r_K, r_V). Every point is
   annotated with its ranks, the Pareto frontier (points no other point beats on both payload and KL) is joined by
   a line, and the ranks actually chosen (`extra["r_k"]`, `extra["r_v"]`, or `extra["r_x"]`) are circled.
+- `tradeoff.png` (optional, from the held-out rows): KL vs payload ratio of every evaluated method; SCD's code
+  levels (`scd@...`, the nested codes one artifact serves, and `scd`, its full code) joined by a line, the
+  full code circled, the baselines (raw KV, INT4 KV, DroidSpeak, Reuse-only) as labelled points.
 - `xnorm_error.png` (Fig. 7, optional): relative error of the consumer's pre-attention input x_norm per layer
   (list index = layer number), Reuse-only vs SCD; the patch layers are shaded, showing where SCD resets the error.
 
@@ -49,10 +52,13 @@ def build_report(pair: str, policy: dict, eval_rows: list[dict], pareto: list[di
     if pareto:
         _check_pareto(pareto)
         files["pareto.png"] = _png(_fig_pareto(pair, pareto, extra))
+    if any(r["method"].startswith("scd@") for r in eval_rows):
+        files["tradeoff.png"] = _png(_fig_tradeoff(pair, eval_rows))
     if xnorm:
         _check_xnorm(xnorm)
         files["xnorm_error.png"] = _png(_fig_xnorm(pair, xnorm, policy["chosen"]))
-    figures = [n for n in ("sensitivity.png", "greedy.png", "pareto.png", "xnorm_error.png") if n in files]
+    figures = [n for n in ("sensitivity.png", "greedy.png", "pareto.png", "tradeoff.png", "xnorm_error.png")
+               if n in files]
     return {"summary.md": _summary(pair, policy, eval_rows, extra, figures).encode()} | files
 
 
@@ -186,6 +192,35 @@ def _fig_pareto(pair: str, points: list[dict], extra: dict):
         ax.set_yscale("log")
     ax.set(xlabel="payload ratio (vs raw KV)", ylabel="KL(oracle ‖ Reuse-only)",
            title=f"Rank sweep: KL vs payload — {pair}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(frameon=False, fontsize=8)
+    return fig
+
+
+def _fig_tradeoff(pair: str, rows: list[dict]):
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    levels = sorted((r for r in rows if r["method"] == "scd" or r["method"].startswith("scd@")),
+                    key=lambda r: r["payload_ratio"])
+    ax.plot([r["payload_ratio"] for r in levels], [r["kl"] for r in levels], "o-", color="tab:blue", ms=5,
+            label="SCD code levels (one artifact)")
+    for r in levels:
+        ax.annotate(r["method"].removeprefix("scd@") if r["method"] != "scd" else "full", (r["payload_ratio"], r["kl"]),
+                    textcoords="offset points", xytext=(4, 3), fontsize=7, color="tab:blue")
+    full = [r for r in levels if r["method"] == "scd"]
+    if full:
+        ax.scatter([full[0]["payload_ratio"]], [full[0]["kl"]], s=160, facecolors="none", edgecolors="tab:red",
+                   linewidths=2, label="published code", zorder=5)
+    marks = {"raw_kv": ("s", "tab:gray"), "int4_kv": ("D", "tab:green"), "droidspeak": ("^", "tab:purple"),
+             "reuse_only": ("v", "tab:orange")}
+    for r in rows:
+        if r["method"] in marks and r["payload_ratio"] is not None:
+            m, c = marks[r["method"]]
+            ax.scatter([r["payload_ratio"]], [r["kl"]], marker=m, color=c, s=40, label=r["method"], zorder=4)
+    kls = [r["kl"] for r in rows if r["method"] != "oracle" and r["kl"]]
+    if kls and min(kls) > 0 and max(kls) / min(kls) > 10:
+        ax.set_yscale("log")
+    ax.set(xlabel="payload ratio (vs raw KV)", ylabel="held-out KL(oracle ‖ method)",
+           title=f"KL vs payload, held-out — {pair}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(frameon=False, fontsize=8)
     return fig

@@ -27,10 +27,16 @@ def test_job_publishes_a_verified_artifact_with_report_and_resumes(job, capsys):
     assert store.verify(ref).ok
     m = store.show(ref)
     assert {"report/summary.md", "report/sensitivity.png", "report/greedy.png", "report/pareto.png",
-            "report/xnorm_error.png"} <= set(m.files), sorted(m.files)
+            "report/tradeoff.png", "report/xnorm_error.png"} <= set(m.files), sorted(m.files)
     assert {"kl", "kl_raw_kv", "payload_ratio", "f1", "f1_oracle"} <= set(m.metrics), m.metrics
     summary = next((tmp_path / "store").rglob("summary.md")).read_text()
     assert "where the error lives" in summary and "own K at every layer" in summary, summary
+    assert "| int4_kv |" in summary and "| droidspeak |" in summary and "| scd@r_k=" in summary, summary
+    art, _ = store.load(ref)
+    ladder = art.info["levels"]           # held-out KL and payload of every level the artifact serves
+    assert [{k: v for k, v in e.items() if k.startswith("r_")} for e in ladder] == art.levels, ladder
+    ratios = [e["payload_ratio"] for e in ladder]
+    assert ratios == sorted(ratios) and ladder[-1]["kl"] == pytest.approx(m.metrics["kl"]), (ladder, m.metrics)
 
     # resubmitting a finished pair publishes nothing new
     assert calibrate(["--pair", "base:qa", "--config", str(cfg)]) == ref

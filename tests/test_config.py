@@ -178,3 +178,13 @@ def test_with_a_config_an_explicit_settings_flag_overrides_the_config_and_the_ot
     assert args.finetune_samples == 0, "an explicit flag must win over the config"
     assert args.r_h == cfg.calibration.r_h and args.reuse_source == cfg.calibration.reuse_source
     assert args.work_dir == cfg.calibration.work_dir
+
+
+def test_links_default_to_the_global_bandwidth_a_specialist_overrides_and_bad_values_are_named():
+    two = {**GOOD, "specialists": [{"name": "qa", "path": "q"}, {"name": "code", "path": "c", "link_gbps": 10}]}
+    assert parse(two).link_gbps() == {"base:code": 10}                          # qa's bandwidth is not known
+    cfg = parse({**two, "link": {"bandwidth_gbps": 100, "ttft_target_ms": 50}})
+    assert cfg.link_gbps() == {"base:qa": 100, "base:code": 10} and cfg.link.ttft_target_ms == 50
+    with pytest.raises(ConfigError) as e:
+        parse({**two, "link": {"bandwidth_gbps": 0, "ttft_target_ms": -1}})
+    assert "link.bandwidth_gbps" in str(e.value) and "link.ttft_target_ms" in str(e.value)

@@ -94,6 +94,7 @@ def test_openai_client_lists_models_and_completes_plain_and_streamed(served):
     prompt = PREFIX + "Question: Where does Tilda Vance live?\nAnswer: Tilda Vance lives in"
     r = client.completions.create(model="qa", prompt=prompt, max_tokens=6, stop=["\n"])
     assert r.choices[0].text.strip() and r.model_extra["scd"]["mode"] == "scd", r
+    assert set(r.model_extra["scd"]["level"]) == {"r_k", "r_v"}, r.model_extra["scd"]   # no link set: full ranks
     pieces, last = [], None
     for chunk in client.completions.create(model="qa", prompt=prompt, max_tokens=6, stop=["\n"], stream=True):
         pieces.append(chunk.choices[0].text)

@@ -137,21 +137,31 @@ class DroidSpeak(Method):
 class SCDMethod(Method):
     """Codes through the real wire format: producer encode -> bytes -> consumer decode + rebuild."""
 
-    def __init__(self, art: PairArtifacts, name: str = "scd", dtype: str | None = None, artifact_id: str = "local"):
-        """dtype: the codes' wire precision (default: the one the artifact was calibrated for)."""
+    def __init__(self, art: PairArtifacts, name: str = "scd", dtype: str | None = None, artifact_id: str = "local",
+                 level: dict[str, int] | None = None):
+        """dtype: the codes' wire precision (default: the one the artifact was calibrated for); level: the Reuse
+        ranks sent, one of art.levels (default: the full ones)."""
         self.art, self.name, self.dtype, self.artifact_id = art, name, dtype or art.code_dtype, artifact_id
+        self.level = level
 
     def build(self, consumer, ids, mask, producer_trace):
         t0 = time.perf_counter()
-        payload = codec.encode(encode(self.art, producer_trace, ids), self.art.pair, self.artifact_id,
-                               codec.artifact_dims(self.art), self.dtype)
+        dims = codec.artifact_dims(self.art, self.level)
+        payload = codec.encode(encode(self.art, producer_trace, ids, self.level), self.art.pair, self.artifact_id,
+                               dims, self.dtype)
         t1 = time.perf_counter()
-        codes = codec.decode(payload, self.art.pair, self.artifact_id, self.art.plan, codec.artifact_dims(self.art))
+        codes = codec.decode(payload, self.art.pair, self.artifact_id, self.art.plan, dims)
         t2 = time.perf_counter()
         kv, phases = rebuild(consumer, self.art, codes)
         t3 = time.perf_counter()
         phases = {"encode_ms": (t1 - t0) * 1e3, "decode_ms": (t2 - t1) * 1e3, **phases}
         return Built(kv, len(payload), (t3 - t1) * 1e3, phases)
+
+
+def at_levels(art: PairArtifacts) -> list[SCDMethod]:
+    """SCD at each level the artifact serves but the full one (named scd@r_x=72, ...): the nested codes'
+    (payload, KL) ladder."""
+    return [SCDMethod(art, "scd@" + ",".join(f"{k}={v}" for k, v in lv.items()), level=lv) for lv in art.levels[:-1]]
 
 
 def reuse_only(art: PairArtifacts) -> SCDMethod:

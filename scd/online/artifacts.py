@@ -21,6 +21,9 @@ from scd.settings import CODE_DTYPES
 
 FORMAT_VERSION = 2                  # 2: aligners with a causal window and token features
 KINDS = ("exact", "reuse", "hidden", "patch")
+# the code sizes one artifact serves, as fractions of its Reuse ranks (nested codes: a shorter code is the
+# leading columns of a longer one); the producer picks one per request (scd.online.links)
+LEVELS = (0.25, 0.5, 0.75, 1.0)
 
 
 class IncompatibleArtifact(ValueError):
@@ -89,6 +92,22 @@ class PairArtifacts:
             self.derived[key] = (dec[..., :m].contiguous(), mu[:, :m].contiguous(), dec[..., m:].contiguous(),
                                  mu[:, m:].contiguous())
         return self.derived[key]
+
+    @property
+    def reuse_ranks(self) -> dict[str, int]:
+        """The ranks of its Reuse codes: {"r_x": ...} for hidden-state codes, else {"r_k": ..., "r_v": ...}."""
+        return {"r_x": self.r_x} if self.reuse_x else {"r_k": self.r_k, "r_v": self.r_v}
+
+    @property
+    def levels(self) -> list[dict[str, int]]:
+        """The Reuse ranks of the codes this artifact serves, smallest first, the full ranks last: LEVELS of
+        each rank, rounded (at least 1). Patch codes are always sent whole."""
+        out: list[dict[str, int]] = []
+        for f in LEVELS:
+            level = {k: max(1, round(r * f)) for k, r in self.reuse_ranks.items()}
+            if level not in out:
+                out.append(level)
+        return out
 
     @property
     def reuse_kind(self) -> str:

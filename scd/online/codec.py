@@ -5,13 +5,15 @@ Layout (little-endian):
   version u16                  2 bytes
   hlen    u32                  4 bytes
   header  JSON, hlen bytes     {"pair", "artifact", "dtype", "batch", "tokens", "plan", "dims"}
+          (dims: the ranks of the code tensors; Reuse ranks may be any of the artifact's levels)
   body    token_ids (int32, B*T) | mask (uint8, B*T) | per coded layer, in plan order, each code tensor
   crc32   u32 of everything before it
 Code tensors are fp16 or bf16, or int8 / int4 with a per-row fp16 scale (row = last dim), stored scales first;
 int4 values are offset by 8 and packed two to a byte, low nibble first, a row padded to an even width. A
 "mixed" code is two such tensors one after the other: its first r // 3 columns in int8, then the rest in int4
 (codes are ordered widest column first, so the columns that matter most get the finer steps).
-The decoder checks magic, version, lengths, crc, and that pair/artifact/plan/dims match what it expects.
+The decoder checks magic, version, lengths, crc, and that pair/artifact/plan match what it expects and dims
+are among the ones it accepts (one per level of the artifact).
 """
 from __future__ import annotations
 
@@ -116,7 +118,7 @@ def as_received(codes: Codes, dtype: str) -> Codes:
     fine-tunes on."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    out = Codes(codes.token_ids, codes.mask, list(codes.plan))
+    out = Codes(codes.token_ids, codes.mask, list(codes.plan), level=codes.level)
     out.layers = {l: {name: wire_round(x, dtype) for name, x in fields.items()} for l, fields in codes.layers.items()}
     return out
 
@@ -188,8 +190,10 @@ def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: 
     return blob + struct.pack("<I", zlib.crc32(blob))
 
 
-def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: dict[str, int]) -> Codes:
-    """Parse and validate a payload against the consumer's expectation; raise PayloadError on any mismatch."""
+def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dict[str, int] | list[dict[str, int]]") -> Codes:
+    """Parse and validate a payload against the consumer's expectation; raise PayloadError on any mismatch.
+    `dims`: the dims it must have, or a list of those it may have (an artifact's levels, `level_dims`)."""
+    accepted = dims if isinstance(dims, list) else [dims]
     mv = memoryview(payload)
     if len(mv) < 14:
         raise PayloadError(f"payload truncated: {len(mv)} bytes is shorter than the fixed header")
@@ -209,11 +213,14 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: dict
     except (ValueError, KeyError, TypeError) as e:
         raise PayloadError(f"malformed payload header: {e}") from None
     wrong = [f"{k}: payload={h.get(k)!r} expected={v!r}" for k, v in
-             (("pair", pair), ("artifact", artifact), ("plan", plan), ("dims", dims)) if h.get(k) != v]
+             (("pair", pair), ("artifact", artifact), ("plan", plan)) if h.get(k) != v]
+    if h.get("dims") not in accepted:
+        wrong.append(f"dims: payload={h.get('dims')!r} expected one of {accepted!r}")
     if dtype not in DTYPES:
         wrong.append(f"dtype: {dtype!r} not in {DTYPES}")
     if wrong:
         raise PayloadError("payload does not match this consumer: " + "; ".join(wrong))
+    dims = h["dims"]
     layout = [(l, name, _shape(name, b, t, dims["n_kv"], dims[dim]))
               for l, kind in enumerate(plan) for name, dim in FIELDS[kind]]
     expected = 10 + hlen + 5 * b * t + sum(_nbytes(s, dtype) for _, _, s in layout) + 4
@@ -223,12 +230,28 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: dict
     ids = _field(body, 0, 4 * b * t, torch.int32).long().reshape(b, t)
     mask = body[4 * b * t:5 * b * t].long().reshape(b, t)
     off = 5 * b * t
-    codes = Codes(ids, mask, list(plan))
+    codes = Codes(ids, mask, list(plan), level={dim: dims[dim] for kind in ("reuse", "hidden") if kind in plan
+                                                for _, dim in FIELDS[kind]})
     for l, name, shape in layout:
         codes.layers.setdefault(l, {})[name] = _from_bytes(body, off, shape, dtype)
         off += _nbytes(shape, dtype)
     return codes
 
 
-def artifact_dims(art) -> dict[str, int]:
-    return {"n_kv": art.spec.num_kv_heads, "r_k": art.r_k, "r_v": art.r_v, "r_h": art.r_h, "r_x": art.r_x}
+def artifact_dims(art, level: dict[str, int] | None = None) -> dict[str, int]:
+    """The dims a payload of `art` carries at `level` (Reuse ranks; default the full ones)."""
+    return {"n_kv": art.spec.num_kv_heads, "r_k": art.r_k, "r_v": art.r_v, "r_h": art.r_h, "r_x": art.r_x,
+            **(level or {})}
+
+
+def level_dims(art) -> list[dict[str, int]]:
+    """The dims of every level `art` serves: what a consumer accepts."""
+    return [artifact_dims(art, level) for level in art.levels]
+
+
+def code_bytes(art, tokens: int, level: dict[str, int] | None = None, batch: int = 1) -> int:
+    """Bytes of the codes of `tokens` prefix tokens at `level` (ids, mask and code tensors: a payload without
+    its few hundred bytes of header), what a link has to carry."""
+    dims = artifact_dims(art, level)
+    return 5 * batch * tokens + sum(_nbytes(_shape(name, batch, tokens, dims["n_kv"], dims[dim]), art.code_dtype)
+                                    for kind in art.plan for name, dim in FIELDS[kind])

@@ -88,17 +88,23 @@ class Codes:
     mask: torch.Tensor                                  # (B, T) 0/1
     plan: list[str]
     layers: dict[int, dict[str, "torch.Tensor | QuantCode | MixedCode"]] = field(default_factory=dict)
+    level: dict[str, int] | None = None                 # the Reuse ranks these codes were sent at (None: full)
 
 
 @torch.no_grad()
-def encode(art: PairArtifacts, trace: Trace, token_ids: torch.Tensor) -> Codes:
-    """Producer side: codes for every non-exact layer from the producer's own trace."""
-    codes = Codes(token_ids, trace.mask, list(art.plan))
+def encode(art: PairArtifacts, trace: Trace, token_ids: torch.Tensor, level: dict[str, int] | None = None) -> Codes:
+    """Producer side: codes for every non-exact layer from the producer's own trace. `level`: Reuse ranks
+    of one of art.levels (default: the full ranks); the Reuse codes are then that many leading columns."""
+    if level is not None and level not in art.levels:
+        raise ValueError(f"level {level} is not one this artifact serves: {art.levels}")
+    rank = lambda name: (level or art.reuse_ranks)[name]  # noqa: E731
+    codes = Codes(token_ids, trace.mask, list(art.plan), level=dict(level or art.reuse_ranks))
     for l, kind in enumerate(art.plan):
         if kind == "reuse":
-            codes.layers[l] = {"z_k": art.reuse_k[l].encode(trace.content[l]), "z_v": art.reuse_v[l].encode(trace.values[l])}
+            codes.layers[l] = {"z_k": art.reuse_k[l].encode(trace.content[l], rank("r_k")),
+                               "z_v": art.reuse_v[l].encode(trace.values[l], rank("r_v"))}
         elif kind == "hidden":
-            codes.layers[l] = {"z_x": art.reuse_x[l].encode(trace.xnorm[l])}
+            codes.layers[l] = {"z_x": art.reuse_x[l].encode(trace.xnorm[l], rank("r_x"))}
         elif kind == "patch":
             codes.layers[l] = {"z_h": art.patch_enc[l].encode(trace.xnorm[l])}
     return codes
@@ -140,7 +146,8 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
     Hidden layers (most of a real family's plan) go layer by layer, keys rotated while the matmul's output
     is still in cache: per-layer tensors come from the allocator's free lists, where one buffer for all
     layers is fresh pages on every request (measured 1.3-1.6x slower at 2048 tokens). Per-head Reuse
-    layers decode in one batched matmul each for K and V; all Patch layers run together."""
+    layers decode in one batched matmul each for K and V; all Patch layers run together. Reuse codes of a
+    lower level (fewer columns than the artifact's ranks) decode with the decoders' leading rows."""
     t0 = time.perf_counter()
     dtype = next(model.parameters()).dtype
     b, t = codes.token_ids.shape
@@ -155,16 +162,19 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         kv[0] = (apply_rope(heads(k0), cos, sin), heads(v0))
     if reuse := by_kind["reuse"]:
         dec_k, mu_k, dec_v, mu_v = art.reuse_decoders(tuple(reuse), dtype)
-        k = apply_rope(_decode_stacked(dec_k, mu_k, [dense(codes.layers[l]["z_k"], dtype) for l in reuse]), cos, sin)
-        v = _decode_stacked(dec_v, mu_v, [dense(codes.layers[l]["z_v"], dtype) for l in reuse])
+        r_k, r_v = (codes.layers[reuse[0]][name].shape[-1] for name in ("z_k", "z_v"))
+        k = apply_rope(_decode_stacked(dec_k[:, :r_k], mu_k, [dense(codes.layers[l]["z_k"], dtype) for l in reuse]),
+                       cos, sin)
+        v = _decode_stacked(dec_v[:, :r_v], mu_v, [dense(codes.layers[l]["z_v"], dtype) for l in reuse])
         kv.update({l: (k[i], v[i]) for i, l in enumerate(reuse)})
     if hidden := by_kind["hidden"]:                     # one code per token -> K and V of every head
         dec_k, mu_k, dec_v, mu_v = art.hidden_decoders(tuple(hidden), dtype)
-        buf = torch.empty(b * t, art.r_x, dtype=dtype, device=cos.device)     # every layer's code, in turn
+        r = codes.layers[hidden[0]]["z_x"].shape[-1]
+        buf = torch.empty(b * t, r, dtype=dtype, device=cos.device)           # every layer's code, in turn
         for i, l in enumerate(hidden):
             z = dense(codes.layers[l]["z_x"], dtype, buf).reshape(b * t, -1)
-            k = torch.addmm(mu_k[i], z, dec_k[i]).view(b, t, -1)
-            kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(mu_v[i], z, dec_v[i]).view(b, t, -1)))
+            k = torch.addmm(mu_k[i], z, dec_k[i, :r]).view(b, t, -1)
+            kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(mu_v[i], z, dec_v[i, :r]).view(b, t, -1)))
     t_patch = time.perf_counter()
     if patch := by_kind["patch"]:                       # all Patch layers at once
         x0 = tables.x0(codes.token_ids) if art.aligner_tokens and not tables.vocab_kept else None

@@ -7,6 +7,8 @@ online, so its encoder is a ridge regression from A alone: W_enc = argmin |(A - 
 Everything is computed from the (2d x 2d) Gram matrix, accumulated in float64 over streamed chunks.
 
 Online: Z = (A - mu_A) W_enc  (producer) ;  B_hat = mu_B + Z W_dec_B  (consumer).
+The latent's columns come in order of singular value, so a code's leading columns are a code of lower rank
+(nested ranks: one artifact serves several payload sizes, see PairArtifacts.levels).
 """
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ class LinearCodec:
     def rank(self) -> int:
         return self.enc.shape[1]
 
-    def encode(self, a: torch.Tensor) -> torch.Tensor:
-        """(..., d_a) -> (..., r)"""
-        return (a - self.mu_a) @ self.enc
+    def encode(self, a: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """(..., d_a) -> (..., r), or the code's first `rank` columns. Codes are nested: the columns are
+        ordered (by singular value, then whitened), so the first r' of a rank-r fit are the rank-r' fit, and
+        decoding them with the decoder's first r' rows is that fit's reconstruction."""
+        return (a - self.mu_a) @ (self.enc if rank is None else self.enc[:, :rank])
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """(..., r) -> (..., d_b)"""

@@ -1,0 +1,29 @@
+"""Ranks chosen per link: which of an artifact's nested code sizes (PairArtifacts.levels) to send to a
+consumer behind a link of known bandwidth, so that the codes arrive within a time-to-first-token target.
+
+The codes of a level are the leading columns of the full ones (scd.online.reuse), so any level decodes with
+the same artifact; a longer code costs more link time and gives a lower KL. The producer asks `choose` once
+per request and pair, with what is left of the target after its own prefill and encode.
+"""
+from __future__ import annotations
+
+from scd.online.artifacts import PairArtifacts
+from scd.online.codec import code_bytes
+
+
+def transfer_ms(nbytes: int, gbps: float) -> float:
+    """Milliseconds to carry `nbytes` over a link of `gbps` gigabits per second (bandwidth only)."""
+    if gbps <= 0:
+        raise ValueError(f"bandwidth must be positive, got {gbps} Gbps")
+    return nbytes * 8 / (gbps * 1e6)
+
+
+def choose(art: PairArtifacts, tokens: int, gbps: float | None, budget_ms: float | None) -> dict[str, int]:
+    """The largest level whose codes of `tokens` prefix tokens cross a `gbps` link within `budget_ms`; the
+    smallest level when none does (a late answer beats a prefill); the full ranks when the bandwidth or the
+    budget is not known."""
+    levels = art.levels
+    if gbps is None or budget_ms is None:
+        return levels[-1]
+    fits = [lv for lv in levels if transfer_ms(code_bytes(art, tokens, lv), gbps) <= budget_ms]
+    return fits[-1] if fits else levels[0]

@@ -1,0 +1,125 @@
+"""Nested code ranks: one artifact serves several payload sizes (PairArtifacts.levels), the producer picks one
+per request from its link's bandwidth and a TTFT target (scd.online.links), the consumer rebuilds from
+whatever level arrives."""
+import dataclasses
+
+import pytest
+import torch
+
+from actors.messages import GenParams
+from actors.producer import ProducerEngine
+from actors.specialist import SpecialistEngine
+from scd.evaluation import methods
+from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.online import codec, links
+from scd.online.models import ModelSpec
+from scd.online.rebuild import encode, rebuild
+from scd.online.trace import capture
+from tests.conftest import perturbed, tiny_llama
+from tests.test_models import _tokenizer
+from tests.test_pipeline_tiny import _samples
+
+
+def _max_err(kv_a, kv_b) -> float:
+    return max((x - y).abs().max().item() for la, lb in zip(kv_a, kv_b) for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="module", params=["kv", "hidden"])
+def fitted(request, tmp_path_factory):
+    """A calibrated tiny pair (per-head or hidden-state Reuse, with a Patch layer) and its calibration."""
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3, seed=1)
+    spec = ModelSpec.from_config(a.config)
+    cfg = CalibConfig(reuse_source=request.param, r_k=8, r_v=12, r_x=24, r_h=16, aligner_epochs=2, batch=16)
+    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path_factory.mktemp("cal"), cfg,
+                      progress=False, log=lambda s: None)
+    cal.traces()
+    kind = "hidden" if request.param == "hidden" else "reuse"
+    return a, b, cal, cal.artifacts_for(["exact", "patch", kind])
+
+
+def test_levels_are_fractions_of_the_reuse_ranks_smallest_first(fitted):
+    _, _, _, art = fitted
+    want = [{"r_x": 6}, {"r_x": 12}, {"r_x": 18}, {"r_x": 24}] if art.reuse_x else \
+        [{"r_k": 2, "r_v": 3}, {"r_k": 4, "r_v": 6}, {"r_k": 6, "r_v": 9}, {"r_k": 8, "r_v": 12}]
+    assert art.levels == want
+    sizes = [codec.code_bytes(art, 100, lv) for lv in art.levels]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes), sizes
+
+
+def test_a_level_of_the_full_artifact_rebuilds_what_the_artifact_fitted_at_that_rank_rebuilds(fitted):
+    """Nested codes: the leading columns of a rank-R fit are the rank-r fit, so sending a lower level of
+    the published artifact equals calibrating at that rank (through the wire and the consumer's decoders)."""
+    a, b, cal, art = fitted
+    ids = _samples(1, 2)[0].prefix[None]
+    trace = capture(a, ids, torch.ones_like(ids))
+    for level in art.levels[:-1]:
+        small = cal.artifacts_for(art.plan, **level)
+        dims = codec.artifact_dims(art, level)
+        wire = codec.decode(codec.encode(encode(art, trace, ids, level), "a:b", "v", dims, "fp16"), "a:b", "v",
+                            art.plan, codec.level_dims(art))
+        assert wire.level == level
+        got, _ = rebuild(b, art, wire)
+        want, _ = rebuild(b, small, codec.as_received(encode(small, trace, ids), "fp16"))
+        err = _max_err(got, want)
+        assert err < 1e-3, f"level {level}: rebuilt KV differs from the rank-{level} fit's by {err:.2e}"
+    with pytest.raises(ValueError, match="not one this artifact serves"):
+        encode(art, trace, ids, {k: v + 1 for k, v in art.reuse_ranks.items()})
+
+
+def test_lower_levels_cost_kl_and_bytes_monotonically(fitted):
+    a, b, _, art = fitted
+    from scd.evaluation.evaluate import Evaluator
+    rows = Evaluator(a, b, _tokenizer(97)).run(_samples(4, 3), [*methods.at_levels(art), methods.SCDMethod(art)],
+                                                desc=None)
+    kls, sizes = [r["kl"] for r in rows], [r["payload_ratio"] for r in rows]
+    assert sizes == sorted(sizes), sizes
+    assert kls[0] > kls[-1], f"the smallest level's KL {kls[0]:.4f} is not above the full code's {kls[-1]:.4f}"
+
+
+def test_a_consumer_refuses_dims_that_are_not_one_of_its_levels(fitted):
+    a, _, _, art = fitted
+    ids = _samples(1, 2)[0].prefix[None]
+    level = art.levels[1]
+    blob = codec.encode(encode(art, capture(a, ids, torch.ones_like(ids)), ids, level), "a:b", "v",
+                        codec.artifact_dims(art, level), "fp16")
+    with pytest.raises(codec.PayloadError, match="dims"):
+        codec.decode(blob, "a:b", "v", art.plan, codec.artifact_dims(art))      # the full dims only
+
+
+def test_choose_takes_the_largest_level_whose_codes_arrive_in_time(fitted):
+    _, _, _, art = fitted
+    tokens = 1000
+    ms = [links.transfer_ms(codec.code_bytes(art, tokens, lv), 1.0) for lv in art.levels]
+    assert links.transfer_ms(125_000_000, 1.0) == pytest.approx(1000.0)       # 1 Gbit in a second
+    assert links.choose(art, tokens, None, 5.0) == art.levels[-1]              # nothing known: the full code
+    assert links.choose(art, tokens, 1.0, None) == art.levels[-1]
+    for i, t in enumerate(ms):
+        assert links.choose(art, tokens, 1.0, t) == art.levels[i]
+        assert links.choose(art, tokens, 1.0, t * 0.999) == art.levels[max(0, i - 1)]
+    assert links.choose(art, tokens, 1.0, 0.0) == art.levels[0]              # too late anyway: the smallest
+    assert links.choose(art, tokens, 10.0, ms[-1] / 10) == art.levels[-1]     # 10x the bandwidth, a tenth the time
+    with pytest.raises(ValueError, match="positive"):
+        links.transfer_ms(10, 0.0)
+
+
+def test_the_producer_sends_each_link_the_level_that_fits_and_the_answer_says_which(fitted):
+    a, b, _, art = fitted
+    tok = _tokenizer(97)
+    prefix = _samples(1, 4)[0].prefix.tolist()
+    full = codec.code_bytes(art, len(prefix))
+    # a link slow enough that the full code takes ~10 s, a target of 1 s: the producer sends a lower level
+    slow_gbps = full * 8 / 1e9 / 10
+    art_c = dataclasses.replace(art, pair="a:c")
+    producer = ProducerEngine(a, tok, {"a:b": (art, "v1"), "a:c": (art_c, "v1")}, cache_bytes=1 << 20,
+                              link_gbps={"a:b": slow_gbps}, ttft_target_ms=1000.0)
+    res = producer.encode(prefix, ["a:b", "a:c"])
+    slow, fast = res.per_pair["a:b"], res.per_pair["a:c"]
+    assert fast.level == art.levels[-1] and slow.level != art.levels[-1], (slow.level, fast.level)
+    assert len(slow.payload) < len(fast.payload)
+    for e, engine in ((slow, SpecialistEngine("b", b, tok, art, "v1")), (fast, SpecialistEngine("c", b, tok, art_c, "v1"))):
+        _, info, _ = engine.complete(prefix, [11], e.payload, None, GenParams(max_tokens=2))
+        assert info.mode == "scd" and info.level == e.level and info.as_dict()["level"] == e.level
+    again = producer.encode(prefix, ["a:b"])
+    assert again.per_pair["a:b"].cache_hit and again.per_pair["a:b"].level == slow.level
+    assert again.per_pair["a:b"].payload == slow.payload and producer.cache.stats.misses == 2
