@@ -9,6 +9,9 @@ Three views of one set of measurements (per prefix length in --tokens):
                phases plus payload / bandwidth, with the producer's prefill and with the prefix already
                prefilled on the producer (a fan-out's later specialists, a cached prefix); tables, and a PNG
                of TTFT against bandwidth under --plot-dir
+  --ttft-target (with --bandwidth) ranks chosen per link: at each bandwidth, the code level the producer
+               sends (scd.online.links: the largest whose codes arrive within the target after the producer's
+               prefill and encode), its modeled TTFT and its KL measured on --kl-samples held-out samples
 
 Every round runs each phase once, in turn, so that a busy machine slows all of them alike; medians over
 --repeats rounds (after one warm-up round) are reported. The codes come from the pair's calibrated artifact
@@ -24,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from jobs import demo_data
+from jobs import demo_data, samples
 from jobs.evaluate import add_pair_args, calibrated, parse, resolve_pair
 from scd.evaluation import methods
-from scd.online import codec
+from scd.evaluation.evaluate import Evaluator
+from scd.online import codec, links
 from scd.online.models import load_pair
 from scd.online.trace import capture
 
@@ -62,7 +66,8 @@ def measure(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str
     chosen = [scd]
     if every_method:
         # DroidSpeak's block position changes its quality, not its cost: any block of the same size will do
-        chosen = [methods.RawKV(), methods.Int4KV(), methods.DroidSpeak(start=1), methods.reuse_only(art), scd]
+        chosen = [methods.RawKV(), methods.Int4KV(), methods.DroidSpeak(start=1), methods.reuse_only(art), scd,
+                  *methods.at_levels(art)]
     rounds = []
     for _ in range(repeats + 1):                                 # the first round warms every path up
         # the consumer's own prefill as its fallback path runs it, and the producer's as the producer actor does
@@ -112,6 +117,36 @@ def ttft(m: dict, gbps: list[float], prefilled: bool = False) -> dict[str, list[
     return out
 
 
+def per_link(m: dict, art, gbps: list[float], target_ms: float, kls: dict[str, float]) -> list[dict]:
+    """At each bandwidth, the level the producer sends (links.choose with what is left of the target after
+    the measured prefill and encode), the modeled TTFT of that level's codes and its measured KL."""
+    by_level = {json.dumps(lv, sort_keys=True): name for lv, name in
+                zip(art.levels, [x.name for x in methods.at_levels(art)] + ["scd"])}
+    raw = m["methods"]["raw_kv"]["payload_bytes"]
+    rows = []
+    for g in gbps:
+        spent = m["producer_prefill_ms"] + m["methods"]["scd"]["producer_ms"]
+        level = links.choose(art, m["tokens"], g, target_ms - spent)
+        name = by_level[json.dumps(level, sort_keys=True)]
+        p = m["methods"][name]
+        rows.append({"gbps": g, "level": level, "method": name, "payload_ratio": p["payload_bytes"] / raw,
+                     "ttft_ms": m["producer_prefill_ms"] + p["producer_ms"] + links.transfer_ms(p["payload_bytes"], g)
+                     + p["consumer_ms"], "kl": kls[name]})
+    return rows
+
+
+def level_kls(producer, consumer, art, held) -> dict[str, float]:
+    """Mean teacher-forced KL(oracle || SCD) of every level on the held-out samples (one oracle run each)."""
+    ev = Evaluator(producer, consumer)
+    ms = [*methods.at_levels(art), methods.SCDMethod(art)]
+    sums = dict.fromkeys((x.name for x in ms), 0.0)
+    for s in held:
+        ref = ev.reference(s)
+        for x in ms:
+            sums[x.name] += ev.kl(s, x, ref) / len(held)
+    return sums
+
+
 def plot_ttft(gbps: list[float], cold: dict[str, list[float]], warm: dict[str, list[float]], path: Path,
               title: str) -> None:
     """TTFT against bandwidth per method: solid with the producer's prefill, dashed with the prefix already
@@ -120,7 +155,7 @@ def plot_ttft(gbps: list[float], cold: dict[str, list[float]], warm: dict[str, l
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (name, ys) in enumerate(cold.items()):
+    for i, (name, ys) in enumerate((n, ys) for n, ys in cold.items() if not n.startswith("scd@")):
         width = 2.4 if name == "scd" else 1.2
         ax.plot(gbps, ys, marker="o", label=name, linewidth=width, color=f"C{i}")
         if name != "oracle":
@@ -182,6 +217,16 @@ def _print_bandwidth(pair: str, m: dict, gbps: list[float], cold: dict[str, list
     print(f"  plot: {png}", flush=True)
 
 
+def _print_links(pair: str, m: dict, target_ms: float, n_kl: int, rows: list[dict]) -> None:
+    print(f"{pair} ranks chosen per link at {m['tokens']} tokens: the largest code level whose codes arrive within "
+          f"{target_ms:g} ms (the producer's prefill and encode take {m['producer_prefill_ms'] + m['methods']['scd']['producer_ms']:.2f} ms; "
+          f"KL on {n_kl} held-out samples):")
+    print(f"  {'Gbps':>6}  {'level':<16}{'payload':>8}{'TTFT ms':>10}{'KL':>9}")
+    for r in rows:
+        level = ",".join(f"{k}={v}" for k, v in r["level"].items())
+        print(f"  {r['gbps']:6g}  {level:<16}{r['payload_ratio']:8.3f}{r['ttft_ms']:10.2f}{r['kl']:9.4f}")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="scd bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_args(p)
@@ -191,6 +236,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--fanout", help="specialist counts, e.g. 1,2,4,8: fan-out compute against N consumer prefills")
     p.add_argument("--bandwidth", help="link bandwidths in Gbps, e.g. 10,25,100,200,400: TTFT of every method")
     p.add_argument("--plot-dir", default="runs/bench", help="where --bandwidth writes its PNG")
+    p.add_argument("--ttft-target", type=float, help="with --bandwidth: a TTFT target (ms) for the codes' arrival; "
+                                                     "prints the code level chosen at each bandwidth")
+    p.add_argument("--kl-samples", type=int, default=8, help="held-out samples scoring each level's KL (--ttft-target)")
     p.add_argument("--work-dir", default="runs/eval")
     p.add_argument("--json", action="store_true")
     args = parse(p, argv)
@@ -199,6 +247,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     gbps = _positives(args.bandwidth, "--bandwidth", float) if args.bandwidth else None
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be positive, got {args.repeats}")
+    if args.ttft_target is not None and (not gbps or not args.ttft_target > 0 or args.kl_samples < 1):
+        raise SystemExit("--ttft-target needs --bandwidth, a positive target and --kl-samples >= 1")
     plot_dir = _plot_dir(args.plot_dir) if gbps else None
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
@@ -208,6 +258,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     all_ids = tok(text, add_special_tokens=False)["input_ids"]
     if len(all_ids) < max(sizes):
         raise SystemExit(f"only {len(all_ids)} tokens of text available, asked for {max(sizes)}")
+    kls = None
+    if args.ttft_target is not None:
+        _, _, held = samples.pair_data(nb, tok, 0, 1, args.kl_samples, args.prefix_tokens, text_file=args.text,
+                                       seed=args.seed)
+        kls = level_kls(producer, consumer, art, held)
     out = []
     for n in sizes:
         m = measure(producer, consumer, art, torch.tensor(all_ids[:n])[None], args.repeats, args.dtype,
@@ -221,6 +276,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             plot_ttft(gbps, cold, warm, png, f"{pair}, {n}-token prefix: TTFT against link bandwidth")
             r["bandwidth"] = {"gbps": gbps, "ttft_ms": cold, "ttft_prefilled_ms": warm, "plot": str(png),
                               "phases": m["methods"], "producer_prefill_ms": m["producer_prefill_ms"]}
+            if kls is not None:
+                r["links"] = per_link(m, art, gbps, args.ttft_target, kls)
         out.append(r)
         if args.json:
             print(json.dumps(r))
@@ -230,6 +287,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             _print_fanout(pair, m, r["fanout"])
         if gbps:
             _print_bandwidth(pair, m, gbps, cold, warm, png)
+        if kls is not None:
+            _print_links(pair, m, args.ttft_target, args.kl_samples, r["links"])
     return out
 
 

@@ -71,11 +71,14 @@ def test_bench_fanout_and_bandwidth_views_of_one_measurement(tmp_path, capsys):
     scd(["bench", "--pair", "base:qa", "--tokens", "128", "--repeats", "1", "--calib", "16", "--val", "2",
          "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
          "--work-dir", str(tmp_path / "eval"), "--fanout", "1,4", "--bandwidth", "10,400",
-         "--plot-dir", str(tmp_path / "plots"), "--json"])
+         "--plot-dir", str(tmp_path / "plots"), "--ttft-target", "1e9", "--kl-samples", "2", "--json"])
     (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [f["n"] for f in r["fanout"]] == [1, 4] and r["fanout"][1]["ratio"] < r["fanout"][0]["ratio"], r["fanout"]
     bw = r["bandwidth"]
-    assert list(bw["ttft_ms"]) == ["oracle", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd"]
+    assert list(bw["ttft_ms"]) == ["oracle", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd",
+                                   "scd@r_k=2,r_v=3", "scd@r_k=4,r_v=6", "scd@r_k=6,r_v=9"]
+    # a target no link misses: the full code everywhere, with its KL
+    assert [x["method"] for x in r["links"]] == ["scd", "scd"] and all(x["kl"] >= 0 for x in r["links"]), r["links"]
     assert bw["ttft_ms"]["oracle"][0] == bw["ttft_ms"]["oracle"][1]              # nothing on the link
     assert all(w < c for w, c in zip(bw["ttft_prefilled_ms"]["scd"], bw["ttft_ms"]["scd"]))
     assert bw["ttft_ms"]["raw_kv"][0] > bw["ttft_ms"]["raw_kv"][1]               # 10 Gbps is slower than 400
@@ -108,6 +111,7 @@ def test_bench_fanout_and_ttft_arithmetic():
     (["bench", "--pair", "base:qa", "--fanout", "0,2"], "--fanout must be positive"),
     (["bench", "--pair", "base:qa", "--bandwidth", "10,fast"], "numbers separated by commas"),
     (["bench", "--pair", "base:qa", "--bandwidth", "10", "--plot-dir", __file__], "not a folder"),
+    (["bench", "--pair", "base:qa", "--ttft-target", "5"], "needs --bandwidth"),
 ])
 def test_cli_rejects_bad_input_with_a_message(argv, msg):
     with pytest.raises(SystemExit, match=msg):

@@ -123,3 +123,21 @@ def test_the_producer_sends_each_link_the_level_that_fits_and_the_answer_says_wh
     again = producer.encode(prefix, ["a:b"])
     assert again.per_pair["a:b"].cache_hit and again.per_pair["a:b"].level == slow.level
     assert again.per_pair["a:b"].payload == slow.payload and producer.cache.stats.misses == 2
+
+
+def test_the_bench_sweep_models_each_bandwidths_level_from_the_measured_phases(fitted):
+    from jobs.bench import per_link
+    _, _, _, art = fitted
+    tokens = 1000
+    names = [x.name for x in methods.at_levels(art)] + ["scd"]
+    sizes = [codec.code_bytes(art, tokens, lv) for lv in art.levels]
+    m = {"tokens": tokens, "producer_prefill_ms": 50.0,
+         "methods": {"raw_kv": {"producer_ms": 0.0, "consumer_ms": 1.0, "payload_bytes": 4 * sizes[-1]},
+                     **{n: {"producer_ms": 2.0, "consumer_ms": 3.0, "payload_bytes": b} for n, b in zip(names, sizes)}}}
+    kls = {n: 1.0 / (i + 1) for i, n in enumerate(names)}
+    # 10 ms left for the link after 52 ms of prefill and encode: the bandwidth at which level i just fits
+    just = [b * 8 / 1e6 / 10.0 for b in sizes]
+    rows = per_link(m, art, [just[1] * 1.0001, just[-1] * 1.01], 62.0, kls)
+    assert [r["method"] for r in rows] == [names[1], "scd"], rows
+    assert rows[0]["ttft_ms"] == pytest.approx(50 + 2 + 10 + 3, rel=1e-3) and rows[0]["kl"] == kls[names[1]]
+    assert rows[1]["payload_ratio"] == pytest.approx(0.25) and rows[1]["level"] == art.levels[-1]
