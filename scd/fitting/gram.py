@@ -33,6 +33,15 @@ class JointGram:
         g.n, g.s, g.g = int(t[f"{prefix}.n"].item()), t[f"{prefix}.s"], t[f"{prefix}.g"]
         return g
 
+    def select(self, blocks: list[tuple[int, int]]) -> "JointGram":
+        """The Gram of A with some column ranges [start, end) of B only (a family's Gram holds every member's
+        B side by side; one member's pair Gram is A with its own block)."""
+        cols = list(range(self.d_a)) + [self.d_a + c for lo, hi in blocks for c in range(lo, hi)]
+        idx = torch.tensor(cols)
+        out = JointGram(self.d_a, len(cols) - self.d_a)
+        out.n, out.s, out.g = self.n, self.s[idx], self.g[idx][:, idx]
+        return out
+
     def spectrum(self) -> torch.Tensor:
         """Eigenvalues of the joint covariance, descending (for choosing ranks)."""
         return torch.linalg.eigvalsh(self._cov()).flip(0).clamp(min=0)

@@ -1,0 +1,49 @@
+"""jobs.family end to end on the demo family with a reduced budget: one shared code for three specialists."""
+import json
+
+import pytest
+import torch
+
+from jobs.family import main as family_job
+from scd.online.artifacts import PairArtifacts
+from tests.conftest import write_config
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("family")
+    cfg = write_config(tmp, prefixes=12, heldout=2, reuse_source="hidden", r_x=16)
+    return tmp, cfg, family_job(["--config", str(cfg), "--repeats", "1", "--out", str(tmp / "out")])
+
+
+def test_one_family_payload_serves_every_member_and_each_members_kl_is_reported(run):
+    tmp, _, res = run
+    assert res["members"] == ["base:qa", "base:prose", "base:code"] and res["ranks"] == {"r_x": 16}
+    cost = res["fanout"]
+    # one payload instead of three of the same size (their headers differ only by the pair's name)
+    assert cost["pairs_bytes"] == pytest.approx(3 * cost["family_bytes"], rel=0.01), cost
+    for row in res["kl"]:
+        assert row["pair"] > 0 and row["family"] > 0 and row["raw_kv"] > 0, row
+    out = tmp / "out" / "base"
+    assert json.loads((out / "family.json").read_text())["kl"] == res["kl"]
+    assert (out / "family.png").read_bytes()[:4] == b"\x89PNG"
+    arts = [PairArtifacts.load(out / m) for m in ("qa", "prose", "code")]
+    for layer in arts[0].reuse_x:                       # the encoder is shared, the decoders are each member's
+        assert all(torch.equal(a.reuse_x[layer].enc, arts[0].reuse_x[layer].enc) for a in arts)
+        assert not torch.equal(arts[1].reuse_x[layer].dec, arts[0].reuse_x[layer].dec)
+    assert arts[2].info["family"]["members"] == res["members"]
+
+
+def test_a_second_run_resumes_the_family_grams(run, capsys):
+    tmp, cfg, _ = run
+    family_job(["--config", str(cfg), "--repeats", "1", "--out", str(tmp / "out2"), "--members", "qa,code"])
+    assert "grams accumulated" in capsys.readouterr().out            # other members: another family
+    family_job(["--config", str(cfg), "--repeats", "1", "--out", str(tmp / "out2"), "--members", "qa,code"])
+    assert "grams resumed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("members,msg", [("qa", "two or more"), ("qa,qa", "two or more"), ("qa,nope", "no specialist")])
+def test_bad_members_are_refused_with_a_message(run, members, msg):
+    _, cfg, _ = run
+    with pytest.raises(SystemExit, match=msg):
+        family_job(["--config", str(cfg), "--members", members])
