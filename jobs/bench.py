@@ -11,7 +11,8 @@ Three views of one set of measurements (per prefix length in --tokens):
                of TTFT against bandwidth under --plot-dir
   --ttft-target (with --bandwidth) ranks chosen per link: at each bandwidth, the code level the producer
                sends (scd.online.links: the largest whose codes arrive within the target after the producer's
-               prefill and encode), its modeled TTFT and its KL measured on --kl-samples held-out samples
+               prefill and encode), its modeled TTFT and its KL measured on --kl-samples held-out samples;
+               --link-ms instead gives the link's share directly (the target less the producer's measured work)
 
 Every round runs each phase once, in turn, so that a busy machine slows all of them alike; medians over
 --repeats rounds (after one warm-up round) are reported. The codes come from the pair's calibrated artifact
@@ -117,16 +118,18 @@ def ttft(m: dict, gbps: list[float], prefilled: bool = False) -> dict[str, list[
     return out
 
 
-def per_link(m: dict, art, gbps: list[float], target_ms: float, kls: dict[str, float]) -> list[dict]:
-    """At each bandwidth, the level the producer sends (links.choose with what is left of the target after
-    the measured prefill and encode), the modeled TTFT of that level's codes and its measured KL."""
+def per_link(m: dict, art, gbps: list[float], target_ms: float | None, kls: dict[str, float],
+             link_ms: float | None = None) -> list[dict]:
+    """At each bandwidth, the level the producer sends (links.choose with what is left of the TTFT target
+    after the measured prefill and encode, or with `link_ms` for the link), the modeled TTFT of that level's
+    codes and its measured KL."""
     by_level = {json.dumps(lv, sort_keys=True): name for lv, name in
                 zip(art.levels, [x.name for x in methods.at_levels(art)] + ["scd"])}
     raw = m["methods"]["raw_kv"]["payload_bytes"]
     rows = []
     for g in gbps:
         spent = m["producer_prefill_ms"] + m["methods"]["scd"]["producer_ms"]
-        level = links.choose(art, m["tokens"], g, target_ms - spent)
+        level = links.choose(art, m["tokens"], g, link_ms if link_ms is not None else target_ms - spent)
         name = by_level[json.dumps(level, sort_keys=True)]
         p = m["methods"][name]
         rows.append({"gbps": g, "level": level, "method": name, "payload_ratio": p["payload_bytes"] / raw,
@@ -210,17 +213,24 @@ def _print_bandwidth(pair: str, m: dict, gbps: list[float], cold: dict[str, list
                        (warm, "the prefix already prefilled on the producer")):
         print(f"{pair} time to first token at {m['tokens']} tokens, {how} (ms; measured compute + payload / "
               f"bandwidth):")
-        print(f"  {'method':<11}{'payload':>8}{'encode':>8}{'consumer':>10}{head}")
+        w = max(11, *(len(name) + 1 for name in m["methods"]))
+        print(f"  {'method':<{w}}{'payload':>8}{'encode':>8}{'consumer':>10}{head}")
         for name, p in m["methods"].items():
             cells = "".join(f"{t:11.2f}" for t in times[name])
-            print(f"  {name:<11}{p['payload_bytes'] / raw:8.3f}{p['producer_ms']:8.2f}{p['consumer_ms']:10.2f}{cells}")
+            print(f"  {name:<{w}}{p['payload_bytes'] / raw:8.3f}{p['producer_ms']:8.2f}{p['consumer_ms']:10.2f}{cells}")
     print(f"  plot: {png}", flush=True)
 
 
-def _print_links(pair: str, m: dict, target_ms: float, n_kl: int, rows: list[dict]) -> None:
+def _print_links(pair: str, m: dict, target_ms: float | None, link_ms: float | None, n_kl: int,
+                 rows: list[dict], levels: list[dict]) -> None:
+    spent = m["producer_prefill_ms"] + m["methods"]["scd"]["producer_ms"]
+    within = (f"{target_ms:g} ms of the request" if link_ms is None else
+              f"{link_ms:g} ms on the link (a TTFT target of {spent + link_ms:.2f} ms)")
     print(f"{pair} ranks chosen per link at {m['tokens']} tokens: the largest code level whose codes arrive within "
-          f"{target_ms:g} ms (the producer's prefill and encode take {m['producer_prefill_ms'] + m['methods']['scd']['producer_ms']:.2f} ms; "
-          f"KL on {n_kl} held-out samples):")
+          f"{within}; the producer's prefill and encode take {spent:.2f} ms; KL on {n_kl} held-out samples:")
+    print("  levels of the artifact (payload ratio: KL): " + "; ".join(
+        ",".join(f"{k}={v}" for k, v in x["level"].items()) + f" ({x['payload_ratio']:.3f}: {x['kl']:.4f})"
+        for x in levels))
     print(f"  {'Gbps':>6}  {'level':<16}{'payload':>8}{'TTFT ms':>10}{'KL':>9}")
     for r in rows:
         level = ",".join(f"{k}={v}" for k, v in r["level"].items())
@@ -238,7 +248,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--plot-dir", default="runs/bench", help="where --bandwidth writes its PNG")
     p.add_argument("--ttft-target", type=float, help="with --bandwidth: a TTFT target (ms) for the codes' arrival; "
                                                      "prints the code level chosen at each bandwidth")
-    p.add_argument("--kl-samples", type=int, default=8, help="held-out samples scoring each level's KL (--ttft-target)")
+    p.add_argument("--link-ms", type=float, help="with --bandwidth: the time the codes may take on the link (a TTFT "
+                                                 "target less the producer's measured work); prints the level chosen")
+    p.add_argument("--kl-samples", type=int, default=8, help="held-out samples scoring each level's KL")
     p.add_argument("--work-dir", default="runs/eval")
     p.add_argument("--json", action="store_true")
     args = parse(p, argv)
@@ -247,8 +259,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     gbps = _positives(args.bandwidth, "--bandwidth", float) if args.bandwidth else None
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be positive, got {args.repeats}")
-    if args.ttft_target is not None and (not gbps or not args.ttft_target > 0 or args.kl_samples < 1):
-        raise SystemExit("--ttft-target needs --bandwidth, a positive target and --kl-samples >= 1")
+    sweep = args.ttft_target is not None or args.link_ms is not None
+    if args.ttft_target is not None and args.link_ms is not None:
+        raise SystemExit("give --ttft-target or --link-ms, not both")
+    if sweep and (not gbps or not (args.ttft_target or args.link_ms or 0) > 0 or args.kl_samples < 1):
+        raise SystemExit("--ttft-target and --link-ms need --bandwidth, a positive time and --kl-samples >= 1")
     plot_dir = _plot_dir(args.plot_dir) if gbps else None
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
@@ -259,7 +274,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if len(all_ids) < max(sizes):
         raise SystemExit(f"only {len(all_ids)} tokens of text available, asked for {max(sizes)}")
     kls = None
-    if args.ttft_target is not None:
+    if sweep:
         _, _, held = samples.pair_data(nb, tok, 0, 1, args.kl_samples, args.prefix_tokens, text_file=args.text,
                                        seed=args.seed)
         kls = level_kls(producer, consumer, art, held)
@@ -277,7 +292,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             r["bandwidth"] = {"gbps": gbps, "ttft_ms": cold, "ttft_prefilled_ms": warm, "plot": str(png),
                               "phases": m["methods"], "producer_prefill_ms": m["producer_prefill_ms"]}
             if kls is not None:
-                r["links"] = per_link(m, art, gbps, args.ttft_target, kls)
+                r["links"] = per_link(m, art, gbps, args.ttft_target, kls, args.link_ms)
+                raw = m["methods"]["raw_kv"]["payload_bytes"]
+                r["levels"] = [{"level": lv, "payload_ratio": m["methods"][name]["payload_bytes"] / raw, "kl": kls[name]}
+                               for lv, name in zip(art.levels, [x.name for x in methods.at_levels(art)] + ["scd"])]
         out.append(r)
         if args.json:
             print(json.dumps(r))
@@ -288,7 +306,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if gbps:
             _print_bandwidth(pair, m, gbps, cold, warm, png)
         if kls is not None:
-            _print_links(pair, m, args.ttft_target, args.kl_samples, r["links"])
+            _print_links(pair, m, args.ttft_target, args.link_ms, args.kl_samples, r["links"], r["levels"])
     return out
 
 

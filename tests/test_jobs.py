@@ -111,7 +111,9 @@ def test_bench_fanout_and_ttft_arithmetic():
     (["bench", "--pair", "base:qa", "--fanout", "0,2"], "--fanout must be positive"),
     (["bench", "--pair", "base:qa", "--bandwidth", "10,fast"], "numbers separated by commas"),
     (["bench", "--pair", "base:qa", "--bandwidth", "10", "--plot-dir", __file__], "not a folder"),
-    (["bench", "--pair", "base:qa", "--ttft-target", "5"], "needs --bandwidth"),
+    (["bench", "--pair", "base:qa", "--ttft-target", "5"], "need --bandwidth"),
+    (["bench", "--pair", "base:qa", "--bandwidth", "10", "--link-ms", "0"], "positive time"),
+    (["bench", "--pair", "base:qa", "--bandwidth", "10", "--link-ms", "1", "--ttft-target", "9"], "not both"),
 ])
 def test_cli_rejects_bad_input_with_a_message(argv, msg):
     with pytest.raises(SystemExit, match=msg):

@@ -141,3 +141,4 @@ def test_the_bench_sweep_models_each_bandwidths_level_from_the_measured_phases(f
     assert [r["method"] for r in rows] == [names[1], "scd"], rows
     assert rows[0]["ttft_ms"] == pytest.approx(50 + 2 + 10 + 3, rel=1e-3) and rows[0]["kl"] == kls[names[1]]
     assert rows[1]["payload_ratio"] == pytest.approx(0.25) and rows[1]["level"] == art.levels[-1]
+    assert per_link(m, art, [just[1] * 1.0001], None, kls, link_ms=10.0) == rows[:1]     # the link's share given
