@@ -12,7 +12,7 @@ import torch
 from actors.messages import FallbackReason
 from actors.prefix_cache import PrefixCodeCache, prefix_key
 from scd.online import codec, links
-from scd.online.artifacts import PairArtifacts
+from scd.online.artifacts import FamilyArtifacts, PairArtifacts
 from scd.online.rebuild import encode
 from scd.online.trace import capture
 
@@ -25,6 +25,7 @@ class Encoded:
     error: str | None = None          # fallback reason for the specialist when payload is None
     cache_hit: bool = False
     level: dict[str, int] | None = None   # the Reuse ranks sent (links.choose)
+    family: str | None = None             # the family whose one payload serves this pair with others
 
 
 @dataclass
@@ -49,35 +50,57 @@ class ProducerEngine:
         self.cache = PrefixCodeCache(cache_bytes)
         self.prefills = 0
         self.link_gbps, self.ttft_target_ms = dict(link_gbps or {}), ttft_target_ms
+        self.families: dict[str, tuple[FamilyArtifacts, str]] = {}   # family id -> (artifact, version)
 
-    def _level(self, pair: str, tokens: int, spent_ms: float) -> dict[str, int]:
-        art, _ = self.artifacts[pair]
+    def _level(self, art: PairArtifacts, pairs: list[str], tokens: int, spent_ms: float) -> dict[str, int]:
+        """The level of `art`'s codes that reaches every one of `pairs` in time: the smallest of their choices."""
         budget = None if self.ttft_target_ms is None else self.ttft_target_ms - spent_ms
-        return links.choose(art, tokens, self.link_gbps.get(pair), budget)
+        return min((links.choose(art, tokens, self.link_gbps.get(p), budget) for p in pairs), key=art.levels.index)
 
     def set_artifact(self, pair: str, art: PairArtifacts, version: str) -> None:
         self.artifacts[pair] = (art, version)
 
+    def set_family(self, fam: FamilyArtifacts, version: str) -> None:
+        """A fan-out whose pairs are all members of `fam` gets one encode and one payload for all of them."""
+        self.families[fam.family] = (fam, version)
+
+    def family_for(self, pairs: list[str]) -> str | None:
+        """The family whose members include every one of `pairs` (two or more), if one is loaded."""
+        if len(set(pairs)) < 2:
+            return None
+        return next((fid for fid, (fam, _) in self.families.items() if set(pairs) <= set(fam.members)), None)
+
     @torch.no_grad()
     def encode(self, prefix_ids: list[int], pairs: list[str]) -> EncodeResult:
-        """Codes of one prefix for each pair; the prefix is prefilled at most once for all of them."""
+        """Codes of one prefix for each pair; the prefix is prefilled at most once for all of them. A fan-out
+        to members of one loaded family gets that family's one payload, encoded once, at the level that fits
+        the slowest of their links; otherwise each pair gets its own."""
         res = EncodeResult({})
+        fid = self.family_for(pairs)
+        units = []                            # (the id its payload carries, artifact, version, the pairs it serves)
+        if fid is not None:
+            fam, version = self.families[fid]
+            units.append((fid, fam.encoder, version, list(dict.fromkeys(pairs))))
+        else:
+            for pair in pairs:
+                if pair not in self.artifacts:
+                    res.per_pair[pair] = Encoded(None, None, FallbackReason.NO_ARTIFACT)
+                else:
+                    units.append((pair, *self.artifacts[pair], [pair]))
+        key = lambda uid, version, level: prefix_key(prefix_ids, uid, f"{version}/{_level_tag(level)}")  # noqa: E731
         todo = []
-        for pair in pairs:
-            if pair not in self.artifacts:
-                res.per_pair[pair] = Encoded(None, None, FallbackReason.NO_ARTIFACT)
-                continue
-            art, version = self.artifacts[pair]
+        for uid, art, version, served in units:
             # a cached code is sent at once: the largest level that fits the whole target, or a smaller one
             # cached by a request whose prefill left less of it
-            best = self._level(pair, len(prefix_ids), 0.0)
+            best = self._level(art, served, len(prefix_ids), 0.0)
             levels = art.levels[:art.levels.index(best) + 1][::-1]
-            keys = [prefix_key(prefix_ids, pair, f"{version}/{_level_tag(lv)}") for lv in levels]
+            keys = [key(uid, version, lv) for lv in levels]
             hit = self.cache.first(keys)
-            if hit is not None:
-                res.per_pair[pair] = Encoded(hit[1], version, cache_hit=True, level=levels[keys.index(hit[0])])
-            else:
-                todo.append(pair)
+            if hit is None:
+                todo.append((uid, art, version, served))
+                continue
+            for p in served:
+                res.per_pair[p] = Encoded(hit[1], version, cache_hit=True, level=levels[keys.index(hit[0])], family=fid)
         if not todo:
             return res
         ids = torch.tensor([prefix_ids], device=self.device)
@@ -85,20 +108,21 @@ class ProducerEngine:
         trace = capture(self.model, ids, torch.ones_like(ids))
         t1 = time.perf_counter()
         self.prefills += 1
-        for pair in todo:
-            art, version = self.artifacts[pair]
-            level = self._level(pair, len(prefix_ids), (time.perf_counter() - t0) * 1e3)
-            payload = codec.encode(encode(art, trace, ids.cpu(), level), pair, version,
+        for uid, art, version, served in todo:
+            level = self._level(art, served, len(prefix_ids), (time.perf_counter() - t0) * 1e3)
+            payload = codec.encode(encode(art, trace, ids.cpu(), level), uid, version,
                                    codec.artifact_dims(art, level), art.code_dtype)
-            self.cache.put(prefix_key(prefix_ids, pair, f"{version}/{_level_tag(level)}"), payload)
-            res.per_pair[pair] = Encoded(payload, version, level=level)
+            self.cache.put(key(uid, version, level), payload)
+            for p in served:
+                res.per_pair[p] = Encoded(payload, version, level=level, family=fid)
         res.prefilled, res.prefill_ms, res.encode_ms = True, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
         return res
 
     def stats(self) -> dict:
         s = self.cache.stats
         return {"prefills": self.prefills, "cache_hits": s.hits, "cache_misses": s.misses,
-                "cache_bytes": s.bytes, "cache_entries": s.entries, "pairs": sorted(self.artifacts)}
+                "cache_bytes": s.bytes, "cache_entries": s.entries, "pairs": sorted(self.artifacts),
+                "families": sorted(self.families)}
 
 
 

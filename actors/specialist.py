@@ -31,9 +31,11 @@ class ServedInfo:
     timings: dict[str, float] = field(default_factory=dict)
     tokens: int = 0                             # generated tokens (usage), set when the answer is done
     level: dict[str, int] | None = None         # mode "scd": the Reuse ranks the codes arrived at
+    family: str | None = None                   # mode "scd": the family whose one payload served this fan-out
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "reason": self.reason, "artifact": self.artifact, "level": self.level,
+                "family": self.family,
                 "payload_bytes": self.payload_bytes, "timings_ms": {k: round(v, 3) for k, v in self.timings.items()}}
 
 
@@ -89,6 +91,7 @@ class SpecialistEngine:
                  unavailable_reason: str = FallbackReason.NO_ARTIFACT, device: str = "cpu", max_batch: int = 8):
         self.name, self.model, self.tok, self.device = name, model, tokenizer, device
         self.decoder = BatchDecoder(model, tokenizer.eos_token_id, max_batch)
+        self.families: dict[str, tuple[PairArtifacts, str]] = {}     # family id -> (this member's artifact, version)
         self.set_artifact(art, version, unavailable_reason)
 
     def set_artifact(self, art: PairArtifacts | None, version: str | None,
@@ -96,6 +99,23 @@ class SpecialistEngine:
         if art is not None:
             prepare(self.model, art)          # lookup tables and fused patches now, not on the first request
         self.art, self.version, self.unavailable_reason = art, version, reason
+
+    def set_family(self, member: PairArtifacts, version: str) -> None:
+        """This specialist's member artifact of a family (member.pair is the family's id): payloads that carry
+        the family's id are rebuilt with it."""
+        prepare(self.model, member)
+        self.families[member.pair] = (member, version)
+
+    def _artifact_for(self, payload: bytes) -> tuple[PairArtifacts | None, str | None, str | None]:
+        """(artifact, version, family id) that decodes `payload`: a family's when its header carries a family
+        this specialist belongs to, else the pair's own (a damaged payload: the pair's, whose decode says so)."""
+        try:
+            carried = codec.header(payload, checksum=False).get("pair")
+        except codec.PayloadError:
+            carried = None
+        if carried in self.families:
+            return (*self.families[carried], carried)
+        return self.art, self.version, None
 
     @torch.no_grad()
     def _prefix_kv(self, prefix_ids: list[int], payload: bytes | None, reason: str | None, timings: dict):
@@ -106,13 +126,13 @@ class SpecialistEngine:
         if reason == FallbackReason.NO_ARTIFACT and self.art is None:   # the producer has none; this side may know why
             reason = self.unavailable_reason
         if payload is not None and reason is None:
-            if self.art is None:
+            art, version, family = self._artifact_for(payload)
+            if art is None:
                 reason = self.unavailable_reason
             else:
                 t0 = time.perf_counter()
                 try:
-                    codes = codec.decode(payload, self.art.pair, self.version, self.art.plan,
-                                         codec.level_dims(self.art))
+                    codes = codec.decode(payload, art.pair, version, art.plan, codec.level_dims(art))
                 except codec.PayloadError:
                     reason = FallbackReason.CODEC_ERROR
                 else:
@@ -124,9 +144,10 @@ class SpecialistEngine:
                         reason = FallbackReason.CODEC_ERROR
                     else:
                         timings["decode"] = (time.perf_counter() - t0) * 1e3
-                        kv, ph = rebuild(self.model, self.art, codes)
+                        kv, ph = rebuild(self.model, art, codes)
                         timings["rebuild"], timings["patch"] = ph["rebuild_ms"], ph["patch_ms"]
-                        return kv, ServedInfo("scd", None, self.version, len(payload), timings, level=codes.level)
+                        return kv, ServedInfo("scd", None, version, len(payload), timings, level=codes.level,
+                                              family=family)
         t0 = time.perf_counter()
         tr = capture(self.model, ids, torch.ones_like(ids), want_xnorm=False)
         timings["prefill"] = (time.perf_counter() - t0) * 1e3

@@ -11,8 +11,9 @@ precision), so the comparison isolates what sharing the encoder costs. Reported:
   - each member's held-out KL (its own samples) under raw KV reuse, its pair code and the family code;
   - a fan-out to every member: wire bytes and producer encode time, one family payload against one
     payload per pair (medians of interleaved rounds);
-and written under --out: each member's family artifact (safetensors + JSON, encoders shared), family.json
-with the figures, and family.png (KL per member, pair vs family).
+and written under --out/<producer>/<name>: the family artifact (scd.online.artifacts.FamilyArtifacts:
+safetensors with the shared encoders once and each member's decoders, family.json), figures.json with the
+figures, and family.png (KL per member, pair vs family).
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ from scd.fitting.calibrate import pad
 from scd.fitting.checkpoints import key_dir
 from scd.fitting.gram import JointGram
 from scd.online import codec
-from scd.online.artifacts import PairArtifacts
+from artifacts_store.refs import check_name
+from artifacts_store.errors import InvalidReference
+from scd.online.artifacts import FamilyArtifacts, PairArtifacts
 from scd.online.models import ModelSpec, check_pair, data_digest, load, model_digest, tokenizer_fingerprint
 from scd.online.rebuild import encode
 from scd.online.trace import capture
@@ -88,8 +91,8 @@ def load_grams(path: Path, spec: ModelSpec, hidden: bool) -> dict[str, list[Join
 
 
 def artifacts(grams: dict[str, list[JointGram]], spec: ModelSpec, pairs: list[str], ranks: dict[str, int],
-              ridge: float, dtype: str) -> tuple[list[PairArtifacts], list[PairArtifacts]]:
-    """(family artifacts, pair artifacts), one of each per member, Reuse-only (layer 0 exact)."""
+              ridge: float, dtype: str, family_id: str) -> tuple[FamilyArtifacts, list[PairArtifacts]]:
+    """(the family artifact, each member's own pair artifact), Reuse-only (layer 0 exact)."""
     n, hidden = len(pairs), "x" in grams
     kind = "hidden" if hidden else "reuse"
     plan = ["exact"] + [kind] * (spec.num_layers - 1)
@@ -109,10 +112,11 @@ def artifacts(grams: dict[str, list[JointGram]], spec: ModelSpec, pairs: list[st
             for j, c in enumerate(family.fit_family(g, n, r, ridge, hidden)):
                 fam[j].setdefault(stream, {})[l] = c
                 own[j].setdefault(stream, {})[l] = family.fit_pair(g, n, j, r, ridge, hidden)
-    return [make(p, c) for p, c in zip(pairs, fam)], [make(p, c) for p, c in zip(pairs, own)]
+    return (FamilyArtifacts(family_id, {p: make(family_id, c) for p, c in zip(pairs, fam)}),
+            [make(p, c) for p, c in zip(pairs, own)])
 
 
-def fanout_cost(producer, fam: list[PairArtifacts], own: list[PairArtifacts], ids: torch.Tensor,
+def fanout_cost(producer, fam: FamilyArtifacts, own: list[PairArtifacts], ids: torch.Tensor,
                 repeats: int) -> dict:
     """Wire bytes and producer encode ms (median of interleaved rounds, after a warm-up) of a fan-out to every
     member: one family payload against one payload per pair."""
@@ -123,7 +127,7 @@ def fanout_cost(producer, fam: list[PairArtifacts], own: list[PairArtifacts], id
 
     times = {"family": [], "pairs": []}
     for i in range(repeats + 1):
-        for name, arts in (("family", fam[:1]), ("pairs", own)):
+        for name, arts in (("family", [fam.encoder]), ("pairs", own)):
             t = time.perf_counter()
             blobs = payloads(arts)
             if i:
@@ -174,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prefixes", type=int, help="common calibration prefixes (default: the config's)")
     p.add_argument("--heldout", type=int, help="held-out samples per member (default: the config's)")
     p.add_argument("--repeats", type=int, default=10, help="rounds of the fan-out encode timing")
-    p.add_argument("--out", default="runs/family", help="where the family artifacts and figures go")
+    p.add_argument("--name", default="family", help="the family's name: its artifact's id is PRODUCER:NAME")
+    p.add_argument("--out", default="runs/family", help="where the family artifact and figures go")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
     c = cfg.calibration
@@ -189,6 +194,13 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SystemExit(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     n_prefixes, n_held = args.prefixes or c.prefixes, args.heldout or c.heldout
+    try:
+        check_name(args.name, "--name")
+    except InvalidReference as e:
+        raise SystemExit(str(e)) from None
+    if args.name in {s.name for s in cfg.specialists} | {cfg.producer.name}:
+        raise SystemExit(f"--name {args.name!r} is a model's name; give the family its own")
+    family_id = f"{cfg.producer.name}:{args.name}"
 
     torch.manual_seed(c.seed)
     producer, tok, spec = load(cfg.producer.path)
@@ -221,10 +233,10 @@ def main(argv: list[str] | None = None) -> dict:
         grams = accumulate(producer, consumers, spec, calib, hidden, c.batch, tok.pad_token_id)
         save_grams(grams, path)
         log(f"grams accumulated in {time.time() - t0:.0f} s ({path})")
-    fam, own = artifacts(grams, spec, pairs, ranks, c.ridge, c.code_dtype)
+    fam, own = artifacts(grams, spec, pairs, ranks, c.ridge, c.code_dtype, family_id)
 
     rows = []
-    for name, consumer, f_art, o_art in zip(names, consumers, fam, own):
+    for name, consumer, f_art, o_art in zip(names, consumers, fam.members.values(), own):
         got = Evaluator(producer, consumer, tok).run(
             held[name], [methods.RawKV(), methods.SCDMethod(o_art, "pair"), methods.SCDMethod(f_art, "family")],
             desc=f"held-out {name}")
@@ -235,13 +247,12 @@ def main(argv: list[str] | None = None) -> dict:
     ids = torch.tensor([sum((s.prefix.tolist() for s in held[names[0]]), [])[:c.prefix_tokens]])
     cost = fanout_cost(producer, fam, own, ids, args.repeats)
 
-    out = Path(args.out).expanduser() / cfg.producer.name
-    for a in fam:
-        a.info = {"family": {"members": pairs, "ranks": ranks}}
-        a.save(out / a.pair.split(":", 1)[1])
-    result = {"members": pairs, "ranks": ranks, "code_dtype": c.code_dtype, "prefixes": len(calib),
-              "heldout": n_held, "kl": rows, "fanout": cost}
-    (out / "family.json").write_text(json.dumps(result, indent=1))
+    out = Path(args.out).expanduser() / cfg.producer.name / args.name
+    result = {"family": family_id, "members": pairs, "ranks": ranks, "code_dtype": c.code_dtype,
+              "prefixes": len(calib), "heldout": n_held, "kl": rows, "fanout": cost}
+    fam.info = result
+    fam.save(out)
+    (out / "figures.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / "family.png", f"{cfg.producer.name}: one code for {len(names)} specialists vs one per pair "
                                     f"({c.reuse_source} {ranks}, {c.code_dtype})")
 

@@ -1,4 +1,6 @@
 """One code for a family: shared-encoder fits against several consumers at once (scd.fitting.family)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,3 +55,79 @@ def test_family_members_share_one_encoder_and_cost_little_against_their_own_pair
             assert own_err <= fam_err * (1 + 1e-4), (j, fam_err, own_err)
     with pytest.raises(ValueError, match="equal member blocks"):
         family.fit_family(gram, 4, 6, 1e-4, regression)
+
+
+@pytest.fixture(scope="module")
+def fitted_family(tmp_path_factory):
+    """A two-member family of tiny perturbed consumers (hidden-state codes, from scd.fitting.family) with
+    each member's own pair artifact beside it."""
+    from jobs.family import accumulate, artifacts
+    from scd.online.models import ModelSpec
+    from tests.conftest import perturbed, tiny_llama
+    from tests.test_pipeline_tiny import _samples
+    a = tiny_llama(0)
+    members = [perturbed(a, 0.3, seed=1), perturbed(a, 0.3, seed=2)]
+    spec = ModelSpec.from_config(a.config)
+    grams = accumulate(a, members, spec, [s.prefix for s in _samples(24, 1)], True, 8, 0)
+    fam, own = artifacts(grams, spec, ["a:b", "a:c"], {"r_x": 16}, 1e-4, "int8", "a:fam")
+    return a, members, fam, own
+
+
+def test_a_family_artifact_saves_its_shared_encoders_once_and_loads_every_member(fitted_family, tmp_path):
+    from safetensors.torch import load_file
+    from scd.online.artifacts import FamilyArtifacts
+    _, _, fam, _ = fitted_family
+    fam.save(tmp_path / "f")
+    keys = load_file(str(tmp_path / "f" / "tensors.safetensors")).keys()
+    assert sum(k.endswith("hidden.1.enc") for k in keys) == 1, sorted(keys)       # once, not per member
+    back = FamilyArtifacts.load(tmp_path / "f")
+    assert back.family == "a:fam" and list(back.members) == ["a:b", "a:c"]
+    for name, art in fam.members.items():
+        got = back.members[name]
+        assert got.pair == "a:fam" and got.plan == art.plan and got.levels == art.levels
+        assert all(torch.equal(got.reuse_x[l].dec, art.reuse_x[l].dec) for l in art.reuse_x)
+    with pytest.raises(ValueError, match="share the family"):
+        FamilyArtifacts("a:fam", {"a:b": fam.members["a:b"], "a:c": dataclasses.replace(
+            fam.members["a:c"], reuse_x={l: dataclasses.replace(c, enc=c.enc + 1) for l, c in fam.members["a:c"].reuse_x.items()})})
+
+
+def test_a_fanout_to_a_family_encodes_once_and_each_member_rebuilds_its_own_cache(fitted_family):
+    """The producer sends the family's one payload to every member; each specialist rebuilds with its own
+    decoders (what the family artifact's member rebuilds directly); a request for one member alone, or
+    for pairs outside the family, gets the pair's own codes."""
+    from actors.messages import GenParams
+    from actors.producer import ProducerEngine
+    from actors.specialist import SpecialistEngine
+    from scd.online import codec
+    from scd.online.rebuild import encode, rebuild
+    from scd.online.trace import capture
+    from tests.test_models import _tokenizer
+    a, (b, c), fam, own = fitted_family
+    tok = _tokenizer(97)
+    producer = ProducerEngine(a, tok, {"a:b": (own[0], "p1"), "a:c": (own[1], "p1")}, cache_bytes=1 << 20)
+    producer.set_family(fam, "f1")
+    prefix = list(range(5, 29))
+    before = producer.prefills
+    res = producer.encode(prefix, ["a:b", "a:c"])
+    eb, ec = res.per_pair["a:b"], res.per_pair["a:c"]
+    assert producer.prefills == before + 1 and eb.payload is ec.payload and eb.family == ec.family == "a:fam"
+    solo = producer.encode(prefix, ["a:b"]).per_pair["a:b"]
+    assert solo.family is None and solo.version == "p1" and solo.payload != eb.payload
+    ids = torch.tensor([prefix])
+    trace = capture(a, ids, torch.ones_like(ids))
+    for name, model, mine in (("a:b", b, own[0]), ("a:c", c, own[1])):
+        engine = SpecialistEngine(name, model, tok, mine, "p1")
+        engine.set_family(fam.members[name], "f1")
+        _, info, _ = engine.complete(prefix, [11], eb.payload, None, GenParams(max_tokens=2))
+        assert info.mode == "scd" and info.family == "a:fam" and info.artifact == "f1", info
+        kv, _ = engine._prefix_kv(prefix, eb.payload, None, {})
+        want, _ = rebuild(model, fam.members[name], codec.as_received(encode(fam.members[name], trace, ids), "int8"))
+        err = max((x - y).abs().max().item() for p, q in zip(kv, want) for x, y in zip(p, q))
+        assert err < 1e-5, f"{name}: the family payload rebuilt differently from its member artifact, by {err:.2e}"
+        _, info, _ = engine.complete(prefix, [11], solo.payload if name == "a:b" else
+                                     producer.encode(prefix, ["a:c"]).per_pair["a:c"].payload, None,
+                                     GenParams(max_tokens=2))
+        assert info.mode == "scd" and info.family is None and info.artifact == "p1", info
+    other = SpecialistEngine("a:b", b, tok, own[0], "p1")          # not told about the family: a stated fallback
+    _, info, _ = other.complete(prefix, [11], eb.payload, None, GenParams(max_tokens=2))
+    assert info.mode == "fallback" and info.reason == "codec_error", info

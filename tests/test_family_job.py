@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from jobs.family import main as family_job
-from scd.online.artifacts import PairArtifacts
+from scd.online.artifacts import FamilyArtifacts
 from tests.conftest import write_config
 
 
@@ -19,19 +19,21 @@ def run(tmp_path_factory):
 def test_one_family_payload_serves_every_member_and_each_members_kl_is_reported(run):
     tmp, _, res = run
     assert res["members"] == ["base:qa", "base:prose", "base:code"] and res["ranks"] == {"r_x": 16}
+    assert res["family"] == "base:family"
     cost = res["fanout"]
     # one payload instead of three of the same size (their headers differ only by the pair's name)
     assert cost["pairs_bytes"] == pytest.approx(3 * cost["family_bytes"], rel=0.01), cost
     for row in res["kl"]:
         assert row["pair"] > 0 and row["family"] > 0 and row["raw_kv"] > 0, row
-    out = tmp / "out" / "base"
-    assert json.loads((out / "family.json").read_text())["kl"] == res["kl"]
+    out = tmp / "out" / "base" / "family"
+    assert json.loads((out / "figures.json").read_text())["kl"] == res["kl"]
     assert (out / "family.png").read_bytes()[:4] == b"\x89PNG"
-    arts = [PairArtifacts.load(out / m) for m in ("qa", "prose", "code")]
+    fam = FamilyArtifacts.load(out)
+    assert list(fam.members) == res["members"] and fam.info["fanout"] == res["fanout"]
+    arts = list(fam.members.values())
     for layer in arts[0].reuse_x:                       # the encoder is shared, the decoders are each member's
         assert all(torch.equal(a.reuse_x[layer].enc, arts[0].reuse_x[layer].enc) for a in arts)
         assert not torch.equal(arts[1].reuse_x[layer].dec, arts[0].reuse_x[layer].dec)
-    assert arts[2].info["family"]["members"] == res["members"]
 
 
 def test_a_second_run_resumes_the_family_grams(run, capsys):
@@ -42,8 +44,10 @@ def test_a_second_run_resumes_the_family_grams(run, capsys):
     assert "grams resumed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("members,msg", [("qa", "two or more"), ("qa,qa", "two or more"), ("qa,nope", "no specialist")])
-def test_bad_members_are_refused_with_a_message(run, members, msg):
+@pytest.mark.parametrize("argv,msg", [(["--members", "qa"], "two or more"), (["--members", "qa,qa"], "two or more"),
+                                      (["--members", "qa,nope"], "no specialist"), (["--name", "../x"], "not allowed"),
+                                      (["--name", "qa"], "a model's name")])
+def test_bad_members_and_names_are_refused_with_a_message(run, argv, msg):
     _, cfg, _ = run
     with pytest.raises(SystemExit, match=msg):
-        family_job(["--config", str(cfg), "--members", members])
+        family_job(["--config", str(cfg), *argv])

@@ -183,3 +183,70 @@ class PairArtifacts:
     def load(cls, directory: str | Path) -> "PairArtifacts":
         d = Path(directory)
         return cls.from_parts(json.loads((d / "artifact.json").read_text()), load_file(str(d / "tensors.safetensors")))
+
+
+FAMILY_FORMAT_VERSION = 1
+SHARED_SUFFIXES = (".mu_a", ".enc")       # a codec's producer side: what a family's members share
+
+
+@dataclass
+class FamilyArtifacts:
+    """One code for several specialists (scd.fitting.family): a member artifact per specialist, every one
+    with the same producer-side encoders, so that one encode and one payload serve a fan-out to all of them.
+    Each member's `pair` is the family's id (what its payloads carry); `members` maps the member's own pair id
+    ("producer:consumer") to it."""
+    family: str                                 # "producer:family-name"
+    members: dict[str, PairArtifacts]
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.members) < 2:
+            raise ValueError(f"a family needs two or more members, got {sorted(self.members)}")
+        first = self.encoder
+        encoders = _shared(first)
+        for name, art in self.members.items():
+            if art.pair != self.family:
+                raise ValueError(f"member {name} carries pair {art.pair!r}, not the family's {self.family!r}")
+            same = (art.plan, art.spec, art.reuse_ranks, art.code_dtype) == \
+                (first.plan, first.spec, first.reuse_ranks, first.code_dtype)
+            own = _shared(art)
+            if not same or own.keys() != encoders.keys() or any(not torch.equal(v, encoders[k]) for k, v in own.items()):
+                raise ValueError(f"member {name} does not share the family's plan, ranks and encoders")
+
+    @property
+    def encoder(self) -> PairArtifacts:
+        """The artifact the producer encodes with (any member: their encoders are the same)."""
+        return next(iter(self.members.values()))
+
+    def save(self, directory: str | Path) -> None:
+        """tensors.safetensors (the shared encoders once, then each member's decoders) + family.json."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tensors = {f"shared.{k}": v for k, v in _shared(self.encoder).items()}
+        for name, art in self.members.items():
+            tensors.update({f"member.{name}.{k}": v for k, v in art.tensors().items() if not k.endswith(SHARED_SUFFIXES)})
+        save_file(tensors, str(d / "tensors.safetensors"))
+        desc = {"format_version": FAMILY_FORMAT_VERSION, "family": self.family, "info": self.info,
+                "members": {name: art.description() for name, art in self.members.items()}}
+        (d / "family.json").write_text(json.dumps(desc, indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "FamilyArtifacts":
+        d = Path(directory)
+        desc = json.loads((d / "family.json").read_text())
+        if desc.get("format_version") != FAMILY_FORMAT_VERSION:
+            raise IncompatibleArtifact(f"family artifact format {desc.get('format_version')!r} was written by another "
+                                       f"SCD Serve build (this one reads {FAMILY_FORMAT_VERSION}): fit the family again")
+        t = load_file(str(d / "tensors.safetensors"))
+        shared = {k[len("shared."):]: v for k, v in t.items() if k.startswith("shared.")}
+        members = {}
+        for name, member_desc in desc["members"].items():
+            pre = f"member.{name}."
+            own = {k[len(pre):]: v for k, v in t.items() if k.startswith(pre)}
+            members[name] = PairArtifacts.from_parts(member_desc, {**shared, **own})
+        return cls(desc["family"], members, desc.get("info", {}))
+
+
+def _shared(art: PairArtifacts) -> dict[str, torch.Tensor]:
+    """An artifact's producer-side tensors (its codecs' means and encoders)."""
+    return {k: v for k, v in art.tensors().items() if k.endswith(SHARED_SUFFIXES)}

@@ -190,11 +190,15 @@ def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: 
     return blob + struct.pack("<I", zlib.crc32(blob))
 
 
-def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dict[str, int] | list[dict[str, int]]") -> Codes:
-    """Parse and validate a payload against the consumer's expectation; raise PayloadError on any mismatch.
-    `dims`: the dims it must have, or a list of those it may have (an artifact's levels, `level_dims`)."""
-    accepted = dims if isinstance(dims, list) else [dims]
-    mv = memoryview(payload)
+def header(payload: bytes, checksum: bool = True) -> dict:
+    """The payload's JSON header after checking magic, version, lengths and (unless `checksum` is False: a
+    peek at which artifact decodes it, before `decode` checks everything) the checksum; PayloadError if any
+    is wrong."""
+    return _header(memoryview(payload), checksum)[0]
+
+
+def _header(mv: memoryview, checksum: bool = True) -> tuple[dict, int]:
+    """(the checked header, its length in bytes)."""
     if len(mv) < 14:
         raise PayloadError(f"payload truncated: {len(mv)} bytes is shorter than the fixed header")
     if bytes(mv[:4]) != MAGIC:
@@ -205,13 +209,23 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dic
     if 10 + hlen + 4 > len(mv):
         raise PayloadError(f"payload truncated: header says {hlen} bytes, only {len(mv) - 14} left")
     (crc,) = struct.unpack("<I", mv[-4:])
-    if zlib.crc32(mv[:-4]) != crc:
+    if checksum and zlib.crc32(mv[:-4]) != crc:
         raise PayloadError("payload checksum mismatch (corrupted or truncated in transit)")
     try:
         h = json.loads(bytes(mv[10:10 + hlen]))
-        b, t, dtype = int(h["batch"]), int(h["tokens"]), h["dtype"]
-    except (ValueError, KeyError, TypeError) as e:
+        int(h["batch"]), int(h["tokens"]), h["dtype"]
+    except (ValueError, KeyError, TypeError, IndexError) as e:
         raise PayloadError(f"malformed payload header: {e}") from None
+    return h, hlen
+
+
+def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dict[str, int] | list[dict[str, int]]") -> Codes:
+    """Parse and validate a payload against the consumer's expectation; raise PayloadError on any mismatch.
+    `dims`: the dims it must have, or a list of those it may have (an artifact's levels, `level_dims`)."""
+    accepted = dims if isinstance(dims, list) else [dims]
+    mv = memoryview(payload)
+    h, hlen = _header(mv)
+    b, t, dtype = int(h["batch"]), int(h["tokens"]), h["dtype"]
     wrong = [f"{k}: payload={h.get(k)!r} expected={v!r}" for k, v in
              (("pair", pair), ("artifact", artifact), ("plan", plan)) if h.get(k) != v]
     if h.get("dims") not in accepted:
