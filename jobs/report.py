@@ -188,13 +188,17 @@ def _fig_pareto(pair: str, points: list[dict], extra: dict):
     if chosen:
         ax.scatter([chosen[0]["payload_ratio"]], [chosen[0]["kl"]], s=160, facecolors="none",
                    edgecolors="tab:red", linewidths=2, label="chosen ranks", zorder=5)
-    if min(ys) > 0 and max(ys) / min(ys) > 10:
+    _kl_vs_payload(ax, ys, "KL(oracle ‖ Reuse-only)", f"Rank sweep: KL vs payload — {pair}")
+    return fig
+
+
+def _kl_vs_payload(ax, kls: list[float], ylabel: str, title: str) -> None:
+    """Axes of a KL-against-payload figure: a log KL scale when it spans more than 10x."""
+    if kls and min(kls) > 0 and max(kls) / min(kls) > 10:
         ax.set_yscale("log")
-    ax.set(xlabel="payload ratio (vs raw KV)", ylabel="KL(oracle ‖ Reuse-only)",
-           title=f"Rank sweep: KL vs payload — {pair}")
+    ax.set(xlabel="payload ratio (vs raw KV)", ylabel=ylabel, title=title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(frameon=False, fontsize=8)
-    return fig
 
 
 def _fig_tradeoff(pair: str, rows: list[dict]):
@@ -216,13 +220,8 @@ def _fig_tradeoff(pair: str, rows: list[dict]):
         if r["method"] in marks and r["payload_ratio"] is not None:
             m, c = marks[r["method"]]
             ax.scatter([r["payload_ratio"]], [r["kl"]], marker=m, color=c, s=40, label=r["method"], zorder=4)
-    kls = [r["kl"] for r in rows if r["method"] != "oracle" and r["kl"]]
-    if kls and min(kls) > 0 and max(kls) / min(kls) > 10:
-        ax.set_yscale("log")
-    ax.set(xlabel="payload ratio (vs raw KV)", ylabel="held-out KL(oracle ‖ method)",
-           title=f"KL vs payload, held-out — {pair}")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(frameon=False, fontsize=8)
+    _kl_vs_payload(ax, [r["kl"] for r in rows if r["method"] != "oracle" and r["kl"]],
+                   "held-out KL(oracle ‖ method)", f"KL vs payload, held-out — {pair}")
     return fig
 
 

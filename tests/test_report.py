@@ -62,6 +62,15 @@ def test_full_report():
     assert "| - |" in md  # None F1/EM rendered as "-"
 
 
+def test_rows_with_code_levels_add_the_held_out_tradeoff_figure():
+    levels = [{**_rows()[-1], "method": f"scd@r_x={r}", "payload_ratio": 0.06 * i, "kl": 0.3 / i}
+              for i, r in ((1, 72), (2, 144), (3, 216))]
+    files = build_report("base:qa", _policy(), _rows() + levels)
+    assert "tradeoff.png" in files and "![](tradeoff.png)" in files["summary.md"].decode()
+    _check_png(files["tradeoff.png"])
+    assert "| scd@r_x=144 |" in files["summary.md"].decode()
+
+
 def test_optional_inputs_absent():
     files = build_report("base:code", _policy(), _rows()[-2:])
     assert set(files) == {"summary.md", "sensitivity.png", "greedy.png"}
