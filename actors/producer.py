@@ -93,7 +93,7 @@ class ProducerEngine:
             # a cached code is sent at once: the largest level that fits the whole target, or a smaller one
             # cached by a request whose prefill left less of it
             best = self._level(art, served, len(prefix_ids), 0.0)
-            levels = art.levels[:art.levels.index(best) + 1][::-1]
+            levels = art.servable_levels[:art.servable_levels.index(best) + 1][::-1]
             keys = [key(uid, version, lv) for lv in levels]
             hit = self.cache.first(keys)
             if hit is None:

@@ -215,7 +215,10 @@ def main(argv: list[str] | None = None) -> str:
         raise SystemExit(3)
     log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
     rows += checkpointed(cal.dir / "tradeoff.json", lambda: tradeoff(cal, art, tok, val, held), held)
-    art.info["levels"] = [{**level, "payload_ratio": r["payload_ratio"], "kl": r["kl"]} for level, r in
+    # every level's held-out figures, and whether it passes the same quality gate (a link never gets a level
+    # known to be worse than raw KV reuse; the full code passed it to be published)
+    art.info["levels"] = [{**level, "payload_ratio": r["payload_ratio"], "kl": r["kl"],
+                           "servable": quality_gate({**by, "scd": r}, c)["passed"]} for level, r in
                           zip(art.levels, [next(r for r in rows if r["method"] == m.name) for m in methods.at_levels(art)]
                               + [by["scd"]])]
     grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val), val)

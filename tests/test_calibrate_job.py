@@ -35,6 +35,7 @@ def test_job_publishes_a_verified_artifact_with_report_and_resumes(job, capsys):
     art, _ = store.load(ref)
     ladder = art.info["levels"]           # held-out KL and payload of every level the artifact serves
     assert [{k: v for k, v in e.items() if k.startswith("r_")} for e in ladder] == art.levels, ladder
+    assert ladder[-1]["servable"] and art.servable_levels[-1] == art.levels[-1]     # the published code passed
     ratios = [e["payload_ratio"] for e in ladder]
     assert ratios == sorted(ratios) and ladder[-1]["kl"] == pytest.approx(m.metrics["kl"]), (ladder, m.metrics)
 

@@ -142,3 +142,14 @@ def test_the_bench_sweep_models_each_bandwidths_level_from_the_measured_phases(f
     assert rows[0]["ttft_ms"] == pytest.approx(50 + 2 + 10 + 3, rel=1e-3) and rows[0]["kl"] == kls[names[1]]
     assert rows[1]["payload_ratio"] == pytest.approx(0.25) and rows[1]["level"] == art.levels[-1]
     assert per_link(m, art, [just[1] * 1.0001], None, kls, link_ms=10.0) == rows[:1]     # the link's share given
+
+
+def test_a_link_never_gets_a_level_that_failed_the_quality_gate(fitted):
+    """Levels whose held-out KL lost to raw KV reuse at calibration (info["levels"][i]["servable"] false) are
+    never chosen: a slow link gets the smallest level that passed, and the consumer still decodes any level."""
+    _, _, _, art = fitted
+    art = dataclasses.replace(art, info={"levels": [{**lv, "servable": i > 0} for i, lv in enumerate(art.levels)]})
+    assert art.servable_levels == art.levels[1:]
+    assert links.choose(art, 1000, 1.0, 0.0) == art.levels[1]
+    assert links.choose(art, 1000, 1.0, 1e9) == art.levels[-1]
+    assert codec.artifact_dims(art, art.levels[0]) in codec.level_dims(art)

@@ -110,6 +110,14 @@ class PairArtifacts:
         return out
 
     @property
+    def servable_levels(self) -> list[dict[str, int]]:
+        """The levels a link may be sent: those whose held-out KL passed the quality gate at calibration
+        (`info["levels"][i]["servable"]`; every level when that was not recorded). The full code always."""
+        failed = [{k: v for k, v in e.items() if k.startswith("r_")} for e in self.info.get("levels", [])
+                  if not e.get("servable", True)]
+        return [lv for lv in self.levels[:-1] if lv not in failed] + self.levels[-1:]
+
+    @property
     def reuse_kind(self) -> str:
         """What a Reuse-only plan of this artifact uses: "hidden" if it has hidden-state codecs, else "reuse"."""
         return "hidden" if self.reuse_x else "reuse"

@@ -21,8 +21,9 @@ def transfer_ms(nbytes: int, gbps: float) -> float:
 def choose(art: PairArtifacts, tokens: int, gbps: float | None, budget_ms: float | None) -> dict[str, int]:
     """The largest level whose codes of `tokens` prefix tokens cross a `gbps` link within `budget_ms`; the
     smallest level when none does (a late answer beats a prefill); the full ranks when the bandwidth or the
-    budget is not known."""
-    levels = art.levels
+    budget is not known. Only levels that passed the quality gate at calibration are chosen
+    (PairArtifacts.servable_levels)."""
+    levels = art.servable_levels
     if gbps is None or budget_ms is None:
         return levels[-1]
     fits = [lv for lv in levels if transfer_ms(code_bytes(art, tokens, lv), gbps) <= budget_ms]
