@@ -18,7 +18,7 @@ import ray
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
 from actors.messages import Codes, FallbackReason, GenParams, Output, SpecialistRequest, pair_id
 from cluster.config import DeploymentConfig
@@ -30,6 +30,16 @@ from serve_app.schemas import ChatCompletionRequest, CompletionRequest, FanoutRe
 api = FastAPI(title="SCD Serve")
 api.add_middleware(Guard)
 install(api)
+
+
+async def within(call, timeout_s: float):
+    """asyncio.wait_for for a Serve handle call: Serve answers the cancellation of a call that timed out with
+    RequestCancelledError rather than CancelledError, which wait_for then raises instead of TimeoutError
+    (a busy specialist's status read as a failure, a slow answer as a 500 instead of a 504)."""
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except RequestCancelledError as e:
+        raise asyncio.TimeoutError(f"no answer within {timeout_s} s") from e
 
 
 def _split(prompt: str) -> tuple[str, str]:
@@ -150,7 +160,7 @@ class Router:
     async def _generate(self, name: str, req: SpecialistRequest) -> Output:
         """The whole answer; its timings gain the router's wait for it (`specialist_call`)."""
         t0 = time.perf_counter()
-        out = await self._once_more_if_replica_died(name, lambda: asyncio.wait_for(
+        out = await self._once_more_if_replica_died(name, lambda: within(
             self.handles[name].generate.remote(req), self.limits.request_timeout_s))
         if out.scd is not None:
             out.scd["timings_ms"]["specialist_call"] = round(_ms_since(t0), 3)
@@ -161,7 +171,7 @@ class Router:
         async def attempt():
             gen = self.handles[name].options(stream=True).stream.remote(req)
             try:
-                return gen, await asyncio.wait_for(gen.__anext__(), self.limits.first_token_timeout_s)
+                return gen, await within(gen.__anext__(), self.limits.first_token_timeout_s)
             except BaseException:
                 gen.cancel()
                 raise
@@ -174,7 +184,7 @@ class Router:
         producer is down, or specialists too busy to report); down: no specialist can answer."""
         async def status(h):
             try:
-                return await asyncio.wait_for(h.status.remote(), self.limits.control_timeout_s)
+                return await within(h.status.remote(), self.limits.control_timeout_s)
             except asyncio.TimeoutError:                # its replicas are all busy: alive, but full
                 return {"busy": f"no status within {self.limits.control_timeout_s} s"}
             except Exception as e:
@@ -274,8 +284,8 @@ class Router:
             i = 1
             while True:
                 try:
-                    ev = await asyncio.wait_for(gen.__anext__(), min(self.limits.first_token_timeout_s,
-                                                                     max(0.0, deadline - time.monotonic())))
+                    ev = await within(gen.__anext__(), min(self.limits.first_token_timeout_s,
+                                                           max(0.0, deadline - time.monotonic())))
                 except StopAsyncIteration:
                     break
                 yield chunk(ev, i)

@@ -264,3 +264,31 @@ def test_qa_scales_up_under_load_and_back_down(served):
     assert all(status == 200 for status, _ in answers), answers
     assert wait_for(lambda: running_replicas() == 1, 180), \
         f"qa did not scale back down to 1 replica (running: {running_replicas()})"
+
+
+def test_a_timed_out_handle_call_is_a_timeout_even_when_serve_answers_the_cancel_with_its_own_error():
+    """Serve raises RequestCancelledError from a handle call that asyncio.wait_for cancels, and wait_for
+    passes it on; `within` makes it the timeout it is (a busy specialist is 'busy' in /healthz, a slow
+    answer a 504), and leaves answers and other errors alone."""
+    import asyncio
+    from ray.serve.exceptions import RequestCancelledError
+    from serve_app.router import within
+
+    async def slow():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise RequestCancelledError("r1") from None
+
+    async def run():
+        with pytest.raises(RequestCancelledError):            # what plain wait_for does
+            await asyncio.wait_for(slow(), 0.01)
+        with pytest.raises(asyncio.TimeoutError):
+            await within(slow(), 0.01)
+        assert await within(asyncio.sleep(0, result=7), 1.0) == 7
+
+        async def broken():
+            raise ValueError("no")
+        with pytest.raises(ValueError):
+            await within(broken(), 1.0)
+    asyncio.run(run())
