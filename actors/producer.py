@@ -12,7 +12,7 @@ import torch
 from actors.messages import FallbackReason
 from actors.prefix_cache import PrefixCodeCache, prefix_key
 from scd.online import codec, links
-from scd.online.artifacts import FamilyArtifacts, PairArtifacts
+from scd.online.artifacts import FamilyArtifacts, PairArtifacts, level_tag
 from scd.online.rebuild import encode
 from scd.online.trace import capture
 
@@ -87,13 +87,13 @@ class ProducerEngine:
                     res.per_pair[pair] = Encoded(None, None, FallbackReason.NO_ARTIFACT)
                 else:
                     units.append((pair, *self.artifacts[pair], [pair]))
-        key = lambda uid, version, level: prefix_key(prefix_ids, uid, f"{version}/{_level_tag(level)}")  # noqa: E731
+        key = lambda uid, version, level: prefix_key(prefix_ids, uid, f"{version}/{level_tag(level)}")  # noqa: E731
         todo = []
         for uid, art, version, served in units:
             # a cached code is sent at once: the largest level that fits the whole target, or a smaller one
             # cached by a request whose prefill left less of it
-            best = self._level(art, served, len(prefix_ids), 0.0)
-            levels = art.servable_levels[:art.servable_levels.index(best) + 1][::-1]
+            best, servable = self._level(art, served, len(prefix_ids), 0.0), art.servable_levels
+            levels = servable[:servable.index(best) + 1][::-1]
             keys = [key(uid, version, lv) for lv in levels]
             hit = self.cache.first(keys)
             if hit is None:
@@ -123,8 +123,3 @@ class ProducerEngine:
         return {"prefills": self.prefills, "cache_hits": s.hits, "cache_misses": s.misses,
                 "cache_bytes": s.bytes, "cache_entries": s.entries, "pairs": sorted(self.artifacts),
                 "families": sorted(self.families)}
-
-
-
-def _level_tag(level: dict[str, int]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(level.items()))

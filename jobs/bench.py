@@ -33,6 +33,7 @@ from jobs.evaluate import add_pair_args, calibrated, parse, resolve_pair
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.online import codec, links
+from scd.online.artifacts import level_tag
 from scd.online.models import load_pair
 from scd.online.trace import capture
 
@@ -123,14 +124,12 @@ def per_link(m: dict, art, gbps: list[float], target_ms: float | None, kls: dict
     """At each bandwidth, the level the producer sends (links.choose with what is left of the TTFT target
     after the measured prefill and encode, or with `link_ms` for the link), the modeled TTFT of that level's
     codes and its measured KL."""
-    by_level = {json.dumps(lv, sort_keys=True): name for lv, name in
-                zip(art.levels, [x.name for x in methods.at_levels(art)] + ["scd"])}
     raw = m["methods"]["raw_kv"]["payload_bytes"]
     rows = []
     for g in gbps:
         spent = m["producer_prefill_ms"] + m["methods"]["scd"]["producer_ms"]
         level = links.choose(art, m["tokens"], g, link_ms if link_ms is not None else target_ms - spent)
-        name = by_level[json.dumps(level, sort_keys=True)]
+        name = methods.level_name(art, level)
         p = m["methods"][name]
         rows.append({"gbps": g, "level": level, "method": name, "payload_ratio": p["payload_bytes"] / raw,
                      "ttft_ms": m["producer_prefill_ms"] + p["producer_ms"] + links.transfer_ms(p["payload_bytes"], g)
@@ -229,12 +228,11 @@ def _print_links(pair: str, m: dict, target_ms: float | None, link_ms: float | N
     print(f"{pair} ranks chosen per link at {m['tokens']} tokens: the largest code level whose codes arrive within "
           f"{within}; the producer's prefill and encode take {spent:.2f} ms; KL on {n_kl} held-out samples:")
     print("  levels of the artifact (payload ratio: KL): " + "; ".join(
-        ",".join(f"{k}={v}" for k, v in x["level"].items()) + f" ({x['payload_ratio']:.3f}: {x['kl']:.4f})"
+        level_tag(x["level"]) + f" ({x['payload_ratio']:.3f}: {x['kl']:.4f})"
         for x in levels))
     print(f"  {'Gbps':>6}  {'level':<16}{'payload':>8}{'TTFT ms':>10}{'KL':>9}")
     for r in rows:
-        level = ",".join(f"{k}={v}" for k, v in r["level"].items())
-        print(f"  {r['gbps']:6g}  {level:<16}{r['payload_ratio']:8.3f}{r['ttft_ms']:10.2f}{r['kl']:9.4f}")
+        print(f"  {r['gbps']:6g}  {level_tag(r['level']):<16}{r['payload_ratio']:8.3f}{r['ttft_ms']:10.2f}{r['kl']:9.4f}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -295,7 +293,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 r["links"] = per_link(m, art, gbps, args.ttft_target, kls, args.link_ms)
                 raw = m["methods"]["raw_kv"]["payload_bytes"]
                 r["levels"] = [{"level": lv, "payload_ratio": m["methods"][name]["payload_bytes"] / raw, "kl": kls[name]}
-                               for lv, name in zip(art.levels, [x.name for x in methods.at_levels(art)] + ["scd"])]
+                               for lv, name in ((lv, methods.level_name(art, lv)) for lv in art.levels)]
         out.append(r)
         if args.json:
             print(json.dumps(r))

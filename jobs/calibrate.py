@@ -217,10 +217,10 @@ def main(argv: list[str] | None = None) -> str:
     rows += checkpointed(cal.dir / "tradeoff.json", lambda: tradeoff(cal, art, tok, val, held), held)
     # every level's held-out figures, and whether it passes the same quality gate (a link never gets a level
     # known to be worse than raw KV reuse; the full code passed it to be published)
+    by.update((r["method"], r) for r in rows)
     art.info["levels"] = [{**level, "payload_ratio": r["payload_ratio"], "kl": r["kl"],
-                           "servable": quality_gate({**by, "scd": r}, c)["passed"]} for level, r in
-                          zip(art.levels, [next(r for r in rows if r["method"] == m.name) for m in methods.at_levels(art)]
-                              + [by["scd"]])]
+                           "servable": quality_gate({**by, "scd": r}, c)["passed"]}
+                          for level, r in ((lv, by[methods.level_name(art, lv)]) for lv in art.levels)]
     grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val), val)
     xn = checkpointed(cal.dir / "xnorm.json", lambda: xnorm_profile(cal, art, held[:8]), held[:8])
     split = checkpointed(cal.dir / "split.json", lambda: error_split(cal, art, val), val)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scd.online import codec
-from scd.online.artifacts import PairArtifacts
+from scd.online.artifacts import PairArtifacts, level_tag
 from scd.online.rebuild import encode, rebuild
 from scd.online.rope import cos_sin
 from scd.online.trace import Trace, capture
@@ -158,10 +158,15 @@ class SCDMethod(Method):
         return Built(kv, len(payload), (t3 - t1) * 1e3, phases)
 
 
+def level_name(art: PairArtifacts, level: dict[str, int]) -> str:
+    """The method name of SCD at one of art's levels: "scd" for the full code, else e.g. "scd@r_x=72"."""
+    return "scd" if level == art.levels[-1] else f"scd@{level_tag(level)}"
+
+
 def at_levels(art: PairArtifacts) -> list[SCDMethod]:
-    """SCD at each level the artifact serves but the full one (named scd@r_x=72, ...): the nested codes'
+    """SCD at each level the artifact serves but the full one (named by level_name): the nested codes'
     (payload, KL) ladder."""
-    return [SCDMethod(art, "scd@" + ",".join(f"{k}={v}" for k, v in lv.items()), level=lv) for lv in art.levels[:-1]]
+    return [SCDMethod(art, level_name(art, lv), level=lv) for lv in art.levels[:-1]]
 
 
 def reuse_only(art: PairArtifacts) -> SCDMethod:

@@ -26,6 +26,11 @@ KINDS = ("exact", "reuse", "hidden", "patch")
 LEVELS = (0.25, 0.5, 0.75, 1.0)
 
 
+def level_tag(level: dict[str, int]) -> str:
+    """A level's ranks as text, e.g. "r_k=2,r_v=3" (cache keys, method names, tables)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(level.items()))
+
+
 class IncompatibleArtifact(ValueError):
     """Artifacts in a layout this build does not read (an older or newer format): recalibrate."""
 

@@ -169,6 +169,17 @@ def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str
     return _field(body, off, 2 * n, _TORCH[dtype]).reshape(shape)
 
 
+def _layout(plan: list[str], dims: dict[str, int], b: int, t: int) -> list[tuple[int, str, tuple[int, ...]]]:
+    """(layer, field, shape) of every code tensor of a payload, in wire order."""
+    return [(l, name, _shape(name, b, t, dims["n_kv"], dims[dim])) for l, kind in enumerate(plan)
+            for name, dim in FIELDS[kind]]
+
+
+def _body_bytes(layout, b: int, t: int, dtype: str) -> int:
+    """Bytes between header and checksum: token ids, mask and the code tensors of `layout`."""
+    return 5 * b * t + sum(_nbytes(shape, dtype) for _, _, shape in layout)
+
+
 def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: str = "fp16") -> bytes:
     """Serialise codes. dims = {"n_kv", "r_k", "r_v", "r_h"} of the artifact that produced them."""
     if dtype not in DTYPES:
@@ -179,13 +190,11 @@ def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: 
     hb = json.dumps(header, sort_keys=True).encode()
     parts = [MAGIC, struct.pack("<HI", VERSION, len(hb)), hb,
              codes.token_ids.to(torch.int32).cpu().numpy().tobytes(), codes.mask.to(torch.uint8).cpu().numpy().tobytes()]
-    for l, kind in enumerate(codes.plan):
-        for name, dim in FIELDS[kind]:
-            x = codes.layers[l][name]
-            want = _shape(name, b, t, dims["n_kv"], dims[dim])
-            if tuple(x.shape) != want:
-                raise ValueError(f"layer {l} {name} has shape {tuple(x.shape)}, expected {want}")
-            parts.append(_to_bytes(x, dtype))
+    for l, name, want in _layout(codes.plan, dims, b, t):
+        x = codes.layers[l][name]
+        if tuple(x.shape) != want:
+            raise ValueError(f"layer {l} {name} has shape {tuple(x.shape)}, expected {want}")
+        parts.append(_to_bytes(x, dtype))
     blob = b"".join(parts)
     return blob + struct.pack("<I", zlib.crc32(blob))
 
@@ -235,9 +244,8 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dic
     if wrong:
         raise PayloadError("payload does not match this consumer: " + "; ".join(wrong))
     dims = h["dims"]
-    layout = [(l, name, _shape(name, b, t, dims["n_kv"], dims[dim]))
-              for l, kind in enumerate(plan) for name, dim in FIELDS[kind]]
-    expected = 10 + hlen + 5 * b * t + sum(_nbytes(s, dtype) for _, _, s in layout) + 4
+    layout = _layout(plan, dims, b, t)
+    expected = 10 + hlen + _body_bytes(layout, b, t, dtype) + 4
     if expected != len(mv):
         raise PayloadError(f"payload is {len(mv)} bytes, its header implies {expected}")
     body = torch.frombuffer(bytearray(mv[10 + hlen:-4]), dtype=torch.uint8)   # one copy; fields are views
@@ -266,6 +274,4 @@ def level_dims(art) -> list[dict[str, int]]:
 def code_bytes(art, tokens: int, level: dict[str, int] | None = None, batch: int = 1) -> int:
     """Bytes of the codes of `tokens` prefix tokens at `level` (ids, mask and code tensors: a payload without
     its few hundred bytes of header), what a link has to carry."""
-    dims = artifact_dims(art, level)
-    return 5 * batch * tokens + sum(_nbytes(_shape(name, batch, tokens, dims["n_kv"], dims[dim]), art.code_dtype)
-                                    for kind in art.plan for name, dim in FIELDS[kind])
+    return _body_bytes(_layout(art.plan, artifact_dims(art, level), batch, tokens), batch, tokens, art.code_dtype)
