@@ -12,17 +12,24 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from artifacts_store.errors import ManifestError
 from artifacts_store.fingerprints import Fingerprints, ModelFingerprint
 from artifacts_store.refs import Ref, check_file_name, check_name, check_version_id
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+
+def _family_fields(d: dict) -> dict:
+    """1 -> 2: versions are of a pair or of a family (one code for several consumers, `members`)."""
+    return {**d, "kind": "pair", "members": {}, "schema_version": 2}
+
 
 # Step n turns a schema-n dict into a schema-(n+1) dict. Add one entry per schema bump; never edit old ones.
-_STEPS: dict[int, Callable[[dict], dict]] = {}
+_STEPS: dict[int, Callable[[dict], dict]] = {1: _family_fields}
 
 
 def upgrade(raw: dict) -> dict:
@@ -65,7 +72,7 @@ class _Model(BaseModel):
 
 class PairNames(_Model):
     producer: str = Field(description="name of the producer (base) model")
-    consumer: str = Field(description="name of the consumer (specialist) model")
+    consumer: str = Field(description="name of the consumer (specialist) model, or of the family")
 
     @field_validator("producer", "consumer")
     @classmethod
@@ -92,10 +99,16 @@ class FileEntry(_Model):
 
 class Manifest(_Model):
     schema_version: int = Field(default=SCHEMA_VERSION, description="manifest schema; older ones go through upgrade()")
-    pair: PairNames = Field(description="the calibrated producer->consumer pair")
+    kind: Literal["pair", "family"] = Field("pair", description=(
+        "pair: codes for one consumer; family: one code for several consumers (`members`), the name in "
+        "pair.consumer being the family's"))
+    pair: PairNames = Field(description="the calibrated producer->consumer pair, or producer->family")
     version: str = Field(description="version id: v<UTC yyyymmddTHHMMSSffffff>-<6 hex>, sorts by publication time")
     producer: ModelFingerprint = Field(description="fingerprint of the producer the pair was calibrated with")
-    consumer: ModelFingerprint = Field(description="fingerprint of the consumer the pair was calibrated with")
+    consumer: ModelFingerprint | None = Field(description="fingerprint of the consumer the pair was calibrated "
+                                                          "with (None for a family: see members)")
+    members: dict[str, ModelFingerprint] = Field(default_factory=dict, description=(
+        "a family's consumers: name -> the fingerprint of the model it was calibrated with"))
     tokenizer: str = Field(description="tokenizer fingerprint shared by both models")
     ranks: Ranks = Field(description="latent ranks of the Reuse and Patch codecs")
     patch_layers: list[int] = Field(description="layers rebuilt by Patch (the rest: exact layer 0 and Reuse)")
@@ -107,6 +120,17 @@ class Manifest(_Model):
     code_version: str = Field(description="scd-serve version that wrote the artifact")
     created: datetime = Field(description="UTC time the manifest was made (ISO 8601)")
     files: dict[str, FileEntry] = Field(description="every file of the version except the manifest itself")
+
+    @model_validator(mode="after")
+    def _kind(self):
+        if self.kind == "pair" and (self.consumer is None or self.members):
+            raise ValueError("a pair's manifest has a consumer fingerprint and no members")
+        if self.kind == "family":
+            if self.consumer is not None or len(self.members) < 2:
+                raise ValueError("a family's manifest has two or more members and no single consumer")
+            for name in self.members:
+                check_name(name, "family member")
+        return self
 
     @field_validator("schema_version")
     @classmethod
@@ -143,7 +167,14 @@ class Manifest(_Model):
 
     @property
     def fingerprints(self) -> Fingerprints:
+        """The pair's fingerprints (a family's: the producer and tokenizer; see `member`)."""
         return Fingerprints(producer=self.producer, consumer=self.consumer, tokenizer=self.tokenizer)
+
+    def member(self, consumer: str) -> Fingerprints:
+        """A family member's fingerprints, as a pair's would be."""
+        if consumer not in self.members:
+            raise KeyError(f"{self.ref} has no member {consumer!r}; its members: {sorted(self.members)}")
+        return Fingerprints(producer=self.producer, consumer=self.members[consumer], tokenizer=self.tokenizer)
 
     def to_bytes(self) -> bytes:
         return (json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n").encode()

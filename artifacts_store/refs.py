@@ -20,7 +20,7 @@ LATEST = "latest"
 PAIR_SEP = "__"                 # producer__consumer in storage; hence "__" may not appear inside a name
 MAX_NAME = 128
 MAX_FILE_DEPTH = 4
-RESERVED_FILES = ("manifest.json", "tensors.safetensors", "artifact.json")
+RESERVED_FILES = ("manifest.json", "tensors.safetensors", "artifact.json", "family.json")
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # v + UTC time to the microsecond + 24 random bits: fixed width, so string order == time order, and two

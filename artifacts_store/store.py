@@ -1,4 +1,7 @@
-"""ArtifactStore: publish, list, show, verify, load and gc versioned pair artifacts on any pyarrow filesystem.
+"""ArtifactStore: publish, list, show, verify, load and gc versioned pair (and family) artifacts on any pyarrow
+filesystem. A family (one code for several consumers of a producer, scd.online.artifacts.FamilyArtifacts) is
+stored like a pair whose consumer is the family's name: family.json in place of artifact.json, and a manifest
+of kind "family" with every member's fingerprint.
 
 Layout under the root:
     <producer>__<consumer>/LATEST                      text: the newest complete version id
@@ -40,9 +43,10 @@ from artifacts_store.leases import GcReport, Kept
 from artifacts_store.manifest import CalibrationData, FileEntry, Manifest, PairNames, Ranks, code_version
 from artifacts_store.refs import (LATEST, RESERVED_FILES, Ref, check_file_name, is_version_id, new_version_id,
                                   parse_pair_dir, parse_ref, version_time)
-from scd.online.artifacts import IncompatibleArtifact, PairArtifacts
+from scd.online.artifacts import FamilyArtifacts, IncompatibleArtifact, PairArtifacts
 
 MANIFEST, TENSORS, DESCRIPTION = "manifest.json", "tensors.safetensors", "artifact.json"
+FAMILY_DESCRIPTION = "family.json"   # a family version's description, in place of artifact.json
 REFUSED = "refused.json"             # the last quality-gate refusal of a pair (see refuse())
 POINTER, TMP = "LATEST", ".tmp-"
 _POINTER_TRIES = 8
@@ -117,11 +121,50 @@ class ArtifactStore:
     def publish(self, art: PairArtifacts, fingerprints: fp.Fingerprints, calibration: CalibrationData,
                 metrics: Mapping[str, float] | None = None, extra_files: Mapping[str, bytes] | None = None) -> Manifest:
         """Write a new version of art.pair and return its manifest. Safe to call concurrently from anywhere."""
-        pair = parse_ref(art.pair)
-        if pair.version is not None:
-            raise InvalidReference(f"artifact pair {art.pair!r} must be producer:consumer without a version")
+        pair = self._unversioned(art.pair)
         _check_publish_fingerprints(art, fingerprints)
         files = {TENSORS: st_save(art.tensors()), DESCRIPTION: json.dumps(art.description(), indent=2).encode()}
+        return self._commit(pair, files, extra_files, art, calibration, metrics, producer=fingerprints.producer,
+                            consumer=fingerprints.consumer, tokenizer=fingerprints.tokenizer)
+
+    @storage_errors
+    def publish_family(self, fam: FamilyArtifacts, fingerprints: Mapping[str, fp.Fingerprints],
+                       calibration: CalibrationData, metrics: Mapping[str, float] | None = None,
+                       extra_files: Mapping[str, bytes] | None = None) -> Manifest:
+        """Write a new version of a family (`fam.family`, "producer:name") whose manifest records every
+        member's fingerprint (`fingerprints`: member pair id -> that pair's fingerprints; one producer and
+        one tokenizer for all). Versions, LATEST, leases and gc work as for a pair."""
+        ref = self._unversioned(fam.family)
+        if set(fingerprints) != set(fam.members):
+            raise ValueError(f"fingerprints are for {sorted(fingerprints)}, the family's members are {sorted(fam.members)}")
+        members = {}
+        for name, art in fam.members.items():
+            member = parse_ref(name)
+            if member.producer != ref.producer or member.consumer == ref.consumer:
+                raise InvalidReference(f"family {fam.family}: member {name!r} must be {ref.producer}:<another name>")
+            f = fingerprints[name]
+            _check_publish_fingerprints(art, f)
+            members[member.consumer] = f.consumer
+        first = next(iter(fingerprints.values()))
+        if any((f.producer, f.tokenizer) != (first.producer, first.tokenizer) for f in fingerprints.values()):
+            raise FingerprintMismatch(f"publishing {fam.family}: members were fitted with different producers or "
+                                      "tokenizers; a family has one producer")
+        files = {TENSORS: st_save(fam.tensors()), FAMILY_DESCRIPTION: json.dumps(fam.description(), indent=2).encode()}
+        return self._commit(ref, files, extra_files, fam.encoder, calibration, metrics, kind="family",
+                            producer=first.producer, consumer=None, members=members, tokenizer=first.tokenizer)
+
+    @staticmethod
+    def _unversioned(text: str) -> Ref:
+        ref = parse_ref(text)
+        if ref.version is not None:
+            raise InvalidReference(f"artifact pair {text!r} must be producer:consumer without a version")
+        return ref
+
+    def _commit(self, pair: Ref, files: dict[str, bytes], extra_files: Mapping[str, bytes] | None,
+                art: PairArtifacts, calibration: CalibrationData, metrics: Mapping[str, float] | None,
+                **who) -> Manifest:
+        """Upload `files` (+ extra_files) under a temporary name, verify them, then make them a version (see the
+        module's invariants). `art` gives the manifest's ranks and plan; `who` its kind and fingerprints."""
         for name, data in (extra_files or {}).items():
             if check_file_name(name) in RESERVED_FILES:
                 raise InvalidReference(f"extra file {name!r} would overwrite a file the store writes itself")
@@ -142,8 +185,7 @@ class ArtifactStore:
             # gc's grace period then protects a commit in progress however long the upload took
             version = self._fresh_version(pair)
             manifest = Manifest(
-                pair=PairNames(producer=pair.producer, consumer=pair.consumer), version=version,
-                producer=fingerprints.producer, consumer=fingerprints.consumer, tokenizer=fingerprints.tokenizer,
+                pair=PairNames(producer=pair.producer, consumer=pair.consumer), version=version, **who,
                 ranks=Ranks(r_k=art.r_k, r_v=art.r_v, r_h=art.r_h), patch_layers=art.patch_layers,
                 aligner_shapes={l: [list(t.shape) for t in g.state_dict().values()]
                                 for l, g in sorted(art.aligners.items())},
@@ -330,16 +372,11 @@ class ArtifactStore:
             problems.append(FileProblem(name, "extra", "not listed in the manifest"))
         return VerifyResult(str(r), problems)
 
-    @storage_errors
-    def load(self, ref: "str | Ref", expect: fp.Fingerprints | None = None) -> tuple[PairArtifacts, Manifest]:
-        """The artifacts and manifest of a version, after checking the files it needs against their checksums and,
-        with `expect`, the recorded fingerprints against the models actually loaded (None fields are skipped)."""
-        r = self.resolve(ref)
-        m = self._manifest(r)
-        if expect is not None:          # before downloading tensors: a wrong model fails fast and cheaply
-            fp.check(str(r), m.fingerprints, expect)
+    def _read(self, r: Ref, m: Manifest, names: tuple[str, ...]) -> dict[str, bytes]:
+        """The files `names` of a version, each checked against the manifest's checksum on the very bytes
+        returned; ChecksumMismatch names every missing or damaged one."""
         data, problems = {}, []
-        for name in (TENSORS, DESCRIPTION):
+        for name in names:
             entry = m.files.get(name)
             if entry is None:
                 raise ManifestError(f"manifest of {r} does not list {name}; republish this version")
@@ -349,11 +386,28 @@ class ArtifactStore:
                 problems.append(FileProblem(name, "missing", f"manifest lists {entry.size} bytes"))
                 continue
             sha = _sha(data[name])
-            if (sha, len(data[name])) != (entry.sha256, entry.size):     # checked on the very bytes parsed below
+            if (sha, len(data[name])) != (entry.sha256, entry.size):
                 problems.append(FileProblem(name, "bad", f"sha256 manifest={entry.sha256[:16]} stored={sha[:16]}"))
         if problems:
             raise ChecksumMismatch(f"refusing to load {r}: " + "; ".join(map(str, problems)) + ". The stored copy is "
                                    "damaged: republish the pair or load another version", problems)
+        return data
+
+    def _kind(self, r: Ref, m: Manifest, want: str) -> None:
+        if m.kind != want:
+            how = "load_family (serving: a `families:` entry)" if m.kind == "family" else "load (a specialist's pair)"
+            raise InvalidReference(f"{r} is a {m.kind} artifact, not a {want}: read it with {how}")
+
+    @storage_errors
+    def load(self, ref: "str | Ref", expect: fp.Fingerprints | None = None) -> tuple[PairArtifacts, Manifest]:
+        """The artifacts and manifest of a version, after checking the files it needs against their checksums and,
+        with `expect`, the recorded fingerprints against the models actually loaded (None fields are skipped)."""
+        r = self.resolve(ref)
+        m = self._manifest(r)
+        self._kind(r, m, "pair")
+        if expect is not None:          # before downloading tensors: a wrong model fails fast and cheaply
+            fp.check(str(r), m.fingerprints, expect)
+        data = self._read(r, m, (TENSORS, DESCRIPTION))
         try:
             art = PairArtifacts.from_parts(json.loads(data[DESCRIPTION]), st_load(data[TENSORS]))
         except IncompatibleArtifact as e:
@@ -362,6 +416,29 @@ class ArtifactStore:
             raise ManifestError(f"{r}: artifact.json (pair {art.pair}, spec {art.spec.fingerprint()}) disagrees with "
                                 f"its manifest (pair {r.pair}, spec {m.producer.config_hash}); republish this version")
         return art, m
+
+    @storage_errors
+    def load_family(self, ref: "str | Ref", expect: fp.Fingerprints | None = None,
+                    member: str | None = None) -> tuple[FamilyArtifacts, Manifest]:
+        """A family version and its manifest, checksums verified. With `expect`, its producer and tokenizer
+        fingerprints are checked, and with `member` (a consumer name) also that member's consumer."""
+        r = self.resolve(ref)
+        m = self._manifest(r)
+        self._kind(r, m, "family")
+        if member is not None and member not in m.members:
+            raise ArtifactNotFound(f"{r} has no member {member!r}; its members are {sorted(m.members)}")
+        if expect is not None:          # a family's own fingerprints have no consumer: only a member's are checked
+            fp.check(str(r), m.member(member) if member is not None else m.fingerprints, expect)
+        data = self._read(r, m, (TENSORS, FAMILY_DESCRIPTION))
+        try:
+            fam = FamilyArtifacts.from_parts(json.loads(data[FAMILY_DESCRIPTION]), st_load(data[TENSORS]))
+        except (IncompatibleArtifact, ValueError, KeyError) as e:
+            raise ManifestError(f"{r}: {type(e).__name__}: {e}") from None
+        names = {parse_ref(p).consumer for p in fam.members}
+        if fam.family != r.pair or names != set(m.members):
+            raise ManifestError(f"{r}: family.json (family {fam.family}, members {sorted(names)}) disagrees with its "
+                                f"manifest (members {sorted(m.members)}); republish this version")
+        return fam, m
 
     # ---- leases --------------------------------------------------------------------------------------------
 

@@ -70,7 +70,8 @@ def _list(store: ArtifactStore, pair: str | None) -> None:
         m = store.show(v.ref)
         kl = m.metrics.get("kl")
         print(f"{v.pair:<20} #{v.index:<3} {v.version}{'  (latest)' if v.latest else '':<10} "
-              f"patch={m.patch_layers} r_k={m.ranks.r_k} r_v={m.ranks.r_v}"
+              + (f"family of {','.join(sorted(m.members))} " if m.kind == "family" else "")
+              + f"patch={m.patch_layers} r_k={m.ranks.r_k} r_v={m.ranks.r_v}"
               + (f" kl={kl:.4f}" if kl is not None else "")
               + (f" f1={m.metrics['f1']:.3f}" if "f1" in m.metrics else ""))
 

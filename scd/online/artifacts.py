@@ -231,26 +231,22 @@ class FamilyArtifacts:
         """The artifact the producer encodes with (any member: their encoders are the same)."""
         return next(iter(self.members.values()))
 
-    def save(self, directory: str | Path) -> None:
-        """tensors.safetensors (the shared encoders once, then each member's decoders) + family.json."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        tensors = {f"shared.{k}": v for k, v in _shared(self.encoder).items()}
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The shared encoders once ("shared.*"), then each member's own tensors ("member.<pair>.*")."""
+        out = {f"shared.{k}": v for k, v in _shared(self.encoder).items()}
         for name, art in self.members.items():
-            tensors.update({f"member.{name}.{k}": v for k, v in art.tensors().items() if not k.endswith(SHARED_SUFFIXES)})
-        save_file(tensors, str(d / "tensors.safetensors"))
-        desc = {"format_version": FAMILY_FORMAT_VERSION, "family": self.family, "info": self.info,
+            out.update({f"member.{name}.{k}": v for k, v in art.tensors().items() if not k.endswith(SHARED_SUFFIXES)})
+        return out
+
+    def description(self) -> dict:
+        return {"format_version": FAMILY_FORMAT_VERSION, "family": self.family, "info": self.info,
                 "members": {name: art.description() for name, art in self.members.items()}}
-        (d / "family.json").write_text(json.dumps(desc, indent=2))
 
     @classmethod
-    def load(cls, directory: str | Path) -> "FamilyArtifacts":
-        d = Path(directory)
-        desc = json.loads((d / "family.json").read_text())
+    def from_parts(cls, desc: dict, t: dict[str, torch.Tensor]) -> "FamilyArtifacts":
         if desc.get("format_version") != FAMILY_FORMAT_VERSION:
             raise IncompatibleArtifact(f"family artifact format {desc.get('format_version')!r} was written by another "
                                        f"SCD Serve build (this one reads {FAMILY_FORMAT_VERSION}): fit the family again")
-        t = load_file(str(d / "tensors.safetensors"))
         shared = {k[len("shared."):]: v for k, v in t.items() if k.startswith("shared.")}
         members = {}
         for name, member_desc in desc["members"].items():
@@ -258,6 +254,21 @@ class FamilyArtifacts:
             own = {k[len(pre):]: v for k, v in t.items() if k.startswith(pre)}
             members[name] = PairArtifacts.from_parts(member_desc, {**shared, **own})
         return cls(desc["family"], members, desc.get("info", {}))
+
+    def to(self, device) -> "FamilyArtifacts":
+        return FamilyArtifacts(self.family, {n: a.to(device) for n, a in self.members.items()}, self.info)
+
+    def save(self, directory: str | Path) -> None:
+        """tensors.safetensors + family.json (what the artifact store publishes for a family)."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(self.tensors(), str(d / "tensors.safetensors"))
+        (d / "family.json").write_text(json.dumps(self.description(), indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "FamilyArtifacts":
+        d = Path(directory)
+        return cls.from_parts(json.loads((d / "family.json").read_text()), load_file(str(d / "tensors.safetensors")))
 
 
 def _shared(art: PairArtifacts) -> dict[str, torch.Tensor]:

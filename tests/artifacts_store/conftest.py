@@ -64,3 +64,20 @@ def publish(store: ArtifactStore, art: PairArtifacts | None = None, **kw):
 @pytest.fixture
 def store(tmp_path) -> ArtifactStore:
     return ArtifactStore(tmp_path / "store")
+
+
+def tiny_family(members=("base:qa", "base:prose"), family: str = "base:fam"):
+    """A FamilyArtifacts of tiny members: one set of encoders, a decoder per member; and their fingerprints."""
+    import dataclasses
+
+    from scd.online.artifacts import FamilyArtifacts
+    first = tiny_artifacts(0, pair=family)
+    arts = {}
+    for i, name in enumerate(members):
+        g = torch.Generator().manual_seed(100 + i)
+        redec = lambda codecs: {l: dataclasses.replace(c, dec=torch.randn(c.dec.shape, generator=g),  # noqa: E731
+                                                    mu_b=torch.randn(c.mu_b.shape, generator=g))
+                                for l, c in codecs.items()}
+        arts[name] = dataclasses.replace(first, reuse_k=redec(first.reuse_k), reuse_v=redec(first.reuse_v))
+    prints = {name: fingerprints(1, 10 + i) for i, name in enumerate(members)}
+    return FamilyArtifacts(family, arts), prints

@@ -48,15 +48,16 @@ def test_newer_and_unknown_schemas_are_refused(store, tmp_path):
 def test_older_schema_goes_through_upgrade_steps(store, tmp_path, monkeypatch):
     m = publish(store)
     raw = json.loads(m.to_bytes())
+    schema1 = {k: v for k, v in raw.items() if k not in ("kind", "members")} | {"schema_version": 1}
     # a hypothetical schema 0 that called the metrics "scores": one registered step renames it
-    old = {**{k: v for k, v in raw.items() if k != "metrics"}, "scores": raw["metrics"], "schema_version": 0}
+    old = {**{k: v for k, v in schema1.items() if k != "metrics"}, "scores": raw["metrics"], "schema_version": 0}
 
     def step0(d):
         d["metrics"] = d.pop("scores")
         d["schema_version"] = 1
         return d
 
-    monkeypatch.setattr(manifest_mod, "_STEPS", {0: step0})
+    monkeypatch.setattr(manifest_mod, "_STEPS", {0: step0, 1: manifest_mod._STEPS[1]})
     assert upgrade(old) == raw
     path = tmp_path / "store" / "base__qa" / m.version / "manifest.json"
     path.write_text(json.dumps(old))
@@ -64,3 +65,23 @@ def test_older_schema_goes_through_upgrade_steps(store, tmp_path, monkeypatch):
     monkeypatch.setattr(manifest_mod, "_STEPS", {0: lambda d: d})
     with pytest.raises(ManifestError, match="did not produce schema 1"):
         upgrade(old)
+
+
+def test_a_manifest_written_before_families_reads_as_a_pair(store, tmp_path):
+    """Stores written by schema 1 (no kind, no members) keep loading: every version in them is a pair."""
+    m = publish(store)
+    raw = json.loads(m.to_bytes())
+    assert raw["schema_version"] == 2 and raw["kind"] == "pair" and raw["members"] == {}
+    path = tmp_path / "store" / "base__qa" / m.version / "manifest.json"
+    path.write_text(json.dumps({k: v for k, v in raw.items() if k not in ("kind", "members")} | {"schema_version": 1}))
+    art, back = store.load("base:qa")
+    assert back == m and back.kind == "pair" and art.pair == "base:qa"
+
+
+@pytest.mark.parametrize("change,msg", [({"consumer": None}, "has a consumer fingerprint"),
+                                        ({"kind": "family"}, "two or more members"),
+                                        ({"kind": "family", "consumer": None, "members": {"x": None}}, "members")])
+def test_a_manifest_whose_kind_disagrees_with_its_fingerprints_is_refused(store, change, msg):
+    raw = json.loads(publish(store).to_bytes())
+    with pytest.raises(ManifestError, match=msg):
+        Manifest.from_bytes(json.dumps({**raw, **change}).encode())

@@ -3,6 +3,7 @@ ArtifactCache runs without Ray (put = identity); one test drives the real actor 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import actors.registry as registry_mod
 from actors.registry import ArtifactCache
@@ -115,3 +116,31 @@ def test_the_actor_survives_store_failures_and_reports_them_as_store_errors(ray_
     finally:
         ray.kill(broken)
         ray.kill(good)
+
+
+def test_a_family_travels_through_the_registry_and_each_replica_checks_its_own_member(ray_cluster, store, tmp_path):
+    import ray
+
+    from actors.registry import ArtifactRegistry, fetch, fetch_family
+    from artifacts_store import FingerprintMismatch, InvalidReference
+    from tests.artifacts_store.conftest import CALIB, tiny_family
+    fam, prints = tiny_family()
+    store.publish_family(fam, prints, CALIB)
+    publish(store)
+    reg = ArtifactRegistry.remote(str(tmp_path / "store"))
+    try:
+        qa = prints["base:qa"]
+        got, m = fetch_family(reg, "base:fam@latest", qa.model_copy(update={"producer": None}), member="qa")
+        assert m.kind == "family" and list(got.members) == list(fam.members)
+        assert all(torch.equal(got.members[n].reuse_v[1].dec, a.reuse_v[1].dec) for n, a in fam.members.items())
+        with pytest.raises(FingerprintMismatch, match="consumer weights digest"):
+            fetch_family(reg, "base:fam", qa, member="prose")
+        with pytest.raises(ArtifactNotFound, match="no member 'code'"):
+            fetch_family(reg, "base:fam", member="code")
+        with pytest.raises(InvalidReference, match="is a family artifact, not a pair"):
+            fetch(reg, "base:fam")
+        with pytest.raises(InvalidReference, match="is a pair artifact, not a family"):
+            fetch_family(reg, "base:qa")
+        assert ray.get(reg.stats.remote())["store_reads"] == 2          # read once each, then from the cache
+    finally:
+        ray.kill(reg)
