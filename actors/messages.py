@@ -46,6 +46,7 @@ class PairCodes:
     payload_bytes: int = 0
     cache_hit: bool = False
     reason: FallbackReason | None = None
+    family: str | None = None                   # the family whose one payload this is (version: the family's)
 
 
 @dataclass(frozen=True)

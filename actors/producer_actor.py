@@ -1,7 +1,7 @@
 """ProducerActor: the Ray shim around ProducerEngine. Detached and named, pinned by cluster/ (num_gpus).
 
-It loads each pair's artifact through the registry actor (verified, fingerprints checked against the base
-model it holds), prefills a prefix once per request, and puts every pair's payload on the transport
+It loads each pair's artifact, and each configured family's (one code for several pairs), through the
+registry actor (verified, fingerprints checked against the base model it holds), prefills a prefix once per request, and puts every pair's payload on the transport
 (`Transport.offer`: in Ray's object store at once, or staged until the serving replica asks for a push over
 its NCCL communicator). Replicas register here when they start and unregister when they stop.
 
@@ -22,7 +22,7 @@ import torch
 
 from actors.messages import Codes, FallbackReason, PairCodes
 from actors.producer import ProducerEngine
-from actors.registry import fetch, registry
+from actors.registry import fetch, fetch_family, registry
 from actors.transport import Ticket, TransportError, make_transport
 from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device
@@ -36,7 +36,7 @@ class ProducerActor:
     def __init__(self, model_path: str, pairs: dict[str, str], store_uri: str, namespace: str | None = None,
                  cache_bytes: int = 64 << 20, transport: str = "object_store",
                  watch_s: float = 10.0, link_gbps: dict[str, float] | None = None,
-                 ttft_target_ms: float | None = None):
+                 ttft_target_ms: float | None = None, families: dict[str, str] | None = None):
         torch.set_num_threads(cpu_threads())
         dev = device()
         model, tok, _ = load(model_path)
@@ -47,6 +47,7 @@ class ProducerActor:
         self.transport_kind = transport
         self.transport = make_transport(transport, namespace)
         self.wanted = dict(pairs)                      # pair -> "latest" or a pinned version
+        self.wanted_families = dict(families or {})    # family id -> "latest" or a pinned version
         self.problems: dict[str, str] = {}
         self.refused: dict[str, str] = {}              # "pair@version" -> why it was not loaded (never retried)
         self.fault: str | None = None
@@ -55,23 +56,35 @@ class ProducerActor:
         self.watch_s = watch_s
         for pair, version in pairs.items():
             self.reload(pair, version)
+        for fid, version in self.wanted_families.items():
+            self.reload(fid, version)
         if watch_s > 0:
             threading.Thread(target=self._watch, daemon=True, name="artifact-watch").start()
 
-    def reload(self, pair: str, version: str = "latest") -> str | None:
-        """(Re)load a pair's artifact; returns the version in use, or None. A version that cannot be used
-        (damaged, wrong fingerprints, storage down) is refused with its reason in stats, and the version
-        already loaded, if any, stays in use."""
+    def _in_use(self, ref: str) -> str | None:
+        """The version of a pair's artifact, or of a family's, that encodes now."""
+        loaded = self.engine.families.get(ref) if ref in self.wanted_families else self.engine.artifacts.get(ref)
+        return loaded[1] if loaded else None
+
+    def reload(self, ref: str, version: str = "latest") -> str | None:
+        """(Re)load a pair's artifact, or a family's (`ref` one of `families`); returns the version in use, or
+        None. A version that cannot be used (damaged, wrong fingerprints, storage down) is refused with its
+        reason in stats, and the version already loaded, if any, stays in use."""
+        family = ref in self.wanted_families
         try:
-            art, manifest = fetch(self.registry, f"{pair}@{version}", self.expect, timeout_s=120)
+            art, manifest = (fetch_family if family else fetch)(self.registry, f"{ref}@{version}", self.expect,
+                                                                timeout_s=120)
         except (ArtifactStoreError, ray.exceptions.RayError) as e:
-            self.problems[pair] = f"{pair}@{version}: {type(e).__name__}: {e}"
+            self.problems[ref] = f"{ref}@{version}: {type(e).__name__}: {e}"
             if isinstance(e, ArtifactStoreError) and version != "latest":
-                self.refused[f"{pair}@{version}"] = self.problems[pair]
-            current = self.engine.artifacts.get(pair)
-            return current[1] if current else None
-        self.engine.set_artifact(pair, art.to(self.engine.device), manifest.version)
-        self.problems.pop(pair, None)
+                self.refused[f"{ref}@{version}"] = self.problems[ref]
+            return self._in_use(ref)
+        art = art.to(self.engine.device)
+        if family:
+            self.engine.set_family(art, manifest.version)
+        else:
+            self.engine.set_artifact(ref, art, manifest.version)
+        self.problems.pop(ref, None)
         return manifest.version
 
     # -- artifact versions while serving --------------------------------------------------------------
@@ -85,25 +98,23 @@ class ProducerActor:
 
     @ray.method(concurrency_group="control")
     def refresh(self) -> dict[str, str | None]:
-        """Pick up what each pair's configured ref (`latest`, usually) names now, and renew this producer's
-        lease on the versions it serves so that `scd artifacts gc` keeps them. Replicas follow: they decode
-        with the version named in the codes. Returns pair -> version in use."""
-        for pair, want in self.wanted.items():
+        """Pick up what each pair's (and family's) configured ref (`latest`, usually) names now, and renew this
+        producer's lease on the versions it serves so that `scd artifacts gc` keeps them. Replicas follow:
+        they decode with the version named in the codes. Returns pair or family -> version in use."""
+        for ref, want in {**self.wanted, **self.wanted_families}.items():
             try:
-                version = ray.get(self.registry.resolve.remote(f"{pair}@{want}"), timeout=60).split("@", 1)[1]
+                version = ray.get(self.registry.resolve.remote(f"{ref}@{want}"), timeout=60).split("@", 1)[1]
             except (ArtifactStoreError, ray.exceptions.RayError) as e:
-                self.problems[pair] = f"resolving {pair}@{want}: {type(e).__name__}: {e}"
+                self.problems[ref] = f"resolving {ref}@{want}: {type(e).__name__}: {e}"
                 continue
-            current = self.engine.artifacts.get(pair)
-            if (current is None or current[1] != version) and f"{pair}@{version}" not in self.refused:
-                self.reload(pair, version)
-        in_use = {pair: (self.engine.artifacts[pair][1] if pair in self.engine.artifacts else None)
-                  for pair in self.wanted}
+            if self._in_use(ref) != version and f"{ref}@{version}" not in self.refused:
+                self.reload(ref, version)
+        in_use = {ref: self._in_use(ref) for ref in (*self.wanted, *self.wanted_families)}
         try:
             self.store = self.store or ArtifactStore(self.store_uri)   # opened on first use, then kept
-            for pair, version in in_use.items():
+            for ref, version in in_use.items():
                 if version:
-                    self.store.lease(f"{pair}@{version}", f"producer-{self.incarnation}", max(60.0, 3 * self.watch_s))
+                    self.store.lease(f"{ref}@{version}", f"producer-{self.incarnation}", max(60.0, 3 * self.watch_s))
             self.problems.pop("lease", None)
         except ArtifactStoreError as e:
             self.problems["lease"] = f"{type(e).__name__}: {e}"
@@ -119,35 +130,44 @@ class ProducerActor:
         self.fault = fault
 
     def encode(self, prefix_ids: list[int], pairs: list[str], deadline: float | None = None) -> Codes | None:
-        """Prefill once, encode for every pair, offer each payload on the transport; tickets come back.
+        """Prefill once, encode for every pair, offer each payload on the transport; tickets come back. `pairs`
+        names a pair once per request that will receive its codes (a fan-out may ask a specialist twice).
         `deadline` (time.time() of the caller's give-up): an encode still queued past it is skipped (None)."""
         if deadline is not None and time.time() > deadline:
             self.skipped += 1
             return None
         if self.fault and self.fault.startswith("delay:"):
             time.sleep(float(self.fault.split(":", 1)[1]))
-        res = self.engine.encode(list(prefix_ids), pairs)
+        res = self.engine.encode(list(prefix_ids), list(dict.fromkeys(pairs)))
         t0 = time.perf_counter()
-        per_pair = {pair: self._offer(e) for pair, e in res.per_pair.items()}
+        # each payload is offered once, for as many receiving requests as `pairs` names its pairs (a family's
+        # one payload serves several pairs; a fan-out may ask one specialist twice)
+        offers: dict[int, list[str]] = {}
+        for pair, e in res.per_pair.items():
+            offers.setdefault(id(e.payload) if e.payload is not None else id(e), []).append(pair)
+        per_pair = {}
+        for served in offers.values():
+            codes = self._offer(res.per_pair[served[0]], sum(map(pairs.count, served)))
+            per_pair.update({pair: codes for pair in served})
         return Codes(per_pair, res.prefilled, self.incarnation,
                      {"prefill": res.prefill_ms, "encode": res.encode_ms,
                       "transfer_put": (time.perf_counter() - t0) * 1e3})
 
-    def _offer(self, e) -> PairCodes:
-        """One pair's payload on the transport (with the drills' damage), or why there is none."""
+    def _offer(self, e, receivers: int = 1) -> PairCodes:
+        """A payload on the transport for `receivers` replicas (with the drills' damage), or why there is none."""
         if e.payload is None:
             return PairCodes(e.version, reason=e.error, cache_hit=e.cache_hit)
         payload = e.payload
         if self.fault == "corrupt":
             payload = payload[:-1] + bytes([payload[-1] ^ 0xFF])
         try:
-            ticket = self.transport.offer(payload)
+            ticket = self.transport.offer(payload, receivers)
         except TransportError:
             return PairCodes(e.version, payload_bytes=len(payload), cache_hit=e.cache_hit,
-                             reason=FallbackReason.TRANSPORT_ERROR)
+                             reason=FallbackReason.TRANSPORT_ERROR, family=e.family)
         if self.fault == "misdeliver":                       # ticket and object disagree
             ticket = dataclasses.replace(ticket, nbytes=ticket.nbytes + 1)
-        return PairCodes(e.version, ticket, len(payload), e.cache_hit)
+        return PairCodes(e.version, ticket, len(payload), e.cache_hit, family=e.family)
 
     # -- replicas' channels (NCCL: a communicator each; the object store has none) -----------------------
     @ray.method(concurrency_group="control")
@@ -169,6 +189,9 @@ class ProducerActor:
     def stats(self) -> dict:
         return {**self.engine.stats(), "problems": dict(self.problems), "transport": self.transport_kind,
                 "link": {"gbps": self.engine.link_gbps, "ttft_target_ms": self.engine.ttft_target_ms},
-               "incarnation": self.incarnation, "skipped": self.skipped, "refused": dict(self.refused),
+               "incarnation": self.incarnation, "wanted_families": dict(self.wanted_families),
+               "skipped": self.skipped, "refused": dict(self.refused),
                "versions": {pair: v for pair, (_, v) in self.engine.artifacts.items()},
-               "channels": self.transport.channels()}
+               "family_versions": {fid: {"version": v, "members": sorted(fam.members)}
+                                   for fid, (fam, v) in self.engine.families.items()},
+               "channels": self.transport.channels(), "staged": self.transport.staged()}

@@ -63,7 +63,7 @@ class Transport(Protocol):
     """What the producer and the replicas call, whichever transport a deployment uses."""
     name: str
 
-    def offer(self, payload: bytes) -> Ticket: ...
+    def offer(self, payload: bytes, receivers: int = 1) -> Ticket: ...
 
     def attach(self, replica_id: str) -> Any: ...
 
@@ -73,13 +73,16 @@ class Transport(Protocol):
 
     def channels(self) -> list[str]: ...
 
+    def staged(self) -> int: ...
+
     def receiver(self, replica_id: str, producer: Callable[[], Any], timeout_s: float = 30.0) -> Receiver: ...
 
 
 class ObjectStoreTransport:
     name = "object_store"
 
-    def offer(self, payload: bytes) -> Ticket:
+    def offer(self, payload: bytes, receivers: int = 1) -> Ticket:
+        """One put, however many replicas fetch it."""
         return Ticket("object_store", len(payload), ref=[ray.put(payload)])
 
     def attach(self, replica_id: str) -> None:
@@ -93,6 +96,9 @@ class ObjectStoreTransport:
 
     def channels(self) -> list[str]:
         return []
+
+    def staged(self) -> int:
+        return 0
 
     def receiver(self, replica_id: str, producer: Callable[[], Any] | None = None,
                  timeout_s: float = 30.0) -> "ObjectStoreReceiver":
@@ -147,8 +153,8 @@ class NcclTransport:
         self.seq: dict[str, int] = {}
         self.joining: dict[str, threading.Thread] = {}
         self.senders: dict[str, ThreadPoolExecutor] = {}
-        self.staged: OrderedDict[str, bytes] = OrderedDict()
-        self.stage_bytes, self.staged_total = stage_bytes, 0
+        self.stage: OrderedDict[str, list] = OrderedDict()     # key -> [payload, pushes still owed]
+        self.stage_bytes, self.staged_bytes = stage_bytes, 0
         self.join_timeout_s = join_timeout_s
         self.lock = threading.Lock()
 
@@ -168,26 +174,33 @@ class NcclTransport:
         t.start()
         return uid
 
-    def offer(self, payload: bytes) -> Ticket:
-        """Stage a payload until the replica that serves the request asks for it (push). The oldest staged
-        payloads are dropped past `stage_bytes`; pushing a dropped key fails (the replica falls back)."""
+    def offer(self, payload: bytes, receivers: int = 1) -> Ticket:
+        """Stage a payload until each of the `receivers` replicas that serve the request asks for it (push; a
+        family's one payload serves several specialists from one staged copy). The oldest staged payloads are
+        dropped past `stage_bytes`; pushing a dropped key fails (the replica falls back)."""
+        if receivers < 1:
+            raise ValueError(f"receivers must be >= 1, got {receivers}")
         key = uuid.uuid4().hex
         with self.lock:
-            self.staged[key] = payload
-            self.staged_total += len(payload)
-            while self.staged_total > self.stage_bytes and len(self.staged) > 1:
-                self.staged_total -= len(self.staged.popitem(last=False)[1])
+            self.stage[key] = [payload, receivers]
+            self.staged_bytes += len(payload)
+            while self.staged_bytes > self.stage_bytes and len(self.stage) > 1:
+                self.staged_bytes -= len(self.stage.popitem(last=False)[1][0])
         return Ticket("nccl", len(payload), key=key)
 
     def push(self, key: str, replica_id: str) -> Ticket:
-        """Send a staged payload to a replica; returns at once with the ticket it receives with."""
+        """Send a staged payload to a replica; returns at once with the ticket it receives with. The copy is
+        released with the last push it was offered for."""
         with self.lock:
-            payload = self.staged.pop(key, None)
-            if payload is not None:
-                self.staged_total -= len(payload)
-        if payload is None:
-            raise TransportError(f"no staged payload {key!r} (already pushed, or dropped for space)")
-        return self.send(payload, replica_id)
+            entry = self.stage.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self.stage[key]
+                    self.staged_bytes -= len(entry[0])
+        if entry is None:
+            raise TransportError(f"no staged payload {key!r} (already pushed to every receiver, or dropped for space)")
+        return self.send(entry[0], replica_id)
 
     def send(self, payload: bytes, replica_id: str) -> Ticket:
         """Queue one frame on the replica's communicator; returns at once with its ticket."""
@@ -221,6 +234,11 @@ class NcclTransport:
         with self.lock:
             joining = {rid for rid, t in list(self.joining.items()) if t.is_alive()}
             return sorted(set(self.comms) | joining)
+
+    def staged(self) -> int:
+        """Payloads offered and not yet pushed to every receiver they were offered for."""
+        with self.lock:
+            return len(self.stage)
 
     def receiver(self, replica_id: str, producer: Callable[[], Any], timeout_s: float = 30.0) -> "NcclReceiver":
         return NcclReceiver(self.make_comm, replica_id, producer, timeout_s)

@@ -1,7 +1,7 @@
 """`scd artifacts list | show PAIR[@VERSION] | verify PAIR[@VERSION] | gc | leases`: the artifact registry.
 
-`gc` keeps the newest --keep versions per pair, the one LATEST names, every version a specialist of --config
-pins (its `artifact` is not `latest`) and every version a live lease holds (a producer or replica serving it);
+`gc` keeps the newest --keep versions per pair, the one LATEST names, every version a specialist or family of
+--config pins (its `artifact` is not `latest`) and every version a live lease holds (a producer or replica serving it);
 it prints what it kept for a pin or a lease, and why.
 """
 from __future__ import annotations
@@ -27,8 +27,10 @@ def _open(args) -> tuple[ArtifactStore, DeploymentConfig | None, str]:
 
 
 def pins(cfg: DeploymentConfig) -> list[str]:
-    """`producer:specialist@artifact` for every specialist whose artifact is not `latest`."""
-    return [f"{cfg.producer.name}:{s.name}@{s.artifact}" for s in cfg.specialists if s.artifact != "latest"]
+    """`producer:specialist@artifact` for every specialist (and `producer:family@artifact` for every family)
+    whose artifact is not `latest`."""
+    refs = {**{f"{cfg.producer.name}:{s.name}": s.artifact for s in cfg.specialists}, **cfg.family_refs()}
+    return [f"{ref}@{version}" for ref, version in refs.items() if version != "latest"]
 
 
 def _gc(store: ArtifactStore, cfg: DeploymentConfig | None, no_config: str, args) -> None:

@@ -111,6 +111,14 @@ class SpecialistSettings(ModelSettings):
                                                             "(Gbps); default: link.bandwidth_gbps")
 
 
+class FamilySettings(_Strict):
+    """One code for several specialists (`python -m jobs.family --publish`): a fan-out whose specialists are all
+    members of this family gets one payload, encoded once; each member's replicas rebuild it with their own
+    decoders. Its members are the ones its artifact was fitted for."""
+    name: str = Field(pattern=NAME, description="the family's name: its artifact is PRODUCER:NAME")
+    artifact: str = Field("latest", description="artifact version of the family, or 'latest'")
+
+
 class LinkSettings(_Strict):
     """Ranks chosen per link: with a bandwidth and a TTFT target, the producer sends each specialist the
     largest of its artifact's nested code levels that arrives within the target (scd.online.links)."""
@@ -221,6 +229,9 @@ class DeploymentConfig(_Strict):
     ray: RaySettings = Field(default_factory=RaySettings)
     producer: ModelSettings
     specialists: list[SpecialistSettings] = Field(min_length=1)
+    families: list[FamilySettings] = Field(default_factory=list, description=(
+        "families of specialists that share one code (python -m jobs.family --publish); a fan-out to members "
+        "of one family sends one payload, any other request each pair's own"))
     transport: Literal["auto", "object_store", "nccl", "nccl_fake"] = Field(
         "auto", description="how codes travel: auto (nccl when every model has a GPU and cupy is installed, "
                             "else object_store) | object_store | nccl | nccl_fake (the NCCL protocol over a "
@@ -241,6 +252,10 @@ class DeploymentConfig(_Strict):
         dup = sorted({n for n in names if names.count(n) > 1} | ({self.producer.name} & set(names)))
         if dup:
             raise ValueError(f"model names must be unique across producer and specialists: {dup}")
+        fams = [f.name for f in self.families]
+        dup = sorted({n for n in fams if fams.count(n) > 1} | (set(fams) & {self.producer.name, *names}))
+        if dup:
+            raise ValueError(f"family names must be unique and differ from every model's name: {dup}")
         return self
 
     @model_validator(mode="after")
@@ -268,6 +283,10 @@ class DeploymentConfig(_Strict):
 
     def pairs(self) -> list[str]:
         return [f"{self.producer.name}:{s.name}" for s in self.specialists]
+
+    def family_refs(self) -> dict[str, str]:
+        """family id (PRODUCER:NAME) -> the version it serves ('latest' or a pinned one)."""
+        return {f"{self.producer.name}:{f.name}": f.artifact for f in self.families}
 
     def link_gbps(self) -> dict[str, float]:
         """pair -> the bandwidth of its link, for the pairs whose bandwidth is known."""

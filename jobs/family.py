@@ -13,7 +13,9 @@ precision), so the comparison isolates what sharing the encoder costs. Reported:
     payload per pair (medians of interleaved rounds);
 and written under --out/<producer>/<name>: the family artifact (scd.online.artifacts.FamilyArtifacts:
 safetensors with the shared encoders once and each member's decoders, family.json), figures.json with the
-figures, and family.png (KL per member, pair vs family).
+figures, and family.png (KL per member, pair vs family). With --publish, the family goes to the artifact
+store as PRODUCER:NAME (a manifest with every member's fingerprint) when each member's family KL passes the
+config's quality gate (calibration.gate_vs_raw_kv x raw KV reuse's); a `families:` entry then serves it.
 """
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ from scd.fitting.calibrate import pad
 from scd.fitting.checkpoints import key_dir
 from scd.fitting.gram import JointGram
 from scd.online import codec
-from artifacts_store.refs import check_name
+from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import InvalidReference
+from artifacts_store.refs import check_name
 from scd.online.artifacts import FamilyArtifacts, PairArtifacts
 from scd.online.models import ModelSpec, check_pair, data_digest, load, model_digest, tokenizer_fingerprint
 from scd.online.rebuild import encode
@@ -179,6 +182,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=10, help="rounds of the fan-out encode timing")
     p.add_argument("--name", default="family", help="the family's name: its artifact's id is PRODUCER:NAME")
     p.add_argument("--out", default="runs/family", help="where the family artifact and figures go")
+    p.add_argument("--publish", action="store_true", help=(
+        "publish the family to the config's artifact store (every member's fingerprint in its manifest) when "
+        "each member's family KL passes calibration.gate_vs_raw_kv; serve it with a `families:` entry"))
+    p.add_argument("--store", help="artifact store URI for --publish (default: the config's artifacts.uri)")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
     c = cfg.calibration
@@ -265,7 +272,34 @@ def main(argv: list[str] | None = None) -> dict:
           f"encode {cost['family_encode_ms']:.2f} vs {cost['pairs_encode_ms']:.2f} ms, "
           f"{cost['family_encode_ms'] / cost['pairs_encode_ms']:.2f}x")
     print(f"written: {out}")
+    if args.publish:
+        result["published"] = publish(args.store or cfg.artifacts.uri, fam, producer, consumers, tok, rows, c,
+                                      calib, grams, out)
     return result
+
+
+def publish(store_uri: str, fam: FamilyArtifacts, producer, consumers: list, tok, rows: list[dict], c,
+            calib: list, grams: dict, out: Path) -> str | None:
+    """Publish `fam` when every member's held-out family KL is within calibration.gate_vs_raw_kv of raw KV
+    reuse's (as a pair's calibration is gated); returns its ref, or None (refused, and why is printed)."""
+    store = ArtifactStore(store_uri)
+    failed = [f"{r['member']}: family KL {r['family']:.4f} > {c.gate_vs_raw_kv:g} x raw KV {r['raw_kv']:.4f}"
+              for r in rows if c.gate_vs_raw_kv and r["family"] > c.gate_vs_raw_kv * r["raw_kv"]]
+    if failed:
+        store.refuse(fam.family, {"reasons": failed, "kl": rows})
+        log(f"quality gate: NOT published ({'; '.join(failed)})")
+        return None
+    prints = {pair: Fingerprints.of(producer=producer, consumer=m, tokenizer=tok)
+              for pair, m in zip(fam.members, consumers)}
+    metrics = {f"{key}.{r['member']}": r[key] for r in rows for key in ("family", "pair", "raw_kv")}
+    metrics.update(payload_ratio=rows[0]["payload_ratio"], **{k: float(v) for k, v in fam.info["fanout"].items()})
+    rows_fitted = next(g for gs in grams.values() for g in gs if g is not None).n
+    manifest = store.publish_family(
+        fam, prints, CalibrationData(digest=data_digest(calib), n_prefixes=len(calib), rows=rows_fitted),
+        metrics, {f"report/{name}": (out / name).read_bytes() for name in ("figures.json", "family.png")})
+    ref = f"{fam.family}@{manifest.version}"
+    log(f"published {ref} to {store_uri}; serve it with `families: [{{name: {fam.family.split(':')[1]}}}]`")
+    return ref
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def specialist_options(cfg: DeploymentConfig, name: str) -> dict:
                                    "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s},
             "max_ongoing_requests": cfg.limits.specialist_max_ongoing,
             "max_queued_requests": cfg.limits.specialist_max_queued,
-            "user_config": {"artifact": s.artifact}}
+            "user_config": {"artifact": s.artifact, "families": cfg.family_refs()}}
 
 
 def build(cfg: DeploymentConfig):

@@ -24,9 +24,9 @@ log = logging.getLogger("scd.router")
 
 
 def start_producer(cfg: DeploymentConfig):
-    """The detached, named producer actor (reused if it already runs with the same transport and links; one
-    left by a deployment with another transport is replaced, since replicas must speak the producer's
-    transport, and so is one with other link settings)."""
+    """The detached, named producer actor (reused if it already runs with the same transport, links and
+    families; one left by a deployment with another transport is replaced, since replicas must speak the
+    producer's transport, and so is one with other link or family settings)."""
     pairs = {pair_id(cfg.producer.name, s.name): s.artifact for s in cfg.specialists}
     transport = cfg.resolved_transport()
     opts = actor_options(cfg.producer.num_gpus, name=PRODUCER_NAME, detached=True, namespace=cfg.ray.namespace,
@@ -39,8 +39,8 @@ def start_producer(cfg: DeploymentConfig):
     if old is not None:
         try:
             st = ray.get(old.stats.remote(), timeout=cfg.limits.control_timeout_s * 6)
-            same = (st.get("transport"), st.get("link")) == (transport, {"gbps": cfg.link_gbps(),
-                                                                         "ttft_target_ms": cfg.link.ttft_target_ms})
+            same = (st.get("transport"), st.get("link"), st.get("wanted_families")) == (
+                transport, {"gbps": cfg.link_gbps(), "ttft_target_ms": cfg.link.ttft_target_ms}, cfg.family_refs())
         except ray.exceptions.RayError:                     # dead or wedged: replace it
             same = False
         if same:
@@ -54,7 +54,8 @@ def start_producer(cfg: DeploymentConfig):
             time.sleep(0.1)
     return ProducerActor.options(**opts, max_restarts=-1, max_task_retries=0).remote(
         cfg.producer.path, pairs, cfg.artifacts.uri, cfg.ray.namespace, transport=transport,
-        watch_s=cfg.artifacts.watch_s, link_gbps=cfg.link_gbps(), ttft_target_ms=cfg.link.ttft_target_ms)
+        watch_s=cfg.artifacts.watch_s, link_gbps=cfg.link_gbps(), ttft_target_ms=cfg.link.ttft_target_ms,
+        families=cfg.family_refs())
 
 
 class ProducerClient:

@@ -315,7 +315,9 @@ class Router:
                 if body.oracle:
                     enc, reason = None, "oracle"
                 else:
-                    enc, reason = await self.producer.encode(prefix_ids, [pair_id(self.base, n) for n in names])
+                    # a pair once per request: each receives the one payload (NCCL stages it for that many)
+                    enc, reason = await self.producer.encode(prefix_ids, [pair_id(self.base, r.specialist)
+                                                                          for r in body.requests])
                 producer_ms = _ms_since(t0)
                 reqs = [self._request(r.specialist, prefix_ids, s, r, enc, reason, trace, producer_ms)
                         for r, s in zip(body.requests, suffixes)]

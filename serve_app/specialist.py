@@ -8,7 +8,9 @@ metrics and spans. Which transport it is does not matter here: over NCCL the rec
 producer (again when the codes come from a new producer incarnation) and receives concurrently.
 
 The replica decodes codes with the artifact version the producer encoded them with: when a publish reaches
-the producer first, the replica loads that version (fingerprints checked) instead of falling back.
+the producer first, the replica loads that version (fingerprints checked) instead of falling back. It also
+loads its member of every configured family it belongs to (user_config "families"): a fan-out's one family
+payload is rebuilt with this specialist's own decoders, at the family version the codes name.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from ray.serve.metrics import Counter, Histogram
 
 from actors.drills import hold_until_open
 from actors.messages import FallbackReason, Output, SpecialistRequest
-from actors.registry import fetch, registry
+from actors.registry import fetch, fetch_family, registry
 from actors.specialist import SpecialistEngine
 from actors.producer_actor import PRODUCER_NAME
 from actors.transport import TransportError, make_transport
@@ -57,6 +59,7 @@ class SpecialistServer:
         self.receiver = self.transport.receiver(self.replica_id, self._producer, control_timeout_s)
         self.artifact_lock = threading.Lock()
         self.refused: dict[str, str | None] = {}          # version -> why it could not be used
+        self.family_notes: dict[str, str] = {}             # family id -> why this replica does not use it
         self.hold: str | None = None                       # drill: name of a gate actor requests wait on
         tags = ("specialist",)
         self.m_requests = Counter("scd_requests_total", "requests by serving mode", tag_keys=tags + ("mode",))
@@ -99,6 +102,25 @@ class SpecialistServer:
         self.engine.set_artifact(art.to(self.engine.device), manifest.version)
         return None
 
+    def _load_family(self, fid: str, version: str) -> str | None:
+        """Load this specialist's member of family `fid` at `version` (its own fingerprint checked); None when
+        it worked, else the fallback reason (also when this specialist is not one of its members)."""
+        try:
+            fam, manifest = fetch_family(self.registry, f"{fid}@{version}", self.expect,
+                                         member=self.pair.split(":", 1)[1], timeout_s=120)
+        except ArtifactNotFound as e:
+            self.family_notes[fid] = str(e)
+            return FallbackReason.NO_ARTIFACT
+        except ArtifactStoreError as e:
+            self.family_notes[fid] = f"{type(e).__name__}: {e}"
+            return FallbackReason.ARTIFACT_MISMATCH
+        except ray.exceptions.RayError as e:
+            self.family_notes[fid] = f"{type(e).__name__}"
+            return FallbackReason.ARTIFACT_UNAVAILABLE
+        self.engine.set_family(fam.members[self.pair].to(self.engine.device), manifest.version)
+        self.family_notes.pop(fid, None)
+        return None
+
     def _refused(self) -> bool:
         """Whether the pair's last calibration failed its quality gate (so none was published)."""
         try:
@@ -112,15 +134,20 @@ class SpecialistServer:
             reason = self._load(user_config.get("artifact", "latest"))
             if reason:
                 self.engine.set_artifact(None, None, reason)
+            for fid, version in user_config.get("families", {}).items():
+                self._load_family(fid, version)
 
-    def _follow(self, version: str) -> str | None:
-        """Use the version the producer encoded with (a publish reaches the producer first)."""
+    def _follow(self, version: str, family: str | None = None) -> str | None:
+        """Use the version (of the pair's artifact, or of `family`'s) the producer encoded with: a publish
+        reaches the producer first."""
         with self.artifact_lock:
-            if self.engine.version == version:
+            loaded = self.engine.families.get(family, (None, None))[1] if family else self.engine.version
+            if loaded == version:
                 return None
-            if version not in self.refused:               # a version that failed once is not fetched again
-                self.refused[version] = self._load(version)
-            return self.refused[version]
+            key = f"{family}@{version}" if family else version
+            if key not in self.refused:                   # a version that failed once is not fetched again
+                self.refused[key] = self._load_family(family, version) if family else self._load(version)
+            return self.refused[key]
 
     def inject(self, fault: str | None) -> None:
         """Fault drill: "hold:<gate actor name>" makes every request this replica starts wait until that
@@ -131,7 +158,9 @@ class SpecialistServer:
 
     def status(self) -> dict:
         return {"specialist": self.name, "artifact": self.engine.version, "transport": self.transport_kind,
-                "unavailable_reason": None if self.engine.art else self.engine.unavailable_reason}
+                "unavailable_reason": None if self.engine.art else self.engine.unavailable_reason,
+                "families": {fid: v for fid, (_, v) in self.engine.families.items()},
+                "family_problems": dict(self.family_notes)}
 
     def _receive(self, req: SpecialistRequest) -> tuple[bytes | None, str | None, float]:
         if req.reason or req.codes is None or req.codes.ticket is None:
@@ -149,7 +178,7 @@ class SpecialistServer:
             hold_until_open(self.hold, self.namespace)
         payload, reason, transfer_ms = self._receive(req)
         if payload is not None and req.codes.version:
-            reason = self._follow(req.codes.version)
+            reason = self._follow(req.codes.version, req.codes.family)
             payload = None if reason else payload
         return payload, reason, {**req.timings, "transfer": transfer_ms}
 

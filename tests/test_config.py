@@ -188,3 +188,16 @@ def test_links_default_to_the_global_bandwidth_a_specialist_overrides_and_bad_va
     with pytest.raises(ConfigError) as e:
         parse({**two, "link": {"bandwidth_gbps": 0, "ttft_target_ms": -1}})
     assert "link.bandwidth_gbps" in str(e.value) and "link.ttft_target_ms" in str(e.value)
+
+
+def test_families_are_named_apart_from_every_model_and_pinned_versions_are_gc_pins():
+    from cli.artifacts import pins
+    two = {**GOOD, "specialists": [{"name": "qa", "path": "q"}, {"name": "code", "path": "c"}]}
+    cfg = parse({**two, "families": [{"name": "fam"}, {"name": "old", "artifact": "3"}]})
+    assert cfg.family_refs() == {"base:fam": "latest", "base:old": "3"}
+    assert pins(cfg) == ["base:old@3"]
+    for bad, msg in (([{"name": "qa"}], "differ from every model's name: ['qa']"),
+                     ([{"name": "f"}, {"name": "f"}], "unique"), ([{"name": "../x"}], "families[0].name")):
+        with pytest.raises(ConfigError) as e:
+            parse({**two, "families": bad})
+        assert msg in str(e.value), str(e.value)

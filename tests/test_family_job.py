@@ -51,3 +51,40 @@ def test_bad_members_and_names_are_refused_with_a_message(run, argv, msg):
     _, cfg, _ = run
     with pytest.raises(SystemExit, match=msg):
         family_job(["--config", str(cfg), *argv])
+
+
+def test_publish_puts_the_family_in_the_store_with_every_members_fingerprint(run, capsys):
+    from artifacts_store import ArtifactStore, Fingerprints
+    from scd.online.models import load
+    tmp, cfg, _ = run
+    res = family_job(["--config", str(cfg), "--repeats", "1", "--out", str(tmp / "out3"), "--members", "qa,prose",
+                      "--name", "fam", "--publish"])
+    store = ArtifactStore(tmp / "store")
+    assert res["published"] == str(store.resolve("base:fam@latest"))
+    prose, tok, _ = load(load_config_path(cfg, "prose"))
+    fam, m = store.load_family("base:fam", Fingerprints.of(consumer=prose, tokenizer=tok), member="prose")
+    assert m.kind == "family" and sorted(m.members) == ["prose", "qa"] and list(fam.members) == ["base:qa", "base:prose"]
+    assert m.metrics["family.prose"] == res["kl"][1]["family"] and "report/family.png" in m.files
+    assert "serve it with `families: [{name: fam}]`" in capsys.readouterr().out
+
+
+def test_a_family_that_loses_to_raw_kv_reuse_is_refused_not_published(run, tmp_path):
+    import yaml
+
+    from artifacts_store import ArtifactStore
+    _, cfg, _ = run
+    raw = yaml.safe_load(cfg.read_text())
+    raw["calibration"]["gate_vs_raw_kv"] = 1e-6                  # no code is that close to raw KV reuse's
+    raw["artifacts"]["uri"] = str(tmp_path / "store")
+    strict = tmp_path / "strict.yaml"
+    strict.write_text(yaml.safe_dump(raw))
+    res = family_job(["--config", str(strict), "--repeats", "1", "--out", str(tmp_path / "o"), "--members",
+                      "qa,code", "--name", "fam", "--publish"])
+    store = ArtifactStore(tmp_path / "store")
+    assert res["published"] is None and store.list() == []
+    assert "family KL" in store.refusal("base:fam")["reasons"][0]
+
+
+def load_config_path(cfg, name):
+    from cluster.config import load_config
+    return load_config(cfg).specialist(name).path

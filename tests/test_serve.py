@@ -14,6 +14,7 @@ import yaml
 from artifacts_store import ArtifactStore
 from cluster.config import load_config
 from jobs.calibrate import main as calibrate
+from jobs.family import main as family_job
 from tests.conftest import DEMO, free_port, write_config
 
 PREFIX = ("Notes:\nClara Petrov lives in Galen Cross. Tilda Vance works as a brewer. Clara Petrov owns a teal "
@@ -63,6 +64,8 @@ def served(ray_cluster, tmp_path_factory):
     cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
     for pair in ("base:qa", "base:prose", "base:code"):
         calibrate(["--pair", pair, "--config", str(cfg_path), "--no-actors"])
+    family_job(["--config", str(cfg_path), "--members", "qa,prose", "--name", "fam", "--publish", "--repeats", "1",
+                "--out", str(tmp / "family")])
     store = ArtifactStore(tmp / "store")
     art, manifest = store.load("base:qa")                  # calibrated for qa's weights, published for "wrong"
     store.publish(dataclasses.replace(art, pair="base:wrong"), manifest.fingerprints, manifest.calibration)
@@ -79,6 +82,7 @@ def served(ray_cluster, tmp_path_factory):
     raw["ray"] = {"namespace": "scd-test"}
     raw["http"] = {"port": free_port()}
     raw["producer_timeout_s"] = 1.5
+    raw["families"] = [{"name": "fam"}]
     raw["limits"] = {"request_timeout_s": 600, "specialist_max_ongoing": 8}    # room for the held-requests drill
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, cfg, ray.get_actor(PRODUCER_NAME, namespace="scd-test")
@@ -151,6 +155,23 @@ def test_fanout_to_three_specialists_is_one_prefill_and_all_scd(served):
         assert t["specialist_call"] >= t["replica"] >= t["total"] >= t["first_token"], t
         assert t["producer_call"] >= t["prefill"] + t["encode"], t
         assert r["scd"]["payload_bytes"] > 0 and r["scd"]["artifact"]
+
+
+def test_a_fanout_to_one_familys_members_sends_one_payload_that_each_rebuilds_with_its_own_decoders(served):
+    url, _, producer = served
+    fam = ray.get(producer.stats.remote())["family_versions"]["base:fam"]
+    assert fam["members"] == ["base:prose", "base:qa"], fam
+    status, out = _post(url + "/v1/fanout", {"prefix": PREFIX + "A family fan-out. ", "requests": [
+        {"specialist": "qa", "suffix": "Question: Where does Clara Petrov live?\nAnswer:", "max_tokens": 3},
+        {"specialist": "prose", "suffix": "The", "max_tokens": 3},
+        {"specialist": "qa", "suffix": "Question: What does Clara Petrov own?\nAnswer:", "max_tokens": 3}]})
+    assert status == 200, out
+    infos = [r["scd"] for r in out["results"]]
+    assert [(i["mode"], i["family"], i["artifact"]) for i in infos] == [("scd", "base:fam", fam["version"])] * 3, infos
+    assert len({i["payload_bytes"] for i in infos}) == 1                  # one payload for all three requests
+    status, out = _post(url + "/v1/fanout", {"prefix": PREFIX + "Not one family. ", "requests": [
+        {"specialist": "qa", "suffix": "Question:", "max_tokens": 2}, {"specialist": "code", "suffix": "def", "max_tokens": 2}]})
+    assert status == 200 and [(r["scd"]["mode"], r["scd"]["family"]) for r in out["results"]] == [("scd", None)] * 2, out
 
 
 def _reason(url, model, prompt=PREFIX + "Question: Where does Clara Petrov live?"):

@@ -6,6 +6,7 @@ import ray
 import yaml
 
 from jobs.calibrate import main as calibrate
+from jobs.family import main as family_job
 from tests.conftest import DEMO, free_port, write_config
 from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, scale_up_with_held_requests, wait_for
 
@@ -19,6 +20,8 @@ def served_nccl(ray_cluster, tmp_path_factory):
     cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
     for pair in ("base:qa", "base:prose"):
         calibrate(["--pair", pair, "--config", str(cfg_path), "--no-actors"])
+    family_job(["--config", str(cfg_path), "--members", "qa,prose", "--name", "fam", "--publish", "--repeats", "1",
+                "--out", str(tmp / "family")])
     raw = yaml.safe_load(cfg_path.read_text())
     raw["specialists"] = [
         {"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25,
@@ -26,7 +29,7 @@ def served_nccl(ray_cluster, tmp_path_factory):
                          "upscale_delay_s": 0.5, "downscale_delay_s": 2}},
         {"name": "prose", "path": str(DEMO / "prose"), "num_cpus": 0.25}]
     raw.update(transport="nccl_fake", ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=5,
-               limits={"request_timeout_s": 600, "specialist_max_ongoing": 8})
+               limits={"request_timeout_s": 600, "specialist_max_ongoing": 8}, families=[{"name": "fam"}])
     raw["producer"]["num_cpus"] = 0.25
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, ray.get_actor(PRODUCER_NAME, namespace=NS)
@@ -49,10 +52,13 @@ def test_fanout_codes_travel_over_per_replica_communicators(served_nccl):
         status, out = _post(url + "/v1/fanout", {"prefix": PREFIX + f"Round {i}. ", "requests": [
             {"specialist": "qa", "suffix": "Question: Where does Tilda Vance live?\nAnswer: Tilda Vance lives in",
              "max_tokens": 4},
-            {"specialist": "prose", "suffix": "The", "max_tokens": 4}]})
+            {"specialist": "prose", "suffix": "The", "max_tokens": 4},
+            {"specialist": "qa", "suffix": "Question: Where does Clara Petrov live?\nAnswer:", "max_tokens": 4}]})
         assert status == 200, out
-        assert [r["scd"]["mode"] for r in out["results"]] == ["scd", "scd"], out
+        # qa and prose are one family: one staged payload, pushed to each of the three requests' replicas
+        assert [(r["scd"]["mode"], r["scd"]["family"]) for r in out["results"]] == [("scd", "base:fam")] * 3, out
         assert all(r["scd"]["payload_bytes"] > 0 for r in out["results"])
+    assert ray.get(producer.stats.remote())["staged"] == 0      # each staged copy went to every receiver
     assert all(r["text"] for r in out["results"]), out
     health = _get(url + "/healthz")
     assert {s["transport"] for s in health["specialists"].values()} == {"nccl_fake"}, health

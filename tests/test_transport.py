@@ -17,8 +17,11 @@ class Producer:
         self.t = ObjectStoreTransport() if kind == "object_store" else NcclTransport(*fake_nccl(hub))
         self.incarnation = "p1"
 
-    def offer(self, payload):
-        return self.t.offer(payload)
+    def offer(self, payload, receivers=1):
+        return self.t.offer(payload, receivers)
+
+    def staged(self):
+        return self.t.staged(), self.t.staged_bytes
 
     def register(self, rid):
         return self.t.attach(rid)
@@ -90,6 +93,27 @@ def test_nccl_register_push_receive_concurrently_and_leave_over_a_fake_communica
     with pytest.raises(ray.exceptions.RayTaskError, match="qa#2"):
         ray.get(producer.push.remote(ticket.key, "qa#2"))
     assert ray.get(hub.open_communicators.remote()) == 1
+
+
+def test_nccl_stages_a_family_payload_once_for_every_member_replica(ray_cluster):
+    """One payload for a fan-out to three specialists of a family: one staged copy, pushed to each member's
+    replica, released with the last push; a push beyond the receivers it was offered for fails."""
+    hub = FakeNcclHub.remote()
+    producer = Producer.remote("nccl", hub)
+    replicas = [Replica.remote("nccl", hub, rid, producer) for rid in ("qa#1", "prose#1", "code#1")]
+    assert all(ray.get([r.open.remote() for r in replicas]))
+    payload = b"one family code " * 64
+    ticket = ray.get(producer.offer.remote(payload, 3))
+    assert ray.get(producer.staged.remote()) == (1, len(payload))
+    assert ray.get([r.receive.remote(ticket) for r in replicas[:2]]) == [payload, payload]
+    assert ray.get(producer.staged.remote()) == (1, len(payload))        # one receiver still owed
+    assert ray.get(replicas[2].receive.remote(ticket)) == payload
+    assert ray.get(producer.staged.remote()) == (0, 0)
+    with pytest.raises(ray.exceptions.RayTaskError, match="already pushed to every receiver"):
+        ray.get(replicas[0].receive.remote(ticket))
+    with pytest.raises(ray.exceptions.RayTaskError, match="receivers must be >= 1"):
+        ray.get(producer.offer.remote(payload, 0))
+    ray.get([r.close.remote() for r in replicas])
 
 
 def test_nccl_receive_that_gives_up_does_not_put_the_stream_out_of_step(ray_cluster):
