@@ -2,7 +2,7 @@
 rebuilds the model's own cache (RoPE and layouts included); a lower rank can only do worse."""
 import torch
 
-from jobs.probe_cross_layer import CrossLayer, consumer_rows, producer_rows
+from jobs.probe_cross_layer import CrossLayer, consumer_rows, groups, producer_rows
 from scd.fitting.gram import JointGram
 from scd.online.models import ModelSpec
 from scd.online.trace import capture
@@ -18,17 +18,22 @@ def _err(kv, trace):
 def test_a_models_own_cache_is_rebuilt_from_its_full_rank_cross_layer_code():
     model = tiny_llama(0)
     spec = ModelSpec.from_config(model.config)
-    width = (spec.num_layers - 1) * 2 * spec.num_kv_heads * spec.head_dim
-    gram = JointGram((spec.num_layers - 1) * spec.hidden_size, width)
-    for s in range(0, 48, 16):
-        ids = torch.stack([x.prefix for x in _samples(48, 1)[s:s + 16]])
+    assert groups(4, 0) == [[1, 2, 3]] and groups(4, 2) == [[1, 2], [3]]
+    kv_width = 2 * spec.num_kv_heads * spec.head_dim
+    for size in (0, 1):                     # one code for layers 1 and 2, or one per layer
+        layer_groups = groups(spec.num_layers, size)
+        grams = [JointGram(len(g) * spec.hidden_size, len(g) * kv_width) for g in layer_groups]
+        for s in range(0, 48, 16):
+            ids = torch.stack([x.prefix for x in _samples(48, 1)[s:s + 16]])
+            mask = torch.ones_like(ids)
+            tr = capture(model, ids, mask)
+            for g, gram in zip(layer_groups, grams):
+                gram.update(producer_rows(tr, mask.bool(), g), consumer_rows(tr, mask.bool(), g))
+        ids = torch.stack([x.prefix for x in _samples(2, 9)])
         mask = torch.ones_like(ids)
         tr = capture(model, ids, mask)
-        gram.update(producer_rows(tr, mask.bool()), consumer_rows(tr, mask.bool()))
-    ids = torch.stack([x.prefix for x in _samples(2, 9)])
-    mask = torch.ones_like(ids)
-    tr = capture(model, ids, mask)
-    full = _err(CrossLayer(gram.fit_regression(width, 1e-8), spec).build(model, ids, mask, tr).kv, tr)
-    low = _err(CrossLayer(gram.fit_regression(4, 1e-8), spec).build(model, ids, mask, tr).kv, tr)
-    assert full < 1e-3, f"full-rank cross-layer code rebuilt the model's own cache with error {full:.2e}"
-    assert low > 5 * full, f"rank 4 ({low:.2e}) should lose to the full rank ({full:.2e})"
+        at = lambda r: _err(CrossLayer([(g, gram.fit_regression(min(r, gram.d_b), 1e-8))  # noqa: E731
+                                        for g, gram in zip(layer_groups, grams)], spec).build(model, ids, mask, tr).kv, tr)
+        full, low = at(10 ** 6), at(4)
+        assert full < 1e-3, f"groups of {size}: the full-rank code rebuilt the model's own cache with error {full:.2e}"
+        assert low > 5 * full, f"groups of {size}: rank 4 ({low:.2e}) should lose to the full rank ({full:.2e})"
