@@ -96,8 +96,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     layer_groups = groups(spec.num_layers, args.group)
     kv_width = 2 * spec.num_kv_heads * spec.head_dim
     ranks = [int(r) for r in args.ranks.split(",")]
-    if any(not 1 <= r <= len(layer_groups[-1]) * kv_width for r in ranks):
-        raise SystemExit(f"--ranks must be within 1..{len(layer_groups[-1]) * kv_width} (a group's K and V)")
+    if any(not 1 <= r <= len(layer_groups[0]) * kv_width for r in ranks):
+        raise SystemExit(f"--ranks must be within 1..{len(layer_groups[0]) * kv_width} (a group's K and V; a "
+                         "shorter last group is coded at most at its own width)")
     calib, _, held = samples.pair_data(name, tok, args.prefixes, 1, args.samples, cfg.calibration.prefix_tokens)
     grams = [JointGram(len(g) * spec.hidden_size, len(g) * kv_width) for g in layer_groups]
     for start in tqdm(range(0, len(calib), cfg.calibration.batch), desc="cross-layer Gram"):
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         a, b = capture(producer, ids, mask), capture(consumer, ids, mask, want_xnorm=False)
         for g, gram in zip(layer_groups, grams):
             gram.update(producer_rows(a, keep, g), consumer_rows(b, keep, g))
-    ways = [methods.RawKV()] + [CrossLayer([(g, gram.fit_regression(r, cfg.calibration.ridge))
+    ways = [methods.RawKV()] + [CrossLayer([(g, gram.fit_regression(min(r, gram.d_b), cfg.calibration.ridge))
                                             for g, gram in zip(layer_groups, grams)], spec) for r in ranks]
     rows = Evaluator(producer, consumer, tok).run(held, ways, desc=f"held-out {args.pair}")
     raw = rows[0]["kl"]
