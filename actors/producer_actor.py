@@ -1,9 +1,10 @@
 """ProducerActor: the Ray shim around ProducerEngine. Detached and named, pinned by cluster/ (num_gpus).
 
 It loads each pair's artifact, and each configured family's (one code for several pairs), through the
-registry actor (verified, fingerprints checked against the base model it holds), prefills a prefix once per request, and puts every pair's payload on the transport
-(`Transport.offer`: in Ray's object store at once, or staged until the serving replica asks for a push over
-its NCCL communicator). Replicas register here when they start and unregister when they stop.
+registry actor (verified, fingerprints checked against the base model it holds), prefills a prefix once per
+request, and puts every payload on the transport once (`Transport.offer`: in Ray's object store at once, or
+staged until each serving replica asks for a push over its NCCL communicator). Replicas register here when
+they start and unregister when they stop.
 
 Encodes run one at a time; stats, fault drills and the NCCL control calls run in a small "control" group
 of threads beside them, so health checks and pushes never wait behind a long prefill. Each start of the

@@ -136,7 +136,8 @@ class ArtifactStore:
         one tokenizer for all). Versions, LATEST, leases and gc work as for a pair."""
         ref = self._unversioned(fam.family)
         if set(fingerprints) != set(fam.members):
-            raise ValueError(f"fingerprints are for {sorted(fingerprints)}, the family's members are {sorted(fam.members)}")
+            raise ValueError(f"fingerprints are for {sorted(fingerprints)}, the family's members are "
+                             f"{sorted(fam.members)}")
         members = {}
         for name, art in fam.members.items():
             member = parse_ref(name)
