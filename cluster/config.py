@@ -208,6 +208,10 @@ class CalibrationSettings(CalibConfig):
         "quality gate: publish only if held-out KL(scd) <= this x KL(raw KV reuse), which costs the consumer "
         "nothing either (0 = off)"))
     max_kl: float | None = Field(None, gt=0, description="quality gate: publish only if held-out KL(scd) <= this")
+    family_vs_pair: float = Field(1.25, ge=0, description=(
+        "a family's quality gate besides gate_vs_raw_kv: publish it only if each member's held-out KL under the "
+        "family code is <= this x the KL its published pair artifact recorded (a fan-out to the family gets "
+        "the family code instead of the pair's; 0 = off)"))
     work_dir: str = Field("runs/calibrate", description="checkpoints of running/finished calibrations")
 
 

@@ -15,7 +15,8 @@ and written under --out/<producer>/<name>: the family artifact (scd.online.artif
 safetensors with the shared encoders once and each member's decoders, family.json), figures.json with the
 figures, and family.png (KL per member, pair vs family). With --publish, the family goes to the artifact
 store as PRODUCER:NAME (a manifest with every member's fingerprint) when each member's family KL passes the
-config's quality gate (calibration.gate_vs_raw_kv x raw KV reuse's); a `families:` entry then serves it.
+config's quality gates (calibration.gate_vs_raw_kv x raw KV reuse's, and calibration.family_vs_pair x the
+KL of the member's published pair artifact); a `families:` entry then serves it.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from scd.fitting.calibrate import pad
 from scd.fitting.checkpoints import key_dir
 from scd.fitting.gram import JointGram
 from scd.online import codec
-from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
+from artifacts_store import ArtifactNotFound, ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import InvalidReference
 from artifacts_store.refs import check_name
 from scd.online.artifacts import FamilyArtifacts, PairArtifacts
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="runs/family", help="where the family artifact and figures go")
     p.add_argument("--publish", action="store_true", help=(
         "publish the family to the config's artifact store (every member's fingerprint in its manifest) when "
-        "each member's family KL passes calibration.gate_vs_raw_kv; serve it with a `families:` entry"))
+        "each member's family KL passes calibration.gate_vs_raw_kv and calibration.family_vs_pair; serve it with "
+        "a `families:` entry"))
     p.add_argument("--store", help="artifact store URI for --publish (default: the config's artifacts.uri)")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
@@ -281,17 +283,28 @@ def main(argv: list[str] | None = None) -> dict:
 def publish(store_uri: str, fam: FamilyArtifacts, producer, consumers: list, tok, rows: list[dict], c,
             calib: list, grams: dict, out: Path) -> str | None:
     """Publish `fam` when every member's held-out family KL is within calibration.gate_vs_raw_kv of raw KV
-    reuse's (as a pair's calibration is gated); returns its ref, or None (refused, and why is printed)."""
+    reuse's (as a pair's calibration is gated) and within calibration.family_vs_pair of the KL its published
+    pair artifact recorded, if it has one (serving then swaps that pair code for the family's in a fan-out);
+    returns its ref, or None (refused, and why is printed)."""
     store = ArtifactStore(store_uri)
     failed = [f"{r['member']}: family KL {r['family']:.4f} > {c.gate_vs_raw_kv:g} x raw KV {r['raw_kv']:.4f}"
               for r in rows if c.gate_vs_raw_kv and r["family"] > c.gate_vs_raw_kv * r["raw_kv"]]
+    for r, pair in zip(rows, fam.members):             # what a fan-out gets today from each member's pair code
+        try:
+            r["served_pair"] = store.show(f"{pair}@latest").metrics.get("kl")
+        except ArtifactNotFound:
+            r["served_pair"] = None
+        if c.family_vs_pair and r["served_pair"] is not None and r["family"] > c.family_vs_pair * r["served_pair"]:
+            failed.append(f"{r['member']}: family KL {r['family']:.4f} > {c.family_vs_pair:g} x its published pair "
+                          f"artifact's {r['served_pair']:.4f}")
     if failed:
         store.refuse(fam.family, {"reasons": failed, "kl": rows})
         log(f"quality gate: NOT published ({'; '.join(failed)})")
         return None
     prints = {pair: Fingerprints.of(producer=producer, consumer=m, tokenizer=tok)
               for pair, m in zip(fam.members, consumers)}
-    metrics = {f"{key}.{r['member']}": r[key] for r in rows for key in ("family", "pair", "raw_kv")}
+    metrics = {f"{key}.{r['member']}": r[key] for r in rows for key in ("family", "pair", "raw_kv", "served_pair")
+               if r[key] is not None}
     metrics.update(payload_ratio=rows[0]["payload_ratio"], **{k: float(v) for k, v in fam.info["fanout"].items()})
     rows_fitted = next(g for gs in grams.values() for g in gs if g is not None).n
     manifest = store.publish_family(

@@ -85,6 +85,29 @@ def test_a_family_that_loses_to_raw_kv_reuse_is_refused_not_published(run, tmp_p
     assert "family KL" in store.refusal("base:fam")["reasons"][0]
 
 
+def test_a_family_much_worse_than_a_members_published_pair_code_is_refused(run, tmp_path):
+    """A fan-out to the family would swap each member's published pair code for the family's: a member whose
+    pair artifact recorded a far lower KL keeps its pair code (the family is refused, saying which)."""
+    import yaml
+
+    from artifacts_store import ArtifactStore
+    from tests.artifacts_store.conftest import CALIB, fingerprints, tiny_artifacts
+    _, cfg, _ = run
+    raw = yaml.safe_load(cfg.read_text())
+    raw["calibration"]["family_vs_pair"] = 1.25
+    raw["artifacts"]["uri"] = str(tmp_path / "store")
+    path = tmp_path / "gated.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    store = ArtifactStore(tmp_path / "store")
+    store.publish(tiny_artifacts(pair="base:qa"), fingerprints(), CALIB, {"kl": 1e-6})   # a near-perfect pair code
+    res = family_job(["--config", str(path), "--repeats", "1", "--out", str(tmp_path / "o"), "--members",
+                      "qa,code", "--name", "fam", "--publish"])
+    assert res["published"] is None
+    reasons = store.refusal("base:fam")["reasons"]
+    assert len(reasons) == 1 and reasons[0].startswith("qa: family KL") and "published pair artifact" in reasons[0]
+    assert res["kl"][0]["served_pair"] == 1e-6 and res["kl"][1]["served_pair"] is None       # code has none
+
+
 def load_config_path(cfg, name):
     from cluster.config import load_config
     return load_config(cfg).specialist(name).path
