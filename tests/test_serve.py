@@ -82,7 +82,7 @@ def served(ray_cluster, tmp_path_factory):
     raw["ray"] = {"namespace": "scd-test"}
     raw["http"] = {"port": free_port()}
     raw["producer_timeout_s"] = 1.5
-    raw["families"] = [{"name": "fam"}]
+    raw["families"] = [{"name": "fam"}, {"name": "ghost"}]           # ghost: configured, never published
     raw["limits"] = {"request_timeout_s": 600, "specialist_max_ongoing": 8}    # room for the held-requests drill
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, cfg, ray.get_actor(PRODUCER_NAME, namespace="scd-test")
@@ -159,8 +159,12 @@ def test_fanout_to_three_specialists_is_one_prefill_and_all_scd(served):
 
 def test_a_fanout_to_one_familys_members_sends_one_payload_that_each_rebuilds_with_its_own_decoders(served):
     url, _, producer = served
-    fam = ray.get(producer.stats.remote())["family_versions"]["base:fam"]
+    stats = ray.get(producer.stats.remote())
+    fam = stats["family_versions"]["base:fam"]
     assert fam["members"] == ["base:prose", "base:qa"], fam
+    assert "base:ghost" not in stats["family_versions"] and "ArtifactNotFound" in stats["problems"]["base:ghost"]
+    health = _get(url + "/healthz")
+    assert "no published version" in health["specialists"]["qa"]["family_problems"]["base:ghost"], health
     status, out = _post(url + "/v1/fanout", {"prefix": PREFIX + "A family fan-out. ", "requests": [
         {"specialist": "qa", "suffix": "Question: Where does Clara Petrov live?\nAnswer:", "max_tokens": 3},
         {"specialist": "prose", "suffix": "The", "max_tokens": 3},
