@@ -134,7 +134,10 @@ class SpecialistServer:
             reason = self._load(user_config.get("artifact", "latest"))
             if reason:
                 self.engine.set_artifact(None, None, reason)
-            for fid, version in user_config.get("families", {}).items():
+            families = user_config.get("families", {})
+            for fid in set(self.engine.families) - set(families):       # no longer configured
+                self.engine.families.pop(fid)
+            for fid, version in families.items():
                 self._load_family(fid, version)
 
     def _follow(self, version: str, family: str | None = None) -> str | None:

@@ -317,3 +317,27 @@ def test_a_timed_out_handle_call_is_a_timeout_even_when_serve_answers_the_cancel
         with pytest.raises(ValueError):
             await within(broken(), 1.0)
     asyncio.run(run())
+
+
+def test_a_replica_takes_up_and_drops_families_as_its_config_changes(served):
+    """The replica's user_config names the configured families: it loads its own member of each (and
+    refuses one it is not a member of), and a family taken out of the config is no longer used."""
+    from serve_app.specialist import SpecialistServer
+    _, cfg, _ = served
+    replica_cls = ray.remote(num_cpus=0)(SpecialistServer)          # a replica outside Serve, in its own worker
+    qa = replica_cls.remote("qa", str(DEMO / "qa"), "base:qa", cfg.artifacts.uri, "scd-test")
+    code = replica_cls.remote("code", str(DEMO / "code"), "base:code", cfg.artifacts.uri, "scd-test")
+    try:
+        status = lambda r: ray.get(r.status.remote())                  # noqa: E731
+        assert status(qa)["families"] == {}                            # built with the pair only
+        ray.get(qa.reconfigure.remote({"artifact": "latest", "families": {"base:fam": "latest",
+                                                                          "base:ghost": "latest"}}))
+        st = status(qa)
+        assert list(st["families"]) == ["base:fam"] and "base:ghost" in st["family_problems"], st
+        ray.get(code.reconfigure.remote({"artifact": "latest", "families": {"base:fam": "latest"}}))
+        assert status(code)["families"] == {} and "no member 'code'" in status(code)["family_problems"]["base:fam"]
+        ray.get(qa.reconfigure.remote({"artifact": "latest", "families": {}}))
+        assert status(qa)["families"] == {}
+    finally:
+        ray.kill(qa)
+        ray.kill(code)
