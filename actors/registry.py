@@ -14,8 +14,7 @@ import ray
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from artifacts_store import (ArtifactNotFound, ArtifactStore, ArtifactStoreError, Fingerprints, InvalidReference,
-                             Manifest, StorageUnavailable)
+from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints, Manifest, StorageUnavailable
 from artifacts_store.fingerprints import check
 from scd.online.artifacts import FamilyArtifacts, PairArtifacts
 
@@ -66,8 +65,7 @@ class ArtifactCache:
             return self.entries[key]
 
         def read(store: ArtifactStore) -> tuple[str, list]:
-            family = store.show(key).kind == "family"
-            art, manifest = (store.load_family if family else store.load)(key)   # checksums verified here, once
+            art, manifest = store.load_any(key)                     # checksums verified here, once
             blob = self.put((json.dumps(art.description()), st_save(art.tensors())))
             return manifest.model_dump_json(), [blob]               # a list: callers get the ref, not the value
 
@@ -111,8 +109,7 @@ def registry(store_uri: str, namespace: str | None = None, max_entries: int = MA
 def _get(reg, ref: str, kind: str, timeout_s: float | None) -> tuple[Manifest, object]:
     manifest_json, (blob,) = ray.get(reg.get.remote(ref), timeout=timeout_s)
     manifest = Manifest.model_validate_json(manifest_json)
-    if manifest.kind != kind:
-        raise InvalidReference(f"{manifest.ref} is a {manifest.kind} artifact, not a {kind}")
+    manifest.require(kind)
     return manifest, blob
 
 
@@ -133,9 +130,8 @@ def fetch_family(reg, ref: str, expect: Fingerprints | None = None, member: str 
     """A family artifact through the registry, as `fetch`. `expect` is checked against the family's producer
     and tokenizer, and with `member` (a consumer name) also against that member's consumer fingerprint."""
     manifest, blob = _get(reg, ref, "family", timeout_s)
-    if member is not None and member not in manifest.members:
-        raise ArtifactNotFound(f"{manifest.ref} has no member {member!r}; its members: {sorted(manifest.members)}")
+    prints = manifest.member(member)
     if expect is not None:
-        check(str(manifest.ref), manifest.member(member) if member is not None else manifest.fingerprints, expect)
+        check(str(manifest.ref), prints, expect)
     desc, tensors = ray.get(blob, timeout=timeout_s)
     return FamilyArtifacts.from_parts(json.loads(desc), st_load(tensors)), manifest

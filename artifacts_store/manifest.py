@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from artifacts_store.errors import ManifestError
+from artifacts_store.errors import ArtifactNotFound, InvalidReference, ManifestError
 from artifacts_store.fingerprints import Fingerprints, ModelFingerprint
 from artifacts_store.refs import Ref, check_file_name, check_name, check_version_id
 
@@ -170,10 +170,20 @@ class Manifest(_Model):
         """The pair's fingerprints (a family's: the producer and tokenizer; see `member`)."""
         return Fingerprints(producer=self.producer, consumer=self.consumer, tokenizer=self.tokenizer)
 
-    def member(self, consumer: str) -> Fingerprints:
-        """A family member's fingerprints, as a pair's would be."""
+    def require(self, kind: str) -> None:
+        """Raise InvalidReference unless this is a `kind` ("pair" or "family") version."""
+        if self.kind != kind:
+            how = "load_family (serving: a `families:` entry)" if self.kind == "family" else "load (a specialist's pair)"
+            raise InvalidReference(f"{self.ref} is a {self.kind} artifact, not a {kind}: read it with {how}")
+
+    def member(self, consumer: str | None) -> Fingerprints:
+        """What loading for `consumer` checks: a family member's fingerprints, as a pair's would be (None: the
+        version's own, which for a family are the producer's and the tokenizer's). ArtifactNotFound when the
+        family has no such member."""
+        if consumer is None:
+            return self.fingerprints
         if consumer not in self.members:
-            raise KeyError(f"{self.ref} has no member {consumer!r}; its members: {sorted(self.members)}")
+            raise ArtifactNotFound(f"{self.ref} has no member {consumer!r}; its members: {sorted(self.members)}")
         return Fingerprints(producer=self.producer, consumer=self.members[consumer], tokenizer=self.tokenizer)
 
     def to_bytes(self) -> bytes:

@@ -394,29 +394,16 @@ class ArtifactStore:
                                    "damaged: republish the pair or load another version", problems)
         return data
 
-    def _kind(self, r: Ref, m: Manifest, want: str) -> None:
-        if m.kind != want:
-            how = "load_family (serving: a `families:` entry)" if m.kind == "family" else "load (a specialist's pair)"
-            raise InvalidReference(f"{r} is a {m.kind} artifact, not a {want}: read it with {how}")
-
     @storage_errors
     def load(self, ref: "str | Ref", expect: fp.Fingerprints | None = None) -> tuple[PairArtifacts, Manifest]:
         """The artifacts and manifest of a version, after checking the files it needs against their checksums and,
         with `expect`, the recorded fingerprints against the models actually loaded (None fields are skipped)."""
         r = self.resolve(ref)
         m = self._manifest(r)
-        self._kind(r, m, "pair")
+        m.require("pair")
         if expect is not None:          # before downloading tensors: a wrong model fails fast and cheaply
             fp.check(str(r), m.fingerprints, expect)
-        data = self._read(r, m, (TENSORS, DESCRIPTION))
-        try:
-            art = PairArtifacts.from_parts(json.loads(data[DESCRIPTION]), st_load(data[TENSORS]))
-        except IncompatibleArtifact as e:
-            raise ManifestError(f"{r}: {e}") from None
-        if parse_ref(art.pair).pair != r.pair or art.spec.fingerprint() != m.producer.config_hash:
-            raise ManifestError(f"{r}: artifact.json (pair {art.pair}, spec {art.spec.fingerprint()}) disagrees with "
-                                f"its manifest (pair {r.pair}, spec {m.producer.config_hash}); republish this version")
-        return art, m
+        return self._pair(r, m), m
 
     @storage_errors
     def load_family(self, ref: "str | Ref", expect: fp.Fingerprints | None = None,
@@ -425,11 +412,31 @@ class ArtifactStore:
         fingerprints are checked, and with `member` (a consumer name) also that member's consumer."""
         r = self.resolve(ref)
         m = self._manifest(r)
-        self._kind(r, m, "family")
-        if member is not None and member not in m.members:
-            raise ArtifactNotFound(f"{r} has no member {member!r}; its members are {sorted(m.members)}")
-        if expect is not None:          # a family's own fingerprints have no consumer: only a member's are checked
-            fp.check(str(r), m.member(member) if member is not None else m.fingerprints, expect)
+        m.require("family")
+        prints = m.member(member)       # a family's own fingerprints have no consumer: only a member's are checked
+        if expect is not None:
+            fp.check(str(r), prints, expect)
+        return self._family(r, m), m
+
+    @storage_errors
+    def load_any(self, ref: "str | Ref") -> tuple["PairArtifacts | FamilyArtifacts", Manifest]:
+        """A version of either kind, as its manifest says (the registry's read), checksums verified."""
+        r = self.resolve(ref)
+        m = self._manifest(r)
+        return (self._family if m.kind == "family" else self._pair)(r, m), m
+
+    def _pair(self, r: Ref, m: Manifest) -> PairArtifacts:
+        data = self._read(r, m, (TENSORS, DESCRIPTION))
+        try:
+            art = PairArtifacts.from_parts(json.loads(data[DESCRIPTION]), st_load(data[TENSORS]))
+        except IncompatibleArtifact as e:
+            raise ManifestError(f"{r}: {e}") from None
+        if parse_ref(art.pair).pair != r.pair or art.spec.fingerprint() != m.producer.config_hash:
+            raise ManifestError(f"{r}: artifact.json (pair {art.pair}, spec {art.spec.fingerprint()}) disagrees with "
+                                f"its manifest (pair {r.pair}, spec {m.producer.config_hash}); republish this version")
+        return art
+
+    def _family(self, r: Ref, m: Manifest) -> FamilyArtifacts:
         data = self._read(r, m, (TENSORS, FAMILY_DESCRIPTION))
         try:
             fam = FamilyArtifacts.from_parts(json.loads(data[FAMILY_DESCRIPTION]), st_load(data[TENSORS]))
@@ -439,7 +446,7 @@ class ArtifactStore:
         if fam.family != r.pair or names != set(m.members):
             raise ManifestError(f"{r}: family.json (family {fam.family}, members {sorted(names)}) disagrees with its "
                                 f"manifest (members {sorted(m.members)}); republish this version")
-        return fam, m
+        return fam
 
     # ---- leases --------------------------------------------------------------------------------------------
 

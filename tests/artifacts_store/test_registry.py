@@ -57,11 +57,11 @@ def test_store_failures_reach_the_caller_as_store_errors(store, tmp_path, monkey
         with pytest.raises(StorageUnavailable, match="connection reset by peer"):
             cache.get("base:qa")
     with monkeypatch.context() as mp:                                  # an OSError the store did not translate
-        mp.setattr(ArtifactStore, "load", reset)
+        mp.setattr(ArtifactStore, "load_any", reset)         # the registry's read
         with pytest.raises(StorageUnavailable, match=f"reading base:qa@{m.version} from .*connection reset"):
             cache.get("base:qa")
     with monkeypatch.context() as mp:                                  # anything else: still a store error
-        mp.setattr(ArtifactStore, "load", lambda *a, **k: 1 / 0)
+        mp.setattr(ArtifactStore, "load_any", lambda *a, **k: 1 / 0)
         with pytest.raises(ArtifactStoreError, match="ZeroDivisionError"):
             cache.get("base:qa")
     assert cache.stats()["cached"] == [] and cache.stats()["store_reads"] == 0
