@@ -173,7 +173,8 @@ class Manifest(_Model):
     def require(self, kind: str) -> None:
         """Raise InvalidReference unless this is a `kind` ("pair" or "family") version."""
         if self.kind != kind:
-            how = "load_family (serving: a `families:` entry)" if self.kind == "family" else "load (a specialist's pair)"
+            how = ("load_family (serving: a `families:` entry)" if self.kind == "family"
+                   else "load (a specialist's pair)")
             raise InvalidReference(f"{self.ref} is a {self.kind} artifact, not a {kind}: read it with {how}")
 
     def member(self, consumer: str | None) -> Fingerprints:
