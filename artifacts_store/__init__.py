@@ -9,10 +9,11 @@
 from artifacts_store.errors import (ArtifactNotFound, ArtifactStoreError, ChecksumMismatch, FingerprintMismatch,
                                     InvalidReference, ManifestError, StorageUnavailable)
 from artifacts_store.fingerprints import Fingerprints, ModelFingerprint, calibration_digest, weights_digest
-from artifacts_store.leases import Kept, Lease
+from artifacts_store.leases import GcReport, Kept, Lease
 from artifacts_store.manifest import SCHEMA_VERSION, CalibrationData, FileEntry, Manifest, upgrade
 from artifacts_store.refs import Ref, new_version_id, parse_ref
-from artifacts_store.store import ArtifactStore, FileProblem, GcReport, VerifyResult, VersionInfo
+from artifacts_store.results import FileProblem, VerifyResult, VersionInfo
+from artifacts_store.store import ArtifactStore
 
 __all__ = [
     "ArtifactNotFound", "ArtifactStore", "ArtifactStoreError", "CalibrationData", "ChecksumMismatch", "FileEntry",

@@ -10,9 +10,12 @@ and loading with `expect=` refuses any difference, naming which one.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import BaseModel, ConfigDict, Field
 
-from artifacts_store.errors import FingerprintMismatch
+from artifacts_store.errors import FingerprintMismatch, InvalidReference
+from artifacts_store.refs import parse_ref
 from scd.online.models import ModelSpec, model_digest, weights_digest  # noqa: F401  (weights_digest re-exported)
 from scd.online.models import data_digest as calibration_digest  # noqa: F401  (one digest for both)
 
@@ -70,3 +73,37 @@ def check(what: str, recorded: Fingerprints, loaded: Fingerprints) -> None:
         raise FingerprintMismatch(f"{what} was calibrated for other models than the ones loaded: " + "; ".join(diffs)
                                   + ". Load the models it was calibrated for, or recalibrate and publish the pair "
                                   "for these models.", diffs)
+
+
+def check_publishable(what: str, spec_hash: str, f: Fingerprints) -> None:
+    """Publishing needs all three fingerprints, of models with the architecture the artifacts were fitted for
+    (`spec_hash`, their ModelSpec fingerprint)."""
+    if not f.complete:
+        raise ValueError("publish needs producer, consumer and tokenizer fingerprints "
+                         "(Fingerprints.of(producer_model, consumer_model, tokenizer))")
+    diffs = [f"{side} config hash: artifact spec={spec_hash} given={getattr(f, side).config_hash}"
+             for side in ("producer", "consumer") if getattr(f, side).config_hash != spec_hash]
+    if diffs:
+        raise FingerprintMismatch(f"publishing {what}: fingerprints are not of models with the artifact's "
+                                  "architecture: " + "; ".join(diffs), diffs)
+
+
+def of_family(family: str, spec_hash: str,
+              prints: Mapping[str, Fingerprints]) -> tuple[Fingerprints, dict[str, ModelFingerprint]]:
+    """What a family's manifest records, from each member's pair fingerprints (member pair id -> them): the
+    one producer and tokenizer of all (Fingerprints without a consumer), and member name -> its consumer's.
+    Every member must be a consumer of the family's producer, publishable (check_publishable), and fitted
+    with the same producer and tokenizer."""
+    fam = parse_ref(family)
+    members = {}
+    for name, f in prints.items():
+        member = parse_ref(name)
+        if member.producer != fam.producer or member.consumer == fam.consumer:
+            raise InvalidReference(f"family {family}: member {name!r} must be {fam.producer}:<another name>")
+        check_publishable(name, spec_hash, f)
+        members[member.consumer] = f.consumer
+    first = next(iter(prints.values()))
+    if any((f.producer, f.tokenizer) != (first.producer, first.tokenizer) for f in prints.values()):
+        raise FingerprintMismatch(f"publishing {family}: members were fitted with different producers or "
+                                  "tokenizers; a family has one producer")
+    return Fingerprints(producer=first.producer, tokenizer=first.tokenizer), members

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -36,13 +35,13 @@ from safetensors.torch import save as st_save
 
 from artifacts_store import fingerprints as fp
 from artifacts_store import leases as ls
-from artifacts_store.errors import (ArtifactNotFound, ChecksumMismatch, FingerprintMismatch, InvalidReference,
-                                    ManifestError, storage_errors)
+from artifacts_store.errors import ArtifactNotFound, ChecksumMismatch, InvalidReference, ManifestError, storage_errors
 from artifacts_store.fsio import Storage, open_root
 from artifacts_store.leases import GcReport, Kept
 from artifacts_store.manifest import CalibrationData, FileEntry, Manifest, PairNames, Ranks, code_version
 from artifacts_store.refs import (LATEST, RESERVED_FILES, Ref, check_file_name, is_version_id, new_version_id,
                                   parse_pair_dir, parse_ref, version_time)
+from artifacts_store.results import FileProblem, VerifyResult, VersionInfo
 from scd.online.artifacts import FamilyArtifacts, IncompatibleArtifact, PairArtifacts
 
 MANIFEST, TENSORS, DESCRIPTION = "manifest.json", "tensors.safetensors", "artifact.json"
@@ -52,56 +51,8 @@ POINTER, TMP = "LATEST", ".tmp-"
 _POINTER_TRIES = 8
 
 
-@dataclass(frozen=True, slots=True)
-class VersionInfo:
-    pair: str
-    version: str
-    index: int                  # 1-based position in sorted order; shifts when gc removes older versions
-    latest: bool
-
-    @property
-    def ref(self) -> str:
-        return f"{self.pair}@{self.version}"
-
-
-@dataclass(frozen=True, slots=True)
-class FileProblem:
-    name: str
-    kind: str                   # "missing" | "bad" | "extra"
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.name}: {self.kind} ({self.detail})"
-
-
-@dataclass(frozen=True, slots=True)
-class VerifyResult:
-    ref: str
-    problems: list[FileProblem]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def __str__(self) -> str:
-        return f"{self.ref}: ok" if self.ok else f"{self.ref}: " + "; ".join(map(str, self.problems))
-
-
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _check_publish_fingerprints(art: PairArtifacts, f: fp.Fingerprints) -> None:
-    """Both models must have the architecture the artifacts were fitted for (same ModelSpec fingerprint)."""
-    if not f.complete:
-        raise ValueError("publish needs producer, consumer and tokenizer fingerprints "
-                         "(Fingerprints.of(producer_model, consumer_model, tokenizer))")
-    spec = art.spec.fingerprint()
-    diffs = [f"{side} config hash: artifact spec={spec} given={getattr(f, side).config_hash}"
-             for side in ("producer", "consumer") if getattr(f, side).config_hash != spec]
-    if diffs:
-        raise FingerprintMismatch(f"publishing {art.pair}: fingerprints are not of models with the artifact's "
-                                  "architecture: " + "; ".join(diffs), diffs)
 
 
 class ArtifactStore:
@@ -122,7 +73,7 @@ class ArtifactStore:
                 metrics: Mapping[str, float] | None = None, extra_files: Mapping[str, bytes] | None = None) -> Manifest:
         """Write a new version of art.pair and return its manifest. Safe to call concurrently from anywhere."""
         pair = self._unversioned(art.pair)
-        _check_publish_fingerprints(art, fingerprints)
+        fp.check_publishable(art.pair, art.spec.fingerprint(), fingerprints)
         files = {TENSORS: st_save(art.tensors()), DESCRIPTION: json.dumps(art.description(), indent=2).encode()}
         return self._commit(pair, files, extra_files, art, calibration, metrics, producer=fingerprints.producer,
                             consumer=fingerprints.consumer, tokenizer=fingerprints.tokenizer)
@@ -138,21 +89,10 @@ class ArtifactStore:
         if set(fingerprints) != set(fam.members):
             raise ValueError(f"fingerprints are for {sorted(fingerprints)}, the family's members are "
                              f"{sorted(fam.members)}")
-        members = {}
-        for name, art in fam.members.items():
-            member = parse_ref(name)
-            if member.producer != ref.producer or member.consumer == ref.consumer:
-                raise InvalidReference(f"family {fam.family}: member {name!r} must be {ref.producer}:<another name>")
-            f = fingerprints[name]
-            _check_publish_fingerprints(art, f)
-            members[member.consumer] = f.consumer
-        first = next(iter(fingerprints.values()))
-        if any((f.producer, f.tokenizer) != (first.producer, first.tokenizer) for f in fingerprints.values()):
-            raise FingerprintMismatch(f"publishing {fam.family}: members were fitted with different producers or "
-                                      "tokenizers; a family has one producer")
+        family, members = fp.of_family(fam.family, fam.encoder.spec.fingerprint(), fingerprints)
         files = {TENSORS: st_save(fam.tensors()), FAMILY_DESCRIPTION: json.dumps(fam.description(), indent=2).encode()}
         return self._commit(ref, files, extra_files, fam.encoder, calibration, metrics, kind="family",
-                            producer=first.producer, consumer=None, members=members, tokenizer=first.tokenizer)
+                            producer=family.producer, consumer=None, members=members, tokenizer=family.tokenizer)
 
     @staticmethod
     def _unversioned(text: str) -> Ref:
