@@ -6,11 +6,18 @@ with per-pair codes at the same rank.
 
 One pass over common calibration prefixes (an equal share of each member's data) accumulates the family's
 Gram matrices, [producer rows | every member's K, V side by side]; every per-pair Gram is a block of them
-(scd.fitting.family). Both fits are Reuse-only (layer 0 exact, the config's reuse source, ranks and code
-precision), so the comparison isolates what sharing the encoder costs. Reported:
-  - each member's held-out KL (its own samples) under raw KV reuse, its pair code and the family code;
+(scd.fitting.family). Both fits are first Reuse-only (layer 0 exact, the config's reuse source, ranks and code
+precision), which isolates what sharing the encoder costs. The family as served then adds Patch layers
+(--patch-layers; default the union of the Patch layers of the members' published pair artifacts): one Patch
+encoder for the family, each member's own aligner, trained on its own x_norm. With calibration.finetune_samples,
+each member's decoders and aligners are fine-tuned end to end on its own samples, as a pair's are; the encoders
+stay frozen, so they stay the family's. Every stage is checkpointed under calibration.work_dir/family.
+Reported:
+  - each member's held-out KL (its own samples) under raw KV reuse, its Reuse-only pair code, the Reuse-only
+    family code, the family as served, and its published pair artifact (what a fan-out sends it today);
   - a fan-out to every member: wire bytes and producer encode time, one family payload against one
-    payload per pair (medians of interleaved rounds);
+    payload per pair (the published pair artifacts when every member has one; medians of interleaved
+    rounds);
 and written under --out/<producer>/<name>: the family artifact (scd.online.artifacts.FamilyArtifacts:
 safetensors with the shared encoders once and each member's decoders, family.json), figures.json with the
 figures, and family.png (KL per member, pair vs family). With --publish, the family goes to the artifact
@@ -36,16 +43,19 @@ from jobs import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting import family
-from scd.fitting.calibrate import pad
-from scd.fitting.checkpoints import key_dir
+from scd.fitting.aligners import patch_aligner
+from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, PlanScorer, pad
+from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
+from scd.fitting.finetune import finetune_aligners
 from scd.fitting.gram import JointGram
 from scd.online import codec
-from artifacts_store import ArtifactNotFound, ArtifactStore, CalibrationData, Fingerprints
-from artifacts_store.errors import InvalidReference
+from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
+from artifacts_store.errors import ArtifactStoreError, InvalidReference
 from artifacts_store.refs import check_name
 from scd.online.artifacts import FamilyArtifacts, PairArtifacts
 from scd.online.models import ModelSpec, check_pair, data_digest, load, model_digest, tokenizer_fingerprint
 from scd.online.rebuild import encode
+from scd.online.reuse import LinearCodec
 from scd.online.trace import capture
 
 
@@ -120,16 +130,126 @@ def artifacts(grams: dict[str, list[JointGram]], spec: ModelSpec, pairs: list[st
             [make(p, c) for p, c in zip(pairs, own)])
 
 
-def fanout_cost(producer, fam: FamilyArtifacts, own: list[PairArtifacts], ids: torch.Tensor,
+def served_pairs(store: ArtifactStore, pairs: list[str], producer, consumers: list, tok) -> list[dict]:
+    """What a fan-out sends each member today: per member {"art": its latest published pair artifact, loaded
+    for these very models (None when there is none, or it was fitted for other weights), "kl": the held-out KL
+    its calibration recorded (None when none is published), "why": what stopped the load}."""
+    out = []
+    for pair, consumer in zip(pairs, consumers):
+        entry = {"art": None, "kl": None, "why": None, "patch_layers": []}
+        try:
+            entry["kl"] = store.show(f"{pair}@latest").metrics.get("kl")
+            art, m = store.load(f"{pair}@latest", Fingerprints.of(producer=producer, consumer=consumer, tokenizer=tok))
+            entry.update(art=art, patch_layers=list(m.patch_layers))
+        except ArtifactStoreError as e:
+            entry["why"] = str(e)
+        out.append(entry)
+    return out
+
+
+def patch_plan(arg: str, served: list[dict], num_layers: int) -> list[int]:
+    """The family's Patch layers from --patch-layers: "auto" (the union of the members' published pair
+    artifacts' Patch layers), "none", or layer numbers ("2,5")."""
+    if arg == "none":
+        return []
+    if arg == "auto":
+        return sorted({l for e in served for l in e["patch_layers"]})
+    try:
+        layers = sorted({int(x) for x in arg.split(",")})
+    except ValueError:
+        raise SystemExit(f"--patch-layers must be auto, none or layer numbers like 2,5; got {arg!r}") from None
+    if any(not 1 <= l < num_layers for l in layers):
+        raise SystemExit(f"--patch-layers must be within 1..{num_layers - 1} (layer 0 is exact), got {layers}")
+    return layers
+
+
+def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer, consumers: list,
+                calib: list[torch.Tensor], layers: list[int], c, pad_id: int | None, val: dict, tune: dict) -> FamilyArtifacts:
+    """The family as served: Patch at `layers` (one encoder for the family, fitted on every member's x_norm;
+    each member's own aligner) over the shared Reuse codes, then, with calibration.finetune_samples, each
+    member's decoders and aligners fine-tuned end to end on its own samples with the encoders frozen (so
+    they stay the family's). Encoders, aligners and fine-tuned members are checkpointed under `work`."""
+    cfg = c.model_dump()
+    spec, n = shared.encoder.spec, len(names)
+    pdir = key_dir(work, "patch-", {"layers": layers, **{k: cfg[k] for k in ALIGNER_FIELDS}})
+    rows: dict[str, torch.Tensor] = {}
+
+    def patch_rows() -> dict[str, torch.Tensor]:        # one pass over the prefixes, only if something is not on disk
+        if not rows:
+            rows.update(family.patch_rows(producer, consumers, calib, layers, c.batch, pad_id))
+        return rows
+
+    encs = load_encoders(pdir / "encoders.safetensors", n, layers)
+    if encs is None and layers:
+        encs = family.patch_encoders(patch_rows(), n, layers, c.r_h, c.ridge)
+        tmp = pdir / "encoders.tmp"
+        save_file({k: v.clone() for j, e in enumerate(encs) for l, c_l in e.items()      # members share the encoder
+                   for k, v in c_l.tensors(f"{j}.{l}").items()}, str(tmp))
+        tmp.replace(pdir / "encoders.safetensors")
+    plan = [("patch" if l in layers else kind) for l, kind in enumerate(shared.encoder.plan)]
+    tdir = key_dir(pdir, "tune-", {"ranks": shared.encoder.reuse_ranks, "code_dtype": c.code_dtype,
+                                   "source": c.reuse_source, **{k: cfg[k] for k in TUNE_FIELDS if k != "finetune_encoders"}})
+    members = {}
+    for j, (pair, base) in enumerate(shared.members.items()):
+        aligners = {}
+        for l in layers:
+            def rows_of(l=l, j=j):
+                r = patch_rows()
+                return r[f"xa.{l}"], r[f"xb{j}.{l}"], r["pos"], r[f"xb{j}.0"]
+            aligners[l], curve, trained = patch_aligner(pdir / names[j] / f"layer_{l}.safetensors", c, spec.hidden_size,
+                                                        encs[j][l], consumers[j], l, rows_of)
+            log(f"{names[j]}: aligner for layer {l} " + (f"trained (best val {min(curve['val']):.4f})" if trained
+                                                          else "resumed from checkpoint"))
+        art = PairArtifacts(shared.family, spec, base.r_k, base.r_v, c.r_h, c.aligner_width, plan, base.reuse_k,
+                            base.reuse_v, encs[j] if layers else {}, aligners, aligner_context=c.aligner_context,
+                            aligner_tokens=c.aligner_tokens, aligner_window=c.aligner_window, r_x=base.r_x,
+                            reuse_x=base.reuse_x, code_dtype=base.code_dtype)
+        if c.finetune_samples and tune[names[j]] and (layers or "hidden" in plan):
+            art = finetuned(tdir / names[j], art, names[j], producer, consumers[j], tune[names[j]], val[names[j]], c,
+                            pad_id)
+        members[pair] = art
+    return FamilyArtifacts(shared.family, members)
+
+
+def load_encoders(path: Path, n: int, layers: list[int]) -> list[dict[int, LinearCodec]] | None:
+    """The family's Patch encoders (one codec per member and layer) from their checkpoint, or None."""
+    if not path.is_file() or not layers:
+        return None
+    t = load_file(str(path))
+    return [{l: LinearCodec.from_tensors(t, f"{j}.{l}") for l in layers} for j in range(n)]
+
+
+def finetuned(d: Path, art: PairArtifacts, name: str, producer, consumer, tune: list, val: list, c,
+              pad_id: int | None) -> PairArtifacts:
+    """A member fine-tuned end to end (scd.fitting.finetune) with its encoders frozen, or its checkpoint in `d`."""
+    inputs = {"tune": samples_digest(tune), "val": samples_digest(val)}
+    if load_record(d / "record.json", inputs, log) is not None:
+        log(f"{name}: fine-tuned member resumed from checkpoint")
+        got = PairArtifacts.load(d)
+        got.pair = art.pair                 # the same numbers may serve under another family name
+        return got
+    if c.finetune_encoders:
+        log(f"{name}: finetune_encoders is ignored for a family (its encoders are shared by every member)")
+    scorer = PlanScorer(producer, consumer, val, lambda plan: art.with_plan(plan))
+    fit = finetune_aligners(producer, consumer, art, tune, lambda a: scorer.kl(a.plan), c.finetune_epochs,
+                            c.finetune_lr, c.batch, pad_id, c.seed, True, lambda line: log(f"{name}: {line}"))
+    art.save(d)
+    save_record(d / "record.json", {"samples": len(tune), "train": fit.train, "val": fit.val,
+                                    "best_epoch": fit.best_epoch}, inputs)
+    log(f"{name}: fine-tuned, validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f}")
+    return art
+
+
+def fanout_cost(producer, fam: FamilyArtifacts, pairs: list[PairArtifacts], ids: torch.Tensor,
                 repeats: int) -> dict:
     """Wire bytes and producer encode ms (median of interleaved rounds, after a warm-up) of a fan-out to every
-    member: one family payload against one payload per pair."""
+    member: one family payload against one payload per pair (of `pairs`' artifacts)."""
     trace = capture(producer, ids, torch.ones_like(ids))
 
     def payloads(arts):
         return [codec.encode(encode(a, trace, ids), a.pair, "v", codec.artifact_dims(a), a.code_dtype) for a in arts]
 
-    ways = {"family": [fam.encoder], "pairs": own}
+    ways = {"family": [fam.encoder], "pairs": pairs}
     nbytes = {name: sum(len(b) for b in payloads(arts)) for name, arts in ways.items()}     # also the warm-up
     ms = {name: [] for name in ways}
     for _ in range(repeats):
@@ -141,15 +261,21 @@ def fanout_cost(producer, fam: FamilyArtifacts, own: list[PairArtifacts], ids: t
             "family_encode_ms": statistics.median(ms["family"]), "pairs_encode_ms": statistics.median(ms["pairs"])}
 
 
+BARS = (("raw_kv", "raw KV reuse"), ("pair", "pair code, Reuse-only"), ("family_reuse", "family code, Reuse-only"),
+        ("family", "family as served"), ("served_pair", "published pair artifact"))
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    x = range(len(rows))
-    for i, (key, label) in enumerate((("raw_kv", "raw KV reuse"), ("pair", "pair code"), ("family", "family code"))):
-        ax.bar([v + (i - 1) * 0.27 for v in x], [r[key] for r in rows], 0.27, label=label)
-    ax.set_xticks(list(x), [r["member"] for r in rows])
+    fig, ax = plt.subplots(figsize=(7.2, 3.8))
+    bars = [(k, label) for k, label in BARS if any(r.get(k) is not None for r in rows)]
+    w = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        ax.bar([v + (i - (len(bars) - 1) / 2) * w for v in range(len(rows))],
+               [r.get(key) or 0.0 for r in rows], w, label=label)
+    ax.set_xticks(list(range(len(rows))), [r["member"] for r in rows])
     ax.set_ylabel("held-out KL(oracle ‖ method)")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
@@ -187,6 +313,9 @@ def main(argv: list[str] | None = None) -> dict:
         "publish the family to the config's artifact store (every member's fingerprint in its manifest) when "
         "each member's family KL passes calibration.gate_vs_raw_kv and calibration.family_vs_pair; serve it with "
         "a `families:` entry"))
+    p.add_argument("--patch-layers", default="auto", help=(
+        "the family's Patch layers: auto (default: the union of the members' published pair artifacts' Patch "
+        "layers), none (Reuse-only), or layer numbers like 2,5; every member trains its own aligner there"))
     p.add_argument("--store", help="artifact store URI for --publish (default: the config's artifacts.uri)")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
@@ -222,12 +351,16 @@ def main(argv: list[str] | None = None) -> dict:
     ranks = budget_ranks(spec, hidden, c.payload_budget, c.code_dtype, {"r_k": c.r_k, "r_v": c.r_v, "r_x": c.r_x})
     # common calibration prefixes: an equal share of each member's data; held-out samples: each member's own
     share = -(-n_prefixes // len(names))
-    calib, held = [], {}
+    calib, val, held, tune = [], {}, {}, {}
     for n in names:
-        cal_n, _, held[n] = samples.pair_data(n, tok, share, 1, n_held, c.prefix_tokens)
+        cal_n, val[n], held[n] = samples.pair_data(n, tok, share, c.val, n_held, c.prefix_tokens)
+        tune[n] = samples.tune_samples(n, tok, c.finetune_samples, c.prefix_tokens, c.finetune_tokens)
         calib += cal_n
+    store = ArtifactStore(args.store or cfg.artifacts.uri)
+    served = served_pairs(store, pairs, producer, consumers, tok)
+    layers = patch_plan(args.patch_layers, served, spec.num_layers)
     log(f"members {names}: {len(calib)} common calibration prefixes of {c.prefix_tokens} tokens, {n_held} held-out "
-        f"each; {c.reuse_source} codes {ranks} in {c.code_dtype}")
+        f"each; {c.reuse_source} codes {ranks} in {c.code_dtype}; Patch layers {layers}")
 
     work = key_dir(Path(c.work_dir).expanduser() / "family", "", {
         "models": [model_digest(producer), *map(model_digest, consumers)], "data": data_digest(calib),
@@ -241,77 +374,89 @@ def main(argv: list[str] | None = None) -> dict:
         grams = accumulate(producer, consumers, spec, calib, hidden, c.batch, tok.pad_token_id)
         save_grams(grams, path)
         log(f"grams accumulated in {time.time() - t0:.0f} s ({path})")
-    fam, own = artifacts(grams, spec, pairs, ranks, c.ridge, c.code_dtype, family_id)
+    shared, own = artifacts(grams, spec, pairs, ranks, c.ridge, c.code_dtype, family_id)
+    fam = fit_members(work, shared, names, producer, consumers, calib, layers, c, tok.pad_token_id, val, tune)
 
     rows = []
-    for name, consumer, f_art, o_art in zip(names, consumers, fam.members.values(), own):
-        got = Evaluator(producer, consumer, tok).run(
-            held[name], [methods.RawKV(), methods.SCDMethod(o_art, "pair"), methods.SCDMethod(f_art, "family")],
-            desc=f"held-out {name}")
-        by = {r["method"]: r for r in got}
-        rows.append({"member": name, "raw_kv": by["raw_kv"]["kl"], "pair": by["pair"]["kl"], "family": by["family"]["kl"],
-                     "payload_ratio": by["family"]["payload_ratio"], "greedy_pair": by["pair"]["greedy"],
-                     "greedy_family": by["family"]["greedy"]})
+    for j, (name, consumer) in enumerate(zip(names, consumers)):
+        ways = [methods.RawKV(), methods.SCDMethod(own[j], "pair"),
+                methods.SCDMethod(shared.members[pairs[j]], "family_reuse"), methods.SCDMethod(fam.members[pairs[j]], "family")]
+        if served[j]["art"] is not None:
+            ways.append(methods.SCDMethod(served[j]["art"], "served_pair"))
+        by = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(held[name], ways, desc=f"held-out {name}")}
+        # a published pair artifact is scored on these samples when it loads for these models, else its recorded KL
+        measured = "served_pair" in by
+        rows.append({"member": name, **{k: by[k]["kl"] for k in ("raw_kv", "pair", "family_reuse", "family")},
+                     "served_pair": by["served_pair"]["kl"] if measured else served[j]["kl"],
+                     "served_pair_source": "measured" if measured else "recorded" if served[j]["kl"] is not None else None,
+                     "payload_ratio": by["family"]["payload_ratio"],
+                     "served_payload_ratio": by["served_pair"]["payload_ratio"] if measured else None,
+                     "greedy_pair": by["pair"]["greedy"], "greedy_family": by["family"]["greedy"]})
     ids = torch.tensor([sum((s.prefix.tolist() for s in held[names[0]]), [])[:c.prefix_tokens]])
-    cost = fanout_cost(producer, fam, own, ids, args.repeats)
+    published_pairs = all(e["art"] is not None for e in served)
+    cost = fanout_cost(producer, fam, [e["art"] for e in served] if published_pairs else own, ids, args.repeats)
+    cost["pairs_are"] = "published pair artifacts" if published_pairs else "Reuse-only pair fits"
 
     out = Path(args.out).expanduser() / cfg.producer.name / args.name
-    result = {"family": family_id, "members": pairs, "ranks": ranks, "code_dtype": c.code_dtype,
+    result = {"family": family_id, "members": pairs, "ranks": ranks, "code_dtype": c.code_dtype, "patch_layers": layers,
               "prefixes": len(calib), "heldout": n_held, "kl": rows, "fanout": cost}
     fam.info = result
     fam.save(out)
     (out / "figures.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / "family.png", f"{cfg.producer.name}: one code for {len(names)} specialists vs one per pair "
-                                    f"({c.reuse_source} {ranks}, {c.code_dtype})")
-
-    print(f"\nheld-out KL, Reuse-only codes {ranks} in {c.code_dtype} (payload {rows[0]['payload_ratio']:.3f} of raw KV):")
-    print(f"  {'member':<10}{'raw_kv':>9}{'pair':>9}{'family':>9}{'family/pair':>13}{'greedy pair/family':>21}")
-    for r in rows:
-        print(f"  {r['member']:<10}{r['raw_kv']:9.4f}{r['pair']:9.4f}{r['family']:9.4f}{r['family'] / r['pair']:13.2f}"
-              f"{r['greedy_pair']:11.3f} / {r['greedy_family']:.3f}")
-    print(f"fan-out to {len(names)} at {cost['tokens']} tokens: wire {cost['family_bytes'] / 1024:.1f} KB (family) vs "
-          f"{cost['pairs_bytes'] / 1024:.1f} KB (pairs), {cost['family_bytes'] / cost['pairs_bytes']:.2f}x; producer "
-          f"encode {cost['family_encode_ms']:.2f} vs {cost['pairs_encode_ms']:.2f} ms, "
-          f"{cost['family_encode_ms'] / cost['pairs_encode_ms']:.2f}x")
+                                    f"({c.reuse_source} {ranks}, {c.code_dtype}, Patch {layers})")
+    report(rows, cost, ranks, layers, c.code_dtype)
     print(f"written: {out}")
     if args.publish:
-        result["published"] = publish(args.store or cfg.artifacts.uri, fam, producer, consumers, tok, rows, c,
-                                      calib, grams, out)
+        result["published"] = publish(store, fam, producer, consumers, tok, rows, c, calib, grams, out)
     return result
 
 
-def publish(store_uri: str, fam: FamilyArtifacts, producer, consumers: list, tok, rows: list[dict], c,
+def report(rows: list[dict], cost: dict, ranks: dict, layers: list[int], dtype: str) -> None:
+    print(f"\nheld-out KL, {ranks} codes in {dtype}, family Patch layers {layers} (family payload "
+          f"{rows[0]['payload_ratio']:.3f} of raw KV):")
+    print(f"  {'member':<10}{'raw_kv':>9}{'pair':>9}{'fam-reuse':>10}{'family':>9}{'published':>11}"
+          f"{'greedy pair/family':>21}")
+    for r in rows:
+        pub = f"{r['served_pair']:.4f}" + ("*" if r["served_pair_source"] == "recorded" else " ") \
+            if r["served_pair"] is not None else "-"
+        print(f"  {r['member']:<10}{r['raw_kv']:9.4f}{r['pair']:9.4f}{r['family_reuse']:10.4f}{r['family']:9.4f}"
+              f"{pub:>11}{r['greedy_pair']:11.3f} / {r['greedy_family']:.3f}")
+    print("  (pair, fam-reuse: Reuse-only codes of one pair / of the family; family: as served; published: the "
+          "member's published pair artifact, * its recorded KL)")
+    print(f"fan-out to {len(rows)} at {cost['tokens']} tokens: wire {cost['family_bytes'] / 1024:.1f} KB (family) vs "
+          f"{cost['pairs_bytes'] / 1024:.1f} KB ({cost['pairs_are']}), {cost['family_bytes'] / cost['pairs_bytes']:.2f}x; "
+          f"producer encode {cost['family_encode_ms']:.2f} vs {cost['pairs_encode_ms']:.2f} ms, "
+          f"{cost['family_encode_ms'] / cost['pairs_encode_ms']:.2f}x")
+
+
+def publish(store: ArtifactStore, fam: FamilyArtifacts, producer, consumers: list, tok, rows: list[dict], c,
             calib: list, grams: dict, out: Path) -> str | None:
     """Publish `fam` when every member's held-out family KL is within calibration.gate_vs_raw_kv of raw KV
-    reuse's (as a pair's calibration is gated) and within calibration.family_vs_pair of the KL its published
-    pair artifact recorded, if it has one (serving then swaps that pair code for the family's in a fan-out);
-    returns its ref, or None (refused, and why is printed)."""
-    store = ArtifactStore(store_uri)
+    reuse's (as a pair's calibration is gated) and within calibration.family_vs_pair of its published pair
+    artifact's (scored on the same samples, else as recorded), if it has one: serving swaps that pair code for
+    the family's in a fan-out. Returns its ref, or None (refused, and why is printed)."""
     failed = [f"{r['member']}: family KL {r['family']:.4f} > {c.gate_vs_raw_kv:g} x raw KV {r['raw_kv']:.4f}"
               for r in rows if c.gate_vs_raw_kv and r["family"] > c.gate_vs_raw_kv * r["raw_kv"]]
-    for r, pair in zip(rows, fam.members):             # what a fan-out gets today from each member's pair code
-        try:
-            r["served_pair"] = store.show(f"{pair}@latest").metrics.get("kl")
-        except ArtifactNotFound:
-            r["served_pair"] = None
-        if c.family_vs_pair and r["served_pair"] is not None and r["family"] > c.family_vs_pair * r["served_pair"]:
-            failed.append(f"{r['member']}: family KL {r['family']:.4f} > {c.family_vs_pair:g} x its published pair "
-                          f"artifact's {r['served_pair']:.4f}")
+    failed += [f"{r['member']}: family KL {r['family']:.4f} > {c.family_vs_pair:g} x its published pair artifact's "
+               f"{r['served_pair']:.4f} ({r['served_pair_source']})" for r in rows
+               if c.family_vs_pair and r["served_pair"] is not None and r["family"] > c.family_vs_pair * r["served_pair"]]
     if failed:
         store.refuse(fam.family, {"reasons": failed, "kl": rows})
         log(f"quality gate: NOT published ({'; '.join(failed)})")
         return None
     prints = {pair: Fingerprints.of(producer=producer, consumer=m, tokenizer=tok)
               for pair, m in zip(fam.members, consumers)}
-    metrics = {f"{key}.{r['member']}": r[key] for r in rows for key in ("family", "pair", "raw_kv", "served_pair")
-               if r[key] is not None}
-    metrics.update(payload_ratio=rows[0]["payload_ratio"], **{k: float(v) for k, v in fam.info["fanout"].items()})
+    metrics = {f"{key}.{r['member']}": r[key] for r in rows
+               for key in ("family", "family_reuse", "pair", "raw_kv", "served_pair") if r[key] is not None}
+    metrics.update(payload_ratio=rows[0]["payload_ratio"],
+                   **{k: float(v) for k, v in fam.info["fanout"].items() if k != "pairs_are"})
     rows_fitted = next(g for gs in grams.values() for g in gs if g is not None).n
     manifest = store.publish_family(
         fam, prints, CalibrationData(digest=data_digest(calib), n_prefixes=len(calib), rows=rows_fitted),
         metrics, {f"report/{name}": (out / name).read_bytes() for name in ("figures.json", "family.png")})
     ref = f"{fam.family}@{manifest.version}"
-    log(f"published {ref} to {store_uri}; serve it with `families: [{{name: {fam.family.split(':')[1]}}}]`")
+    log(f"published {ref} to {store}; serve it with `families: [{{name: {fam.family.split(':')[1]}}}]`")
     return ref
 
 

@@ -111,3 +111,69 @@ def test_a_family_much_worse_than_a_members_published_pair_code_is_refused(run, 
 def load_config_path(cfg, name):
     from cluster.config import load_config
     return load_config(cfg).specialist(name).path
+
+
+def test_members_train_their_own_aligners_on_one_shared_patch_code(run, capsys):
+    """--patch-layers: the family's plan Patches layer 3 for every member; the producer-side Patch encoder is one
+    for the family (so one payload serves every member, byte for byte), and each member has its own aligner."""
+    from scd.online import codec
+    from scd.online.models import load
+    from scd.online.rebuild import encode
+    from scd.online.trace import capture
+    tmp, cfg, _ = run
+    argv = ["--config", str(cfg), "--repeats", "1", "--out", str(tmp / "out4"), "--members", "qa,code",
+            "--name", "famp", "--patch-layers", "3"]
+    res = family_job(argv)
+    assert res["patch_layers"] == [3]
+    for row in res["kl"]:
+        assert row["family"] > 0 and row["family_reuse"] > 0, row
+    fam = FamilyArtifacts.load(tmp / "out4" / "base" / "famp")
+    qa, code = fam.members["base:qa"], fam.members["base:code"]
+    assert qa.plan[3] == code.plan[3] == "patch" and qa.patch_layers == [3]
+    assert torch.equal(qa.patch_enc[3].enc, code.patch_enc[3].enc)
+    assert not torch.equal(qa.aligners[3].out.weight, code.aligners[3].out.weight)
+    producer, tok, _ = load(load_config_path(cfg, "qa").replace("/qa", "/base"))
+    ids = torch.tensor([tok("a shared prefix for every member of the family").input_ids])
+    trace = capture(producer, ids, torch.ones_like(ids))
+    payload = lambda a: codec.encode(encode(a, trace, ids), a.pair, "v", codec.artifact_dims(a), a.code_dtype)  # noqa: E731
+    assert payload(qa) == payload(code)
+    capsys.readouterr()
+    family_job(argv)
+    out = capsys.readouterr().out
+    assert "qa: aligner for layer 3 resumed" in out and "code: fine-tuned member resumed" in out
+
+
+def test_a_published_pair_artifact_for_these_models_is_scored_on_the_same_samples(run, tmp_path):
+    """The gate compares a member's family KL with its published pair artifact scored side by side on the same
+    held-out samples (here: the qa member of the first family, published as base:qa, must score as it did)."""
+    import yaml
+
+    from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
+    from scd.online.models import load
+    tmp, cfg, first = run
+    art = FamilyArtifacts.load(tmp / "out" / "base" / "family").members["base:qa"]
+    art.pair = "base:qa"
+    producer, tok, _ = load(load_config_path(cfg, "qa").replace("/qa", "/base"))
+    qa, _, _ = load(load_config_path(cfg, "qa"))
+    store = ArtifactStore(tmp_path / "store")
+    store.publish(art, Fingerprints.of(producer=producer, consumer=qa, tokenizer=tok),
+                  CalibrationData(digest="d", n_prefixes=1, rows=1), {"kl": 123.0})
+    raw = yaml.safe_load(cfg.read_text())
+    raw["artifacts"]["uri"] = str(tmp_path / "store")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    res = family_job(["--config", str(path), "--repeats", "1", "--out", str(tmp_path / "o"), "--members", "qa,code"])
+    row = res["kl"][0]
+    assert row["served_pair_source"] == "measured" and res["kl"][1]["served_pair_source"] is None
+    assert abs(row["served_pair"] - first["kl"][0]["family"]) < 1e-5, (row["served_pair"], first["kl"][0]["family"])
+    assert res["fanout"]["pairs_are"] == "Reuse-only pair fits"              # code has no published pair artifact
+
+
+def test_patch_plan_auto_is_the_union_of_the_members_published_patch_layers():
+    from jobs.family import patch_plan
+    served = [{"patch_layers": [2, 5]}, {"patch_layers": [5, 6]}, {"patch_layers": []}]
+    assert patch_plan("auto", served, 8) == [2, 5, 6]
+    assert patch_plan("none", served, 8) == [] and patch_plan("6,2", served, 8) == [2, 6]
+    for bad, msg in (("0", "within 1..7"), ("8", "within 1..7"), ("x", "layer numbers")):
+        with pytest.raises(SystemExit, match=msg):
+            patch_plan(bad, served, 8)

@@ -1,9 +1,13 @@
 """Fitting a Patch aligner (scd.online.patch.Aligner) on calibration rows, with early stopping."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from scd.online.patch import Aligner, window_index
 
@@ -14,6 +18,15 @@ class AlignerFit:
     train_loss: list[float]
     val_loss: list[float]
     best_epoch: int
+
+
+@torch.no_grad()
+def kv_proj(consumer, layer: int) -> torch.Tensor:
+    """(H, 2 m): the consumer layer's k_proj and v_proj as one map, each scaled to unit spectral norm
+    so K and V weigh alike in an aligner's loss (RoPE is a rotation, so K's error is RoPE-free)."""
+    attn = consumer.model.layers[layer].self_attn
+    ws = [attn.k_proj.weight.float().T, attn.v_proj.weight.float().T]
+    return torch.cat([w / torch.linalg.matrix_norm(w, ord=2) for w in ws], dim=1).cpu()
 
 
 @torch.enable_grad()
@@ -82,3 +95,30 @@ def train_aligner(z: torch.Tensor, x_b: torch.Tensor, init_dec: torch.Tensor, in
                 break
     g.load_state_dict(best_state)
     return AlignerFit(g, train_hist, val_hist, best_epoch)
+
+
+def patch_aligner(path: Path, cfg, hidden_size: int, enc, consumer, layer: int,
+                  rows: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[Aligner, dict, bool]:
+    """The Patch aligner of one consumer layer under the calibration settings `cfg` (CalibConfig), loaded from
+    its checkpoint `path` (safetensors + a JSON of its loss curves) or trained and saved there: trained on
+    rows() = (x_a producer x_norm, x_b consumer x_norm, positions, x0 the consumer's layer-0 input), rows of
+    whole sequences in order, with the linear part seeded by the Patch encoder `enc`. Returns (the aligner in
+    eval mode, its loss curves, whether it was trained now)."""
+    if path.is_file():
+        g = Aligner(cfg.r_h, hidden_size, cfg.aligner_width, cfg.aligner_context, cfg.aligner_tokens,
+                    cfg.aligner_window)
+        g.load_state_dict(load_file(str(path)))
+        return g.eval(), json.loads(path.with_suffix(".json").read_text()), False
+    x_a, x_b, pos, x0 = rows()
+    with torch.no_grad():
+        z = enc.encode(x_a)
+    fit = train_aligner(z, x_b, enc.dec, enc.mu_b, pos, cfg.aligner_context, width=cfg.aligner_width,
+                        epochs=cfg.aligner_epochs, seed=cfg.seed + layer, x0=x0 if cfg.aligner_tokens else None,
+                        token_dim=cfg.aligner_tokens,
+                        target_proj=kv_proj(consumer, layer) if cfg.aligner_loss == "kv" else None,
+                        window_dim=cfg.aligner_window)
+    curve = {"train": fit.train_loss, "val": fit.val_loss, "best_epoch": fit.best_epoch}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in fit.aligner.state_dict().items()}, str(path))
+    path.with_suffix(".json").write_text(json.dumps(curve))
+    return fit.aligner.eval(), curve, True

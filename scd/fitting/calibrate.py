@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from scd.evaluation import metrics
 from scd.fitting import policy
-from scd.fitting.aligners import train_aligner
+from scd.fitting.aligners import patch_aligner
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
 from scd.fitting.gram import JointGram
 from scd.fitting.traces import chunk_path, read_chunks, trace_rows, write_chunk
@@ -299,40 +299,20 @@ class Calibration:
     # -- stage 3 -------------------------------------------------------------------------------------
     def aligner(self, layer: int) -> tuple[Aligner, dict]:
         """Train (or load) the Patch aligner of one layer on the traced (Z_H, x_norm_B) rows."""
-        path = self.aligner_dir / f"layer_{layer}.safetensors"
-        enc = self.linear()[2][layer]
-        g = Aligner(self.cfg.r_h, self.spec.hidden_size, self.cfg.aligner_width, self.cfg.aligner_context,
-                    self.cfg.aligner_tokens, self.cfg.aligner_window)
-        if path.is_file():
-            g.load_state_dict(load_file(str(path)))
-            if layer not in self._aligners_logged:
-                self.log(f"stage policy: aligner for layer {layer} resumed from checkpoint")
-                self._aligners_logged.add(layer)
-            return g.eval(), json.loads(path.with_suffix(".json").read_text())
-        xa, xb, pos, x0 = zip(*((c[f"xa.{layer}"], c[f"xb.{layer}"], c["posa"], c["xb.0"])
-                                for c in read_chunks(self.trace_dir / "traces")))
-        with torch.no_grad():
-            z = enc.encode(torch.cat(xa))
-        fit = train_aligner(z, torch.cat(xb), enc.dec, enc.mu_b, torch.cat(pos), self.cfg.aligner_context,
-                            width=self.cfg.aligner_width, epochs=self.cfg.aligner_epochs, seed=self.cfg.seed + layer,
-                            x0=torch.cat(x0) if self.cfg.aligner_tokens else None, token_dim=self.cfg.aligner_tokens,
-                            target_proj=self._kv_proj(layer) if self.cfg.aligner_loss == "kv" else None,
-                            window_dim=self.cfg.aligner_window)
-        curve = {"train": fit.train_loss, "val": fit.val_loss, "best_epoch": fit.best_epoch}
-        path.parent.mkdir(exist_ok=True)
-        save_file({k: v.contiguous() for k, v in fit.aligner.state_dict().items()}, str(path))
-        path.with_suffix(".json").write_text(json.dumps(curve))
-        self.log(f"stage policy: aligner for layer {layer} trained (best val {min(fit.val_loss):.4f} "
-                 f"at epoch {fit.best_epoch})")
-        return fit.aligner.eval(), curve
+        def rows():
+            xa, xb, pos, x0 = zip(*((c[f"xa.{layer}"], c[f"xb.{layer}"], c["posa"], c["xb.0"])
+                                    for c in read_chunks(self.trace_dir / "traces")))
+            return torch.cat(xa), torch.cat(xb), torch.cat(pos), torch.cat(x0)
 
-    @torch.no_grad()
-    def _kv_proj(self, layer: int) -> torch.Tensor:
-        """(H, 2 m): the consumer layer's k_proj and v_proj as one map, each scaled to unit spectral norm
-        so K and V weigh alike in the aligner's loss (RoPE is a rotation, so K's error is RoPE-free)."""
-        attn = self.consumer.model.layers[layer].self_attn
-        ws = [attn.k_proj.weight.float().T, attn.v_proj.weight.float().T]
-        return torch.cat([w / torch.linalg.matrix_norm(w, ord=2) for w in ws], dim=1).cpu()
+        g, curve, trained = patch_aligner(self.aligner_dir / f"layer_{layer}.safetensors", self.cfg,
+                                          self.spec.hidden_size, self.linear()[2][layer], self.consumer, layer, rows)
+        if trained:
+            self.log(f"stage policy: aligner for layer {layer} trained (best val {min(curve['val']):.4f} "
+                     f"at epoch {curve['best_epoch']})")
+        elif layer not in self._aligners_logged:
+            self.log(f"stage policy: aligner for layer {layer} resumed from checkpoint")
+            self._aligners_logged.add(layer)
+        return g, curve
 
     def artifacts_for(self, plan: list[str], r_k: int | None = None, r_v: int | None = None,
                       r_x: int | None = None) -> PairArtifacts:

@@ -7,11 +7,23 @@ The encoder is then one for the whole family: a fan-out to N specialists encodes
 payload. Each member keeps its own decoder, the columns of the stacked decoder that rebuild its B_j.
 A member's pair fit is the same Gram restricted to [A | B_j] (JointGram.select), so one pass over the
 traces gives the family fit and every per-pair fit to compare it with.
+
+Patch layers are shared the same way: the family's plan names them once, their encoder is one joint SVD of
+[x_A | x_B1 ... x_BN] (the producer subspace shared with every member's x_norm), and each member trains its
+own aligner on its own x_norm from that one code (`patch_rows`, `patch_encoders`).
 """
 from __future__ import annotations
 
+from collections import defaultdict
+
+import torch
+from tqdm import tqdm
+
+from scd.fitting.calibrate import pad
 from scd.fitting.gram import JointGram
+from scd.fitting.traces import valid_rows
 from scd.online.reuse import LinearCodec
+from scd.online.trace import capture
 
 
 def split(codec: LinearCodec, widths: list[int]) -> list[LinearCodec]:
@@ -44,3 +56,36 @@ def fit_pair(gram: JointGram, n: int, member: int, rank: int, ridge: float, regr
     """Member `member`'s own pair codec from the family Gram (its block of B only)."""
     sub = gram.select([member_blocks(gram.d_b // n, n)[member]])
     return sub.fit_regression(rank, ridge) if regression else sub.fit(rank, ridge)
+
+
+def patch_rows(producer, consumers: list, prefixes: list[torch.Tensor], layers: list[int], batch: int,
+               pad_id: int | None) -> dict[str, torch.Tensor]:
+    """The rows a family's Patch layers are fitted on, from one pass over the prefixes: "pos" (N,) the
+    positions, per Patch layer l "xa.l" (N, H) the producer's x_norm and "xb<j>.l" member j's, and "xb<j>.0"
+    each member's layer-0 input (its aligners' token features). Rows of whole sequences, in order."""
+    out: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for start in tqdm(range(0, len(prefixes), batch), desc="family Patch rows"):
+        ids, mask = pad(prefixes[start:start + batch], pad_id)
+        a = capture(producer, ids, mask)
+        out["pos"].append(valid_rows(a.positions, a.mask))
+        for l in layers:
+            out[f"xa.{l}"].append(valid_rows(a.xnorm[l], a.mask).float())
+        for j, consumer in enumerate(consumers):
+            b = capture(consumer, ids, mask)
+            for l in (0, *layers):
+                out[f"xb{j}.{l}"].append(valid_rows(b.xnorm[l], b.mask).float())
+    return {k: torch.cat(v).contiguous() for k, v in out.items()}
+
+
+def patch_encoders(rows: dict[str, torch.Tensor], n: int, layers: list[int], rank: int,
+                   ridge: float) -> list[dict[int, LinearCodec]]:
+    """Per member, the Patch encoders of `layers` (from `patch_rows`): per layer one joint SVD of
+    [x_A | x_B1 ... x_Bn] at `rank`, one encoder for the family, each member's decoder its own columns."""
+    out: list[dict[int, LinearCodec]] = [{} for _ in range(n)]
+    for l in layers:
+        x_a = rows[f"xa.{l}"]
+        gram = JointGram(x_a.shape[1], n * x_a.shape[1])
+        gram.update(x_a, torch.cat([rows[f"xb{j}.{l}"] for j in range(n)], 1))
+        for j, c in enumerate(fit_family(gram, n, rank, ridge, regression=False)):
+            out[j][l] = c
+    return out
