@@ -52,7 +52,7 @@ from scd.online import codec
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import ArtifactStoreError, InvalidReference
 from artifacts_store.refs import check_name
-from scd.online.artifacts import FamilyArtifacts, PairArtifacts
+from scd.online.artifacts import FamilyArtifacts, PairArtifacts, layer_groups
 from scd.online.models import ModelSpec, check_pair, data_digest, load, model_digest, tokenizer_fingerprint
 from scd.online.rebuild import encode
 from scd.online.reuse import LinearCodec
@@ -63,29 +63,41 @@ def log(msg: str) -> None:
     print(f"[family] {msg}", flush=True)
 
 
+def code_groups(spec: ModelSpec, x_group: int) -> list[list[int]]:
+    """The layers of each hidden-state code: runs of x_group layers (scd.online.artifacts.layer_groups), or
+    every layer >= 1 alone."""
+    return layer_groups(spec.num_layers, x_group) or [[l] for l in range(1, spec.num_layers)]
+
+
 def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[torch.Tensor], hidden: bool,
-               batch: int, pad_id: int | None) -> dict[str, list[JointGram]]:
-    """Family Gram matrices from one pass over the prefixes: per layer, hidden-state codes [x_A | (K_j, V_j)_j]
-    (layers >= 1), or per-head codes [K_A | K_j...] and [V_A | V_j...] (every layer)."""
+               batch: int, pad_id: int | None, x_group: int = 1) -> dict[str, list[JointGram]]:
+    """Family Gram matrices from one pass over the prefixes: per hidden-state code (at each layer >= 1, or
+    the first layer of each group of x_group layers), [x_A of its layers | (K_j, V_j of its layers)_j], or
+    per layer, per-head codes [K_A | K_j...] and [V_A | V_j...] (every layer)."""
     n, L = len(consumers), spec.num_layers
     m, d, hid = spec.num_kv_heads * spec.head_dim, spec.head_dim, spec.hidden_size
-    grams = ({"x": [None] + [JointGram(hid, n * 2 * m) for _ in range(1, L)]} if hidden else
-             {"k": [JointGram(d, n * d) for _ in range(L)], "v": [JointGram(d, n * d) for _ in range(L)]})
+    groups = code_groups(spec, x_group)
+    if hidden:
+        grams: dict[str, list] = {"x": [None] * L}
+        for g in groups:
+            grams["x"][g[0]] = JointGram(len(g) * hid, n * len(g) * 2 * m)
+    else:
+        grams = {"k": [JointGram(d, n * d) for _ in range(L)], "v": [JointGram(d, n * d) for _ in range(L)]}
     for start in tqdm(range(0, len(prefixes), batch), desc="family traces"):
         ids, mask = pad(prefixes[start:start + batch], pad_id)
         keep = mask.bool()
         a = capture(producer, ids, mask, want_xnorm=hidden)
         bs = [capture(c, ids, mask, want_xnorm=False) for c in consumers]
         rows = lambda t: t.transpose(1, 2)[keep].float()        # noqa: E731  (B, n_kv, T, d) -> (N, n_kv, d)
+        if hidden:
+            for g in groups:
+                target = torch.cat([torch.cat([rows(b.content[l]).flatten(1), rows(b.values[l]).flatten(1)], 1)
+                                    for b in bs for l in g], 1)
+                grams["x"][g[0]].update(torch.cat([a.xnorm[l][keep].float() for l in g], 1), target)
+            continue
         for l in range(L):
-            if hidden:
-                if l:
-                    target = torch.cat([torch.cat([rows(b.content[l]).flatten(1), rows(b.values[l]).flatten(1)], 1)
-                                        for b in bs], 1)
-                    grams["x"][l].update(a.xnorm[l][keep].float(), target)
-            else:
-                grams["k"][l].update(rows(a.content[l]), torch.cat([rows(b.content[l]) for b in bs], -1))
-                grams["v"][l].update(rows(a.values[l]), torch.cat([rows(b.values[l]) for b in bs], -1))
+            grams["k"][l].update(rows(a.content[l]), torch.cat([rows(b.content[l]) for b in bs], -1))
+            grams["v"][l].update(rows(a.values[l]), torch.cat([rows(b.values[l]) for b in bs], -1))
     return grams
 
 
@@ -97,15 +109,18 @@ def save_grams(grams: dict[str, list[JointGram]], path: Path) -> None:
     tmp.replace(path)
 
 
-def load_grams(path: Path, spec: ModelSpec, hidden: bool) -> dict[str, list[JointGram]]:
+def load_grams(path: Path, spec: ModelSpec, hidden: bool, x_group: int = 1) -> dict[str, list[JointGram]]:
     t = load_file(str(path))
     if hidden:
-        return {"x": [None] + [JointGram.from_tensors(t, f"x.{l}", spec.hidden_size) for l in range(1, spec.num_layers)]}
+        grams: list[JointGram | None] = [None] * spec.num_layers
+        for g in code_groups(spec, x_group):
+            grams[g[0]] = JointGram.from_tensors(t, f"x.{g[0]}", len(g) * spec.hidden_size)
+        return {"x": grams}
     return {s: [JointGram.from_tensors(t, f"{s}.{l}", spec.head_dim) for l in range(spec.num_layers)] for s in "kv"}
 
 
 def artifacts(grams: dict[str, list[JointGram]], spec: ModelSpec, pairs: list[str], ranks: dict[str, int],
-              ridge: float, dtype: str, family_id: str) -> tuple[FamilyArtifacts, list[PairArtifacts]]:
+              ridge: float, dtype: str, family_id: str, x_group: int = 1) -> tuple[FamilyArtifacts, list[PairArtifacts]]:
     """(the family artifact, each member's own pair artifact), Reuse-only (layer 0 exact)."""
     n, hidden = len(pairs), "x" in grams
     kind = "hidden" if hidden else "reuse"
@@ -114,7 +129,8 @@ def artifacts(grams: dict[str, list[JointGram]], spec: ModelSpec, pairs: list[st
     def make(pair: str, codecs: dict[str, dict[int, object]]) -> PairArtifacts:
         return PairArtifacts(pair, spec, ranks.get("r_k", 1), ranks.get("r_v", 1), 1, 1, list(plan),
                              codecs.get("k", {}), codecs.get("v", {}), r_x=ranks.get("r_x", 0),
-                             reuse_x=codecs.get("x", {}), code_dtype=dtype)
+                             reuse_x=codecs.get("x", {}), code_dtype=dtype,
+                             x_groups=layer_groups(spec.num_layers, x_group) if hidden else [])
 
     fam: list[dict] = [{} for _ in range(n)]
     own: list[dict] = [{} for _ in range(n)]
@@ -203,7 +219,7 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
         art = PairArtifacts(shared.family, spec, base.r_k, base.r_v, c.r_h, c.aligner_width, plan, base.reuse_k,
                             base.reuse_v, encs[j] if layers else {}, aligners, aligner_context=c.aligner_context,
                             aligner_tokens=c.aligner_tokens, aligner_window=c.aligner_window, r_x=base.r_x,
-                            reuse_x=base.reuse_x, code_dtype=base.code_dtype)
+                            reuse_x=base.reuse_x, code_dtype=base.code_dtype, x_groups=base.x_groups)
         if c.finetune_samples and tune[names[j]] and (layers or "hidden" in plan):
             art = finetuned(tdir / names[j], art, names[j], producer, consumers[j], tune[names[j]], val[names[j]], c,
                             pad_id)
@@ -291,9 +307,10 @@ def budget_ranks(spec: ModelSpec, hidden: bool, budget: float, dtype: str, given
         return {"r_k": given["r_k"], "r_v": given["r_v"]}
     if not budget:
         return {"r_x": given["r_x"]}
-    top = 2 * spec.num_kv_heads * spec.head_dim
+    groups = code_groups(spec, given.get("x_group", 1))
+    top = 2 * spec.num_kv_heads * spec.head_dim * max(map(len, groups))
     fits = [r for r in range(8, top + 1, 8)
-            if (spec.num_layers - 1) * codec.code_bytes_per_row(r, dtype) <= budget * spec.kv_bytes_per_token]
+            if len(groups) * codec.code_bytes_per_row(r, dtype) <= budget * spec.kv_bytes_per_token]
     if not fits:
         raise SystemExit(f"payload_budget {budget} is below the smallest hidden-state code of this family")
     return {"r_x": fits[-1]}
@@ -348,7 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
         consumers.append(m)
     pairs = [f"{cfg.producer.name}:{n}" for n in names]
     hidden = c.reuse_source == "hidden"
-    ranks = budget_ranks(spec, hidden, c.payload_budget, c.code_dtype, {"r_k": c.r_k, "r_v": c.r_v, "r_x": c.r_x})
+    ranks = budget_ranks(spec, hidden, c.payload_budget, c.code_dtype, {"r_k": c.r_k, "r_v": c.r_v, "r_x": c.r_x,
+                                                                               "x_group": c.x_group})
     # common calibration prefixes: an equal share of each member's data; held-out samples: each member's own
     share = -(-n_prefixes // len(names))
     calib, val, held, tune = [], {}, {}, {}
@@ -364,17 +382,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     work = key_dir(Path(c.work_dir).expanduser() / "family", "", {
         "models": [model_digest(producer), *map(model_digest, consumers)], "data": data_digest(calib),
-        "hidden": hidden, "batch": c.batch})
+        "hidden": hidden, "batch": c.batch, **({"x_group": c.x_group} if c.x_group != 1 else {})})
     path = work / "grams.safetensors"
     t0 = time.time()
     if path.is_file():
-        grams = load_grams(path, spec, hidden)
+        grams = load_grams(path, spec, hidden, c.x_group)
         log(f"grams resumed from {path}")
     else:
-        grams = accumulate(producer, consumers, spec, calib, hidden, c.batch, tok.pad_token_id)
+        grams = accumulate(producer, consumers, spec, calib, hidden, c.batch, tok.pad_token_id, c.x_group)
         save_grams(grams, path)
         log(f"grams accumulated in {time.time() - t0:.0f} s ({path})")
-    shared, own = artifacts(grams, spec, pairs, ranks, c.ridge, c.code_dtype, family_id)
+    shared, own = artifacts(grams, spec, pairs, ranks, c.ridge, c.code_dtype, family_id, c.x_group)
     fam = fit_members(work, shared, names, producer, consumers, calib, layers, c, tok.pad_token_id, val, tune)
 
     rows = []

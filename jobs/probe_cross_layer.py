@@ -24,6 +24,7 @@ from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting.calibrate import pad
 from scd.fitting.gram import JointGram
+from scd.online.artifacts import layer_groups
 from scd.online.models import ModelSpec, load
 from scd.online.reuse import LinearCodec
 from scd.online.rope import apply_rope, positions_from_mask
@@ -33,9 +34,7 @@ from scd.online.trace import Trace, capture
 
 def groups(num_layers: int, size: int) -> list[list[int]]:
     """Layers 1..L-1 in consecutive groups of `size` (0: one group)."""
-    layers = list(range(1, num_layers))
-    size = size or len(layers)
-    return [layers[i:i + size] for i in range(0, len(layers), size)]
+    return layer_groups(num_layers, size) or [[l] for l in range(1, num_layers)]
 
 
 def producer_rows(trace: Trace, keep: torch.Tensor, layers: list[int]) -> torch.Tensor:

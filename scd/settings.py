@@ -48,6 +48,10 @@ class CalibConfig(BaseModel):
         "Reuse codes: 'kv' per-head codecs of the producer's K and V (r_k, r_v); 'hidden' one code per token "
         "from the producer's x_norm, decoded into the K and V of every head of the consumer (r_x)"))
     r_x: int = Field(64, ge=1, description="rank of the hidden-state Reuse codes")
+    x_group: int = Field(1, ge=0, description=(
+        "adjacent layers per hidden-state code (a shared cross-layer subspace: one code per token read from the "
+        "x_norm of every layer of the group, decoded into each one's K and V); 1 = a code per layer, 0 = one "
+        "code for all layers"))
     code_dtype: Literal[CODE_DTYPES] = Field("fp16", description=(
         "precision of the codes on the wire, what the payload budget counts and what validation scores; int8 "
         "(per-row scales) halves the bytes of a rank, so a payload budget buys twice the rank; int4 (per-row "

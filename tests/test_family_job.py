@@ -177,3 +177,21 @@ def test_patch_plan_auto_is_the_union_of_the_members_published_patch_layers():
     for bad, msg in (("0", "within 1..7"), ("8", "within 1..7"), ("x", "layer numbers")):
         with pytest.raises(SystemExit, match=msg):
             patch_plan(bad, served, 8)
+
+
+def test_a_family_code_may_serve_groups_of_layers(tmp_path):
+    """x_group 3: one family code per three adjacent layers (layers 1..7: codes at 1, 4 and 7), shared by
+    every member, each member decoding its own K and V of every layer of the group."""
+    cfg = write_config(tmp_path, prefixes=12, heldout=2, reuse_source="hidden", r_x=24, x_group=3,
+                       finetune_samples=0)
+    res = family_job(["--config", str(cfg), "--repeats", "1", "--out", str(tmp_path / "out"), "--members", "qa,code",
+                      "--patch-layers", "none"])
+    fam = FamilyArtifacts.load(tmp_path / "out" / "base" / "family")
+    qa, code = fam.members.values()
+    assert qa.x_groups == [[1, 2, 3], [4, 5, 6], [7]] and sorted(qa.reuse_x) == [1, 4, 7] and qa.x_codes == [1, 4, 7]
+    assert torch.equal(qa.reuse_x[4].enc, code.reuse_x[4].enc) and not torch.equal(qa.reuse_x[4].dec, code.reuse_x[4].dec)
+    assert qa.reuse_x[4].dec.shape[1] == 3 * 2 * qa.spec.num_kv_heads * qa.spec.head_dim
+    cost = res["fanout"]
+    assert cost["pairs_bytes"] == pytest.approx(2 * cost["family_bytes"], rel=0.01), cost
+    for row in res["kl"]:
+        assert 0 < row["family_reuse"] and 0 < row["pair"], row

@@ -145,15 +145,18 @@ def test_a_changed_setting_redoes_only_the_stages_that_depend_on_it(tmp_path):
     assert fourth.trace_dir != first.trace_dir and "traces: done" in out, out
 
 
-@pytest.mark.parametrize("source, encoders", [("kv", False), ("hidden", False), ("hidden", True)])
-def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, source, encoders):
+@pytest.mark.parametrize("source, encoders, x_group", [("kv", False, 1), ("hidden", False, 1), ("hidden", True, 1),
+                                                       ("hidden", False, 0), ("hidden", True, 0)])
+def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, source, encoders, x_group):
+    """x_group 0: one hidden-state code for layers 1 and 2 (a cross-layer code), trained as one codec."""
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
     prefixes = [s.prefix for s in _samples(24, 1)]
     cfg = CalibConfig(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source=source, aligner_epochs=3,
                       pool=1 if source == "hidden" else 2, batch=8, finetune_samples=16, finetune_epochs=3,
-                      finetune_lr=3e-3, finetune_encoders=encoders, code_dtype="int8" if encoders else "fp16")
+                      finetune_lr=3e-3, finetune_encoders=encoders, code_dtype="int8" if encoders else "fp16",
+                      x_group=x_group)
     tune, val = _samples(16, 4, t=20, c=8), _samples(4, 2)
     logs = []
     cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)
@@ -173,6 +176,8 @@ def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, s
     assert abs(PlanScorer(a, b, val, lambda plan: again.with_plan(plan)).kl(again.plan) - got) < 1e-6
     if source == "hidden":                                # the decoders moved, the calibration's own did not
         assert "hidden" in art.plan and rec["best_epoch"] > 0, (art.plan, rec)
+        assert art.x_groups == ([] if x_group == 1 else [[1, 2]]) and sorted(art.reuse_x) == (
+            [1, 2] if x_group == 1 else [1]), (art.x_groups, sorted(art.reuse_x))
         fitted = cal.hidden()
         moved = max((art.reuse_x[l].dec - fitted[l].dec).abs().max().item() for l in art.reuse_x)
         assert moved > 0 and not any(c.dec.requires_grad or c.enc.requires_grad for c in art.reuse_x.values())

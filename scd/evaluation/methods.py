@@ -150,7 +150,7 @@ class SCDMethod(Method):
         payload = codec.encode(encode(self.art, producer_trace, ids, self.level), self.art.pair, self.artifact_id,
                                dims, self.dtype)
         t1 = time.perf_counter()
-        codes = codec.decode(payload, self.art.pair, self.artifact_id, self.art.plan, dims)
+        codes = codec.decode(payload, self.art.pair, self.artifact_id, self.art.plan, dims, self.art.x_codes)
         t2 = time.perf_counter()
         kv, phases = rebuild(consumer, self.art, codes)
         t3 = time.perf_counter()

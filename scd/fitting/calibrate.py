@@ -34,7 +34,7 @@ from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_r
 from scd.fitting.gram import JointGram
 from scd.fitting.traces import chunk_path, read_chunks, trace_rows, write_chunk
 from scd.online import cache, codec
-from scd.online.artifacts import PairArtifacts
+from scd.online.artifacts import PairArtifacts, layer_groups
 from scd.online.models import ModelSpec, data_digest, model_digest
 from scd.online.patch import Aligner
 from scd.online.rebuild import encode, rebuild
@@ -186,36 +186,50 @@ class Calibration:
         self._grams = (gk, gv, gx)
         return self._grams
 
+    @property
+    def x_groups(self) -> list[list[int]]:
+        """The layers sharing each hidden-state code (cfg.x_group adjacent layers of 1..L-1); [] for a code per
+        layer."""
+        return layer_groups(self.spec.num_layers, self.cfg.x_group)
+
     def hidden_grams(self) -> list[JointGram | None]:
-        """Per layer >= 1, the joint Gram of the producer's x_norm with the consumer's K (de-RoPE'd) and V of
-        every head, [x_A | K_B V_B] (one pass over the chunks, checkpointed): hidden-state Reuse fits from it."""
+        """Per hidden-state code (at each layer >= 1, or at the first layer of each of x_groups), the joint Gram
+        of the producer's x_norm with the consumer's K (de-RoPE'd) and V of every head, of every layer of the
+        group side by side, [x_A | K_B V_B] (one pass over the chunks, checkpointed): hidden-state Reuse fits
+        from it."""
         if self._hidden_grams is not None:
             return self._hidden_grams
-        path = self.trace_dir / "grams_hidden.safetensors"
-        L, hid, m = self.spec.num_layers, self.spec.hidden_size, self.spec.num_kv_heads * self.spec.head_dim
+        groups = self.x_groups or [[l] for l in range(1, self.spec.num_layers)]
+        path = self.trace_dir / ("grams_hidden.safetensors" if not self.x_groups else
+                                 f"grams_hidden_groups_{'_'.join(str(len(g)) for g in groups)}.safetensors")
+        hid, m = self.spec.hidden_size, self.spec.num_kv_heads * self.spec.head_dim
+        grams: list[JointGram | None] = [None] * self.spec.num_layers
         if path.is_file():
             t = load_file(str(path))
-            grams = [None] + [JointGram.from_tensors(t, f"x.{l}", hid) for l in range(1, L)]
+            for g in groups:
+                grams[g[0]] = JointGram.from_tensors(t, f"x.{g[0]}", len(g) * hid)
             self.log("stage hidden: resumed from checkpoint")
         else:
-            grams = [None] + [JointGram(hid, 2 * m) for _ in range(1, L)]
+            for g in groups:
+                grams[g[0]] = JointGram(len(g) * hid, len(g) * 2 * m)
             for chunk in tqdm(read_chunks(self.trace_dir / "traces"), desc="gram hidden", disable=not self.progress):
-                for l in range(1, L):
-                    grams[l].update(chunk[f"xa.{l}"], torch.cat([chunk[f"kb.{l}"].flatten(1),
-                                                                 chunk[f"vb.{l}"].flatten(1)], 1))
+                for g in groups:
+                    grams[g[0]].update(torch.cat([chunk[f"xa.{l}"] for l in g], 1), torch.cat(
+                        [torch.cat([chunk[f"kb.{l}"].flatten(1), chunk[f"vb.{l}"].flatten(1)], 1) for l in g], 1))
             t = {}
-            for l in range(1, L):
-                t.update(grams[l].tensors(f"x.{l}"))
+            for g in groups:
+                t.update(grams[g[0]].tensors(f"x.{g[0]}"))
             save_file(t, str(path))
-            self.log(f"stage hidden: accumulated x_norm -> K,V Gram matrices of {L - 1} layers")
+            self.log(f"stage hidden: accumulated x_norm -> K,V Gram matrices of {len(groups)} codes")
         self._hidden_grams = grams
         return grams
 
     def hidden(self, r_x: int | None = None) -> dict[int, LinearCodec]:
-        """Hidden-state Reuse codecs (reduced-rank regression x_norm_A -> [K_B; V_B]) at layers >= 1."""
+        """Hidden-state Reuse codecs (reduced-rank regression x_norm_A -> [K_B; V_B]) at layers >= 1, or one
+        per group of x_groups, kept under its first layer."""
         r_x = r_x or self.r_x
-        if ("hidden", r_x) not in self._linear:
-            self._linear[("hidden", r_x)] = {l: g.fit_regression(r_x, self.cfg.ridge)
+        if ("hidden", r_x) not in self._linear:    # a group narrower than r_x: its full rank, zero-padded
+            self._linear[("hidden", r_x)] = {l: g.fit_regression(min(r_x, g.d_b), self.cfg.ridge).padded(r_x)
                                              for l, g in enumerate(self.hidden_grams()) if g is not None}
         return self._linear[("hidden", r_x)]
 
@@ -249,17 +263,19 @@ class Calibration:
         r_v, or r_x."""
         row = lambda r: codec.code_bytes_per_row(r, self.cfg.code_dtype) if r else 0  # noqa: E731
         per_layer = {"reuse": self.spec.num_kv_heads * (row(ranks.get("r_k", 0)) + row(ranks.get("r_v", 0))),
-                     "hidden": row(ranks.get("r_x", 0))}
-        return sum(per_layer.get(k, 0) for k in self.base_plan) / self.spec.kv_bytes_per_token
+                     "hidden": 0 if self.x_groups else row(ranks.get("r_x", 0))}
+        grouped = len(self.x_groups) * row(ranks.get("r_x", 0))          # one code per group
+        return (sum(per_layer.get(k, 0) for k in self.base_plan) + grouped) / self.spec.kv_bytes_per_token
 
     def rank_candidates(self) -> list[dict[str, int]]:
         """Ranks on the budget's frontier, from a geometric grid. Per-head Reuse: for each r_k up to the head
         dim, the largest r_v that keeps the payload within cfg.payload_budget. Hidden-state Reuse: the three
-        largest r_x within it (up to the K and V width of a layer)."""
+        largest r_x within it (up to the K and V width of a code's layers)."""
         fits = lambda r: self.payload_ratio(r) <= self.cfg.payload_budget + 1e-9  # noqa: E731
         if self.cfg.reuse_source == "hidden":
-            top = 2 * self.spec.num_kv_heads * self.spec.head_dim
-            grid = sorted({r for r in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 288, 320, 384, 512) if r <= top} | {top})
+            top = 2 * self.spec.num_kv_heads * self.spec.head_dim * max(map(len, self.x_groups or [[1]]))
+            grid = sorted({r for r in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 288, 320, 384, 512, 640, 768, 1024,
+                                       1280, 1536, 2048) if r <= top} | {top})
             return [{"r_x": r} for r in grid if fits({"r_x": r})][-3:]
         d = self.spec.head_dim
         grid = sorted({r for r in (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if r <= d} | {d})
@@ -328,7 +344,8 @@ class Calibration:
                              self.cfg.aligner_width, list(plan), reuse_k, reuse_v, {l: patch_enc[l] for l in patched},
                              aligners, aligner_context=self.cfg.aligner_context,
                              aligner_tokens=self.cfg.aligner_tokens, aligner_window=self.cfg.aligner_window,
-                             r_x=(r_x or self.r_x) if reuse_x else 0, reuse_x=reuse_x, code_dtype=self.cfg.code_dtype)
+                             r_x=(r_x or self.r_x) if reuse_x else 0, reuse_x=reuse_x, code_dtype=self.cfg.code_dtype,
+                             x_groups=self.x_groups if reuse_x else [])
 
     def plan_with(self, layers) -> list[str]:
         return [("patch" if l in layers else k) for l, k in enumerate(self.base_plan)]

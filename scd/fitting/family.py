@@ -48,14 +48,14 @@ def fit_family(gram: JointGram, n: int, rank: int, ridge: float, regression: boo
     """The family's shared-encoder codecs, one per member, from a Gram whose B holds n equal member blocks."""
     if gram.d_b % n:
         raise ValueError(f"a family Gram of {gram.d_b} target columns cannot hold {n} equal member blocks")
-    codec = gram.fit_regression(rank, ridge) if regression else gram.fit(rank, ridge)
+    codec = gram.fit_regression(min(rank, gram.d_b), ridge).padded(rank) if regression else gram.fit(rank, ridge)
     return split(codec, [gram.d_b // n] * n)
 
 
 def fit_pair(gram: JointGram, n: int, member: int, rank: int, ridge: float, regression: bool) -> LinearCodec:
     """Member `member`'s own pair codec from the family Gram (its block of B only)."""
     sub = gram.select([member_blocks(gram.d_b // n, n)[member]])
-    return sub.fit_regression(rank, ridge) if regression else sub.fit(rank, ridge)
+    return sub.fit_regression(min(rank, sub.d_b), ridge).padded(rank) if regression else sub.fit(rank, ridge)
 
 
 def patch_rows(producer, consumers: list, prefixes: list[torch.Tensor], layers: list[int], batch: int,

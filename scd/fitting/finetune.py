@@ -50,9 +50,10 @@ def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int | None, 
     codes = codec.as_received(encode(art, trace, ids), art.code_dtype)
     wire = {l: {name: (tuple(x.shape), codec.wire_tensors(x, art.code_dtype)) for name, x in fields.items()}
             for l, fields in codes.layers.items()}                    # exact: x is already wire-rounded
-    xa = {l: trace.xnorm[l].to(torch.bfloat16) for l in _hidden_layers(art)} if encoders else {}
+    xa = {src: torch.cat([trace.xnorm[l] for l in art.group(src)], -1).to(torch.bfloat16)
+          for src in _hidden_codes(art)} if encoders else {}
     kv, _ = rebuild(consumer, art, codes)
-    trained = set(_hidden_layers(art)) | set(art.patch_layers)
+    trained = {l for layers in _hidden_codes(art).values() for l in layers} | set(art.patch_layers)
     # _kl makes the trained layers' K/V; keep only the others, as copies (they are views of whole-model buffers)
     kv = [None if l in trained else (layer[0].clone(), layer[1].clone()) for l, layer in enumerate(kv)]
     o = capture(consumer, ids, mask, want_xnorm=False)
@@ -73,18 +74,21 @@ def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
     """Mean KL(oracle || rebuilt) over the valid continuation targets, differentiable in the aligners."""
     kv = list(b["kv"])
     n_kv, d = art.spec.num_kv_heads, art.spec.head_dim
-    for l in _hidden_layers(art):
-        c = art.reuse_x[l]
-        if l in b["xa"]:                                        # trained encoder: codes through the wire's rounding
-            z = c.encode(b["xa"][l].float())
+    m = n_kv * d
+    for src, layers in _hidden_codes(art).items():
+        c = art.reuse_x[src]
+        if src in b["xa"]:                                      # trained encoder: codes through the wire's rounding
+            z = c.encode(b["xa"][src].float())
             z = z + (codec.wire_round(z, art.code_dtype) - z).detach()
         else:
-            z = _code(b, l, "z_x")
-        y = z @ c.dec + c.mu_b                                                # (B, T, 2 n_kv d)
+            z = _code(b, src, "z_x")
+        y = z @ c.dec + c.mu_b                                  # (B, T, 2 n_kv d) per layer of the group
         bt = y.shape[:2]
-        k = y[..., :n_kv * d].view(*bt, n_kv, d).transpose(1, 2)
-        v = y[..., n_kv * d:].view(*bt, n_kv, d).transpose(1, 2)
-        kv[l] = (apply_rope(k.to(b["cos"].dtype), b["cos"], b["sin"]), v.to(b["cos"].dtype))
+        for l in layers:
+            i = art.hidden_source(l)[1] * 2 * m
+            k = y[..., i:i + m].reshape(*bt, n_kv, d).transpose(1, 2)
+            v = y[..., i + m:i + 2 * m].reshape(*bt, n_kv, d).transpose(1, 2)
+            kv[l] = (apply_rope(k.to(b["cos"].dtype), b["cos"], b["sin"]), v.to(b["cos"].dtype))
     for l in art.patch_layers:
         x = art.aligners[l](_code(b, l, "z_h"), b["mask"], b["x0"])
         kv[l] = regenerate_kv(consumer.model.layers[l], x.to(b["cos"].dtype), b["cos"], b["sin"], art.spec.head_dim)
@@ -106,8 +110,13 @@ def _release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def _hidden_layers(art: PairArtifacts) -> list[int]:
-    return [l for l, k in enumerate(art.plan) if k == "hidden"]
+def _hidden_codes(art: PairArtifacts) -> dict[int, list[int]]:
+    """Each hidden-state code (the layer its codec is kept under) -> the hidden layers decoded from it."""
+    out: dict[int, list[int]] = {}
+    for l, kind in enumerate(art.plan):
+        if kind == "hidden":
+            out.setdefault(art.hidden_source(l)[0], []).append(l)
+    return out
 
 
 def _state(art: PairArtifacts) -> dict:
@@ -115,7 +124,7 @@ def _state(art: PairArtifacts) -> dict:
     return {"aligners": {l: {k: t.detach().clone() for k, t in art.aligners[l].state_dict().items()}
                          for l in art.patch_layers},
             "hidden": {l: LinearCodec(*(t.detach().clone() for t in (c.mu_a, c.enc, c.mu_b, c.dec)))
-                       for l, c in art.reuse_x.items() if l in _hidden_layers(art)}}
+                       for l, c in art.reuse_x.items() if l in _hidden_codes(art)}}
 
 
 def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: Callable[[PairArtifacts], float],
@@ -124,7 +133,7 @@ def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: C
                       encoders: bool = False) -> FinetuneFit:
     """Fine-tune art's aligners and hidden-state decoders (and with `encoders`, their encoders) in place on
     (prefix, continuation) samples; val_kl(art) scores a candidate."""
-    hidden = _hidden_layers(art)
+    hidden = list(_hidden_codes(art))
     if not art.patch_layers and not hidden:
         raise ValueError("the plan has no Patch or hidden layers: nothing to fine-tune")
     art.reuse_x = dict(art.reuse_x)              # own codecs: the calibration's closed-form ones stay as they are

@@ -4,6 +4,11 @@ This is the numeric content only; the registry (versions, fingerprints, checksum
 plan says how each layer is rebuilt: "exact" (layer 0 from token ids, zero payload), "reuse" (per-head
 K and V codecs), "hidden" (Reuse from the producer's hidden state: one code per token decoded into the K and V
 of every head) or "patch".
+
+Hidden-state codes may serve a group of adjacent layers (`x_groups`, xKV's shared cross-layer subspace): one
+code per token read from the producer's x_norm of every layer of the group side by side and decoded into the
+K and V of each of them. A group's codec is kept under its first layer and its code travels there; a group
+whose layers are all Patched sends nothing. Without groups, every hidden layer has a code of its own.
 """
 from __future__ import annotations
 
@@ -24,6 +29,16 @@ KINDS = ("exact", "reuse", "hidden", "patch")
 # the code sizes one artifact serves, as fractions of its Reuse ranks (nested codes: a shorter code is the
 # leading columns of a longer one); the producer picks one per request (scd.online.links)
 LEVELS = (0.25, 0.5, 0.75, 1.0)
+
+
+def layer_groups(num_layers: int, size: int) -> list[list[int]]:
+    """Layers 1..L-1 in runs of `size` adjacent layers (0: one run), each sharing a hidden-state code; [] for
+    size 1 (a code per layer, no groups)."""
+    if size == 1:
+        return []
+    layers = list(range(1, num_layers))
+    size = size or len(layers)
+    return [layers[i:i + size] for i in range(0, len(layers), size)]
 
 
 def level_tag(level: dict[str, int]) -> str:
@@ -55,6 +70,7 @@ class PairArtifacts:
     r_x: int = 0                                # rank of the "hidden" layers' codes
     reuse_x: dict[int, LinearCodec] = field(default_factory=dict)   # x_norm (H) -> [K content; V] (2 n_kv d)
     code_dtype: str = "fp16"                    # precision of the codes on the wire, one of CODE_DTYPES
+    x_groups: list[list[int]] = field(default_factory=list)   # adjacent layers sharing one hidden-state code
     derived: dict = field(default_factory=dict, repr=False, compare=False)  # per-use tensors made on first use
 
     def __post_init__(self):
@@ -67,10 +83,31 @@ class PairArtifacts:
                 raise ValueError(f"only layer 0 can be regenerated exactly from token ids, not layer {l}")
             if kind == "reuse" and (l not in self.reuse_k or l not in self.reuse_v):
                 raise ValueError(f"layer {l} is planned as reuse but has no Reuse codecs")
-            if kind == "hidden" and l not in self.reuse_x:
+            if kind == "hidden" and self.group(l)[0] not in self.reuse_x:
                 raise ValueError(f"layer {l} is planned as hidden but has no hidden-state codec")
             if kind == "patch" and (l not in self.patch_enc or l not in self.aligners):
                 raise ValueError(f"layer {l} is planned as patch but has no encoder/aligner")
+
+        covered = [l for g in self.x_groups for l in g]
+        if len(covered) != len(set(covered)) or any(g != list(range(g[0], g[0] + len(g))) for g in self.x_groups):
+            raise ValueError(f"x_groups must be disjoint runs of adjacent layers: {self.x_groups}")
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The layers of each hidden-state code: x_groups, else every layer with a codec on its own."""
+        return self.x_groups or [[l] for l in sorted(self.reuse_x)]
+
+    def group(self, layer: int) -> list[int]:
+        """The layers that share a layer's hidden-state code (itself alone without x_groups)."""
+        return next((g for g in self.x_groups if layer in g), [layer])
+
+    @property
+    def x_codes(self) -> list[int] | None:
+        """The layers whose payload slot carries a hidden-state code (the first layer of each group with a
+        hidden layer); None without groups (then every hidden layer carries its own)."""
+        if not self.x_groups:
+            return None
+        return [g[0] for g in self.x_groups if any(self.plan[l] == "hidden" for l in g)]
 
     @property
     def patch_layers(self) -> list[int]:
@@ -86,14 +123,20 @@ class PairArtifacts:
             self.derived[key] = (*stack(self.reuse_k), *stack(self.reuse_v))
         return self.derived[key]
 
+    def hidden_source(self, layer: int) -> tuple[int, int]:
+        """(the layer whose code a hidden layer is decoded from, its place in that code's group)."""
+        g = self.group(layer)
+        return g[0], g.index(layer)
+
     def hidden_decoders(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Decoders of the given hidden layers split into their K and V halves and stacked, made once:
-        (dec_k (L, r_x, n_kv d), mu_k (L, n_kv d), dec_v, mu_v)."""
+        """Decoders of the given hidden layers (a grouped code's decoder columns of each layer) split into
+        their K and V halves and stacked, made once: (dec_k (L, r_x, n_kv d), mu_k (L, n_kv d), dec_v, mu_v)."""
         key = ("hidden", layers, dtype)
         if key not in self.derived:
             m = self.spec.num_kv_heads * self.spec.head_dim
-            dec = torch.stack([self.reuse_x[l].dec for l in layers]).to(dtype)            # (L, r, 2 n_kv d)
-            mu = torch.stack([self.reuse_x[l].mu_b for l in layers]).to(dtype)            # (L, 2 n_kv d)
+            cols = lambda l: slice(self.hidden_source(l)[1] * 2 * m, (self.hidden_source(l)[1] + 1) * 2 * m)  # noqa: E731
+            dec = torch.stack([self.reuse_x[self.hidden_source(l)[0]].dec[:, cols(l)] for l in layers]).to(dtype)
+            mu = torch.stack([self.reuse_x[self.hidden_source(l)[0]].mu_b[cols(l)] for l in layers]).to(dtype)
             self.derived[key] = (dec[..., :m].contiguous(), mu[:, :m].contiguous(), dec[..., m:].contiguous(),
                                  mu[:, m:].contiguous())
         return self.derived[key]
@@ -131,7 +174,8 @@ class PairArtifacts:
         """The same learned tensors under another layer plan (e.g. Reuse-only)."""
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(plan),
                              self.reuse_k, self.reuse_v, self.patch_enc, self.aligners, self.info, self.aligner_context,
-                             self.aligner_tokens, self.aligner_window, self.r_x, self.reuse_x, self.code_dtype)
+                             self.aligner_tokens, self.aligner_window, self.r_x, self.reuse_x, self.code_dtype,
+                             self.x_groups)
 
     def to(self, device) -> "PairArtifacts":
         """A copy whose tensors live on `device` (where the model that uses them runs)."""
@@ -140,7 +184,7 @@ class PairArtifacts:
                              move(self.reuse_k), move(self.reuse_v), move(self.patch_enc),
                              {l: g.to(device) for l, g in self.aligners.items()}, self.info, self.aligner_context,
                              self.aligner_tokens, self.aligner_window, self.r_x, move(self.reuse_x),
-                             self.code_dtype)
+                             self.code_dtype, self.x_groups)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -161,7 +205,7 @@ class PairArtifacts:
                 "r_k": self.r_k, "r_v": self.r_v, "r_h": self.r_h, "aligner_width": self.aligner_width,
                 "aligner_context": self.aligner_context, "aligner_tokens": self.aligner_tokens,
                 "aligner_window": self.aligner_window, "r_x": self.r_x, "code_dtype": self.code_dtype,
-                "plan": self.plan, "info": self.info}
+                "x_groups": self.x_groups, "plan": self.plan, "info": self.info}
 
     def save(self, directory: str | Path) -> None:
         d = Path(directory)
@@ -190,7 +234,7 @@ class PairArtifacts:
         return cls(desc["pair"], spec, desc["r_k"], desc["r_v"], desc["r_h"], desc["aligner_width"], desc["plan"],
                    reuse_k, reuse_v, patch_enc, aligners, desc.get("info", {}), desc.get("aligner_context", 1),
                    desc.get("aligner_tokens", 0), desc.get("aligner_window", 8), desc.get("r_x", 0), reuse_x,
-                   desc.get("code_dtype", "fp16"))
+                   desc.get("code_dtype", "fp16"), [list(g) for g in desc.get("x_groups", [])])
 
     @classmethod
     def load(cls, directory: str | Path) -> "PairArtifacts":
@@ -220,8 +264,8 @@ class FamilyArtifacts:
         for name, art in self.members.items():
             if art.pair != self.family:
                 raise ValueError(f"member {name} carries pair {art.pair!r}, not the family's {self.family!r}")
-            same = (art.plan, art.spec, art.reuse_ranks, art.code_dtype) == \
-                (first.plan, first.spec, first.reuse_ranks, first.code_dtype)
+            same = (art.plan, art.spec, art.reuse_ranks, art.code_dtype, art.x_groups) == \
+                (first.plan, first.spec, first.reuse_ranks, first.code_dtype, first.x_groups)
             own = _shared(art)
             if not same or own.keys() != encoders.keys() or any(not torch.equal(v, encoders[k]) for k, v in own.items()):
                 raise ValueError(f"member {name} does not share the family's plan, ranks and encoders")

@@ -4,9 +4,12 @@ Layout (little-endian):
   magic   b"SCDC"              4 bytes
   version u16                  2 bytes
   hlen    u32                  4 bytes
-  header  JSON, hlen bytes     {"pair", "artifact", "dtype", "batch", "tokens", "plan", "dims"}
-          (dims: the ranks of the code tensors; Reuse ranks may be any of the artifact's levels)
+  header  JSON, hlen bytes     {"pair", "artifact", "dtype", "batch", "tokens", "plan", "dims"[, "x_codes"]}
+          (dims: the ranks of the code tensors; Reuse ranks may be any of the artifact's levels; x_codes:
+          the layers carrying a hidden-state code, when codes are shared by groups of layers; absent, every
+          hidden layer carries its own)
   body    token_ids (int32, B*T) | mask (uint8, B*T) | per coded layer, in plan order, each code tensor
+          (a layer's z_x after its other codes)
   crc32   u32 of everything before it
 Code tensors are fp16 or bf16, or int8 / int4 with a per-row fp16 scale (row = last dim), stored scales first;
 int4 values are offset by 8 and packed two to a byte, low nibble first, a row padded to an even width. A
@@ -169,10 +172,18 @@ def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str
     return _field(body, off, 2 * n, _TORCH[dtype]).reshape(shape)
 
 
-def _layout(plan: list[str], dims: dict[str, int], b: int, t: int) -> list[tuple[int, str, tuple[int, ...]]]:
-    """(layer, field, shape) of every code tensor of a payload, in wire order."""
+def _hidden_layers(plan: list[str]) -> list[int]:
+    return [l for l, kind in enumerate(plan) if kind == "hidden"]
+
+
+def _layout(plan: list[str], dims: dict[str, int], b: int, t: int,
+            x_codes: list[int] | None = None) -> list[tuple[int, str, tuple[int, ...]]]:
+    """(layer, field, shape) of every code tensor of a payload, in wire order. x_codes: the layers carrying
+    a hidden-state code (default: every hidden layer)."""
+    carriers = set(_hidden_layers(plan) if x_codes is None else x_codes)
     return [(l, name, _shape(name, b, t, dims["n_kv"], dims[dim])) for l, kind in enumerate(plan)
-            for name, dim in FIELDS[kind]]
+            for name, dim in FIELDS[kind] + (FIELDS["hidden"] if l in carriers and kind != "hidden" else ())
+            if name != "z_x" or l in carriers]
 
 
 def _body_bytes(layout, b: int, t: int, dtype: str) -> int:
@@ -187,10 +198,13 @@ def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: 
     b, t = codes.token_ids.shape
     header = {"pair": pair, "artifact": artifact, "dtype": dtype, "batch": b, "tokens": t, "plan": codes.plan,
               "dims": dims}
+    x_codes = sorted(l for l, fields in codes.layers.items() if "z_x" in fields)
+    if x_codes != _hidden_layers(codes.plan):              # codes shared by groups of layers
+        header["x_codes"] = x_codes
     hb = json.dumps(header, sort_keys=True).encode()
     parts = [MAGIC, struct.pack("<HI", VERSION, len(hb)), hb,
              codes.token_ids.to(torch.int32).cpu().numpy().tobytes(), codes.mask.to(torch.uint8).cpu().numpy().tobytes()]
-    for l, name, want in _layout(codes.plan, dims, b, t):
+    for l, name, want in _layout(codes.plan, dims, b, t, x_codes):
         x = codes.layers[l][name]
         if tuple(x.shape) != want:
             raise ValueError(f"layer {l} {name} has shape {tuple(x.shape)}, expected {want}")
@@ -228,15 +242,19 @@ def _header(mv: memoryview, checksum: bool = True) -> tuple[dict, int]:
     return h, hlen
 
 
-def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dict[str, int] | list[dict[str, int]]") -> Codes:
+def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dict[str, int] | list[dict[str, int]]",
+           x_codes: list[int] | None = None) -> Codes:
     """Parse and validate a payload against the consumer's expectation; raise PayloadError on any mismatch.
-    `dims`: the dims it must have, or a list of those it may have (an artifact's levels, `level_dims`)."""
+    `dims`: the dims it must have, or a list of those it may have (an artifact's levels, `level_dims`);
+    `x_codes`: the layers carrying a hidden-state code (an artifact's x_codes; None: every hidden layer)."""
     accepted = dims if isinstance(dims, list) else [dims]
     mv = memoryview(payload)
     h, hlen = _header(mv)
     b, t, dtype = int(h["batch"]), int(h["tokens"]), h["dtype"]
     wrong = [f"{k}: payload={h.get(k)!r} expected={v!r}" for k, v in
              (("pair", pair), ("artifact", artifact), ("plan", plan)) if h.get(k) != v]
+    if h.get("x_codes") != (None if x_codes is None or x_codes == _hidden_layers(plan) else x_codes):
+        wrong.append(f"x_codes: payload={h.get('x_codes')!r} expected={x_codes!r}")
     if h.get("dims") not in accepted:
         wrong.append(f"dims: payload={h.get('dims')!r} expected one of {accepted!r}")
     if dtype not in DTYPES:
@@ -244,7 +262,7 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dic
     if wrong:
         raise PayloadError("payload does not match this consumer: " + "; ".join(wrong))
     dims = h["dims"]
-    layout = _layout(plan, dims, b, t)
+    layout = _layout(plan, dims, b, t, x_codes)
     expected = 10 + hlen + _body_bytes(layout, b, t, dtype) + 4
     if expected != len(mv):
         raise PayloadError(f"payload is {len(mv)} bytes, its header implies {expected}")
@@ -274,4 +292,5 @@ def level_dims(art) -> list[dict[str, int]]:
 def code_bytes(art, tokens: int, level: dict[str, int] | None = None, batch: int = 1) -> int:
     """Bytes of the codes of `tokens` prefix tokens at `level` (ids, mask and code tensors: a payload without
     its few hundred bytes of header), what a link has to carry."""
-    return _body_bytes(_layout(art.plan, artifact_dims(art, level), batch, tokens), batch, tokens, art.code_dtype)
+    return _body_bytes(_layout(art.plan, artifact_dims(art, level), batch, tokens, art.x_codes), batch, tokens,
+                       art.code_dtype)

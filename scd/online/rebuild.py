@@ -3,7 +3,8 @@
 Codes for one request (batch B, prefix length T), per layer by the artifact's plan:
   exact: nothing (the consumer regenerates layer 0 from token ids)
   reuse: z_k (B, n_kv, T, r_k), z_v (B, n_kv, T, r_v)
-  hidden: z_x (B, T, r_x)   (from the producer's x_norm; decoded into K and V of every head)
+  hidden: z_x (B, T, r_x)   (from the producer's x_norm; decoded into K and V of every head; a code shared by
+                             a group of layers travels at the group's first layer, art.x_codes)
   patch: z_h (B, T, r_h)
 plus token ids and the left-padding mask, both (B, T).
 """
@@ -103,10 +104,12 @@ def encode(art: PairArtifacts, trace: Trace, token_ids: torch.Tensor, level: dic
         if kind == "reuse":
             codes.layers[l] = {"z_k": art.reuse_k[l].encode(trace.content[l], rank("r_k")),
                                "z_v": art.reuse_v[l].encode(trace.values[l], rank("r_v"))}
-        elif kind == "hidden":
-            codes.layers[l] = {"z_x": art.reuse_x[l].encode(trace.xnorm[l], rank("r_x"))}
         elif kind == "patch":
             codes.layers[l] = {"z_h": art.patch_enc[l].encode(trace.xnorm[l])}
+    for l in (art.x_codes if art.x_groups else [l for l, k in enumerate(art.plan) if k == "hidden"]):
+        group = art.group(l)                            # x_norm of every layer of the group side by side
+        x = trace.xnorm[l] if len(group) == 1 else torch.cat([trace.xnorm[j] for j in group], -1)
+        codes.layers.setdefault(l, {})["z_x"] = art.reuse_x[l].encode(x, rank("r_x"))
     return codes
 
 
@@ -169,10 +172,13 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         kv.update({l: (k[i], v[i]) for i, l in enumerate(reuse)})
     if hidden := by_kind["hidden"]:                     # one code per token -> K and V of every head
         dec_k, mu_k, dec_v, mu_v = art.hidden_decoders(tuple(hidden), dtype)
-        r = codes.layers[hidden[0]]["z_x"].shape[-1]
-        buf = torch.empty(b * t, r, dtype=dtype, device=cos.device)           # every layer's code, in turn
+        r = codes.layers[art.hidden_source(hidden[0])[0]]["z_x"].shape[-1]
+        buf = torch.empty(b * t, r, dtype=dtype, device=cos.device)           # every code, in turn
+        src = None
         for i, l in enumerate(hidden):
-            z = dense(codes.layers[l]["z_x"], dtype, buf).reshape(b * t, -1)
+            if art.hidden_source(l)[0] != src:          # the layers of a group share their code: dequantised once
+                src = art.hidden_source(l)[0]
+                z = dense(codes.layers[src]["z_x"], dtype, buf).reshape(b * t, -1)
             k = torch.addmm(mu_k[i], z, dec_k[i, :r]).view(b, t, -1)
             kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(mu_v[i], z, dec_v[i, :r]).view(b, t, -1)))
     t_patch = time.perf_counter()

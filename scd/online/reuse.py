@@ -39,6 +39,15 @@ class LinearCodec:
         """(..., r) -> (..., d_b)"""
         return z @ self.dec + self.mu_b
 
+    def padded(self, rank: int) -> "LinearCodec":
+        """The same map with zero code columns appended up to `rank` (a shorter group's code at the rank of
+        the others: its extra columns carry nothing)."""
+        extra = rank - self.rank
+        if extra <= 0:
+            return self
+        return LinearCodec(self.mu_a, torch.nn.functional.pad(self.enc, (0, extra)), self.mu_b,
+                           torch.nn.functional.pad(self.dec, (0, 0, 0, extra)))
+
     def to(self, device) -> "LinearCodec":
         return LinearCodec(self.mu_a.to(device), self.enc.to(device), self.mu_b.to(device), self.dec.to(device))
 

@@ -1,0 +1,132 @@
+"""Hidden-state codes shared by a group of adjacent layers (PairArtifacts.x_groups): encode, wire, rebuild.
+
+The reference is exact algebra: a group code whose encoder and decoder are the block-diagonal stack of the
+layers' own codecs carries the same numbers as the per-layer codes side by side, so the rebuilt cache must
+be the per-layer artifact's."""
+import dataclasses
+
+import pytest
+import torch
+
+from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.online import codec
+from scd.online.models import ModelSpec
+from scd.online.rebuild import encode, rebuild
+from scd.online.reuse import LinearCodec
+from scd.online.trace import capture
+from tests.conftest import perturbed, tiny_llama
+from tests.test_pipeline_tiny import _samples
+
+
+def _block(codecs: list[LinearCodec], rank: int) -> LinearCodec:
+    """One codec for the layers of a group: block-diagonal encoder and decoder, padded with zero columns to
+    `rank` (every group's code has the artifact's one r_x)."""
+    enc, dec = torch.block_diag(*[c.enc for c in codecs]), torch.block_diag(*[c.dec for c in codecs])
+    pad = rank - enc.shape[1]
+    return LinearCodec(torch.cat([c.mu_a for c in codecs]), torch.nn.functional.pad(enc, (0, pad)),
+                       torch.cat([c.mu_b for c in codecs]), torch.nn.functional.pad(dec, (0, 0, 0, pad)))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    a = tiny_llama(0, layers=4)
+    b = perturbed(a, 0.3, seed=1)
+    cfg = CalibConfig(reuse_source="hidden", r_x=6, r_h=8, aligner_epochs=2, batch=16)
+    cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(24, 1)],
+                      tmp_path_factory.mktemp("cal"), cfg, progress=False, log=lambda s: None)
+    cal.traces()
+    ids = _samples(2, 2)[0].prefix[None]
+    return a, b, cal, ids, capture(a, ids, torch.ones_like(ids))
+
+
+def _grouped(art, groups):
+    """art with its per-layer hidden codecs stacked block-diagonally into one codec per group."""
+    rank = max(len(g) for g in groups) * art.r_x
+    reuse_x = {g[0]: _block([art.reuse_x[l] for l in g], rank) for g in groups}
+    return dataclasses.replace(art, reuse_x=reuse_x, r_x=rank, x_groups=groups, derived={})
+
+
+def _through_wire(art, trace, ids):
+    dims = codec.artifact_dims(art)
+    payload = codec.encode(encode(art, trace, ids), art.pair, "v", dims, art.code_dtype)
+    return payload, codec.decode(payload, art.pair, "v", art.plan, dims, art.x_codes)
+
+
+@pytest.mark.parametrize("plan,x_codes", [(["exact", "hidden", "hidden", "hidden"], [1, 3]),
+                                          (["exact", "patch", "hidden", "hidden"], [1, 3]),   # the head is Patched
+                                          (["exact", "patch", "patch", "hidden"], [3])])      # nothing left to code
+def test_a_group_code_rebuilds_what_its_layers_own_codes_rebuild(pair, plan, x_codes):
+    a, b, cal, ids, trace = pair
+    per_layer = cal.artifacts_for(plan)
+    grouped = _grouped(per_layer, [[1, 2], [3]])
+    assert grouped.x_codes == x_codes
+    _, want = _through_wire(per_layer, trace, ids)
+    payload, got = _through_wire(grouped, trace, ids)
+    assert sorted(l for l, f in got.layers.items() if "z_x" in f) == x_codes
+    kv_want, _ = rebuild(b, per_layer, want)
+    kv_got, _ = rebuild(b, grouped, got)
+    err = max((x - y).abs().max().item() for la, lb in zip(kv_got, kv_want) for x, y in zip(la, lb))
+    assert err < 1e-3, f"grouped rebuild differs from the per-layer one by {err:.2e} ({plan})"
+
+
+def test_a_payload_with_other_code_layers_is_refused(pair):
+    a, b, cal, ids, trace = pair
+    per_layer = cal.artifacts_for(["exact", "hidden", "hidden", "hidden"])
+    grouped = _grouped(per_layer, [[1, 2], [3]])
+    payload, _ = _through_wire(dataclasses.replace(grouped, x_groups=[[1], [2, 3]], reuse_x={
+        1: _block([per_layer.reuse_x[1]], grouped.r_x), 2: grouped.reuse_x[1]}, derived={}), trace, ids)
+    with pytest.raises(codec.PayloadError, match="x_codes"):
+        codec.decode(payload, grouped.pair, "v", grouped.plan, codec.artifact_dims(grouped), grouped.x_codes)
+
+
+@pytest.mark.parametrize("groups", [[[1, 2], [2, 3]], [[1, 3]]])
+def test_groups_must_be_disjoint_runs_of_adjacent_layers(pair, groups):
+    _, _, cal, _, _ = pair
+    art = cal.artifacts_for(["exact", "hidden", "hidden", "hidden"])
+    with pytest.raises(ValueError, match="disjoint runs"):
+        dataclasses.replace(art, x_groups=groups, derived={})
+
+
+def _calibration(tmp_path, x_group, r_x, layers=4, ridge=1e-4):
+    a = tiny_llama(0, layers=layers)
+    b = perturbed(a, 0.3, seed=1)
+    cfg = CalibConfig(reuse_source="hidden", r_x=r_x, x_group=x_group, batch=16, ridge=ridge)
+    cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(24, 1)],
+                      tmp_path / f"g{x_group}", cfg, progress=False, log=lambda s: None)
+    cal.traces()
+    return a, b, cal
+
+
+def test_calibration_fits_one_code_per_group_and_counts_each_groups_code_once(tmp_path):
+    """Layers 1..3 in groups of 2: codes at layers 1 and 3; the last group (one layer, K and V 32 wide) is
+    fitted at its full rank and zero-padded to r_x 40; payloads and the budget count two codes."""
+    a, b, cal = _calibration(tmp_path, 2, 40)
+    art = cal.artifacts_for(cal.base_plan)
+    assert art.x_groups == [[1, 2], [3]] and sorted(art.reuse_x) == [1, 3] and art.x_codes == [1, 3]
+    assert art.reuse_x[1].enc.shape == (64, 40) and art.reuse_x[1].dec.shape == (40, 64)
+    assert art.reuse_x[3].enc[:, 32:].abs().max() == 0                    # padding: no information there
+    row = codec.code_bytes_per_row(40, "fp16")
+    assert cal.payload_ratio({"r_x": 40}) == pytest.approx(2 * row / cal.spec.kv_bytes_per_token)
+    assert codec.code_bytes(art, 10) == 5 * 10 + 2 * 10 * row                       # ids, mask, two codes
+    ids = _samples(1, 3)[0].prefix[None]
+    _, codes = _through_wire(art, capture(a, ids, torch.ones_like(ids)), ids)
+    kv, _ = rebuild(b, art, codes)
+    assert len(kv) == 4 and all(k.shape == kv[0][0].shape for k, _ in kv)
+
+
+def test_a_full_rank_code_for_all_layers_fits_at_least_as_well_as_one_code_per_layer(tmp_path):
+    """At full rank the cross-layer map reads every layer's x_norm for every layer's K and V, a superset of the
+    per-layer map's inputs: on the calibration rows it cannot fit worse (up to the ridge)."""
+    def error(x_group, r_x):
+        a, b, cal = _calibration(tmp_path, x_group, r_x, ridge=1e-8)
+        art = cal.artifacts_for(cal.base_plan)
+        total = 0.0
+        for s in _samples(24, 1)[:6]:                   # calibration prefixes
+            ids = s.prefix[None]
+            trace, own = capture(a, ids, torch.ones_like(ids)), capture(b, ids, torch.ones_like(ids))
+            kv, _ = rebuild(b, art, codec.as_received(encode(art, trace, ids), "fp16"))
+            total += sum(((k - ok) ** 2).sum().item() + ((v - ov) ** 2).sum().item()
+                         for (k, v), ok, ov in zip(kv[1:], own.keys[1:], own.values[1:]))
+        return total
+    per_layer, all_layers = error(1, 32), error(0, 96)
+    assert all_layers <= per_layer * 1.01, f"cross-layer {all_layers:.4f} vs per-layer {per_layer:.4f}"
