@@ -130,3 +130,26 @@ def test_a_full_rank_code_for_all_layers_fits_at_least_as_well_as_one_code_per_l
         return total
     per_layer, all_layers = error(1, 32), error(0, 96)
     assert all_layers <= per_layer * 1.01, f"cross-layer {all_layers:.4f} vs per-layer {per_layer:.4f}"
+
+
+def test_the_serving_engines_carry_a_group_code_from_producer_to_answer(pair):
+    """ProducerEngine encodes a grouped artifact's payload (every level), SpecialistEngine decodes and answers
+    in scd mode; the answer is the one the block-diagonal per-layer artifact gives."""
+    from actors.messages import GenParams
+    from actors.producer import ProducerEngine
+    from actors.specialist import SpecialistEngine
+    from tests.test_models import _tokenizer
+    a, b, cal, _, _ = pair
+    tok = _tokenizer(97)
+    per_layer = cal.artifacts_for(["exact", "hidden", "hidden", "patch"])
+    grouped = _grouped(per_layer, [[1, 2], [3]])
+    prefix = _samples(1, 4)[0].prefix.tolist()
+    answers = {}
+    for name, art in (("per_layer", per_layer), ("grouped", grouped)):
+        res = ProducerEngine(a, tok, {"a:b": (art, "v1")}, cache_bytes=1 << 20).encode(prefix, ["a:b"])
+        out, info, _ = SpecialistEngine("b", b, tok, art, "v1").complete(prefix, [11], res.per_pair["a:b"].payload,
+                                                                          None, GenParams(max_tokens=4))
+        assert info.mode == "scd", info
+        answers[name] = out
+    assert answers["grouped"] == answers["per_layer"] and answers["grouped"], answers
+    assert grouped.x_codes == [1]                       # layer 3 is Patched: its group sends no code
