@@ -132,7 +132,8 @@ class SpecialistEngine:
             else:
                 t0 = time.perf_counter()
                 try:
-                    codes = codec.decode(payload, art.pair, version, art.plan, codec.level_dims(art), art.x_codes)
+                    codes = codec.decode(payload, art.pair, version, art.payload_plan, codec.level_dims(art),
+                                         art.x_codes)
                 except codec.PayloadError:
                     reason = FallbackReason.CODEC_ERROR
                 else:

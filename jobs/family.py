@@ -8,8 +8,9 @@ One pass over common calibration prefixes (an equal share of each member's data)
 Gram matrices, [producer rows | every member's K, V side by side]; every per-pair Gram is a block of them
 (scd.fitting.family). Both fits are first Reuse-only (layer 0 exact, the config's reuse source, ranks and code
 precision), which isolates what sharing the encoder costs. The family as served then adds Patch layers
-(--patch-layers; default the union of the Patch layers of the members' published pair artifacts): one Patch
-encoder for the family, each member's own aligner, trained on its own x_norm. With calibration.finetune_samples,
+(--patch-layers; default each member's own, those of its published pair artifact): one Patch encoder per
+layer for the family, each member's own aligner, trained on its own x_norm. The payload carries every code
+a member needs, and each member rebuilds from those of its own plan. With calibration.finetune_samples,
 each member's decoders and aligners are fine-tuned end to end on its own samples, as a pair's are; the encoders
 stay frozen, so they stay the family's. Every stage is checkpointed under calibration.work_dir/family.
 Reported:
@@ -163,30 +164,35 @@ def served_pairs(store: ArtifactStore, pairs: list[str], producer, consumers: li
     return out
 
 
-def patch_plan(arg: str, served: list[dict], num_layers: int) -> list[int]:
-    """The family's Patch layers from --patch-layers: "auto" (the union of the members' published pair
-    artifacts' Patch layers), "none", or layer numbers ("2,5")."""
+def patch_plan(arg: str, served: list[dict], num_layers: int, hidden: bool = True) -> list[list[int]]:
+    """Each member's Patch layers from --patch-layers: "auto" (the Patch layers of the member's published pair
+    artifact, none without one; with per-head codes, whose payload has no room for two codes at a layer,
+    their union for every member), "none", or layer numbers for every member ("2,5")."""
     if arg == "none":
-        return []
+        return [[] for _ in served]
     if arg == "auto":
-        return sorted({l for e in served for l in e["patch_layers"]})
+        own = [sorted(e["patch_layers"]) for e in served]
+        return own if hidden else [sorted({l for p in own for l in p}) for _ in served]
     try:
         layers = sorted({int(x) for x in arg.split(",")})
     except ValueError:
         raise SystemExit(f"--patch-layers must be auto, none or layer numbers like 2,5; got {arg!r}") from None
     if any(not 1 <= l < num_layers for l in layers):
         raise SystemExit(f"--patch-layers must be within 1..{num_layers - 1} (layer 0 is exact), got {layers}")
-    return layers
+    return [list(layers) for _ in served]
 
 
 def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer, consumers: list,
-                calib: list[torch.Tensor], layers: list[int], c, pad_id: int | None, val: dict, tune: dict) -> FamilyArtifacts:
-    """The family as served: Patch at `layers` (one encoder for the family, fitted on every member's x_norm;
-    each member's own aligner) over the shared Reuse codes, then, with calibration.finetune_samples, each
-    member's decoders and aligners fine-tuned end to end on its own samples with the encoders frozen (so
-    they stay the family's). Encoders, aligners and fine-tuned members are checkpointed under `work`."""
+                calib: list[torch.Tensor], plans: list[list[int]], c, pad_id: int | None, val: dict,
+                tune: dict) -> FamilyArtifacts:
+    """The family as served: each member Patches its layers of `plans` (one encoder per layer for the
+    family, fitted on every member's x_norm; each member's own aligner) over the shared Reuse codes, then,
+    with calibration.finetune_samples, each member's decoders and aligners are fine-tuned end to end on its
+    own samples with the encoders frozen (so they stay the family's). Encoders, aligners and fine-tuned
+    members are checkpointed under `work`."""
     cfg = c.model_dump()
     spec, n = shared.encoder.spec, len(names)
+    layers = sorted({l for p in plans for l in p})
     pdir = key_dir(work, "patch-", {"layers": layers, **{k: cfg[k] for k in ALIGNER_FIELDS}})
     rows: dict[str, torch.Tensor] = {}
 
@@ -202,13 +208,13 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
         save_file({k: v.clone() for j, e in enumerate(encs) for l, c_l in e.items()      # members share the encoder
                    for k, v in c_l.tensors(f"{j}.{l}").items()}, str(tmp))
         tmp.replace(pdir / "encoders.safetensors")
-    plan = [("patch" if l in layers else kind) for l, kind in enumerate(shared.encoder.plan)]
-    tdir = key_dir(pdir, "tune-", {"ranks": shared.encoder.reuse_ranks, "code_dtype": c.code_dtype,
+    tdir = key_dir(pdir, "tune-", {"ranks": shared.encoder.reuse_ranks, "code_dtype": c.code_dtype, "plans": plans,
                                    "source": c.reuse_source, **{k: cfg[k] for k in TUNE_FIELDS if k != "finetune_encoders"}})
     members = {}
     for j, (pair, base) in enumerate(shared.members.items()):
+        plan = [("patch" if l in plans[j] else kind) for l, kind in enumerate(base.plan)]
         aligners = {}
-        for l in layers:
+        for l in plans[j]:
             def rows_of(l=l, j=j):
                 r = patch_rows()
                 return r[f"xa.{l}"], r[f"xb{j}.{l}"], r["pos"], r[f"xb{j}.0"]
@@ -217,10 +223,10 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
             log(f"{names[j]}: aligner for layer {l} " + (f"trained (best val {min(curve['val']):.4f})" if trained
                                                           else "resumed from checkpoint"))
         art = PairArtifacts(shared.family, spec, base.r_k, base.r_v, c.r_h, c.aligner_width, plan, base.reuse_k,
-                            base.reuse_v, encs[j] if layers else {}, aligners, aligner_context=c.aligner_context,
+                            base.reuse_v, {l: encs[j][l] for l in plans[j]}, aligners, aligner_context=c.aligner_context,
                             aligner_tokens=c.aligner_tokens, aligner_window=c.aligner_window, r_x=base.r_x,
                             reuse_x=base.reuse_x, code_dtype=base.code_dtype, x_groups=base.x_groups)
-        if c.finetune_samples and tune[names[j]] and (layers or "hidden" in plan):
+        if c.finetune_samples and tune[names[j]] and (plans[j] or "hidden" in plan):
             art = finetuned(tdir / names[j], art, names[j], producer, consumers[j], tune[names[j]], val[names[j]], c,
                             pad_id)
         members[pair] = art
@@ -331,8 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
         "each member's family KL passes calibration.gate_vs_raw_kv and calibration.family_vs_pair; serve it with "
         "a `families:` entry"))
     p.add_argument("--patch-layers", default="auto", help=(
-        "the family's Patch layers: auto (default: the union of the members' published pair artifacts' Patch "
-        "layers), none (Reuse-only), or layer numbers like 2,5; every member trains its own aligner there"))
+        "the members' Patch layers: auto (default: each member's published pair artifact's, none without one), "
+        "none (Reuse-only), or layer numbers like 2,5 for every member; each member trains its own aligners"))
     p.add_argument("--store", help="artifact store URI for --publish (default: the config's artifacts.uri)")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
@@ -376,9 +382,9 @@ def main(argv: list[str] | None = None) -> dict:
         calib += cal_n
     store = ArtifactStore(args.store or cfg.artifacts.uri)
     served = served_pairs(store, pairs, producer, consumers, tok)
-    layers = patch_plan(args.patch_layers, served, spec.num_layers)
+    plans = patch_plan(args.patch_layers, served, spec.num_layers, hidden)
     log(f"members {names}: {len(calib)} common calibration prefixes of {c.prefix_tokens} tokens, {n_held} held-out "
-        f"each; {c.reuse_source} codes {ranks} in {c.code_dtype}; Patch layers {layers}")
+        f"each; {c.reuse_source} codes {ranks} in {c.code_dtype}; Patch layers {dict(zip(names, plans))}")
 
     work = key_dir(Path(c.work_dir).expanduser() / "family", "", {
         "models": [model_digest(producer), *map(model_digest, consumers)], "data": data_digest(calib),
@@ -393,12 +399,13 @@ def main(argv: list[str] | None = None) -> dict:
         save_grams(grams, path)
         log(f"grams accumulated in {time.time() - t0:.0f} s ({path})")
     shared, own = artifacts(grams, spec, pairs, ranks, c.ridge, c.code_dtype, family_id, c.x_group)
-    fam = fit_members(work, shared, names, producer, consumers, calib, layers, c, tok.pad_token_id, val, tune)
+    fam = fit_members(work, shared, names, producer, consumers, calib, plans, c, tok.pad_token_id, val, tune)
 
     rows = []
     for j, (name, consumer) in enumerate(zip(names, consumers)):
         ways = [methods.RawKV(), methods.SCDMethod(own[j], "pair"),
-                methods.SCDMethod(shared.members[pairs[j]], "family_reuse"), methods.SCDMethod(fam.members[pairs[j]], "family")]
+                methods.SCDMethod(shared.members[pairs[j]], "family_reuse"),
+                methods.SCDMethod(fam.members[pairs[j]], "family", encoder=fam.encoder)]
         if served[j]["art"] is not None:
             ways.append(methods.SCDMethod(served[j]["art"], "served_pair"))
         by = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(held[name], ways, desc=f"held-out {name}")}
@@ -416,22 +423,23 @@ def main(argv: list[str] | None = None) -> dict:
     cost["pairs_are"] = "published pair artifacts" if published_pairs else "Reuse-only pair fits"
 
     out = Path(args.out).expanduser() / cfg.producer.name / args.name
-    result = {"family": family_id, "members": pairs, "ranks": ranks, "code_dtype": c.code_dtype, "patch_layers": layers,
+    result = {"family": family_id, "members": pairs, "ranks": ranks, "code_dtype": c.code_dtype,
+              "patch_layers": dict(zip(names, plans)),
               "prefixes": len(calib), "heldout": n_held, "kl": rows, "fanout": cost}
     fam.info = result
     fam.save(out)
     (out / "figures.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / "family.png", f"{cfg.producer.name}: one code for {len(names)} specialists vs one per pair "
-                                    f"({c.reuse_source} {ranks}, {c.code_dtype}, Patch {layers})")
-    report(rows, cost, ranks, layers, c.code_dtype)
+                                    f"({c.reuse_source} {ranks}, {c.code_dtype})")
+    report(rows, cost, ranks, dict(zip(names, plans)), c.code_dtype)
     print(f"written: {out}")
     if args.publish:
         result["published"] = publish(store, fam, producer, consumers, tok, rows, c, calib, grams, out)
     return result
 
 
-def report(rows: list[dict], cost: dict, ranks: dict, layers: list[int], dtype: str) -> None:
-    print(f"\nheld-out KL, {ranks} codes in {dtype}, family Patch layers {layers} (family payload "
+def report(rows: list[dict], cost: dict, ranks: dict, plans: dict[str, list[int]], dtype: str) -> None:
+    print(f"\nheld-out KL, {ranks} codes in {dtype}, Patch layers {plans} (family payload "
           f"{rows[0]['payload_ratio']:.3f} of raw KV):")
     print(f"  {'member':<10}{'raw_kv':>9}{'pair':>9}{'fam-reuse':>10}{'family':>9}{'published':>11}"
           f"{'greedy pair/family':>21}")

@@ -153,3 +153,19 @@ def test_the_serving_engines_carry_a_group_code_from_producer_to_answer(pair):
         answers[name] = out
     assert answers["grouped"] == answers["per_layer"] and answers["grouped"], answers
     assert grouped.x_codes == [1]                       # layer 3 is Patched: its group sends no code
+
+
+def test_patch_codes_count_against_the_budget_of_a_group_code(tmp_path):
+    """With one code for all layers, a Patch code adds to the payload (the group's code is still sent): the
+    budget check sees it. Without groups, a Patch code replaces its layer's code."""
+    _, _, grouped = _calibration(tmp_path, 0, 24)
+    base = grouped.plan_payload(grouped.base_plan)
+    one = grouped.plan_payload(grouped.plan_with([2]))
+    assert one > base, (one, base)
+    grouped.cfg = grouped.cfg.model_copy(update={"payload_budget": (base + one) / 2})
+    assert grouped.fits_budget([]) and not grouped.fits_budget([2])
+    row = lambda r: codec.code_bytes_per_row(r, "fp16") / grouped.spec.kv_bytes_per_token  # noqa: E731
+    assert one - base == pytest.approx(row(grouped.cfg.r_h))
+    _, _, per_layer = _calibration(tmp_path, 1, 24)
+    swap = per_layer.plan_payload(per_layer.plan_with([2])) - per_layer.plan_payload(per_layer.base_plan)
+    assert swap == pytest.approx(row(per_layer.cfg.r_h) - row(24))

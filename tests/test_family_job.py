@@ -124,7 +124,7 @@ def test_members_train_their_own_aligners_on_one_shared_patch_code(run, capsys):
     argv = ["--config", str(cfg), "--repeats", "1", "--out", str(tmp / "out4"), "--members", "qa,code",
             "--name", "famp", "--patch-layers", "3"]
     res = family_job(argv)
-    assert res["patch_layers"] == [3]
+    assert res["patch_layers"] == {"qa": [3], "code": [3]}
     for row in res["kl"]:
         assert row["family"] > 0 and row["family_reuse"] > 0, row
     fam = FamilyArtifacts.load(tmp / "out4" / "base" / "famp")
@@ -169,11 +169,12 @@ def test_a_published_pair_artifact_for_these_models_is_scored_on_the_same_sample
     assert res["fanout"]["pairs_are"] == "Reuse-only pair fits"              # code has no published pair artifact
 
 
-def test_patch_plan_auto_is_the_union_of_the_members_published_patch_layers():
+def test_patch_plan_auto_gives_each_member_its_published_patch_layers():
     from jobs.family import patch_plan
-    served = [{"patch_layers": [2, 5]}, {"patch_layers": [5, 6]}, {"patch_layers": []}]
-    assert patch_plan("auto", served, 8) == [2, 5, 6]
-    assert patch_plan("none", served, 8) == [] and patch_plan("6,2", served, 8) == [2, 6]
+    served = [{"patch_layers": [5, 2]}, {"patch_layers": [5, 6]}, {"patch_layers": []}]
+    assert patch_plan("auto", served, 8) == [[2, 5], [5, 6], []]
+    assert patch_plan("none", served, 8) == [[], [], []] and patch_plan("6,2", served, 8) == [[2, 6]] * 3
+    assert patch_plan("auto", served, 8, hidden=False) == [[2, 5, 6]] * 3        # per-head codes: one plan
     for bad, msg in (("0", "within 1..7"), ("8", "within 1..7"), ("x", "layer numbers")):
         with pytest.raises(SystemExit, match=msg):
             patch_plan(bad, served, 8)
@@ -195,3 +196,47 @@ def test_a_family_code_may_serve_groups_of_layers(tmp_path):
     assert cost["pairs_bytes"] == pytest.approx(2 * cost["family_bytes"], rel=0.01), cost
     for row in res["kl"]:
         assert 0 < row["family_reuse"] and 0 < row["pair"], row
+
+
+def test_members_with_different_patch_layers_share_one_payload_that_carries_every_code(run, tmp_path):
+    """auto: qa Patches layer 3 as its published pair artifact does, code (nothing published) Patches nothing.
+    The payload carries qa's Patch code at 3 and code's hidden-state code there too; each member rebuilds from
+    it exactly what its own artifact rebuilds from its own payload."""
+    import dataclasses
+
+    import yaml
+
+    from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
+    from scd.online import codec
+    from scd.online.models import load
+    from scd.online.rebuild import encode, rebuild
+    from scd.online.trace import capture
+    tmp, cfg, _ = run
+    patched = FamilyArtifacts.load(tmp / "out4" / "base" / "famp").members["base:qa"]     # Patch at 3
+    producer, tok, _ = load(load_config_path(cfg, "qa").replace("/qa", "/base"))
+    qa_model, _, _ = load(load_config_path(cfg, "qa"))
+    store = ArtifactStore(tmp_path / "store")
+    store.publish(dataclasses.replace(patched, pair="base:qa", wire_plan=[], wire_x_codes=None, derived={}),
+                  Fingerprints.of(producer=producer, consumer=qa_model, tokenizer=tok),
+                  CalibrationData(digest="d", n_prefixes=1, rows=1), {"kl": 1.0})
+    raw = yaml.safe_load(cfg.read_text())
+    raw["artifacts"]["uri"] = str(tmp_path / "store")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    res = family_job(["--config", str(path), "--repeats", "1", "--out", str(tmp_path / "o"), "--members", "qa,code"])
+    assert res["patch_layers"] == {"qa": [3], "code": []}
+    fam = FamilyArtifacts.load(tmp_path / "o" / "base" / "family")
+    qa, code = fam.members["base:qa"], fam.members["base:code"]
+    assert qa.plan[3] == "patch" and code.plan[3] == "hidden" and fam.encoder.plan[3] == "patch"
+    assert fam.encoder.x_codes == list(range(1, 8))            # code reads a hidden-state code at layer 3
+    ids = torch.tensor([tok("one payload for members that Patch different layers").input_ids])
+    trace = capture(producer, ids, torch.ones_like(ids))
+    enc = fam.encoder
+    payload = codec.encode(encode(enc, trace, ids), enc.pair, "v", codec.artifact_dims(enc), enc.code_dtype)
+    for member, model in ((qa, qa_model), (code, load(load_config_path(cfg, "code"))[0])):
+        got, _ = rebuild(model, member, codec.decode(payload, member.pair, "v", member.payload_plan,
+                                                     codec.artifact_dims(member), member.x_codes))
+        alone = dataclasses.replace(member, wire_plan=[], wire_x_codes=None, derived={})
+        want, _ = rebuild(model, alone, codec.as_received(encode(alone, trace, ids), alone.code_dtype))
+        err = max((x - y).abs().max().item() for a, b in zip(got, want) for x, y in zip(a, b))
+        assert err < 1e-4, f"{member.plan}: family payload rebuilds differ from the member's own by {err:.2e}"

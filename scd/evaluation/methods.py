@@ -138,19 +138,20 @@ class SCDMethod(Method):
     """Codes through the real wire format: producer encode -> bytes -> consumer decode + rebuild."""
 
     def __init__(self, art: PairArtifacts, name: str = "scd", dtype: str | None = None, artifact_id: str = "local",
-                 level: dict[str, int] | None = None):
+                 level: dict[str, int] | None = None, encoder: PairArtifacts | None = None):
         """dtype: the codes' wire precision (default: the one the artifact was calibrated for); level: the Reuse
-        ranks sent, one of art.levels (default: the full ones)."""
+        ranks sent, one of art.levels (default: the full ones); encoder: what the producer encodes with, when
+        not art (a family member's: FamilyArtifacts.encoder)."""
         self.art, self.name, self.dtype, self.artifact_id = art, name, dtype or art.code_dtype, artifact_id
-        self.level = level
+        self.level, self.encoder = level, encoder or art
 
     def build(self, consumer, ids, mask, producer_trace):
         t0 = time.perf_counter()
         dims = codec.artifact_dims(self.art, self.level)
-        payload = codec.encode(encode(self.art, producer_trace, ids, self.level), self.art.pair, self.artifact_id,
+        payload = codec.encode(encode(self.encoder, producer_trace, ids, self.level), self.art.pair, self.artifact_id,
                                dims, self.dtype)
         t1 = time.perf_counter()
-        codes = codec.decode(payload, self.art.pair, self.artifact_id, self.art.plan, dims, self.art.x_codes)
+        codes = codec.decode(payload, self.art.pair, self.artifact_id, self.art.payload_plan, dims, self.art.x_codes)
         t2 = time.perf_counter()
         kv, phases = rebuild(consumer, self.art, codes)
         t3 = time.perf_counter()

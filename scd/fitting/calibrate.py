@@ -267,6 +267,15 @@ class Calibration:
         grouped = len(self.x_groups) * row(ranks.get("r_x", 0))          # one code per group
         return (sum(per_layer.get(k, 0) for k in self.base_plan) + grouped) / self.spec.kv_bytes_per_token
 
+    def plan_payload(self, plan: list[str]) -> float:
+        """A plan's codes per token (at the chosen ranks, without token ids and mask) over the raw KV."""
+        return (codec.code_bytes(self.artifacts_for(plan), 1) - 5) / self.spec.kv_bytes_per_token
+
+    def fits_budget(self, patched: list[int]) -> bool:
+        """Whether Patching these layers keeps the payload within cfg.payload_budget (always, without one).
+        A Patch code replaces a per-layer Reuse code but adds to a code shared by a group of layers."""
+        return not self.cfg.payload_budget or self.plan_payload(self.plan_with(patched)) <= self.cfg.payload_budget + 1e-9
+
     def rank_candidates(self) -> list[dict[str, int]]:
         """Ranks on the budget's frontier, from a geometric grid. Per-head Reuse: for each r_k up to the head
         dim, the largest r_v that keeps the payload within cfg.payload_budget. Hidden-state Reuse: the three
@@ -354,7 +363,9 @@ class Calibration:
         """Run the layer policy on validation samples (or load its checkpoint). Returns its JSON record."""
         path, inputs = self.plan_dir / "policy.json", {"val": samples_digest(val_samples)}
         record = load_record(path, inputs, self.log)
-        if record is not None:
+        if record is not None and not self.fits_budget(record["chosen"]):    # chosen before Patch codes counted
+            self.log("stage policy: the checkpoint's plan exceeds the payload budget; recomputing")
+        elif record is not None:
             self.log("stage policy: resumed from checkpoint")
             return record
         scorer = PlanScorer(self.producer, self.consumer, val_samples, self.artifacts_for)
@@ -362,7 +373,8 @@ class Calibration:
         layers = list(range(1, self.spec.num_layers))
         res = policy.plan_layers(layers, lambda l: scorer.kl(self.base_plan, restore=l),
                                  lambda ls: scorer.kl(self.plan_with(ls)), base_kl, min(self.cfg.pool, len(layers)),
-                                 self.cfg.patch_cost, train_pool=lambda pool: [self.aligner(l) for l in pool])
+                                 self.cfg.patch_cost, train_pool=lambda pool: [self.aligner(l) for l in pool],
+                                 fits=self.fits_budget)
         record = {"base_kl": res.base_kl, "sensitivity": {str(k): v for k, v in res.sensitivity.items()},
                   "pool": res.pool, "order": res.order, "curve": res.curve, "k_star": res.k_star,
                   "efficiency": res.efficiency, "chosen": res.chosen,

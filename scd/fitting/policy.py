@@ -4,7 +4,8 @@
 2. candidate pool: the `pool` layers of largest gain
 3. greedy forward selection over the pool with the real (trained) patches: add the layer that lowers KL most
 4. budget: k* = argmax_k gain(k) / (base_cost + cost * k), i.e. KL removed per unit of consumer work,
-   where gain(k) = KL(reuse-only) - KL(best k patches); base_cost = 1 is the Reuse rebuild, `cost` one Patch.
+   where gain(k) = KL(reuse-only) - KL(best k patches); base_cost = 1 is the Reuse rebuild, `cost` one Patch;
+   only among the k whose plan's payload fits (`fits`, e.g. the payload budget).
 """
 from __future__ import annotations
 
@@ -42,21 +43,24 @@ def greedy(pool: list[int], kl_patched: Callable[[list[int]], float], base_kl: f
     return order, curve
 
 
-def choose_k(curve: list[float], cost: float, base_cost: float = 1.0) -> tuple[int, list[float]]:
-    """k* maximising gain per cost; k = 0 (no patch) when no patch helps."""
+def choose_k(curve: list[float], cost: float, base_cost: float = 1.0,
+             allowed: list[int] | None = None) -> tuple[int, list[float]]:
+    """k* maximising gain per cost among the `allowed` k (default all); k = 0 (no patch) when no patch helps."""
     eff = [(curve[0] - curve[k]) / (base_cost + cost * k) for k in range(len(curve))]
-    k_star = max(range(len(curve)), key=lambda k: eff[k])
+    k_star = max(allowed if allowed else range(len(curve)), key=lambda k: eff[k])
     return (k_star if eff[k_star] > 0 else 0), eff
 
 
 def plan_layers(layers: list[int], kl_restored: Callable[[int], float], kl_patched: Callable[[list[int]], float],
-                base_kl: float, pool_size: int, cost: float, train_pool: Callable[[list[int]], None] | None = None
-                ) -> PolicyResult:
-    """Run the whole policy. `train_pool` is called once with the pool before greedy (to train aligners)."""
+                base_kl: float, pool_size: int, cost: float, train_pool: Callable[[list[int]], None] | None = None,
+                fits: Callable[[list[int]], bool] | None = None) -> PolicyResult:
+    """Run the whole policy. `train_pool` is called once with the pool before greedy (to train aligners);
+    `fits(layers)`: whether Patching those layers keeps the payload within its budget."""
     sens = restore_one(layers, kl_restored, base_kl)
     pool = sorted(sorted(sens, key=sens.get, reverse=True)[:pool_size])
     if train_pool is not None:
         train_pool(pool)
     order, curve = greedy(pool, kl_patched, base_kl)
-    k_star, eff = choose_k(curve, cost)
+    allowed = [k for k in range(len(curve)) if fits is None or fits(sorted(order[:k]))]
+    k_star, eff = choose_k(curve, cost, allowed=allowed)
     return PolicyResult(base_kl, sens, pool, order, curve, k_star, eff)

@@ -12,6 +12,7 @@ whose layers are all Patched sends nothing. Without groups, every hidden layer h
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,6 +72,11 @@ class PairArtifacts:
     reuse_x: dict[int, LinearCodec] = field(default_factory=dict)   # x_norm (H) -> [K content; V] (2 n_kv d)
     code_dtype: str = "fp16"                    # precision of the codes on the wire, one of CODE_DTYPES
     x_groups: list[list[int]] = field(default_factory=list)   # adjacent layers sharing one hidden-state code
+    # a family member's payloads are laid out for the whole family (FamilyArtifacts sets both): the family's
+    # plan (Patch wherever a member Patches) and the layers carrying a hidden-state code (wherever a member
+    # needs one); the member rebuilds from the codes its own plan uses
+    wire_plan: list[str] = field(default_factory=list)
+    wire_x_codes: list[int] | None = None
     derived: dict = field(default_factory=dict, repr=False, compare=False)  # per-use tensors made on first use
 
     def __post_init__(self):
@@ -102,9 +108,16 @@ class PairArtifacts:
         return next((g for g in self.x_groups if layer in g), [layer])
 
     @property
+    def payload_plan(self) -> list[str]:
+        """The plan its payloads are laid out in: its own, or a family member's family plan."""
+        return self.wire_plan or self.plan
+
+    @property
     def x_codes(self) -> list[int] | None:
         """The layers whose payload slot carries a hidden-state code (the first layer of each group with a
-        hidden layer); None without groups (then every hidden layer carries its own)."""
+        hidden layer, or a family's); None without groups (then every hidden layer carries its own)."""
+        if self.wire_x_codes is not None:
+            return self.wire_x_codes
         if not self.x_groups:
             return None
         return [g[0] for g in self.x_groups if any(self.plan[l] == "hidden" for l in g)]
@@ -184,7 +197,7 @@ class PairArtifacts:
                              move(self.reuse_k), move(self.reuse_v), move(self.patch_enc),
                              {l: g.to(device) for l, g in self.aligners.items()}, self.info, self.aligner_context,
                              self.aligner_tokens, self.aligner_window, self.r_x, move(self.reuse_x),
-                             self.code_dtype, self.x_groups)
+                             self.code_dtype, self.x_groups, self.wire_plan, self.wire_x_codes)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -225,6 +238,8 @@ class PairArtifacts:
         reuse_x = {l: LinearCodec.from_tensors(t, f"hidden.{l}") for l in layers("hidden.")}
         patch_enc, aligners = {}, {}
         for l in layers("patch."):
+            if f"patch.{l}.enc.dec" not in t:
+                continue                    # a family's shared encoder of a layer that only other members Patch
             patch_enc[l] = LinearCodec.from_tensors(t, f"patch.{l}.enc")
             g = Aligner(desc["r_h"], spec.hidden_size, desc["aligner_width"], desc.get("aligner_context", 1),
                         desc.get("aligner_tokens", 0), desc.get("aligner_window", 8))
@@ -251,32 +266,45 @@ class FamilyArtifacts:
     """One code for several specialists (scd.fitting.family): a member artifact per specialist, every one
     with the same producer-side encoders, so that one encode and one payload serve a fan-out to all of them.
     Each member's `pair` is the family's id (what its payloads carry); `members` maps the member's own pair id
-    ("producer:consumer") to it."""
+    ("producer:consumer") to it. Members may Patch different layers: the payload then carries every code any
+    member needs (the family plan Patches a layer wherever a member does, and keeps a hidden-state code
+    wherever a member reads one), and each member rebuilds from the codes its own plan uses."""
     family: str                                 # "producer:family-name"
     members: dict[str, PairArtifacts]
     info: dict = field(default_factory=dict)
+    encoder: PairArtifacts = field(init=False, repr=False, compare=False)   # what the producer encodes with
 
     def __post_init__(self):
         if len(self.members) < 2:
             raise ValueError(f"a family needs two or more members, got {sorted(self.members)}")
-        first = self.encoder
-        encoders = _shared(first)
+        first = next(iter(self.members.values()))
+        encoders: dict[str, torch.Tensor] = {}
         for name, art in self.members.items():
             if art.pair != self.family:
                 raise ValueError(f"member {name} carries pair {art.pair!r}, not the family's {self.family!r}")
-            same = (art.plan, art.spec, art.reuse_ranks, art.code_dtype, art.x_groups) == \
-                (first.plan, first.spec, first.reuse_ranks, first.code_dtype, first.x_groups)
+            same = (art.spec, art.reuse_ranks, art.code_dtype, art.x_groups) == \
+                (first.spec, first.reuse_ranks, first.code_dtype, first.x_groups)
+            other_kinds = [(a, b) for a, b in zip(art.plan, first.plan) if a != b and "patch" not in (a, b)]
+            if art.reuse_kind != "hidden" and art.plan != first.plan:
+                other_kinds.append("per-head Reuse codes need one plan")
             own = _shared(art)
-            if not same or own.keys() != encoders.keys() or any(not torch.equal(v, encoders[k]) for k, v in own.items()):
+            if not same or other_kinds or any(not torch.equal(v, encoders.get(k, v)) for k, v in own.items()):
                 raise ValueError(f"member {name} does not share the family's plan, ranks and encoders")
-
-    @property
-    def encoder(self) -> PairArtifacts:
-        """The artifact the producer encodes with (any member: their encoders are the same)."""
-        return next(iter(self.members.values()))
+            encoders.update(own)
+        plan = ["patch" if any(a.plan[l] == "patch" for a in self.members.values()) else kind
+                for l, kind in enumerate(first.plan)]
+        needs = {l for a in self.members.values() for l, kind in enumerate(a.plan) if kind == "hidden"}
+        x_codes = sorted({first.hidden_source(l)[0] for l in needs}) if first.reuse_kind == "hidden" else None
+        patched = {l: a for a in self.members.values() for l in a.patch_layers}
+        self.members = {name: dataclasses.replace(art, wire_plan=plan, wire_x_codes=x_codes, derived={})
+                        for name, art in self.members.items()}
+        self.encoder = dataclasses.replace(
+            first, plan=plan, patch_enc={l: a.patch_enc[l] for l, a in patched.items()},
+            aligners={l: a.aligners[l] for l, a in patched.items()}, wire_plan=[], wire_x_codes=x_codes, derived={})
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The shared encoders once ("shared.*"), then each member's own tensors ("member.<pair>.*")."""
+        """The shared encoders once ("shared.*": every member's, the family's encoder), then each member's own
+        tensors ("member.<pair>.*")."""
         out = {f"shared.{k}": v for k, v in _shared(self.encoder).items()}
         for name, art in self.members.items():
             out.update({f"member.{name}.{k}": v for k, v in art.tensors().items() if not k.endswith(SHARED_SUFFIXES)})

@@ -292,5 +292,5 @@ def level_dims(art) -> list[dict[str, int]]:
 def code_bytes(art, tokens: int, level: dict[str, int] | None = None, batch: int = 1) -> int:
     """Bytes of the codes of `tokens` prefix tokens at `level` (ids, mask and code tensors: a payload without
     its few hundred bytes of header), what a link has to carry."""
-    return _body_bytes(_layout(art.plan, artifact_dims(art, level), batch, tokens, art.x_codes), batch, tokens,
+    return _body_bytes(_layout(art.payload_plan, artifact_dims(art, level), batch, tokens, art.x_codes), batch, tokens,
                        art.code_dtype)

@@ -99,14 +99,15 @@ def encode(art: PairArtifacts, trace: Trace, token_ids: torch.Tensor, level: dic
     if level is not None and level not in art.levels:
         raise ValueError(f"level {level} is not one this artifact serves: {art.levels}")
     rank = lambda name: (level or art.reuse_ranks)[name]  # noqa: E731
-    codes = Codes(token_ids, trace.mask, list(art.plan), level=dict(level or art.reuse_ranks))
-    for l, kind in enumerate(art.plan):
+    plan = art.payload_plan                             # a family member's: every code its family sends
+    codes = Codes(token_ids, trace.mask, list(plan), level=dict(level or art.reuse_ranks))
+    for l, kind in enumerate(plan):
         if kind == "reuse":
             codes.layers[l] = {"z_k": art.reuse_k[l].encode(trace.content[l], rank("r_k")),
                                "z_v": art.reuse_v[l].encode(trace.values[l], rank("r_v"))}
         elif kind == "patch":
             codes.layers[l] = {"z_h": art.patch_enc[l].encode(trace.xnorm[l])}
-    for l in (art.x_codes if art.x_groups else [l for l, k in enumerate(art.plan) if k == "hidden"]):
+    for l in (art.x_codes if art.x_codes is not None else [l for l, k in enumerate(plan) if k == "hidden"]):
         group = art.group(l)                            # x_norm of every layer of the group side by side
         x = trace.xnorm[l] if len(group) == 1 else torch.cat([trace.xnorm[j] for j in group], -1)
         codes.layers.setdefault(l, {})["z_x"] = art.reuse_x[l].encode(x, rank("r_x"))
@@ -157,7 +158,8 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
     n_kv, d_h = art.spec.num_kv_heads, art.spec.head_dim
     tables = consumer_tables(model, d_h)
     cos, sin = tables.rope(positions_from_mask(codes.mask), dtype)
-    by_kind = {kind: [l for l, k in enumerate(codes.plan) if k == kind] for kind in ("exact", "reuse", "hidden", "patch")}
+    # the artifact's own plan: a family member reads the codes it uses of a payload laid out for the family
+    by_kind = {kind: [l for l, k in enumerate(art.plan) if k == kind] for kind in ("exact", "reuse", "hidden", "patch")}
     kv: dict[int, KV] = {}
     heads = lambda x: x.view(*x.shape[:-2], t, n_kv, d_h).transpose(-3, -2)  # noqa: E731  (..., T, n_kv*d) -> (..., n_kv, T, d)
     if by_kind["exact"]:
@@ -188,7 +190,7 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         k = apply_rope(heads(k), cos, sin)                                      # (P, B, n_kv, T, d)
         kv.update({l: (k[i], heads(v[i])) for i, l in enumerate(patch)})
     t_end = time.perf_counter()
-    return [kv[l] for l in range(len(codes.plan))], {"rebuild_ms": (t_patch - t0) * 1e3,
+    return [kv[l] for l in range(len(art.plan))], {"rebuild_ms": (t_patch - t0) * 1e3,
                                                       "patch_ms": (t_end - t_patch) * 1e3}
 
 
