@@ -387,3 +387,27 @@ def test_quantised_codes_rebuild_from_the_payload_exactly_as_calibration_scores_
     want = rebuild(b, art, codec.as_received(codes, dtype))[0]
     err = max((x - y).abs().max().item() for g, w in zip(got, want) for x, y in zip(g, w))
     assert err < 1e-5, f"{dtype}: rebuild from the payload differs from the as-received codes by {err:.2e}"
+
+
+def test_a_finetune_checkpoint_of_another_plan_is_not_resumed(tmp_path):
+    """Fine-tuned aligners and decoders belong to the plan they were tuned under: a checkpoint whose plan
+    differs from the one chosen now (e.g. a policy recomputed under a payload budget) is recomputed."""
+    a = tiny_llama(0)
+    b = perturbed(a, 0.5)
+    spec = ModelSpec.from_config(a.config)
+    cfg = CalibConfig(r_x=2, r_h=8, reuse_source="hidden", aligner_epochs=2, pool=1, batch=8, finetune_samples=8,
+                      finetune_epochs=1)
+    tune, val = _samples(8, 4, t=20, c=8), _samples(3, 2)
+    logs = []
+    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(16, 1)], tmp_path, cfg, progress=False,
+                      log=logs.append)
+    cal.traces()
+    art = cal.artifacts_for(cal.base_plan)
+    cal.finetune(art, tune, val)
+    other = cal.artifacts_for(cal.plan_with([1]))
+    logs.clear()
+    cal.finetune(other, tune, val)
+    assert any("fine-tuned for another plan" in line for line in logs), logs
+    logs.clear()
+    cal.finetune(cal.artifacts_for(cal.plan_with([1])), tune, val)
+    assert any("finetune: resumed" in line for line in logs), logs

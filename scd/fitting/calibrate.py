@@ -365,6 +365,8 @@ class Calibration:
         record = load_record(path, inputs, self.log)
         if record is not None and not self.fits_budget(record["chosen"]):    # chosen before Patch codes counted
             self.log("stage policy: the checkpoint's plan exceeds the payload budget; recomputing")
+            for stale in self.plan_dir.glob("tune-*/finetuned/record.json"):     # fine-tuned for that plan
+                stale.unlink()
         elif record is not None:
             self.log("stage policy: resumed from checkpoint")
             return record
@@ -392,6 +394,9 @@ class Calibration:
         d = self.dir / "finetuned"
         inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples)}
         done = load_record(d / "record.json", inputs, self.log)
+        if done is not None and done.get("plan", art.plan) != art.plan:      # (records before 2026-11 had none)
+            self.log("stage finetune: the checkpoint was fine-tuned for another plan; recomputing")
+            done = None
         if done is not None:
             for l in art.patch_layers:
                 art.aligners[l].load_state_dict(load_file(str(d / f"layer_{l}.safetensors")))
@@ -413,7 +418,7 @@ class Calibration:
             save_file({k: v for l, c in art.reuse_x.items() for k, v in c.tensors(f"hidden.{l}").items()},
                       str(d / "hidden.safetensors"))
         record = save_record(d / "record.json", {"samples": len(tune_samples), "train": fit.train, "val": fit.val,
-                                                 "best_epoch": fit.best_epoch}, inputs)
+                                                 "best_epoch": fit.best_epoch, "plan": art.plan}, inputs)
         self.log(f"stage finetune: validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f} "
                  f"(epoch {fit.best_epoch} of {len(fit.train)})")
         return record
