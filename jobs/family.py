@@ -186,14 +186,15 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
                 calib: list[torch.Tensor], plans: list[list[int]], c, pad_id: int | None, val: dict,
                 tune: dict) -> FamilyArtifacts:
     """The family as served: each member Patches its layers of `plans` (one encoder per layer for the
-    family, fitted on every member's x_norm; each member's own aligner) over the shared Reuse codes, then,
+    family, fitted on the x_norm of the members that Patch it; each member's own aligner) over the shared
+    Reuse codes, then,
     with calibration.finetune_samples, each member's decoders and aligners are fine-tuned end to end on its
     own samples with the encoders frozen (so they stay the family's). Encoders, aligners and fine-tuned
     members are checkpointed under `work`."""
     cfg = c.model_dump()
-    spec, n = shared.encoder.spec, len(names)
+    spec = shared.encoder.spec
     layers = sorted({l for p in plans for l in p})
-    pdir = key_dir(work, "patch-", {"layers": layers, **{k: cfg[k] for k in ALIGNER_FIELDS}})
+    pdir = key_dir(work, "patch-", {"plans": plans, **{k: cfg[k] for k in ALIGNER_FIELDS}})
     rows: dict[str, torch.Tensor] = {}
 
     def patch_rows() -> dict[str, torch.Tensor]:        # one pass over the prefixes, only if something is not on disk
@@ -201,9 +202,9 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
             rows.update(family.patch_rows(producer, consumers, calib, layers, c.batch, pad_id))
         return rows
 
-    encs = load_encoders(pdir / "encoders.safetensors", n, layers)
+    encs = load_encoders(pdir / "encoders.safetensors", plans)
     if encs is None and layers:
-        encs = family.patch_encoders(patch_rows(), n, layers, c.r_h, c.ridge)
+        encs = family.patch_encoders(patch_rows(), plans, c.r_h, c.ridge)
         tmp = pdir / "encoders.tmp"
         save_file({k: v.clone() for j, e in enumerate(encs) for l, c_l in e.items()      # members share the encoder
                    for k, v in c_l.tensors(f"{j}.{l}").items()}, str(tmp))
@@ -233,12 +234,12 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
     return FamilyArtifacts(shared.family, members)
 
 
-def load_encoders(path: Path, n: int, layers: list[int]) -> list[dict[int, LinearCodec]] | None:
-    """The family's Patch encoders (one codec per member and layer) from their checkpoint, or None."""
-    if not path.is_file() or not layers:
+def load_encoders(path: Path, plans: list[list[int]]) -> list[dict[int, LinearCodec]] | None:
+    """The family's Patch encoders (one codec per member and layer it Patches) from their checkpoint, or None."""
+    if not path.is_file():
         return None
     t = load_file(str(path))
-    return [{l: LinearCodec.from_tensors(t, f"{j}.{l}") for l in layers} for j in range(n)]
+    return [{l: LinearCodec.from_tensors(t, f"{j}.{l}") for l in p} for j, p in enumerate(plans)]
 
 
 def finetuned(d: Path, art: PairArtifacts, name: str, producer, consumer, tune: list, val: list, c,
@@ -306,17 +307,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def budget_ranks(spec: ModelSpec, hidden: bool, budget: float, dtype: str, given: dict[str, int]) -> dict[str, int]:
-    """The config's ranks, or with a payload budget the largest hidden-state rank within it (per-head codes
-    keep r_k and r_v: their budget is a two-rank frontier that a pair calibration chooses by KL)."""
+def budget_ranks(spec: ModelSpec, hidden: bool, budget: float, dtype: str, given: dict[str, int],
+                 patched: int = 0) -> dict[str, int]:
+    """The config's ranks, or with a payload budget the largest hidden-state rank whose codes fit in it beside
+    `patched` Patch codes of rank given["r_h"] (per-head codes keep r_k and r_v: their budget is a two-rank
+    frontier that a pair calibration chooses by KL)."""
     if not hidden:
         return {"r_k": given["r_k"], "r_v": given["r_v"]}
     if not budget:
         return {"r_x": given["r_x"]}
     groups = code_groups(spec, given.get("x_group", 1))
     top = 2 * spec.num_kv_heads * spec.head_dim * max(map(len, groups))
-    fits = [r for r in range(8, top + 1, 8)
-            if len(groups) * codec.code_bytes_per_row(r, dtype) <= budget * spec.kv_bytes_per_token]
+    room = budget * spec.kv_bytes_per_token - patched * codec.code_bytes_per_row(given.get("r_h", 1), dtype)
+    fits = [r for r in range(8, top + 1, 8) if len(groups) * codec.code_bytes_per_row(r, dtype) <= room]
     if not fits:
         raise SystemExit(f"payload_budget {budget} is below the smallest hidden-state code of this family")
     return {"r_x": fits[-1]}
@@ -371,8 +374,6 @@ def main(argv: list[str] | None = None) -> dict:
         consumers.append(m)
     pairs = [f"{cfg.producer.name}:{n}" for n in names]
     hidden = c.reuse_source == "hidden"
-    ranks = budget_ranks(spec, hidden, c.payload_budget, c.code_dtype, {"r_k": c.r_k, "r_v": c.r_v, "r_x": c.r_x,
-                                                                               "x_group": c.x_group})
     # common calibration prefixes: an equal share of each member's data; held-out samples: each member's own
     share = -(-n_prefixes // len(names))
     calib, val, held, tune = [], {}, {}, {}
@@ -383,6 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
     store = ArtifactStore(args.store or cfg.artifacts.uri)
     served = served_pairs(store, pairs, producer, consumers, tok)
     plans = patch_plan(args.patch_layers, served, spec.num_layers, hidden)
+    ranks = budget_ranks(spec, hidden, c.payload_budget, c.code_dtype, {"r_k": c.r_k, "r_v": c.r_v, "r_x": c.r_x,
+                         "x_group": c.x_group, "r_h": c.r_h}, patched=len({l for p in plans for l in p}))
     log(f"members {names}: {len(calib)} common calibration prefixes of {c.prefix_tokens} tokens, {n_held} held-out "
         f"each; {c.reuse_source} codes {ranks} in {c.code_dtype}; Patch layers {dict(zip(names, plans))}")
 

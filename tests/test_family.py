@@ -131,3 +131,22 @@ def test_a_fanout_to_a_family_encodes_once_and_each_member_rebuilds_its_own_cach
     other = SpecialistEngine("a:b", b, tok, own[0], "p1")          # not told about the family: a stated fallback
     _, info, _ = other.complete(prefix, [11], eb.payload, None, GenParams(max_tokens=2))
     assert info.mode == "fallback" and info.reason == "codec_error", info
+
+
+def test_a_layers_patch_encoder_is_fitted_on_the_members_that_patch_it():
+    """Layer 3 is Patched by members 0 and 1: one encoder for both; layer 5 by member 1 alone: its encoder is
+    member 1's own pair fit (the other members' x_norm do not dilute it); member 2 Patches nothing."""
+    from scd.fitting.family import patch_encoders
+    g = torch.Generator().manual_seed(0)
+    rows = {f"xa.{l}": torch.randn(300, 6, generator=g) for l in (3, 5)}
+    for j in range(3):
+        for l in (3, 5):
+            rows[f"xb{j}.{l}"] = rows[f"xa.{l}"] @ torch.randn(6, 6, generator=g) + 0.1 * torch.randn(300, 6, generator=g)
+    encs = patch_encoders(rows, [[3], [3, 5], []], rank=3, ridge=1e-4)
+    assert sorted(encs[0]) == [3] and sorted(encs[1]) == [3, 5] and encs[2] == {}
+    assert torch.equal(encs[0][3].enc, encs[1][3].enc)
+    own = JointGram(6, 6)
+    own.update(rows["xa.5"], rows["xb1.5"])
+    want = own.fit(3, 1e-4)
+    err = (encs[1][5].enc - want.enc).abs().max().item()
+    assert err < 1e-5, f"layer 5's encoder differs from member 1's own pair fit by {err:.2e}"

@@ -240,3 +240,20 @@ def test_members_with_different_patch_layers_share_one_payload_that_carries_ever
         want, _ = rebuild(model, alone, codec.as_received(encode(alone, trace, ids), alone.code_dtype))
         err = max((x - y).abs().max().item() for a, b in zip(got, want) for x, y in zip(a, b))
         assert err < 1e-4, f"{member.plan}: family payload rebuilds differ from the member's own by {err:.2e}"
+
+
+def test_the_family_rank_leaves_room_in_the_budget_for_its_patch_codes():
+    from jobs.family import budget_ranks
+    from scd.online import codec
+    from scd.online.models import ModelSpec
+    spec = ModelSpec("llama", num_layers=8, num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=128, vocab_size=100,
+                     rope_theta=1e4)
+    given = {"r_k": 8, "r_v": 12, "r_x": 64, "x_group": 0, "r_h": 32}
+    alone = budget_ranks(spec, True, 0.15, "mixed", given)["r_x"]
+    patched = budget_ranks(spec, True, 0.15, "mixed", given, patched=3)["r_x"]
+    room = 0.15 * spec.kv_bytes_per_token
+    assert codec.code_bytes_per_row(alone, "mixed") <= room
+    patch_bytes = 3 * codec.code_bytes_per_row(32, "mixed")
+    assert codec.code_bytes_per_row(patched, "mixed") + patch_bytes <= room
+    assert codec.code_bytes_per_row(patched + 8, "mixed") + patch_bytes > room
+    assert patched < alone

@@ -77,15 +77,18 @@ def patch_rows(producer, consumers: list, prefixes: list[torch.Tensor], layers: 
     return {k: torch.cat(v).contiguous() for k, v in out.items()}
 
 
-def patch_encoders(rows: dict[str, torch.Tensor], n: int, layers: list[int], rank: int,
+def patch_encoders(rows: dict[str, torch.Tensor], plans: list[list[int]], rank: int,
                    ridge: float) -> list[dict[int, LinearCodec]]:
-    """Per member, the Patch encoders of `layers` (from `patch_rows`): per layer one joint SVD of
-    [x_A | x_B1 ... x_Bn] at `rank`, one encoder for the family, each member's decoder its own columns."""
-    out: list[dict[int, LinearCodec]] = [{} for _ in range(n)]
-    for l in layers:
+    """Per member, the Patch encoders of the layers its plan Patches (rows from `patch_rows`): per layer one
+    joint SVD of [x_A | x_B of each member that Patches it] at `rank`, one encoder for the family (the
+    producer subspace shared with the members that read it, so a layer only one member Patches gets that
+    member's own pair encoder), each member's decoder its own columns."""
+    out: list[dict[int, LinearCodec]] = [{} for _ in plans]
+    for l in sorted({l for p in plans for l in p}):
+        users = [j for j, p in enumerate(plans) if l in p]
         x_a = rows[f"xa.{l}"]
-        gram = JointGram(x_a.shape[1], n * x_a.shape[1])
-        gram.update(x_a, torch.cat([rows[f"xb{j}.{l}"] for j in range(n)], 1))
-        for j, c in enumerate(fit_family(gram, n, rank, ridge, regression=False)):
+        gram = JointGram(x_a.shape[1], len(users) * x_a.shape[1])
+        gram.update(x_a, torch.cat([rows[f"xb{j}.{l}"] for j in users], 1))
+        for j, c in zip(users, fit_family(gram, len(users), rank, ridge, regression=False)):
             out[j][l] = c
     return out
