@@ -108,6 +108,28 @@ def test_a_family_much_worse_than_a_members_published_pair_code_is_refused(run, 
     assert res["kl"][0]["served_pair"] == 1e-6 and res["kl"][1]["served_pair"] is None       # code has none
 
 
+def _with_published_qa(cfg, tmp_path, member, metrics):
+    """jobs.family on qa and code after publishing `member` (a family member's tensors) as base:qa's pair
+    artifact for the demo models, to a store of its own."""
+    import dataclasses
+
+    import yaml
+
+    from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
+    from scd.online.models import load
+    producer, tok, _ = load(load_config_path(cfg, "qa").replace("/qa", "/base"))
+    qa, _, _ = load(load_config_path(cfg, "qa"))
+    ArtifactStore(tmp_path / "store").publish(
+        dataclasses.replace(member, pair="base:qa", wire_plan=[], wire_x_codes=None, derived={}),
+        Fingerprints.of(producer=producer, consumer=qa, tokenizer=tok), CalibrationData(digest="d", n_prefixes=1, rows=1),
+        metrics)
+    raw = yaml.safe_load(cfg.read_text())
+    raw["artifacts"]["uri"] = str(tmp_path / "store")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return family_job(["--config", str(path), "--repeats", "1", "--out", str(tmp_path / "o"), "--members", "qa,code"])
+
+
 def load_config_path(cfg, name):
     from cluster.config import load_config
     return load_config(cfg).specialist(name).path
@@ -146,23 +168,9 @@ def test_members_train_their_own_aligners_on_one_shared_patch_code(run, capsys):
 def test_a_published_pair_artifact_for_these_models_is_scored_on_the_same_samples(run, tmp_path):
     """The gate compares a member's family KL with its published pair artifact scored side by side on the same
     held-out samples (here: the qa member of the first family, published as base:qa, must score as it did)."""
-    import yaml
-
-    from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
-    from scd.online.models import load
     tmp, cfg, first = run
     art = FamilyArtifacts.load(tmp / "out" / "base" / "family").members["base:qa"]
-    art.pair = "base:qa"
-    producer, tok, _ = load(load_config_path(cfg, "qa").replace("/qa", "/base"))
-    qa, _, _ = load(load_config_path(cfg, "qa"))
-    store = ArtifactStore(tmp_path / "store")
-    store.publish(art, Fingerprints.of(producer=producer, consumer=qa, tokenizer=tok),
-                  CalibrationData(digest="d", n_prefixes=1, rows=1), {"kl": 123.0})
-    raw = yaml.safe_load(cfg.read_text())
-    raw["artifacts"]["uri"] = str(tmp_path / "store")
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    res = family_job(["--config", str(path), "--repeats", "1", "--out", str(tmp_path / "o"), "--members", "qa,code"])
+    res = _with_published_qa(cfg, tmp_path, art, {"kl": 123.0})
     row = res["kl"][0]
     assert row["served_pair_source"] == "measured" and res["kl"][1]["served_pair_source"] is None
     assert abs(row["served_pair"] - first["kl"][0]["family"]) < 1e-5, (row["served_pair"], first["kl"][0]["family"])
@@ -204,26 +212,15 @@ def test_members_with_different_patch_layers_share_one_payload_that_carries_ever
     it exactly what its own artifact rebuilds from its own payload."""
     import dataclasses
 
-    import yaml
-
-    from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
     from scd.online import codec
     from scd.online.models import load
     from scd.online.rebuild import encode, rebuild
     from scd.online.trace import capture
     tmp, cfg, _ = run
     patched = FamilyArtifacts.load(tmp / "out4" / "base" / "famp").members["base:qa"]     # Patch at 3
+    res = _with_published_qa(cfg, tmp_path, patched, {"kl": 1.0})
     producer, tok, _ = load(load_config_path(cfg, "qa").replace("/qa", "/base"))
     qa_model, _, _ = load(load_config_path(cfg, "qa"))
-    store = ArtifactStore(tmp_path / "store")
-    store.publish(dataclasses.replace(patched, pair="base:qa", wire_plan=[], wire_x_codes=None, derived={}),
-                  Fingerprints.of(producer=producer, consumer=qa_model, tokenizer=tok),
-                  CalibrationData(digest="d", n_prefixes=1, rows=1), {"kl": 1.0})
-    raw = yaml.safe_load(cfg.read_text())
-    raw["artifacts"]["uri"] = str(tmp_path / "store")
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    res = family_job(["--config", str(path), "--repeats", "1", "--out", str(tmp_path / "o"), "--members", "qa,code"])
     assert res["patch_layers"] == {"qa": [3], "code": []}
     fam = FamilyArtifacts.load(tmp_path / "o" / "base" / "family")
     qa, code = fam.members["base:qa"], fam.members["base:code"]
