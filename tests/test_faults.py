@@ -133,7 +133,12 @@ def test_overload_answers_503_with_retry_after_and_then_serves_again(served_faul
     """Six requests held open fill the router (limits.router_max_ongoing: 6): the seventh is refused at once
     with an OpenAI-shaped 503 and Retry-After, and once they finish the next request is served."""
     import urllib.request
+
+    from serve_app.app import wait_healthy
     url, _, _ = served_faults
+    # the fault drills before this one kill replicas and the producer: start from a whole app again (while
+    # Serve restarts them, /healthz may say "down" with a 503)
+    assert wait_healthy(url, 300), "the app did not recover from the previous drills"
     with holding_qa(NS) as gate, concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_ask, url, 500 + i) for i in range(6)]
         assert wait_for(lambda: _get(url + "/healthz")["inflight"] == 6, 120, every_s=0.2), "router never full"
