@@ -53,7 +53,7 @@ from scd.online import codec
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import ArtifactStoreError, InvalidReference
 from artifacts_store.refs import check_name
-from scd.online.artifacts import FamilyArtifacts, PairArtifacts, layer_groups
+from scd.online.artifacts import FamilyArtifacts, PairArtifacts, code_groups, layer_groups
 from scd.online.models import ModelSpec, check_pair, data_digest, load, model_digest, tokenizer_fingerprint
 from scd.online.rebuild import encode
 from scd.online.reuse import LinearCodec
@@ -64,12 +64,6 @@ def log(msg: str) -> None:
     print(f"[family] {msg}", flush=True)
 
 
-def code_groups(spec: ModelSpec, x_group: int) -> list[list[int]]:
-    """The layers of each hidden-state code: runs of x_group layers (scd.online.artifacts.layer_groups), or
-    every layer >= 1 alone."""
-    return layer_groups(spec.num_layers, x_group) or [[l] for l in range(1, spec.num_layers)]
-
-
 def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[torch.Tensor], hidden: bool,
                batch: int, pad_id: int | None, x_group: int = 1) -> dict[str, list[JointGram]]:
     """Family Gram matrices from one pass over the prefixes: per hidden-state code (at each layer >= 1, or
@@ -77,7 +71,7 @@ def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[torch.
     per layer, per-head codes [K_A | K_j...] and [V_A | V_j...] (every layer)."""
     n, L = len(consumers), spec.num_layers
     m, d, hid = spec.num_kv_heads * spec.head_dim, spec.head_dim, spec.hidden_size
-    groups = code_groups(spec, x_group)
+    groups = code_groups(spec.num_layers, x_group)
     if hidden:
         grams: dict[str, list] = {"x": [None] * L}
         for g in groups:
@@ -114,7 +108,7 @@ def load_grams(path: Path, spec: ModelSpec, hidden: bool, x_group: int = 1) -> d
     t = load_file(str(path))
     if hidden:
         grams: list[JointGram | None] = [None] * spec.num_layers
-        for g in code_groups(spec, x_group):
+        for g in code_groups(spec.num_layers, x_group):
             grams[g[0]] = JointGram.from_tensors(t, f"x.{g[0]}", len(g) * spec.hidden_size)
         return {"x": grams}
     return {s: [JointGram.from_tensors(t, f"{s}.{l}", spec.head_dim) for l in range(spec.num_layers)] for s in "kv"}
@@ -187,10 +181,9 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
                 tune: dict) -> FamilyArtifacts:
     """The family as served: each member Patches its layers of `plans` (one encoder per layer for the
     family, fitted on the x_norm of the members that Patch it; each member's own aligner) over the shared
-    Reuse codes, then,
-    with calibration.finetune_samples, each member's decoders and aligners are fine-tuned end to end on its
-    own samples with the encoders frozen (so they stay the family's). Encoders, aligners and fine-tuned
-    members are checkpointed under `work`."""
+    Reuse codes, then, with calibration.finetune_samples, each member's decoders and aligners are fine-tuned
+    end to end on its own samples with the encoders frozen (so they stay the family's). Encoders, aligners
+    and fine-tuned members are checkpointed under `work`."""
     cfg = c.model_dump()
     spec = shared.encoder.spec
     layers = sorted({l for p in plans for l in p})
@@ -316,7 +309,7 @@ def budget_ranks(spec: ModelSpec, hidden: bool, budget: float, dtype: str, given
         return {"r_k": given["r_k"], "r_v": given["r_v"]}
     if not budget:
         return {"r_x": given["r_x"]}
-    groups = code_groups(spec, given.get("x_group", 1))
+    groups = code_groups(spec.num_layers, given.get("x_group", 1))
     top = 2 * spec.num_kv_heads * spec.head_dim * max(map(len, groups))
     room = budget * spec.kv_bytes_per_token - patched * codec.code_bytes_per_row(given.get("r_h", 1), dtype)
     fits = [r for r in range(8, top + 1, 8) if len(groups) * codec.code_bytes_per_row(r, dtype) <= room]

@@ -24,17 +24,12 @@ from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting.calibrate import pad
 from scd.fitting.gram import JointGram
-from scd.online.artifacts import layer_groups
+from scd.online.artifacts import code_groups
 from scd.online.models import ModelSpec, load
 from scd.online.reuse import LinearCodec
 from scd.online.rope import apply_rope, positions_from_mask
 from scd.online.tables import consumer_tables
 from scd.online.trace import Trace, capture
-
-
-def groups(num_layers: int, size: int) -> list[list[int]]:
-    """Layers 1..L-1 in consecutive groups of `size` (0: one group)."""
-    return layer_groups(num_layers, size) or [[l] for l in range(1, num_layers)]
 
 
 def producer_rows(trace: Trace, keep: torch.Tensor, layers: list[int]) -> torch.Tensor:
@@ -92,7 +87,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     consumer, _, _ = load(s.path, base=s.base)
     if args.group < 0:
         raise SystemExit(f"--group must be >= 0, got {args.group}")
-    layer_groups = groups(spec.num_layers, args.group)
+    layer_groups = code_groups(spec.num_layers, args.group)
     kv_width = 2 * spec.num_kv_heads * spec.head_dim
     ranks = [int(r) for r in args.ranks.split(",")]
     if any(not 1 <= r <= len(layer_groups[0]) * kv_width for r in ranks):

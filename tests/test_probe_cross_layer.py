@@ -2,7 +2,8 @@
 rebuilds the model's own cache (RoPE and layouts included); a lower rank can only do worse."""
 import torch
 
-from jobs.probe_cross_layer import CrossLayer, consumer_rows, groups, producer_rows
+from jobs.probe_cross_layer import CrossLayer, consumer_rows, producer_rows
+from scd.online.artifacts import code_groups
 from scd.fitting.gram import JointGram
 from scd.online.models import ModelSpec
 from scd.online.trace import capture
@@ -18,10 +19,10 @@ def _err(kv, trace):
 def test_a_models_own_cache_is_rebuilt_from_its_full_rank_cross_layer_code():
     model = tiny_llama(0)
     spec = ModelSpec.from_config(model.config)
-    assert groups(4, 0) == [[1, 2, 3]] and groups(4, 2) == [[1, 2], [3]]
+    assert code_groups(4, 0) == [[1, 2, 3]] and code_groups(4, 2) == [[1, 2], [3]]
     kv_width = 2 * spec.num_kv_heads * spec.head_dim
     for size in (0, 1):                     # one code for layers 1 and 2, or one per layer
-        layer_groups = groups(spec.num_layers, size)
+        layer_groups = code_groups(spec.num_layers, size)
         grams = [JointGram(len(g) * spec.hidden_size, len(g) * kv_width) for g in layer_groups]
         for s in range(0, 48, 16):
             ids = torch.stack([x.prefix for x in _samples(48, 1)[s:s + 16]])

@@ -34,7 +34,7 @@ from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_r
 from scd.fitting.gram import JointGram
 from scd.fitting.traces import chunk_path, read_chunks, trace_rows, write_chunk
 from scd.online import cache, codec
-from scd.online.artifacts import PairArtifacts, layer_groups
+from scd.online.artifacts import PairArtifacts, code_groups, layer_groups
 from scd.online.models import ModelSpec, data_digest, model_digest
 from scd.online.patch import Aligner
 from scd.online.rebuild import encode, rebuild
@@ -199,7 +199,7 @@ class Calibration:
         from it."""
         if self._hidden_grams is not None:
             return self._hidden_grams
-        groups = self.x_groups or [[l] for l in range(1, self.spec.num_layers)]
+        groups = code_groups(self.spec.num_layers, self.cfg.x_group)
         path = self.trace_dir / ("grams_hidden.safetensors" if not self.x_groups else
                                  f"grams_hidden_groups_{'_'.join(str(len(g)) for g in groups)}.safetensors")
         hid, m = self.spec.hidden_size, self.spec.num_kv_heads * self.spec.head_dim

@@ -8,9 +8,9 @@ payload. Each member keeps its own decoder, the columns of the stacked decoder t
 A member's pair fit is the same Gram restricted to [A | B_j] (JointGram.select), so one pass over the
 traces gives the family fit and every per-pair fit to compare it with.
 
-Patch layers are shared the same way: the family's plan names them once, their encoder is one joint SVD of
-[x_A | x_B1 ... x_BN] (the producer subspace shared with every member's x_norm), and each member trains its
-own aligner on its own x_norm from that one code (`patch_rows`, `patch_encoders`).
+Patch encoders are shared the same way: a layer's encoder is one joint SVD of the producer's x_norm with the
+x_norm of every member that Patches it, and each such member trains its own aligner on its own x_norm from
+that one code (`patch_rows`, `patch_encoders`).
 """
 from __future__ import annotations
 

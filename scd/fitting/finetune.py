@@ -121,10 +121,11 @@ def _hidden_codes(art: PairArtifacts) -> dict[int, list[int]]:
 
 def _state(art: PairArtifacts) -> dict:
     """A copy of everything fine-tuning moves: aligner weights and hidden-state decoders."""
+    hidden = _hidden_codes(art)
     return {"aligners": {l: {k: t.detach().clone() for k, t in art.aligners[l].state_dict().items()}
                          for l in art.patch_layers},
             "hidden": {l: LinearCodec(*(t.detach().clone() for t in (c.mu_a, c.enc, c.mu_b, c.dec)))
-                       for l, c in art.reuse_x.items() if l in _hidden_codes(art)}}
+                       for l, c in art.reuse_x.items() if l in hidden}}
 
 
 def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: Callable[[PairArtifacts], float],

@@ -42,6 +42,11 @@ def layer_groups(num_layers: int, size: int) -> list[list[int]]:
     return [layers[i:i + size] for i in range(0, len(layers), size)]
 
 
+def code_groups(num_layers: int, size: int) -> list[list[int]]:
+    """The layers of each hidden-state code: runs of `size` (layer_groups), or every layer >= 1 alone."""
+    return layer_groups(num_layers, size) or [[l] for l in range(1, num_layers)]
+
+
 def level_tag(level: dict[str, int]) -> str:
     """A level's ranks as text, e.g. "r_k=2,r_v=3" (cache keys, method names, tables)."""
     return ",".join(f"{k}={v}" for k, v in sorted(level.items()))

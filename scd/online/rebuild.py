@@ -178,8 +178,8 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         buf = torch.empty(b * t, r, dtype=dtype, device=cos.device)           # every code, in turn
         src = None
         for i, l in enumerate(hidden):
-            if art.hidden_source(l)[0] != src:          # the layers of a group share their code: dequantised once
-                src = art.hidden_source(l)[0]
+            if (s := art.hidden_source(l)[0]) != src:   # the layers of a group share their code: dequantised once
+                src = s
                 z = dense(codes.layers[src]["z_x"], dtype, buf).reshape(b * t, -1)
             k = torch.addmm(mu_k[i], z, dec_k[i, :r]).view(b, t, -1)
             kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(mu_v[i], z, dec_v[i, :r]).view(b, t, -1)))
