@@ -51,9 +51,9 @@ def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int | None, 
     wire = {l: {name: (tuple(x.shape), codec.wire_tensors(x, art.code_dtype)) for name, x in fields.items()}
             for l, fields in codes.layers.items()}                    # exact: x is already wire-rounded
     xa = {src: torch.cat([trace.xnorm[l] for l in art.group(src)], -1).to(torch.bfloat16)
-          for src in _hidden_codes(art)} if encoders else {}
+          for src in art.hidden_codes()} if encoders else {}
     kv, _ = rebuild(consumer, art, codes)
-    trained = {l for layers in _hidden_codes(art).values() for l in layers} | set(art.patch_layers)
+    trained = {l for layers in art.hidden_codes().values() for l in layers} | set(art.patch_layers)
     # _kl makes the trained layers' K/V; keep only the others, as copies (they are views of whole-model buffers)
     kv = [None if l in trained else (layer[0].clone(), layer[1].clone()) for l, layer in enumerate(kv)]
     o = capture(consumer, ids, mask, want_xnorm=False)
@@ -75,7 +75,7 @@ def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
     kv = list(b["kv"])
     n_kv, d = art.spec.num_kv_heads, art.spec.head_dim
     m = n_kv * d
-    for src, layers in _hidden_codes(art).items():
+    for src, layers in art.hidden_codes().items():
         c = art.reuse_x[src]
         if src in b["xa"]:                                      # trained encoder: codes through the wire's rounding
             z = c.encode(b["xa"][src].float())
@@ -110,18 +110,9 @@ def _release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def _hidden_codes(art: PairArtifacts) -> dict[int, list[int]]:
-    """Each hidden-state code (the layer its codec is kept under) -> the hidden layers decoded from it."""
-    out: dict[int, list[int]] = {}
-    for l, kind in enumerate(art.plan):
-        if kind == "hidden":
-            out.setdefault(art.hidden_source(l)[0], []).append(l)
-    return out
-
-
 def _state(art: PairArtifacts) -> dict:
     """A copy of everything fine-tuning moves: aligner weights and hidden-state decoders."""
-    hidden = _hidden_codes(art)
+    hidden = art.hidden_codes()
     return {"aligners": {l: {k: t.detach().clone() for k, t in art.aligners[l].state_dict().items()}
                          for l in art.patch_layers},
             "hidden": {l: LinearCodec(*(t.detach().clone() for t in (c.mu_a, c.enc, c.mu_b, c.dec)))
@@ -134,7 +125,7 @@ def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: C
                       encoders: bool = False) -> FinetuneFit:
     """Fine-tune art's aligners and hidden-state decoders (and with `encoders`, their encoders) in place on
     (prefix, continuation) samples; val_kl(art) scores a candidate."""
-    hidden = list(_hidden_codes(art))
+    hidden = list(art.hidden_codes())
     if not art.patch_layers and not hidden:
         raise ValueError("the plan has no Patch or hidden layers: nothing to fine-tune")
     art.reuse_x = dict(art.reuse_x)              # own codecs: the calibration's closed-form ones stay as they are

@@ -103,11 +103,6 @@ class PairArtifacts:
         if len(covered) != len(set(covered)) or any(g != list(range(g[0], g[0] + len(g))) for g in self.x_groups):
             raise ValueError(f"x_groups must be disjoint runs of adjacent layers: {self.x_groups}")
 
-    @property
-    def groups(self) -> list[list[int]]:
-        """The layers of each hidden-state code: x_groups, else every layer with a codec on its own."""
-        return self.x_groups or [[l] for l in sorted(self.reuse_x)]
-
     def group(self, layer: int) -> list[int]:
         """The layers that share a layer's hidden-state code (itself alone without x_groups)."""
         return next((g for g in self.x_groups if layer in g), [layer])
@@ -123,9 +118,7 @@ class PairArtifacts:
         hidden layer, or a family's); None without groups (then every hidden layer carries its own)."""
         if self.wire_x_codes is not None:
             return self.wire_x_codes
-        if not self.x_groups:
-            return None
-        return [g[0] for g in self.x_groups if any(self.plan[l] == "hidden" for l in g)]
+        return sorted(self.hidden_codes()) if self.x_groups else None
 
     @property
     def patch_layers(self) -> list[int]:
@@ -146,15 +139,24 @@ class PairArtifacts:
         g = self.group(layer)
         return g[0], g.index(layer)
 
+    def hidden_codes(self) -> dict[int, list[int]]:
+        """Each hidden-state code its plan reads (the layer its codec is kept under) -> the hidden layers
+        decoded from it."""
+        out: dict[int, list[int]] = {}
+        for l, kind in enumerate(self.plan):
+            if kind == "hidden":
+                out.setdefault(self.hidden_source(l)[0], []).append(l)
+        return out
+
     def hidden_decoders(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Decoders of the given hidden layers (a grouped code's decoder columns of each layer) split into
         their K and V halves and stacked, made once: (dec_k (L, r_x, n_kv d), mu_k (L, n_kv d), dec_v, mu_v)."""
         key = ("hidden", layers, dtype)
         if key not in self.derived:
             m = self.spec.num_kv_heads * self.spec.head_dim
-            cols = lambda l: slice(self.hidden_source(l)[1] * 2 * m, (self.hidden_source(l)[1] + 1) * 2 * m)  # noqa: E731
-            dec = torch.stack([self.reuse_x[self.hidden_source(l)[0]].dec[:, cols(l)] for l in layers]).to(dtype)
-            mu = torch.stack([self.reuse_x[self.hidden_source(l)[0]].mu_b[cols(l)] for l in layers]).to(dtype)
+            sources = [self.hidden_source(l) for l in layers]               # (code, place in its group)
+            dec = torch.stack([self.reuse_x[s].dec[:, i * 2 * m:(i + 1) * 2 * m] for s, i in sources]).to(dtype)
+            mu = torch.stack([self.reuse_x[s].mu_b[i * 2 * m:(i + 1) * 2 * m] for s, i in sources]).to(dtype)
             self.derived[key] = (dec[..., :m].contiguous(), mu[:, :m].contiguous(), dec[..., m:].contiguous(),
                                  mu[:, m:].contiguous())
         return self.derived[key]
@@ -298,8 +300,8 @@ class FamilyArtifacts:
             encoders.update(own)
         plan = ["patch" if any(a.plan[l] == "patch" for a in self.members.values()) else kind
                 for l, kind in enumerate(first.plan)]
-        needs = {l for a in self.members.values() for l, kind in enumerate(a.plan) if kind == "hidden"}
-        x_codes = sorted({first.hidden_source(l)[0] for l in needs}) if first.reuse_kind == "hidden" else None
+        x_codes = sorted({s for a in self.members.values() for s in a.hidden_codes()}) \
+            if first.reuse_kind == "hidden" else None
         patched = {l: a for a in self.members.values() for l in a.patch_layers}
         self.members = {name: dataclasses.replace(art, wire_plan=plan, wire_x_codes=x_codes, derived={})
                         for name, art in self.members.items()}
