@@ -2,14 +2,15 @@
 with per-pair codes at the same rank.
 
     python -m jobs.family --config ray_config.yaml                      # every specialist of the config
-    python -m jobs.family --config configs/smollm2.yaml --members qa,code_few --prefixes 24
+    python -m jobs.family --config configs/smollm2.yaml --members qa,code_few --prefixes 8
 
-One pass over common calibration prefixes (an equal share of each member's data) accumulates the family's
-Gram matrices, [producer rows | every member's K, V side by side]; every per-pair Gram is a block of them
-(scd.fitting.family). Both fits are first Reuse-only (layer 0 exact, the config's reuse source, ranks and code
+One pass over every member's own calibration prefixes (those of its pair calibration, --prefixes each)
+accumulates the family's Gram matrices, [producer rows | every member's K, V side by side], over all of
+them, and each member's Gram of [producer rows | its K, V] over its own: the family's encoders are fitted
+on all the rows, each member's decoders and its pair fit on its own (scd.fitting.family). Both fits are first Reuse-only (layer 0 exact, the config's reuse source, ranks and code
 precision), which isolates what sharing the encoder costs. The family as served then adds Patch layers
 (--patch-layers; default each member's own, those of its published pair artifact): one Patch encoder per
-layer for the family, each member's own aligner, trained on its own x_norm. The payload carries every code
+layer for the family, each member's own aligner, trained on its own x_norm over its own prefixes. The payload carries every code
 a member needs, and each member rebuilds from those of its own plan. With calibration.finetune_samples,
 each member's decoders and aligners are fine-tuned end to end on its own samples, as a pair's are; the encoders
 stay frozen, so they stay the family's. Every stage is checkpointed under calibration.work_dir/family.
@@ -64,59 +65,82 @@ def log(msg: str) -> None:
     print(f"[family] {msg}", flush=True)
 
 
-def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[torch.Tensor], hidden: bool,
-               batch: int, pad_id: int | None, x_group: int = 1) -> dict[str, list[JointGram]]:
-    """Family Gram matrices from one pass over the prefixes: per hidden-state code (at each layer >= 1, or
-    the first layer of each group of x_group layers), [x_A of its layers | (K_j, V_j of its layers)_j], or
-    per layer, per-head codes [K_A | K_j...] and [V_A | V_j...] (every layer)."""
+Grams = dict[str, list[JointGram | None]]        # per stream ("x", or "k" and "v"), per layer (None: no code there)
+
+
+def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[list[torch.Tensor]], hidden: bool,
+               batch: int, pad_id: int | None, x_group: int = 1) -> tuple[Grams, list[Grams]]:
+    """Family Gram matrices from one pass over every member's own prefixes (`prefixes[j]`, member j's):
+    per hidden-state code (at each layer >= 1, or the first layer of each group of x_group layers),
+    [x_A of its layers | (K_j, V_j of its layers)_j], or per layer, per-head codes [K_A | K_j...] and
+    [V_A | V_j...] (every layer), over all the rows; and per member j the Gram of [A | B_j] over its own
+    rows only (its decoders' fit, and its pair fit). Returns (family Grams, each member's own)."""
     n, L = len(consumers), spec.num_layers
     m, d, hid = spec.num_kv_heads * spec.head_dim, spec.head_dim, spec.hidden_size
     groups = code_groups(spec.num_layers, x_group)
-    if hidden:
-        grams: dict[str, list] = {"x": [None] * L}
-        for g in groups:
-            grams["x"][g[0]] = JointGram(len(g) * hid, n * len(g) * 2 * m)
-    else:
-        grams = {"k": [JointGram(d, n * d) for _ in range(L)], "v": [JointGram(d, n * d) for _ in range(L)]}
-    for start in tqdm(range(0, len(prefixes), batch), desc="family traces"):
-        ids, mask = pad(prefixes[start:start + batch], pad_id)
-        keep = mask.bool()
-        a = capture(producer, ids, mask, want_xnorm=hidden)
-        bs = [capture(c, ids, mask, want_xnorm=False) for c in consumers]
-        rows = lambda t: t.transpose(1, 2)[keep].float()        # noqa: E731  (B, n_kv, T, d) -> (N, n_kv, d)
+
+    def grams(members: int) -> Grams:
         if hidden:
+            out: Grams = {"x": [None] * L}
             for g in groups:
-                target = torch.cat([torch.cat([rows(b.content[l]).flatten(1), rows(b.values[l]).flatten(1)], 1)
-                                    for b in bs for l in g], 1)
-                grams["x"][g[0]].update(torch.cat([a.xnorm[l][keep].float() for l in g], 1), target)
-            continue
-        for l in range(L):
-            grams["k"][l].update(rows(a.content[l]), torch.cat([rows(b.content[l]) for b in bs], -1))
-            grams["v"][l].update(rows(a.values[l]), torch.cat([rows(b.values[l]) for b in bs], -1))
-    return grams
+                out["x"][g[0]] = JointGram(len(g) * hid, members * len(g) * 2 * m)
+            return out
+        return {"k": [JointGram(d, members * d) for _ in range(L)], "v": [JointGram(d, members * d) for _ in range(L)]}
+
+    fam, own = grams(n), [grams(1) for _ in range(n)]
+    for src, mine in enumerate(prefixes):
+        for start in tqdm(range(0, len(mine), batch), desc=f"family traces ({src + 1}/{len(prefixes)})"):
+            ids, mask = pad(mine[start:start + batch], pad_id)
+            keep = mask.bool()
+            a = capture(producer, ids, mask, want_xnorm=hidden)
+            bs = [capture(c, ids, mask, want_xnorm=False) for c in consumers]
+            rows = lambda t: t.transpose(1, 2)[keep].float()        # noqa: E731  (B, n_kv, T, d) -> (N, n_kv, d)
+            if hidden:
+                for g in groups:
+                    x_a = torch.cat([a.xnorm[l][keep].float() for l in g], 1)
+                    targets = [torch.cat([torch.cat([rows(b.content[l]).flatten(1), rows(b.values[l]).flatten(1)], 1)
+                                          for l in g], 1) for b in bs]
+                    fam["x"][g[0]].update(x_a, torch.cat(targets, 1))
+                    own[src]["x"][g[0]].update(x_a, targets[src])
+                continue
+            for l in range(L):
+                for s, t_a, t_b in (("k", a.content[l], [b.content[l] for b in bs]),
+                                    ("v", a.values[l], [b.values[l] for b in bs])):
+                    fam[s][l].update(rows(t_a), torch.cat([rows(t) for t in t_b], -1))
+                    own[src][s][l].update(rows(t_a), rows(t_b[src]))
+    return fam, own
 
 
-def save_grams(grams: dict[str, list[JointGram]], path: Path) -> None:
-    t = {k: v for name, gs in grams.items() for l, g in enumerate(gs) if g is not None
-         for k, v in g.tensors(f"{name}.{l}").items()}
+def save_grams(fam: Grams, own: list[Grams], path: Path) -> None:
+    """The family's Grams and each member's own (as "m<j>.<stream>.<layer>"), in one safetensors file."""
+    t = {}
+    for prefix, grams in (("", fam), *((f"m{j}.", g) for j, g in enumerate(own))):
+        t.update({k: v for name, gs in grams.items() for l, g in enumerate(gs) if g is not None
+                  for k, v in g.tensors(f"{prefix}{name}.{l}").items()})
     tmp = path.with_suffix(".tmp")
     save_file(t, str(tmp))
     tmp.replace(path)
 
 
-def load_grams(path: Path, spec: ModelSpec, hidden: bool, x_group: int = 1) -> dict[str, list[JointGram]]:
+def load_grams(path: Path, spec: ModelSpec, hidden: bool, members: int, x_group: int = 1) -> tuple[Grams, list[Grams]]:
     t = load_file(str(path))
-    if hidden:
-        grams: list[JointGram | None] = [None] * spec.num_layers
-        for g in code_groups(spec.num_layers, x_group):
-            grams[g[0]] = JointGram.from_tensors(t, f"x.{g[0]}", len(g) * spec.hidden_size)
-        return {"x": grams}
-    return {s: [JointGram.from_tensors(t, f"{s}.{l}", spec.head_dim) for l in range(spec.num_layers)] for s in "kv"}
+
+    def grams(prefix: str) -> Grams:
+        if hidden:
+            out: list[JointGram | None] = [None] * spec.num_layers
+            for g in code_groups(spec.num_layers, x_group):
+                out[g[0]] = JointGram.from_tensors(t, f"{prefix}x.{g[0]}", len(g) * spec.hidden_size)
+            return {"x": out}
+        return {s: [JointGram.from_tensors(t, f"{prefix}{s}.{l}", spec.head_dim) for l in range(spec.num_layers)]
+                for s in "kv"}
+
+    return grams(""), [grams(f"m{j}.") for j in range(members)]
 
 
-def artifacts(grams: dict[str, list[JointGram]], spec: ModelSpec, pairs: list[str], ranks: dict[str, int],
+def artifacts(grams: Grams, own_grams: list[Grams], spec: ModelSpec, pairs: list[str], ranks: dict[str, int],
               ridge: float, dtype: str, family_id: str, x_group: int = 1) -> tuple[FamilyArtifacts, list[PairArtifacts]]:
-    """(the family artifact, each member's own pair artifact), Reuse-only (layer 0 exact)."""
+    """(the family artifact, each member's own pair artifact), Reuse-only (layer 0 exact): the family's
+    encoders from all the rows, each member's decoders and pair fit from its own."""
     n, hidden = len(pairs), "x" in grams
     kind = "hidden" if hidden else "reuse"
     plan = ["exact"] + [kind] * (spec.num_layers - 1)
@@ -134,9 +158,10 @@ def artifacts(grams: dict[str, list[JointGram]], spec: ModelSpec, pairs: list[st
         for l, g in enumerate(gs):
             if g is None:
                 continue
-            for j, c in enumerate(family.fit_family(g, n, r, ridge, hidden)):
+            mine = [o[stream][l] for o in own_grams]
+            for j, c in enumerate(family.fit_family(g, n, r, ridge, hidden, own=mine)):
                 fam[j].setdefault(stream, {})[l] = c
-                own[j].setdefault(stream, {})[l] = family.fit_pair(g, n, j, r, ridge, hidden)
+                own[j].setdefault(stream, {})[l] = family.fit_codec(mine[j], r, ridge, hidden)
     return (FamilyArtifacts(family_id, {p: make(family_id, c) for p, c in zip(pairs, fam)}),
             [make(p, c) for p, c in zip(pairs, own)])
 
@@ -177,10 +202,11 @@ def patch_plan(arg: str, served: list[dict], num_layers: int, hidden: bool = Tru
 
 
 def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer, consumers: list,
-                calib: list[torch.Tensor], plans: list[list[int]], c, pad_id: int | None, val: dict,
+                calib: list[list[torch.Tensor]], plans: list[list[int]], c, pad_id: int | None, val: dict,
                 tune: dict) -> FamilyArtifacts:
     """The family as served: each member Patches its layers of `plans` (one encoder per layer for the
-    family, fitted on the x_norm of the members that Patch it; each member's own aligner) over the shared
+    family, fitted on the x_norm of the members that Patch it; each member's own aligner, on its own
+    prefixes) over the shared
     Reuse codes, then, with calibration.finetune_samples, each member's decoders and aligners are fine-tuned
     end to end on its own samples with the encoders frozen (so they stay the family's). Encoders, aligners
     and fine-tuned members are checkpointed under `work`."""
@@ -210,8 +236,7 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
         aligners = {}
         for l in plans[j]:
             def rows_of(l=l, j=j):
-                r = patch_rows()
-                return r[f"xa.{l}"], r[f"xb{j}.{l}"], r["pos"], r[f"xb{j}.0"]
+                return family.own_rows(patch_rows(), j, l)
             aligners[l], curve, trained = patch_aligner(pdir / names[j] / f"layer_{l}.safetensors", c, spec.hidden_size,
                                                         encs[j][l], consumers[j], l, rows_of)
             log(f"{names[j]}: aligner for layer {l} " + (f"trained (best val {min(curve['val']):.4f})" if trained
@@ -323,7 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="ray_config.yaml")
     p.add_argument("--members", help="specialist names, comma-separated (default: every specialist)")
-    p.add_argument("--prefixes", type=int, help="common calibration prefixes (default: the config's)")
+    p.add_argument("--prefixes", type=int, help=(
+        "calibration prefixes per member (default: the config's calibration.prefixes, as a pair calibration)"))
     p.add_argument("--heldout", type=int, help="held-out samples per member (default: the config's)")
     p.add_argument("--repeats", type=int, default=10, help="rounds of the fan-out encode timing")
     p.add_argument("--name", default="family", help="the family's name: its artifact's id is PRODUCER:NAME")
@@ -367,34 +393,34 @@ def main(argv: list[str] | None = None) -> dict:
         consumers.append(m)
     pairs = [f"{cfg.producer.name}:{n}" for n in names]
     hidden = c.reuse_source == "hidden"
-    # common calibration prefixes: an equal share of each member's data; held-out samples: each member's own
-    share = -(-n_prefixes // len(names))
+    # each member's own calibration prefixes (those of its pair calibration), validation and held-out samples
     calib, val, held, tune = [], {}, {}, {}
     for n in names:
-        cal_n, val[n], held[n] = samples.pair_data(n, tok, share, c.val, n_held, c.prefix_tokens)
+        cal_n, val[n], held[n] = samples.pair_data(n, tok, n_prefixes, c.val, n_held, c.prefix_tokens)
         tune[n] = samples.tune_samples(n, tok, c.finetune_samples, c.prefix_tokens, c.finetune_tokens)
-        calib += cal_n
+        calib.append(cal_n)
+    every = [p for mine in calib for p in mine]
     store = ArtifactStore(args.store or cfg.artifacts.uri)
     served = served_pairs(store, pairs, producer, consumers, tok)
     plans = patch_plan(args.patch_layers, served, spec.num_layers, hidden)
     ranks = budget_ranks(spec, hidden, c.payload_budget, c.code_dtype, {"r_k": c.r_k, "r_v": c.r_v, "r_x": c.r_x,
                          "x_group": c.x_group, "r_h": c.r_h}, patched=len({l for p in plans for l in p}))
-    log(f"members {names}: {len(calib)} common calibration prefixes of {c.prefix_tokens} tokens, {n_held} held-out "
+    log(f"members {names}: {n_prefixes} calibration prefixes each of {c.prefix_tokens} tokens, {n_held} held-out "
         f"each; {c.reuse_source} codes {ranks} in {c.code_dtype}; Patch layers {dict(zip(names, plans))}")
 
     work = key_dir(Path(c.work_dir).expanduser() / "family", "", {
-        "models": [model_digest(producer), *map(model_digest, consumers)], "data": data_digest(calib),
-        "hidden": hidden, "batch": c.batch, **({"x_group": c.x_group} if c.x_group != 1 else {})})
+        "models": [model_digest(producer), *map(model_digest, consumers)], "data": data_digest(every),
+        "members": [len(mine) for mine in calib], "hidden": hidden, "batch": c.batch, **({"x_group": c.x_group} if c.x_group != 1 else {})})
     path = work / "grams.safetensors"
     t0 = time.time()
     if path.is_file():
-        grams = load_grams(path, spec, hidden, c.x_group)
+        grams, own_grams = load_grams(path, spec, hidden, len(names), c.x_group)
         log(f"grams resumed from {path}")
     else:
-        grams = accumulate(producer, consumers, spec, calib, hidden, c.batch, tok.pad_token_id, c.x_group)
-        save_grams(grams, path)
+        grams, own_grams = accumulate(producer, consumers, spec, calib, hidden, c.batch, tok.pad_token_id, c.x_group)
+        save_grams(grams, own_grams, path)
         log(f"grams accumulated in {time.time() - t0:.0f} s ({path})")
-    shared, own = artifacts(grams, spec, pairs, ranks, c.ridge, c.code_dtype, family_id, c.x_group)
+    shared, own = artifacts(grams, own_grams, spec, pairs, ranks, c.ridge, c.code_dtype, family_id, c.x_group)
     fam = fit_members(work, shared, names, producer, consumers, calib, plans, c, tok.pad_token_id, val, tune)
 
     rows = []
@@ -421,7 +447,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out).expanduser() / cfg.producer.name / args.name
     result = {"family": family_id, "members": pairs, "ranks": ranks, "code_dtype": c.code_dtype,
               "patch_layers": dict(zip(names, plans)),
-              "prefixes": len(calib), "heldout": n_held, "kl": rows, "fanout": cost}
+              "prefixes": len(every), "heldout": n_held, "kl": rows, "fanout": cost}
     fam.info = result
     fam.save(out)
     (out / "figures.json").write_text(json.dumps(result, indent=1))
@@ -430,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
     report(rows, cost, ranks, dict(zip(names, plans)), c.code_dtype)
     print(f"written: {out}")
     if args.publish:
-        result["published"] = publish(store, fam, producer, consumers, tok, rows, c, calib, grams, out)
+        result["published"] = publish(store, fam, producer, consumers, tok, rows, c, every, grams, out)
     return result
 
 

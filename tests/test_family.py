@@ -18,22 +18,19 @@ def _rows(seed: int, n_members: int, n: int = 3000, d: int = 10):
 
 
 @pytest.mark.parametrize("regression", [False, True])
-def test_a_one_member_family_is_the_pair_fit_and_select_gives_each_members_pair_gram(regression):
-    a, (b0, b1) = _rows(0, 2)
-    fam, pair0, pair1 = JointGram(10, 20), JointGram(10, 10), JointGram(10, 10)
-    fam.update(a, torch.cat([b0, b1], 1))
-    pair0.update(a, b0)
-    pair1.update(a, b1)
-    for j, pair in enumerate((pair0, pair1)):
-        sub = fam.select([family.member_blocks(10, 2)[j]])
-        err = max((sub.g - pair.g).abs().max().item(), (sub.s - pair.s).abs().max().item())
-        assert sub.n == pair.n and err < 1e-6 * pair.g.abs().max().item(), f"member {j}'s Gram differs by {err:.2e}"
+def test_a_one_member_family_is_the_pair_fit(regression):
+    a, (b0,) = _rows(0, 1)
     one = JointGram(10, 10)
     one.update(a, b0)
     (alone,) = family.fit_family(one, 1, 4, 1e-4, regression)
-    direct = pair0.fit_regression(4, 1e-4) if regression else pair0.fit(4, 1e-4)
+    direct = one.fit_regression(4, 1e-4) if regression else one.fit(4, 1e-4)
     err = (alone.decode(alone.encode(a)) - direct.decode(direct.encode(a))).abs().max().item()
     assert err < 1e-4, f"a family of one decodes differently from its pair fit by {err:.2e}"
+    (refit,) = family.fit_family(one, 1, 4, 1e-4, regression, own=[one])
+    err = ((refit.decode(refit.encode(a)) - direct.decode(direct.encode(a))).norm() / b0.norm()).item()
+    # reduced-rank regression's decoder is already the least-squares one for its code (up to the ridge); the
+    # joint SVD's is not
+    assert not regression or err < 1e-4, f"refitting a regression's decoder on its own rows moved it by {err:.2e}"
 
 
 @pytest.mark.parametrize("regression", [False, True])
@@ -45,7 +42,9 @@ def test_family_members_share_one_encoder_and_cost_little_against_their_own_pair
     z = members[0].encode(a)
     assert all(m.enc is members[0].enc and m.mu_a is members[0].mu_a for m in members)   # one code for all
     for j, (m, b) in enumerate(zip(members, bs)):
-        own = family.fit_pair(gram, 3, j, 6, 1e-4, regression)
+        pair = JointGram(10, 10)
+        pair.update(a, b)
+        own = family.fit_codec(pair, 6, 1e-4, regression)
         fam_err = ((m.decode(z) - b).norm() / b.norm()).item()
         own_err = ((own.decode(own.encode(a)) - b).norm() / b.norm()).item()
         # the shared code serves all three at once, not far from each member's own fit; reduced-rank regression
@@ -55,6 +54,45 @@ def test_family_members_share_one_encoder_and_cost_little_against_their_own_pair
             assert own_err <= fam_err * (1 + 1e-4), (j, fam_err, own_err)
     with pytest.raises(ValueError, match="equal member blocks"):
         family.fit_family(gram, 4, 6, 1e-4, regression)
+
+
+@pytest.mark.parametrize("regression", [False, True])
+def test_each_members_decoder_is_the_least_squares_one_on_its_own_rows(regression):
+    """Members' rows come from different text (here: shifted, rescaled inputs with their own maps). The
+    family's encoder is fitted on all the rows; each member's decoder refitted on its own rows is the
+    least-squares decoder of the shared code there, so it fits them at least as well as the decoder split
+    from the stacked fit, which was fitted on everybody's rows."""
+    g = torch.Generator().manual_seed(3)
+    d, n = 10, 2000
+    maps = [torch.randn(d, d, generator=g) for _ in range(3)]
+    member = lambda k, a: a @ maps[k] + 0.05 * torch.randn(a.shape, generator=g) - k      # noqa: E731
+    rows = []
+    for j in range(3):
+        a = torch.randn(n, d, generator=g) * torch.linspace(0.2, 3, d) * (1 + j) + 2 * j
+        rows.append((a, [member(k, a) for k in range(3)]))      # every member's targets on member j's text
+    fam, own = JointGram(d, 3 * d), []
+    for j, (a, bs) in enumerate(rows):
+        fam.update(a, torch.cat(bs, 1))
+        mine = JointGram(d, d)
+        mine.update(a, bs[j])
+        own.append(mine)
+    split = family.fit_family(fam, 3, 6, 1e-6, regression)
+    refit = family.fit_family(fam, 3, 6, 1e-6, regression, own=own)
+    for j, (a, bs) in enumerate(rows):
+        b = bs[j]
+        assert refit[j].enc is refit[0].enc and torch.equal(refit[j].enc, split[j].enc)   # still one code for all
+        z = split[j].encode(a)
+        lstsq = torch.linalg.lstsq(torch.cat([z, torch.ones(n, 1)], 1).double(), b.double()).solution
+        direct = (torch.cat([z, torch.ones(n, 1)], 1).double() @ lstsq).float()
+        err = ((refit[j].decode(z) - direct).norm() / b.norm()).item()
+        assert err < 1e-3, f"member {j}'s refitted decoder is off the least-squares one by {err:.2e} (relative)"
+        e_split = ((split[j].decode(z) - b).norm() / b.norm()).item()
+        e_refit = ((refit[j].decode(z) - b).norm() / b.norm()).item()
+        assert e_refit <= e_split + 1e-4, f"member {j}: own decoder {e_refit:.4f} vs split {e_split:.4f}"
+    with pytest.raises(ValueError, match="member Grams"):
+        family.fit_family(fam, 3, 6, 1e-6, regression, own=own[:2])
+    with pytest.raises(ValueError, match="cannot refit"):
+        family.refit_decoder(split[0], JointGram(d, 2 * d), 1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +106,9 @@ def fitted_family(tmp_path_factory):
     a = tiny_llama(0)
     members = [perturbed(a, 0.3, seed=1), perturbed(a, 0.3, seed=2)]
     spec = ModelSpec.from_config(a.config)
-    grams = accumulate(a, members, spec, [s.prefix for s in _samples(24, 1)], True, 8, 0)
-    fam, own = artifacts(grams, spec, ["a:b", "a:c"], {"r_x": 16}, 1e-4, "int8", "a:fam")
+    prefixes = [s.prefix for s in _samples(24, 1)]
+    grams, own_grams = accumulate(a, members, spec, [prefixes[:12], prefixes[12:]], True, 8, 0)
+    fam, own = artifacts(grams, own_grams, spec, ["a:b", "a:c"], {"r_x": 16}, 1e-4, "int8", "a:fam")
     return a, members, fam, own
 
 
@@ -150,3 +189,36 @@ def test_a_layers_patch_encoder_is_fitted_on_the_members_that_patch_it():
     want = own.fit(3, 1e-4)
     err = (encs[1][5].enc - want.enc).abs().max().item()
     assert err < 1e-5, f"layer 5's encoder differs from member 1's own pair fit by {err:.2e}"
+
+
+def test_each_member_is_fitted_on_its_own_prefixes_and_the_encoders_on_everyones():
+    """accumulate: member j's own Gram is the pair Gram over its own prefixes alone and the family's Gram
+    holds every member's rows; patch_rows: member j's aligner rows (own_rows) are the rows of its own
+    prefixes alone, whole sequences, while a Patch encoder sees everyone's."""
+    from jobs.family import accumulate
+    from scd.fitting.family import own_rows, patch_rows
+    from scd.online.models import ModelSpec
+    from tests.conftest import perturbed, tiny_llama
+    from tests.test_pipeline_tiny import _samples
+    a = tiny_llama(0)
+    members = [perturbed(a, 0.3, seed=1), perturbed(a, 0.3, seed=2)]
+    spec = ModelSpec.from_config(a.config)
+    prefixes = [s.prefix for s in _samples(10, 1)]
+    mine = [prefixes[:4], prefixes[4:]]
+    fam, own = accumulate(a, members, spec, mine, True, 4, 0)
+    rows = patch_rows(a, members, mine, [2], 4, 0)
+    for j in range(2):
+        alone, _ = accumulate(a, [members[j]], spec, [mine[j]], True, 4, 0)
+        for l, g in enumerate(own[j]["x"]):
+            if g is None:
+                continue
+            want = alone["x"][l]
+            err = (g.g - want.g).abs().max().item() / want.g.abs().max().item()
+            assert g.n == want.n and err < 1e-6, f"member {j} layer {l}: own Gram off its pair Gram by {err:.2e}"
+        x_a, x_b, pos, x0 = own_rows(rows, j, 2)
+        solo = patch_rows(a, [members[j]], [mine[j]], [2], 4, 0)
+        err = max((x_b - solo["xb0.2"]).abs().max().item(), (x_a - solo["xa.2"]).abs().max().item(),
+                  (x0 - solo["xb0.0"]).abs().max().item())
+        assert torch.equal(pos, solo["pos"]) and err < 1e-5, f"member {j}'s aligner rows differ by {err:.2e}"
+        assert int((pos == 0).sum()) == len(mine[j])            # whole sequences, each starting at position 0
+    assert fam["x"][1].n == own[0]["x"][1].n + own[1]["x"][1].n == rows["pos"].shape[0]

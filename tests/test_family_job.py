@@ -12,7 +12,7 @@ from tests.conftest import write_config
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("family")
-    cfg = write_config(tmp, prefixes=12, heldout=2, reuse_source="hidden", r_x=16)
+    cfg = write_config(tmp, prefixes=4, heldout=2, reuse_source="hidden", r_x=16)
     return tmp, cfg, family_job(["--config", str(cfg), "--repeats", "1", "--out", str(tmp / "out")])
 
 
@@ -191,7 +191,7 @@ def test_patch_plan_auto_gives_each_member_its_published_patch_layers():
 def test_a_family_code_may_serve_groups_of_layers(tmp_path):
     """x_group 3: one family code per three adjacent layers (layers 1..7: codes at 1, 4 and 7), shared by
     every member, each member decoding its own K and V of every layer of the group."""
-    cfg = write_config(tmp_path, prefixes=12, heldout=2, reuse_source="hidden", r_x=24, x_group=3,
+    cfg = write_config(tmp_path, prefixes=4, heldout=2, reuse_source="hidden", r_x=24, x_group=3,
                        finetune_samples=0)
     res = family_job(["--config", str(cfg), "--repeats", "1", "--out", str(tmp_path / "out"), "--members", "qa,code",
                       "--patch-layers", "none"])

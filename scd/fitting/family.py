@@ -4,13 +4,16 @@ Each consumer's target rows (its K and V, or its K and V of every head for hidde
 side by side, B = [B_1 | ... | B_N], and fitted in closed form against the producer's rows A exactly as a
 pair is (scd.fitting.gram: joint SVD for per-head codes, reduced-rank regression for hidden-state codes).
 The encoder is then one for the whole family: a fan-out to N specialists encodes once and sends one
-payload. Each member keeps its own decoder, the columns of the stacked decoder that rebuild its B_j.
-A member's pair fit is the same Gram restricted to [A | B_j] (JointGram.select), so one pass over the
-traces gives the family fit and every per-pair fit to compare it with.
+payload. The rows are every member's own calibration prefixes together (the encoder sees the producer on
+all of them), but each member's decoder is refitted on its own prefixes only (`refit_decoder`, from a
+Gram of [A | B_j] over them): a specialist is decoded for the text it serves and is scored on, as its pair
+calibration decodes it, not for a mixture in which its own text is one share. That member Gram is also
+its pair fit's, so one pass over the traces gives the family fit and every per-pair fit to compare it with.
 
 Patch encoders are shared the same way: a layer's encoder is one joint SVD of the producer's x_norm with the
-x_norm of every member that Patches it, and each such member trains its own aligner on its own x_norm from
-that one code (`patch_rows`, `patch_encoders`).
+x_norm of every member that Patches it (over all the members' prefixes), and each such member trains its
+own aligner on its own x_norm from that one code, on its own prefixes (`patch_rows`, `patch_encoders`,
+`own_rows`).
 """
 from __future__ import annotations
 
@@ -39,42 +42,74 @@ def split(codec: LinearCodec, widths: list[int]) -> list[LinearCodec]:
     return out
 
 
-def member_blocks(width: int, n: int) -> list[tuple[int, int]]:
-    """Column ranges of each of n members' blocks of `width` in a family Gram's B."""
-    return [(j * width, (j + 1) * width) for j in range(n)]
+def fit_codec(gram: JointGram, rank: int, ridge: float, regression: bool) -> LinearCodec:
+    """A pair's closed-form fit at `rank`: reduced-rank regression (hidden-state codes; below full rank of
+    B it is zero-padded to `rank`) or the joint SVD (per-head codes)."""
+    return gram.fit_regression(min(rank, gram.d_b), ridge).padded(rank) if regression else gram.fit(rank, ridge)
 
 
-def fit_family(gram: JointGram, n: int, rank: int, ridge: float, regression: bool) -> list[LinearCodec]:
-    """The family's shared-encoder codecs, one per member, from a Gram whose B holds n equal member blocks."""
+def refit_decoder(codec: LinearCodec, gram: JointGram, ridge: float) -> LinearCodec:
+    """`codec`'s encoder with the decoder that rebuilds B best, in least squares, from its code on the rows
+    of `gram` (a Gram of [A | B]): B ~ mu_b + (A - mu_a) E D with D = (E^T C_AA E + lam I)^-1 E^T C_AB and
+    mu_b = mean(B) - (mean(A) - mu_a) E D. `ridge` is relative to the codes' mean variance; code columns
+    that carry nothing (zero-padded) get zero decoder rows."""
+    if gram.d_a != codec.enc.shape[0] or gram.d_b != codec.dec.shape[1]:
+        raise ValueError(f"a Gram of [{gram.d_a} | {gram.d_b}] columns cannot refit a decoder of a codec "
+                         f"{tuple(codec.enc.shape)} -> {tuple(codec.dec.shape)}")
+    if gram.n == 0:
+        raise ValueError("no rows accumulated")
+    da, e = gram.d_a, codec.enc.double()
+    mu, cov = gram.s / gram.n, gram.cov()
+    c_zz, c_zb = e.T @ cov[:da, :da] @ e, e.T @ cov[:da, da:]
+    lam = ridge * c_zz.diagonal().mean().clamp(min=1e-12)
+    dec = torch.linalg.solve(c_zz + lam * torch.eye(e.shape[1], dtype=e.dtype), c_zb)
+    mu_b = mu[da:] - (mu[:da] - codec.mu_a.double()) @ e @ dec
+    return LinearCodec(codec.mu_a, codec.enc, mu_b.float(), dec.float().contiguous())
+
+
+def fit_family(gram: JointGram, n: int, rank: int, ridge: float, regression: bool,
+               own: list[JointGram] | None = None) -> list[LinearCodec]:
+    """The family's shared-encoder codecs, one per member, from a Gram whose B holds n equal member blocks;
+    with `own` (per member a Gram of [A | B_j] over its own rows), each member's decoder refitted on them."""
     if gram.d_b % n:
         raise ValueError(f"a family Gram of {gram.d_b} target columns cannot hold {n} equal member blocks")
-    codec = gram.fit_regression(min(rank, gram.d_b), ridge).padded(rank) if regression else gram.fit(rank, ridge)
-    return split(codec, [gram.d_b // n] * n)
+    members = split(fit_codec(gram, rank, ridge, regression), [gram.d_b // n] * n)
+    if own is None:
+        return members
+    if len(own) != n:
+        raise ValueError(f"{len(own)} member Grams for a family of {n}")
+    return [refit_decoder(m, g, ridge) for m, g in zip(members, own)]
 
 
-def fit_pair(gram: JointGram, n: int, member: int, rank: int, ridge: float, regression: bool) -> LinearCodec:
-    """Member `member`'s own pair codec from the family Gram (its block of B only)."""
-    sub = gram.select([member_blocks(gram.d_b // n, n)[member]])
-    return sub.fit_regression(min(rank, sub.d_b), ridge).padded(rank) if regression else sub.fit(rank, ridge)
-
-
-def patch_rows(producer, consumers: list, prefixes: list[torch.Tensor], layers: list[int], batch: int,
+def patch_rows(producer, consumers: list, prefixes: list[list[torch.Tensor]], layers: list[int], batch: int,
                pad_id: int | None) -> dict[str, torch.Tensor]:
-    """The rows a family's Patch layers are fitted on, from one pass over the prefixes: "pos" (N,) the
-    positions, per Patch layer l "xa.l" (N, H) the producer's x_norm and "xb<j>.l" member j's, and "xb<j>.0"
+    """The rows a family's Patch layers are fitted on, from one pass over every member's own prefixes
+    (`prefixes[j]`, member j's): "pos" (N,) the positions, "src" (N,) the member whose prefix each row is
+    from, per Patch layer l "xa.l" (N, H) the producer's x_norm and "xb<j>.l" member j's, and "xb<j>.0"
     each member's layer-0 input (its aligners' token features). Rows of whole sequences, in order."""
     out: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for start in tqdm(range(0, len(prefixes), batch), desc="family Patch rows"):
-        ids, mask = pad(prefixes[start:start + batch], pad_id)
-        a = capture(producer, ids, mask)
-        out["pos"].append(valid_rows(a.positions, a.mask))
-        for l in layers:
-            out[f"xa.{l}"].append(valid_rows(a.xnorm[l], a.mask).float())
-        for j, consumer in enumerate(consumers):
-            b = capture(consumer, ids, mask)
-            for l in (0, *layers):
-                out[f"xb{j}.{l}"].append(valid_rows(b.xnorm[l], b.mask).float())
+    for src, own in enumerate(prefixes):
+        for start in tqdm(range(0, len(own), batch), desc=f"family Patch rows ({src + 1}/{len(prefixes)})"):
+            ids, mask = pad(own[start:start + batch], pad_id)
+            a = capture(producer, ids, mask)
+            pos = valid_rows(a.positions, a.mask)
+            out["pos"].append(pos)
+            out["src"].append(torch.full_like(pos, src))
+            for l in layers:
+                out[f"xa.{l}"].append(valid_rows(a.xnorm[l], a.mask).float())
+            for j, consumer in enumerate(consumers):
+                b = capture(consumer, ids, mask)
+                for l in (0, *layers):
+                    out[f"xb{j}.{l}"].append(valid_rows(b.xnorm[l], b.mask).float())
     return {k: torch.cat(v).contiguous() for k, v in out.items()}
+
+
+def own_rows(rows: dict[str, torch.Tensor], member: int, layer: int) -> tuple[torch.Tensor, ...]:
+    """Member `member`'s aligner rows at Patch layer `layer` (x_A, x_B, positions, x_B of layer 0), from its
+    own prefixes only (whole sequences, so an aligner's context windows stay within one)."""
+    keep = rows["src"] == member
+    return (rows[f"xa.{layer}"][keep], rows[f"xb{member}.{layer}"][keep], rows["pos"][keep],
+            rows[f"xb{member}.0"][keep])
 
 
 def patch_encoders(rows: dict[str, torch.Tensor], plans: list[list[int]], rank: int,

@@ -33,20 +33,12 @@ class JointGram:
         g.n, g.s, g.g = int(t[f"{prefix}.n"].item()), t[f"{prefix}.s"], t[f"{prefix}.g"]
         return g
 
-    def select(self, blocks: list[tuple[int, int]]) -> "JointGram":
-        """The Gram of A with some column ranges [start, end) of B only (a family's Gram holds every member's
-        B side by side; one member's pair Gram is A with its own block)."""
-        cols = list(range(self.d_a)) + [self.d_a + c for lo, hi in blocks for c in range(lo, hi)]
-        idx = torch.tensor(cols)
-        out = JointGram(self.d_a, len(cols) - self.d_a)
-        out.n, out.s, out.g = self.n, self.s[idx], self.g[idx][:, idx]
-        return out
-
     def spectrum(self) -> torch.Tensor:
         """Eigenvalues of the joint covariance, descending (for choosing ranks)."""
-        return torch.linalg.eigvalsh(self._cov()).flip(0).clamp(min=0)
+        return torch.linalg.eigvalsh(self.cov()).flip(0).clamp(min=0)
 
-    def _cov(self) -> torch.Tensor:
+    def cov(self) -> torch.Tensor:
+        """The covariance of the rows [A B] (population, float64)."""
         mu = self.s / self.n
         return self.g / self.n - torch.outer(mu, mu)
 
@@ -61,7 +53,7 @@ class JointGram:
         if not 1 <= rank <= self.d_b:
             raise ValueError(f"rank must be in [1, {self.d_b}], got {rank}")
         da = self.d_a
-        mu, cov = self.s / self.n, self._cov()
+        mu, cov = self.s / self.n, self.cov()
         c_aa, c_ab = cov[:da, :da], cov[:da, da:]
         lam = ridge * c_aa.diagonal().mean().clamp(min=1e-12)
         w = torch.linalg.solve(c_aa + lam * torch.eye(da, dtype=cov.dtype), c_ab)        # (d_a, d_b)
@@ -79,7 +71,7 @@ class JointGram:
         if not 1 <= rank <= self.d_a + self.d_b:
             raise ValueError(f"rank must be in [1, {self.d_a + self.d_b}], got {rank}")
         da = self.d_a
-        mu, cov = self.s / self.n, self._cov()
+        mu, cov = self.s / self.n, self.cov()
         _, vecs = torch.linalg.eigh(cov)                    # ascending eigenvalues
         v = vecs[:, -rank:].flip(1)                         # (2d, r) top-r right singular vectors
         c_aa = cov[:da, :da]
