@@ -32,9 +32,13 @@ from scd.online.tables import consumer_tables
 from scd.online.trace import Trace, capture
 
 
-def producer_rows(trace: Trace, keep: torch.Tensor, layers: list[int]) -> torch.Tensor:
-    """(N, len(layers) * hidden): the layers' x_norm side by side, for the kept (unpadded) positions."""
-    return torch.cat([trace.xnorm[l][keep].float() for l in layers], 1)
+def producer_rows(trace: Trace, keep: torch.Tensor, layers: list[int], window: int = 1) -> torch.Tensor:
+    """(N, window * len(layers) * hidden): the layers' x_norm side by side, for the kept (unpadded)
+    positions, and with window > 1 the same of the window - 1 positions before each (zeros before the
+    sequence's start)."""
+    x = torch.cat([trace.xnorm[l].float() for l in layers], -1) * keep[..., None]        # (B, T, F), pads zero
+    lagged = [torch.nn.functional.pad(x, (0, 0, w, 0))[:, :x.shape[1]] for w in range(window)]
+    return torch.cat(lagged, -1)[keep]
 
 
 def consumer_rows(trace: Trace, keep: torch.Tensor, layers: list[int]) -> torch.Tensor:
@@ -46,9 +50,10 @@ def consumer_rows(trace: Trace, keep: torch.Tensor, layers: list[int]) -> torch.
 class CrossLayer(methods.Method):
     """Reuse from one code per token per group of layers (fp16 on the wire)."""
 
-    def __init__(self, codecs: list[tuple[list[int], LinearCodec]], spec: ModelSpec):
-        self.codecs, self.spec = codecs, spec
-        self.name = f"cross_layer_r{codecs[0][1].enc.shape[1]}" + (f"x{len(codecs)}" if len(codecs) > 1 else "")
+    def __init__(self, codecs: list[tuple[list[int], LinearCodec]], spec: ModelSpec, window: int = 1):
+        self.codecs, self.spec, self.window = codecs, spec, window
+        self.name = f"cross_layer_r{codecs[0][1].enc.shape[1]}" + (f"x{len(codecs)}" if len(codecs) > 1 else "") \
+            + (f"_w{window}" if window > 1 else "")
 
     def build(self, consumer, ids, mask, producer_trace):
         b, t = ids.shape
@@ -59,7 +64,7 @@ class CrossLayer(methods.Method):
         heads = lambda x: x.reshape(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)     # noqa: E731
         kv, nbytes = [(apply_rope(heads(k0), cos, sin), heads(v0))], 0
         for layers, codec in self.codecs:
-            z = codec.encode(producer_rows(producer_trace, mask.bool(), layers)).half().float()
+            z = codec.encode(producer_rows(producer_trace, mask.bool(), layers, self.window)).half().float()
             nbytes += z.numel() * 2
             pred = codec.decode(z).view(b, t, len(layers), 2, -1)                     # 2: K, V
             kv += [(apply_rope(heads(pred[:, :, i, 0]), cos, sin), heads(pred[:, :, i, 1])) for i in range(len(layers))]
@@ -75,6 +80,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--samples", type=int, default=48, help="held-out samples")
     p.add_argument("--ranks", default="128,256,896", help="code ranks (per group), comma-separated")
     p.add_argument("--group", type=int, default=0, help="adjacent layers per code (default 0: all layers, one code)")
+    p.add_argument("--window", type=int, default=1, help=(
+        "positions the map reads (default 1: each token's own; w: it and the w - 1 before it). At a full-rank "
+        "code this is what a decoder reading the last w codes could reach"))
     args = p.parse_args(argv)
     cfg = load_config(args.config)
     name = args.pair.split(":", 1)[-1]
@@ -87,6 +95,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     consumer, _, _ = load(s.path, base=s.base)
     if args.group < 0:
         raise SystemExit(f"--group must be >= 0, got {args.group}")
+    if args.window < 1:
+        raise SystemExit(f"--window must be >= 1, got {args.window}")
     layer_groups = code_groups(spec.num_layers, args.group)
     kv_width = 2 * spec.num_kv_heads * spec.head_dim
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -94,15 +104,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"--ranks must be within 1..{len(layer_groups[0]) * kv_width} (a group's K and V; a "
                          "shorter last group is coded at most at its own width)")
     calib, _, held = samples.pair_data(name, tok, args.prefixes, 1, args.samples, cfg.calibration.prefix_tokens)
-    grams = [JointGram(len(g) * spec.hidden_size, len(g) * kv_width) for g in layer_groups]
+    grams = [JointGram(args.window * len(g) * spec.hidden_size, len(g) * kv_width) for g in layer_groups]
     for start in tqdm(range(0, len(calib), cfg.calibration.batch), desc="cross-layer Gram"):
         ids, mask = pad(calib[start:start + cfg.calibration.batch], tok.pad_token_id)
         keep = mask.bool()
         a, b = capture(producer, ids, mask), capture(consumer, ids, mask, want_xnorm=False)
         for g, gram in zip(layer_groups, grams):
-            gram.update(producer_rows(a, keep, g), consumer_rows(b, keep, g))
+            gram.update(producer_rows(a, keep, g, args.window), consumer_rows(b, keep, g))
     ways = [methods.RawKV()] + [CrossLayer([(g, gram.fit_regression(min(r, gram.d_b), cfg.calibration.ridge))
-                                            for g, gram in zip(layer_groups, grams)], spec) for r in ranks]
+                                            for g, gram in zip(layer_groups, grams)], spec, args.window) for r in ranks]
     rows = Evaluator(producer, consumer, tok).run(held, ways, desc=f"held-out {args.pair}")
     raw = rows[0]["kl"]
     print(f"\n{args.pair}: one code per token per group of layers ({len(layer_groups)} groups of {len(layer_groups[0])}), "

@@ -38,3 +38,24 @@ def test_a_models_own_cache_is_rebuilt_from_its_full_rank_cross_layer_code():
         full, low = at(10 ** 6), at(4)
         assert full < 1e-3, f"groups of {size}: the full-rank code rebuilt the model's own cache with error {full:.2e}"
         assert low > 5 * full, f"groups of {size}: rank 4 ({low:.2e}) should lose to the full rank ({full:.2e})"
+
+
+def test_a_window_reads_each_tokens_previous_positions_within_its_own_sequence():
+    """producer_rows with window 3: a row is [x_t | x_t-1 | x_t-2] of the same sequence, zeros before its
+    start (left padding included), rows only for the kept positions."""
+    from scd.fitting.calibrate import pad
+    model = tiny_llama(0)
+    prefixes = [x.prefix for x in _samples(2, 3)]
+    ids, mask = pad([prefixes[0][:7], prefixes[1][:4]], 0)          # the second row is left-padded by 3
+    tr = capture(model, ids, mask)
+    keep = mask.bool()
+    one, three = producer_rows(tr, keep, [1, 2]), producer_rows(tr, keep, [1, 2], window=3)
+    f = one.shape[1]
+    assert three.shape == (11, 3 * f) and torch.equal(three[:, :f], one)
+    starts = {0, 7}                                                  # each sequence's first kept row
+    for i in range(11):
+        for w in (1, 2):
+            lagged = three[i, w * f:(w + 1) * f]
+            same_seq = all(s not in starts for s in range(i - w + 1, i + 1)) if i - w >= 0 else False
+            want = one[i - w] if same_seq else torch.zeros(f)
+            assert torch.equal(lagged, want), f"row {i}, lag {w}: wrong features"
