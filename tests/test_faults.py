@@ -43,6 +43,21 @@ def _producer():
     return ray.get_actor(PRODUCER_NAME, namespace=NS)
 
 
+def _health(url) -> tuple[int, dict]:
+    """(status, body) of /healthz, whatever the status (a body that is not JSON, e.g. Serve's own 503, as
+    {"raw": its text})."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=30) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, {"raw": raw.decode(errors="replace")[:500]}
+
+
 def _ask(url, i: int):
     """(seconds since epoch when sent, status, mode or error)."""
     sent = time.time()
@@ -141,7 +156,12 @@ def test_overload_answers_503_with_retry_after_and_then_serves_again(served_faul
     assert wait_healthy(url, 300), "the app did not recover from the previous drills"
     with holding_qa(NS) as gate, concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_ask, url, 500 + i) for i in range(6)]
-        assert wait_for(lambda: _get(url + "/healthz")["inflight"] == 6, 120, every_s=0.2), "router never full"
+        seen = []                   # /healthz bodies: the count is there with a 503 too (a "down" app)
+
+        def full():
+            seen.append(_health(url))
+            return seen[-1][1].get("inflight") == 6
+        assert wait_for(full, 120, every_s=0.2), f"router never full; last /healthz: {seen[-1]}"
         req = urllib.request.Request(url + "/v1/completions", json.dumps(
             {"model": "qa", "prompt": PREFIX + "One too many.", "max_tokens": 2}).encode(),
             {"Content-Type": "application/json"})
