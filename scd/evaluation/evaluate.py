@@ -2,7 +2,8 @@
 
 A sample is a prefix (what gets cached) plus a continuation fed on top of the cache. KL/TV/top-1 compare
 the next-token distributions over the teacher-forced continuation; greedy agreement compares N generated
-tokens; QA samples also generate an answer after their question and score F1/EM against the gold span.
+tokens (32 by default), position by position; QA samples also generate an answer after their question and
+score F1/EM against the gold span.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class SampleResult:
 
 
 class Evaluator:
-    def __init__(self, producer, consumer, tokenizer=None, greedy_tokens: int = 16, answer_tokens: int = 12):
+    def __init__(self, producer, consumer, tokenizer=None, greedy_tokens: int = 32, answer_tokens: int = 12):
         self.producer, self.consumer, self.tok = producer, consumer, tokenizer
         self.greedy_tokens, self.answer_tokens = greedy_tokens, answer_tokens
         # an answer ends at a newline or at a special token (a chat model's end of turn)
