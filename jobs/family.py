@@ -55,7 +55,8 @@ from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import ArtifactStoreError, InvalidReference
 from artifacts_store.refs import check_name
 from scd.online.artifacts import FamilyArtifacts, PairArtifacts, code_groups, layer_groups
-from scd.online.models import ModelSpec, check_pair, data_digest, load, model_digest, tokenizer_fingerprint
+from scd.online.models import (ModelSpec, check_pair, data_digest, load, model_digest, tokenizer_fingerprint,
+                               weights_digest)
 from scd.online.rebuild import encode
 from scd.online.reuse import LinearCodec
 from scd.online.trace import capture
@@ -262,8 +263,10 @@ def load_encoders(path: Path, plans: list[list[int]]) -> list[dict[int, LinearCo
 
 def finetuned(d: Path, art: PairArtifacts, name: str, producer, consumer, tune: list, val: list, c,
               pad_id: int | None) -> PairArtifacts:
-    """A member fine-tuned end to end (scd.fitting.finetune) with its encoders frozen, or its checkpoint in `d`."""
-    inputs = {"tune": samples_digest(tune), "val": samples_digest(val)}
+    """A member fine-tuned end to end (scd.fitting.finetune) with its encoders frozen, or its checkpoint in `d`
+    when it was fine-tuned from these very codecs and aligners (a refitted Reuse code or a retrained aligner
+    starts it afresh)."""
+    inputs = {"tune": samples_digest(tune), "val": samples_digest(val), "start": weights_digest(art.tensors())}
     if load_record(d / "record.json", inputs, log) is not None:
         log(f"{name}: fine-tuned member resumed from checkpoint")
         got = PairArtifacts.load(d)

@@ -1,4 +1,5 @@
 """jobs.family end to end on the demo family with a reduced budget: one shared code for three specialists."""
+import dataclasses
 import json
 
 import pytest
@@ -111,7 +112,6 @@ def test_a_family_much_worse_than_a_members_published_pair_code_is_refused(run, 
 def _with_published_qa(cfg, tmp_path, member, metrics):
     """jobs.family on qa and code after publishing `member` (a family member's tensors) as base:qa's pair
     artifact for the demo models, to a store of its own."""
-    import dataclasses
 
     import yaml
 
@@ -135,7 +135,7 @@ def load_config_path(cfg, name):
     return load_config(cfg).specialist(name).path
 
 
-def test_members_train_their_own_aligners_on_one_shared_patch_code(run, capsys):
+def test_members_train_their_own_aligners_on_one_shared_patch_code(run, capsys, monkeypatch):
     """--patch-layers: the family's plan Patches layer 3 for every member; the producer-side Patch encoder is one
     for the family (so one payload serves every member, byte for byte), and each member has its own aligner."""
     from scd.online import codec
@@ -163,6 +163,14 @@ def test_members_train_their_own_aligners_on_one_shared_patch_code(run, capsys):
     family_job(argv)
     out = capsys.readouterr().out
     assert "qa: aligner for layer 3 resumed" in out and "code: fine-tuned member resumed" in out
+    # a member fine-tuned from other Reuse decoders is not resumed (here: the refit moved by 1 %)
+    from scd.fitting import family
+    refit = family.refit_decoder
+    monkeypatch.setattr(family, "refit_decoder", lambda *a: dataclasses.replace(refit(*a), dec=refit(*a).dec * 1.01))
+    family_job(argv)
+    out = capsys.readouterr().out
+    assert "qa: aligner for layer 3 resumed" in out and "code: fine-tuned member resumed" not in out, out
+    assert "code: fine-tuned, validation KL" in out, out
 
 
 def test_a_published_pair_artifact_for_these_models_is_scored_on_the_same_samples(run, tmp_path):
@@ -210,7 +218,6 @@ def test_members_with_different_patch_layers_share_one_payload_that_carries_ever
     """auto: qa Patches layer 3 as its published pair artifact does, code (nothing published) Patches nothing.
     The payload carries qa's Patch code at 3 and code's hidden-state code there too; each member rebuilds from
     it exactly what its own artifact rebuilds from its own payload."""
-    import dataclasses
 
     from scd.online import codec
     from scd.online.models import load
