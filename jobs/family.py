@@ -7,12 +7,13 @@ with per-pair codes at the same rank.
 One pass over every member's own calibration prefixes (those of its pair calibration, --prefixes each)
 accumulates the family's Gram matrices, [producer rows | every member's K, V side by side], over all of
 them, and each member's Gram of [producer rows | its K, V] over its own: the family's encoders are fitted
-on all the rows, each member's decoders and its pair fit on its own (scd.fitting.family). Both fits are first Reuse-only (layer 0 exact, the config's reuse source, ranks and code
-precision), which isolates what sharing the encoder costs. The family as served then adds Patch layers
-(--patch-layers; default each member's own, those of its published pair artifact): one Patch encoder per
-layer for the family, each member's own aligner, trained on its own x_norm over its own prefixes. The payload carries every code
-a member needs, and each member rebuilds from those of its own plan. With calibration.finetune_samples,
-each member's decoders and aligners are fine-tuned end to end on its own samples, as a pair's are; the encoders
+on all the rows, each member's decoders and its pair fit on its own (scd.fitting.family). Both fits are
+first Reuse-only (layer 0 exact, the config's reuse source, ranks and code precision), which isolates
+what sharing the encoder costs. The family as served then adds Patch layers (--patch-layers; default each
+member's own, those of its published pair artifact): one Patch encoder per layer for the family, each
+member's own aligner, trained on its own x_norm over its own prefixes. The payload carries every code a
+member needs, and each member rebuilds from those of its own plan. With calibration.finetune_samples, each
+member's decoders and aligners are fine-tuned end to end on its own samples, as a pair's are; the encoders
 stay frozen, so they stay the family's. Every stage is checkpointed under calibration.work_dir/family.
 Reported:
   - each member's held-out KL (its own samples) under raw KV reuse, its Reuse-only pair code, the Reuse-only
@@ -38,7 +39,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
 from cluster.config import load_config
 from jobs import samples
@@ -46,10 +46,9 @@ from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting import family
 from scd.fitting.aligners import patch_aligner
-from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, PlanScorer, pad
+from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, PlanScorer
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
 from scd.fitting.finetune import finetune_aligners
-from scd.fitting.gram import JointGram
 from scd.online import codec
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import ArtifactStoreError, InvalidReference
@@ -66,79 +65,7 @@ def log(msg: str) -> None:
     print(f"[family] {msg}", flush=True)
 
 
-Grams = dict[str, list[JointGram | None]]        # per stream ("x", or "k" and "v"), per layer (None: no code there)
-
-
-def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[list[torch.Tensor]], hidden: bool,
-               batch: int, pad_id: int | None, x_group: int = 1) -> tuple[Grams, list[Grams]]:
-    """Family Gram matrices from one pass over every member's own prefixes (`prefixes[j]`, member j's):
-    per hidden-state code (at each layer >= 1, or the first layer of each group of x_group layers),
-    [x_A of its layers | (K_j, V_j of its layers)_j], or per layer, per-head codes [K_A | K_j...] and
-    [V_A | V_j...] (every layer), over all the rows; and per member j the Gram of [A | B_j] over its own
-    rows only (its decoders' fit, and its pair fit). Returns (family Grams, each member's own)."""
-    n, L = len(consumers), spec.num_layers
-    m, d, hid = spec.num_kv_heads * spec.head_dim, spec.head_dim, spec.hidden_size
-    groups = code_groups(spec.num_layers, x_group)
-
-    def grams(members: int) -> Grams:
-        if hidden:
-            out: Grams = {"x": [None] * L}
-            for g in groups:
-                out["x"][g[0]] = JointGram(len(g) * hid, members * len(g) * 2 * m)
-            return out
-        return {"k": [JointGram(d, members * d) for _ in range(L)], "v": [JointGram(d, members * d) for _ in range(L)]}
-
-    fam, own = grams(n), [grams(1) for _ in range(n)]
-    for src, mine in enumerate(prefixes):
-        for start in tqdm(range(0, len(mine), batch), desc=f"family traces ({src + 1}/{len(prefixes)})"):
-            ids, mask = pad(mine[start:start + batch], pad_id)
-            keep = mask.bool()
-            a = capture(producer, ids, mask, want_xnorm=hidden)
-            bs = [capture(c, ids, mask, want_xnorm=False) for c in consumers]
-            rows = lambda t: t.transpose(1, 2)[keep].float()        # noqa: E731  (B, n_kv, T, d) -> (N, n_kv, d)
-            if hidden:
-                for g in groups:
-                    x_a = torch.cat([a.xnorm[l][keep].float() for l in g], 1)
-                    targets = [torch.cat([torch.cat([rows(b.content[l]).flatten(1), rows(b.values[l]).flatten(1)], 1)
-                                          for l in g], 1) for b in bs]
-                    fam["x"][g[0]].update(x_a, torch.cat(targets, 1))
-                    own[src]["x"][g[0]].update(x_a, targets[src])
-                continue
-            for l in range(L):
-                for s, t_a, t_b in (("k", a.content[l], [b.content[l] for b in bs]),
-                                    ("v", a.values[l], [b.values[l] for b in bs])):
-                    fam[s][l].update(rows(t_a), torch.cat([rows(t) for t in t_b], -1))
-                    own[src][s][l].update(rows(t_a), rows(t_b[src]))
-    return fam, own
-
-
-def save_grams(fam: Grams, own: list[Grams], path: Path) -> None:
-    """The family's Grams and each member's own (as "m<j>.<stream>.<layer>"), in one safetensors file."""
-    t = {}
-    for prefix, grams in (("", fam), *((f"m{j}.", g) for j, g in enumerate(own))):
-        t.update({k: v for name, gs in grams.items() for l, g in enumerate(gs) if g is not None
-                  for k, v in g.tensors(f"{prefix}{name}.{l}").items()})
-    tmp = path.with_suffix(".tmp")
-    save_file(t, str(tmp))
-    tmp.replace(path)
-
-
-def load_grams(path: Path, spec: ModelSpec, hidden: bool, members: int, x_group: int = 1) -> tuple[Grams, list[Grams]]:
-    t = load_file(str(path))
-
-    def grams(prefix: str) -> Grams:
-        if hidden:
-            out: list[JointGram | None] = [None] * spec.num_layers
-            for g in code_groups(spec.num_layers, x_group):
-                out[g[0]] = JointGram.from_tensors(t, f"{prefix}x.{g[0]}", len(g) * spec.hidden_size)
-            return {"x": out}
-        return {s: [JointGram.from_tensors(t, f"{prefix}{s}.{l}", spec.head_dim) for l in range(spec.num_layers)]
-                for s in "kv"}
-
-    return grams(""), [grams(f"m{j}.") for j in range(members)]
-
-
-def artifacts(grams: Grams, own_grams: list[Grams], spec: ModelSpec, pairs: list[str], ranks: dict[str, int],
+def artifacts(grams: family.Grams, own_grams: list[family.Grams], spec: ModelSpec, pairs: list[str], ranks: dict[str, int],
               ridge: float, dtype: str, family_id: str, x_group: int = 1) -> tuple[FamilyArtifacts, list[PairArtifacts]]:
     """(the family artifact, each member's own pair artifact), Reuse-only (layer 0 exact): the family's
     encoders from all the rows, each member's decoders and pair fit from its own."""
@@ -207,10 +134,9 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
                 tune: dict) -> FamilyArtifacts:
     """The family as served: each member Patches its layers of `plans` (one encoder per layer for the
     family, fitted on the x_norm of the members that Patch it; each member's own aligner, on its own
-    prefixes) over the shared
-    Reuse codes, then, with calibration.finetune_samples, each member's decoders and aligners are fine-tuned
-    end to end on its own samples with the encoders frozen (so they stay the family's). Encoders, aligners
-    and fine-tuned members are checkpointed under `work`."""
+    prefixes) over the shared Reuse codes, then, with calibration.finetune_samples, each member's decoders
+    and aligners are fine-tuned end to end on its own samples with the encoders frozen (so they stay the
+    family's). Encoders, aligners and fine-tuned members are checkpointed under `work`."""
     cfg = c.model_dump()
     spec = shared.encoder.spec
     layers = sorted({l for p in plans for l in p})
@@ -413,15 +339,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     work = key_dir(Path(c.work_dir).expanduser() / "family", "", {
         "models": [model_digest(producer), *map(model_digest, consumers)], "data": data_digest(every),
-        "members": [len(mine) for mine in calib], "hidden": hidden, "batch": c.batch, **({"x_group": c.x_group} if c.x_group != 1 else {})})
+        "members": [len(mine) for mine in calib], "hidden": hidden, "batch": c.batch,
+        **({"x_group": c.x_group} if c.x_group != 1 else {})})
     path = work / "grams.safetensors"
     t0 = time.time()
     if path.is_file():
-        grams, own_grams = load_grams(path, spec, hidden, len(names), c.x_group)
+        grams, own_grams = family.load_grams(path, spec, hidden, len(names), c.x_group)
         log(f"grams resumed from {path}")
     else:
-        grams, own_grams = accumulate(producer, consumers, spec, calib, hidden, c.batch, tok.pad_token_id, c.x_group)
-        save_grams(grams, own_grams, path)
+        grams, own_grams = family.accumulate(producer, consumers, spec, calib, hidden, c.batch, tok.pad_token_id, c.x_group)
+        family.save_grams(grams, own_grams, path)
         log(f"grams accumulated in {time.time() - t0:.0f} s ({path})")
     shared, own = artifacts(grams, own_grams, spec, pairs, ranks, c.ridge, c.code_dtype, family_id, c.x_group)
     fam = fit_members(work, shared, names, producer, consumers, calib, plans, c, tok.pad_token_id, val, tune)

@@ -99,7 +99,8 @@ def test_each_members_decoder_is_the_least_squares_one_on_its_own_rows(regressio
 def fitted_family(tmp_path_factory):
     """A two-member family of tiny perturbed consumers (hidden-state codes, from scd.fitting.family) with
     each member's own pair artifact beside it."""
-    from jobs.family import accumulate, artifacts
+    from jobs.family import artifacts
+    from scd.fitting.family import accumulate
     from scd.online.models import ModelSpec
     from tests.conftest import perturbed, tiny_llama
     from tests.test_pipeline_tiny import _samples
@@ -195,8 +196,7 @@ def test_each_member_is_fitted_on_its_own_prefixes_and_the_encoders_on_everyones
     """accumulate: member j's own Gram is the pair Gram over its own prefixes alone and the family's Gram
     holds every member's rows; patch_rows: member j's aligner rows (own_rows) are the rows of its own
     prefixes alone, whole sequences, while a Patch encoder sees everyone's."""
-    from jobs.family import accumulate
-    from scd.fitting.family import own_rows, patch_rows
+    from scd.fitting.family import accumulate, own_rows, patch_rows
     from scd.online.models import ModelSpec
     from tests.conftest import perturbed, tiny_llama
     from tests.test_pipeline_tiny import _samples

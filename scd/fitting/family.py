@@ -18,13 +18,17 @@ own aligner on its own x_norm from that one code, on its own prefixes (`patch_ro
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from scd.fitting.calibrate import pad
 from scd.fitting.gram import JointGram
 from scd.fitting.traces import valid_rows
+from scd.online.artifacts import code_groups
+from scd.online.models import ModelSpec
 from scd.online.reuse import LinearCodec
 from scd.online.trace import capture
 
@@ -81,6 +85,86 @@ def fit_family(gram: JointGram, n: int, rank: int, ridge: float, regression: boo
     return [refit_decoder(m, g, ridge) for m, g in zip(members, own)]
 
 
+Grams = dict[str, list[JointGram | None]]        # per stream ("x", or "k" and "v"), per layer (None: no code there)
+
+
+def member_batches(prefixes: list[list[torch.Tensor]], batch: int, pad_id: int | None, desc: str):
+    """(member, ids, mask) for every batch of each member's own prefixes (`prefixes[j]`, member j's), a
+    member at a time, so a batch holds one member's prefixes only."""
+    for src, mine in enumerate(prefixes):
+        for start in tqdm(range(0, len(mine), batch), desc=f"{desc} ({src + 1}/{len(prefixes)})"):
+            yield (src, *pad(mine[start:start + batch], pad_id))
+
+
+def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[list[torch.Tensor]], hidden: bool,
+               batch: int, pad_id: int | None, x_group: int = 1) -> tuple[Grams, list[Grams]]:
+    """Family Gram matrices from one pass over every member's own prefixes (`prefixes[j]`, member j's):
+    per hidden-state code (at each layer >= 1, or the first layer of each group of x_group layers),
+    [x_A of its layers | (K_j, V_j of its layers)_j], or per layer, per-head codes [K_A | K_j...] and
+    [V_A | V_j...] (every layer), over all the rows; and per member j the Gram of [A | B_j] over its own
+    rows only (its decoders' fit, and its pair fit). Returns (family Grams, each member's own)."""
+    n, L = len(consumers), spec.num_layers
+    m, d, hid = spec.num_kv_heads * spec.head_dim, spec.head_dim, spec.hidden_size
+    groups = code_groups(spec.num_layers, x_group)
+
+    def grams(members: int) -> Grams:
+        if hidden:
+            out: Grams = {"x": [None] * L}
+            for g in groups:
+                out["x"][g[0]] = JointGram(len(g) * hid, members * len(g) * 2 * m)
+            return out
+        return {"k": [JointGram(d, members * d) for _ in range(L)], "v": [JointGram(d, members * d) for _ in range(L)]}
+
+    fam, own = grams(n), [grams(1) for _ in range(n)]
+    for src, ids, mask in member_batches(prefixes, batch, pad_id, "family traces"):
+        keep = mask.bool()
+        a = capture(producer, ids, mask, want_xnorm=hidden)
+        bs = [capture(c, ids, mask, want_xnorm=False) for c in consumers]
+        rows = lambda t: t.transpose(1, 2)[keep].float()        # noqa: E731  (B, n_kv, T, d) -> (N, n_kv, d)
+        if hidden:
+            for g in groups:
+                x_a = torch.cat([a.xnorm[l][keep].float() for l in g], 1)
+                targets = [torch.cat([torch.cat([rows(b.content[l]).flatten(1), rows(b.values[l]).flatten(1)], 1)
+                                      for l in g], 1) for b in bs]
+                fam["x"][g[0]].update(x_a, torch.cat(targets, 1))
+                own[src]["x"][g[0]].update(x_a, targets[src])
+            continue
+        for l in range(L):
+            for s, t_a, t_b in (("k", a.content[l], [b.content[l] for b in bs]),
+                                ("v", a.values[l], [b.values[l] for b in bs])):
+                x_a, targets = rows(t_a), [rows(t) for t in t_b]
+                fam[s][l].update(x_a, torch.cat(targets, -1))
+                own[src][s][l].update(x_a, targets[src])
+    return fam, own
+
+
+def save_grams(fam: Grams, own: list[Grams], path: Path) -> None:
+    """The family's Grams and each member's own (as "m<j>.<stream>.<layer>"), in one safetensors file."""
+    t = {}
+    for prefix, grams in (("", fam), *((f"m{j}.", g) for j, g in enumerate(own))):
+        t.update({k: v for name, gs in grams.items() for l, g in enumerate(gs) if g is not None
+                  for k, v in g.tensors(f"{prefix}{name}.{l}").items()})
+    tmp = path.with_suffix(".tmp")
+    save_file(t, str(tmp))
+    tmp.replace(path)
+
+
+def load_grams(path: Path, spec: ModelSpec, hidden: bool, members: int, x_group: int = 1) -> tuple[Grams, list[Grams]]:
+    """What save_grams wrote: (the family's Grams, each of `members` members' own)."""
+    t = load_file(str(path))
+
+    def grams(prefix: str) -> Grams:
+        if hidden:
+            out: list[JointGram | None] = [None] * spec.num_layers
+            for g in code_groups(spec.num_layers, x_group):
+                out[g[0]] = JointGram.from_tensors(t, f"{prefix}x.{g[0]}", len(g) * spec.hidden_size)
+            return {"x": out}
+        return {s: [JointGram.from_tensors(t, f"{prefix}{s}.{l}", spec.head_dim) for l in range(spec.num_layers)]
+                for s in "kv"}
+
+    return grams(""), [grams(f"m{j}.") for j in range(members)]
+
+
 def patch_rows(producer, consumers: list, prefixes: list[list[torch.Tensor]], layers: list[int], batch: int,
                pad_id: int | None) -> dict[str, torch.Tensor]:
     """The rows a family's Patch layers are fitted on, from one pass over every member's own prefixes
@@ -88,19 +172,17 @@ def patch_rows(producer, consumers: list, prefixes: list[list[torch.Tensor]], la
     from, per Patch layer l "xa.l" (N, H) the producer's x_norm and "xb<j>.l" member j's, and "xb<j>.0"
     each member's layer-0 input (its aligners' token features). Rows of whole sequences, in order."""
     out: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for src, own in enumerate(prefixes):
-        for start in tqdm(range(0, len(own), batch), desc=f"family Patch rows ({src + 1}/{len(prefixes)})"):
-            ids, mask = pad(own[start:start + batch], pad_id)
-            a = capture(producer, ids, mask)
-            pos = valid_rows(a.positions, a.mask)
-            out["pos"].append(pos)
-            out["src"].append(torch.full_like(pos, src))
-            for l in layers:
-                out[f"xa.{l}"].append(valid_rows(a.xnorm[l], a.mask).float())
-            for j, consumer in enumerate(consumers):
-                b = capture(consumer, ids, mask)
-                for l in (0, *layers):
-                    out[f"xb{j}.{l}"].append(valid_rows(b.xnorm[l], b.mask).float())
+    for src, ids, mask in member_batches(prefixes, batch, pad_id, "family Patch rows"):
+        a = capture(producer, ids, mask)
+        pos = valid_rows(a.positions, a.mask)
+        out["pos"].append(pos)
+        out["src"].append(torch.full_like(pos, src))
+        for l in layers:
+            out[f"xa.{l}"].append(valid_rows(a.xnorm[l], a.mask).float())
+        for j, consumer in enumerate(consumers):
+            b = capture(consumer, ids, mask)
+            for l in (0, *layers):
+                out[f"xb{j}.{l}"].append(valid_rows(b.xnorm[l], b.mask).float())
     return {k: torch.cat(v).contiguous() for k, v in out.items()}
 
 
