@@ -23,7 +23,7 @@ from jobs import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting.calibrate import pad
-from scd.fitting.gram import JointGram
+from scd.fitting.gram import JointGram, TokenStats
 from scd.online.artifacts import code_groups
 from scd.online.models import ModelSpec, load
 from scd.online.reuse import LinearCodec
@@ -66,7 +66,7 @@ class CrossLayer(methods.Method):
         for layers, codec in self.codecs:
             z = codec.encode(producer_rows(producer_trace, mask.bool(), layers, self.window)).half().float()
             nbytes += z.numel() * 2
-            pred = codec.decode(z).view(b, t, len(layers), 2, -1)                     # 2: K, V
+            pred = codec.decode(z, ids[mask.bool()]).view(b, t, len(layers), 2, -1)    # 2: K, V
             kv += [(apply_rope(heads(pred[:, :, i, 0]), cos, sin), heads(pred[:, :, i, 1])) for i in range(len(layers))]
         return methods.Built(kv, nbytes, 0.0)
 
@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--window", type=int, default=1, help=(
         "positions the map reads (default 1: each token's own; w: it and the w - 1 before it). At a full-rank "
         "code this is what a decoder reading the last w codes could reach"))
+    p.add_argument("--token-table", type=int, default=0, help=(
+        "k > 0: the decoders add a row per token of the calibration's k most frequent tokens (free on the "
+        "wire; calibration.token_table)"))
+    p.add_argument("--token-shrink", type=float, default=1.0, help="calibration.token_shrink of the table")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
     name = args.pair.split(":", 1)[-1]
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     consumer, _, _ = load(s.path, base=s.base)
     if args.group < 0:
         raise SystemExit(f"--group must be >= 0, got {args.group}")
+    if args.token_table < 0 or args.token_shrink <= 0:
+        raise SystemExit("--token-table must be >= 0 and --token-shrink > 0")
     if args.window < 1:
         raise SystemExit(f"--window must be >= 1, got {args.window}")
     layer_groups = code_groups(spec.num_layers, args.group)
@@ -105,14 +111,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "shorter last group is coded at most at its own width)")
     calib, _, held = samples.pair_data(name, tok, args.prefixes, 1, args.samples, cfg.calibration.prefix_tokens)
     grams = [JointGram(args.window * len(g) * spec.hidden_size, len(g) * kv_width) for g in layer_groups]
+    tables = [TokenStats.most_frequent(calib, args.token_table, g.d_a, g.d_b) if args.token_table else None
+              for g in grams]
     for start in tqdm(range(0, len(calib), cfg.calibration.batch), desc="cross-layer Gram"):
         ids, mask = pad(calib[start:start + cfg.calibration.batch], tok.pad_token_id)
         keep = mask.bool()
         a, b = capture(producer, ids, mask), capture(consumer, ids, mask, want_xnorm=False)
-        for g, gram in zip(layer_groups, grams):
-            gram.update(producer_rows(a, keep, g, args.window), consumer_rows(b, keep, g))
-    ways = [methods.RawKV()] + [CrossLayer([(g, gram.fit_regression(min(r, gram.d_b), cfg.calibration.ridge))
-                                            for g, gram in zip(layer_groups, grams)], spec, args.window) for r in ranks]
+        for g, gram, table in zip(layer_groups, grams, tables):
+            rows_a, rows_b = producer_rows(a, keep, g, args.window), consumer_rows(b, keep, g)
+            gram.update(rows_a, rows_b)
+            if table is not None:
+                table.update(ids[keep], rows_a, rows_b)
+    ways = [methods.RawKV()] + [CrossLayer([(g, gram.fit_regression(min(r, gram.d_b), cfg.calibration.ridge, table,
+                                                                     args.token_shrink))
+                                            for g, gram, table in zip(layer_groups, grams, tables)], spec, args.window)
+                                for r in ranks]
     rows = Evaluator(producer, consumer, tok).run(held, ways, desc=f"held-out {args.pair}")
     raw = rows[0]["kl"]
     print(f"\n{args.pair}: one code per token per group of layers ({len(layer_groups)} groups of {len(layer_groups[0])}), "

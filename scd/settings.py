@@ -52,6 +52,12 @@ class CalibConfig(BaseModel):
         "adjacent layers per hidden-state code (a shared cross-layer subspace: one code per token read from the "
         "x_norm of every layer of the group, decoded into each one's K and V); 1 = a code per layer, 0 = one "
         "code for all layers"))
+    token_table: int = Field(0, ge=0, description=(
+        "hidden-state codes: the decoders add a row per token for the calibration's this many most frequent "
+        "tokens (0 = none). Free on the wire, the consumer has the token ids: the part of its K and V that is a "
+        "function of the token alone, which no linear map of the producer's features expresses"))
+    token_shrink: float = Field(1.0, gt=0, description=(
+        "ridge of the token table, in rows: a token seen n times keeps n / (n + token_shrink) of its mean"))
     code_dtype: Literal[CODE_DTYPES] = Field("fp16", description=(
         "precision of the codes on the wire, what the payload budget counts and what validation scores; int8 "
         "(per-row scales) halves the bytes of a rank, so a payload budget buys twice the rank; int4 (per-row "

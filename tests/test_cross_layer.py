@@ -87,12 +87,12 @@ def test_groups_must_be_disjoint_runs_of_adjacent_layers(pair, groups):
         dataclasses.replace(art, x_groups=groups, derived={})
 
 
-def _calibration(tmp_path, x_group, r_x, layers=4, ridge=1e-4):
+def _calibration(tmp_path, x_group, r_x, layers=4, ridge=1e-4, token_table=0):
     a = tiny_llama(0, layers=layers)
     b = perturbed(a, 0.3, seed=1)
-    cfg = CalibConfig(reuse_source="hidden", r_x=r_x, x_group=x_group, batch=16, ridge=ridge)
+    cfg = CalibConfig(reuse_source="hidden", r_x=r_x, x_group=x_group, batch=16, ridge=ridge, token_table=token_table)
     cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(24, 1)],
-                      tmp_path / f"g{x_group}", cfg, progress=False, log=lambda s: None)
+                      tmp_path / f"g{x_group}_t{token_table}", cfg, progress=False, log=lambda s: None)
     cal.traces()
     return a, b, cal
 
@@ -119,15 +119,7 @@ def test_a_full_rank_code_for_all_layers_fits_at_least_as_well_as_one_code_per_l
     per-layer map's inputs: on the calibration rows it cannot fit worse (up to the ridge)."""
     def error(x_group, r_x):
         a, b, cal = _calibration(tmp_path, x_group, r_x, ridge=1e-8)
-        art = cal.artifacts_for(cal.base_plan)
-        total = 0.0
-        for s in _samples(24, 1)[:6]:                   # calibration prefixes
-            ids = s.prefix[None]
-            trace, own = capture(a, ids, torch.ones_like(ids)), capture(b, ids, torch.ones_like(ids))
-            kv, _ = rebuild(b, art, codec.as_received(encode(art, trace, ids), "fp16"))
-            total += sum(((k - ok) ** 2).sum().item() + ((v - ov) ** 2).sum().item()
-                         for (k, v), ok, ov in zip(kv[1:], own.keys[1:], own.values[1:]))
-        return total
+        return _calibration_error(a, b, cal.artifacts_for(cal.base_plan), [s.prefix for s in _samples(24, 1)[:6]])
     per_layer, all_layers = error(1, 32), error(0, 96)
     assert all_layers <= per_layer * 1.01, f"cross-layer {all_layers:.4f} vs per-layer {per_layer:.4f}"
 
@@ -169,3 +161,38 @@ def test_patch_codes_count_against_the_budget_of_a_group_code(tmp_path):
     _, _, per_layer = _calibration(tmp_path, 1, 24)
     swap = per_layer.plan_payload(per_layer.plan_with([2])) - per_layer.plan_payload(per_layer.base_plan)
     assert swap == pytest.approx(row(per_layer.cfg.r_h) - row(24))
+
+
+def _calibration_error(a, b, art, prefixes):
+    """Squared error of the rebuilt K and V (layers >= 1) against the consumer's own, over prefixes."""
+    total = 0.0
+    for p in prefixes:
+        ids = p[None]
+        trace, own = capture(a, ids, torch.ones_like(ids)), capture(b, ids, torch.ones_like(ids))
+        kv, _ = rebuild(b, art, codec.as_received(encode(art, trace, ids), "fp16"))
+        total += sum(((k - ok) ** 2).sum().item() + ((v - ov) ** 2).sum().item()
+                     for (k, v), ok, ov in zip(kv[1:], own.keys[1:], own.values[1:]))
+    return total
+
+
+def test_a_token_table_rebuilds_what_the_probe_decodes_and_fits_better_than_none(tmp_path):
+    """A code for all layers with a token table: the serving rebuild (stacked decoders, one bias row per token)
+    gives what jobs.probe_cross_layer's independent decode of the same codec gives, and on the calibration
+    prefixes it fits the consumer's K and V better than the same code without a table."""
+    from jobs.probe_cross_layer import CrossLayer
+    a, b, cal = _calibration(tmp_path, 0, 24, token_table=40)
+    art = cal.artifacts_for(cal.base_plan)
+    codec_x = art.reuse_x[1]
+    assert codec_x.table is not None and len(codec_x.table_ids) == 40 and codec_x.table.abs().max() > 0
+    ids = _samples(1, 3)[0].prefix[None]
+    mask = torch.ones_like(ids)
+    trace = capture(a, ids, mask)
+    kv, _ = rebuild(b, art, codec.as_received(encode(art, trace, ids), "fp16"))
+    probe = CrossLayer([([1, 2, 3], codec_x)], cal.spec).build(b, ids, mask, trace).kv
+    err = max((x - y).abs().max().item() for got, want in zip(kv, probe) for x, y in zip(got, want))
+    assert err < 1e-4, f"rebuild and the probe's decode of one tabled codec differ by {err:.2e}"
+    prefixes = [s.prefix for s in _samples(24, 1)][:6]
+    _, _, plain = _calibration(tmp_path, 0, 24)
+    with_table = _calibration_error(a, b, art, prefixes)
+    without = _calibration_error(a, b, plain.artifacts_for(plain.base_plan), prefixes)
+    assert with_table < without, f"K/V error with a token table {with_table:.4f}, without {without:.4f}"

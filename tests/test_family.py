@@ -222,3 +222,72 @@ def test_each_member_is_fitted_on_its_own_prefixes_and_the_encoders_on_everyones
         assert torch.equal(pos, solo["pos"]) and err < 1e-5, f"member {j}'s aligner rows differ by {err:.2e}"
         assert int((pos == 0).sum()) == len(mine[j])            # whole sequences, each starting at position 0
     assert fam["x"][1].n == own[0]["x"][1].n + own[1]["x"][1].n == rows["pos"].shape[0]
+
+
+def test_a_members_token_table_decoder_is_the_least_squares_one_and_a_family_of_one_is_its_pair_fit():
+    """refit_decoder with per-token sums: the decoder and table are the ridge least-squares fit of B on the
+    shared code and one-hot(token) (the one-hot columns shrunk by `shrink`), solved directly; a one-member
+    family with tables, refitted on its own rows, decodes as its pair fit with a table does."""
+    from scd.fitting.gram import TokenStats
+    g = torch.Generator().manual_seed(5)
+    n, d, vocab, shrink = 3000, 8, 12, 2.0
+    tok = torch.randint(0, vocab, (n,), generator=g)
+    a = torch.randn(n, d, generator=g) * torch.linspace(0.5, 2, d)
+    b = a @ torch.randn(d, d, generator=g) + 3 * torch.randn(vocab, d, generator=g)[tok] \
+        + 0.05 * torch.randn(n, d, generator=g)
+    gram, stats = JointGram(d, d), TokenStats(torch.arange(vocab), d, d)
+    gram.update(a, b)
+    stats.update(tok, a, b)
+    shared = family.fit_codec(gram, 5, 1e-6, True)                         # some encoder, no table
+    refit = family.refit_decoder(shared, gram, 0.0, stats, shrink)
+    z = shared.encode(a).double()
+    f = torch.cat([z, torch.ones(n, 1, dtype=torch.float64), torch.nn.functional.one_hot(tok, vocab).double()], 1)
+    pen = torch.diag(torch.cat([torch.zeros(6), torch.full((vocab,), shrink)])).double()
+    direct = f @ torch.linalg.solve(f.T @ f + pen, f.T @ b.double())
+    err = ((refit.decode(z.float(), tok).double() - direct).norm() / direct.norm()).item()
+    assert err < 1e-4, f"a refitted decoder with a token table is off the direct fit by {err:.2e} (relative)"
+    (alone,) = family.fit_family(gram, 1, 5, 1e-4, True, own=[gram], tokens=stats, own_tokens=[stats], shrink=shrink)
+    pair = family.fit_codec(gram, 5, 1e-4, True, stats, shrink)
+    err = ((alone.decode(alone.encode(a), tok) - pair.decode(pair.encode(a), tok)).norm() / b.norm()).item()
+    assert err < 1e-4, f"a family of one with a table decodes differently from its pair fit by {err:.2e}"
+    with pytest.raises(ValueError, match="member Grams"):
+        family.fit_family(gram, 1, 5, 1e-4, True, own=[gram], tokens=stats, own_tokens=[stats, stats])
+
+
+def test_a_family_with_token_tables_gives_each_member_its_own_and_saves_them(tmp_path):
+    """accumulate(token_table=k): per-token sums beside every Gram; each member's decoders (family and pair)
+    get a table of its own prefixes' k most frequent tokens; the family artifact saves and loads them, and a
+    member's family code rebuilds the calibration rows no worse than the same family without tables."""
+    from jobs.family import artifacts
+    from scd.fitting.family import accumulate, load_grams, save_grams
+    from scd.fitting.gram import TokenStats
+    from scd.online.artifacts import FamilyArtifacts
+    from scd.online.models import ModelSpec
+    from tests.conftest import perturbed, tiny_llama
+    from tests.test_pipeline_tiny import _samples
+    a = tiny_llama(0)
+    members = [perturbed(a, 0.3, seed=1), perturbed(a, 0.3, seed=2)]
+    spec = ModelSpec.from_config(a.config)
+    prefixes = [s.prefix for s in _samples(16, 1)]
+    mine = [prefixes[:8], prefixes[8:]]
+    grams, own_grams = accumulate(a, members, spec, mine, True, 4, 0, x_group=0, token_table=20)
+    save_grams(grams, own_grams, tmp_path / "g.safetensors")
+    grams, own_grams = load_grams(tmp_path / "g.safetensors", spec, True, 2, x_group=0)
+    every = torch.cat(prefixes)
+    assert isinstance(grams["t"][1], TokenStats) and len(grams["t"][1].ids) == 20
+    assert grams["t"][1].n.sum() == torch.isin(every, grams["t"][1].ids).sum()     # rows of its tokens only
+    fam, own = artifacts(grams, own_grams, spec, ["a:b", "a:c"], {"r_x": 16}, 1e-4, "fp16", "a:fam", x_group=0)
+    for j, pair in enumerate(["a:b", "a:c"]):
+        want = TokenStats.most_frequent(mine[j], 20, 1, 1).ids
+        assert torch.equal(fam.members[pair].reuse_x[1].table_ids, want)
+        assert torch.equal(own[j].reuse_x[1].table_ids, want)
+    fam.save(tmp_path / "fam")
+    back = FamilyArtifacts.load(tmp_path / "fam")
+    assert torch.equal(back.members["a:c"].reuse_x[1].table, fam.members["a:c"].reuse_x[1].table)
+    plain, _ = artifacts({"x": grams["x"]}, [{"x": o["x"]} for o in own_grams], spec, ["a:b", "a:c"], {"r_x": 16},
+                         1e-4, "fp16", "a:fam", x_group=0)
+    from tests.test_cross_layer import _calibration_error
+    for j, pair in enumerate(["a:b", "a:c"]):
+        with_table = _calibration_error(a, members[j], fam.members[pair], mine[j][:4])
+        without = _calibration_error(a, members[j], plain.members[pair], mine[j][:4])
+        assert with_table < without, f"{pair}: K/V error with tables {with_table:.4f}, without {without:.4f}"

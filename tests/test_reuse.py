@@ -46,3 +46,76 @@ def test_hidden_regression_codes_are_whitened_and_decode_to_the_rank_r_predictio
     got = c.decode(z)
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 1e-3, f"decoded codes differ from the rank-4 prediction by {rel:.2e} (relative)"
+
+
+def _token_rows(n=6000, d_a=6, d_b=5, vocab=10, seed=3):
+    """Rows whose B is a linear map of A plus a per-token offset that A cannot express (A is token-blind)."""
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(0, vocab, (n,), generator=g)
+    a = torch.randn(n, d_a, generator=g) + 2.0
+    b = a @ torch.randn(d_a, d_b, generator=g) + 4 * torch.randn(vocab, d_b, generator=g)[tok] \
+        + 0.05 * torch.randn(n, d_b, generator=g)
+    return tok, a, b
+
+
+def test_token_table_fit_equals_ridge_regression_with_one_hot_tokens():
+    """At full rank the fit with a token table is the least-squares fit of B on [A, one-hot(token)] with the
+    one-hot columns ridge-shrunk by `shrink`, solved directly from the rows."""
+    from scd.fitting.gram import TokenStats
+    tok, a, b = _token_rows()
+    shrink = 3.0
+    g, stats = JointGram(6, 5), TokenStats(torch.arange(10), 6, 5)
+    for t, x, y in zip(tok.split(1500), a.split(1500), b.split(1500)):
+        g.update(x, y)
+        stats.update(t, x, y)
+    codec = g.fit_regression(rank=5, ridge=0.0, tokens=stats, shrink=shrink)
+    # direct: centred rows, features [A_c, onehot], penalty shrink on the one-hot block only
+    ac, bc = (a - a.mean(0)).double(), (b - b.mean(0)).double()
+    f = torch.cat([ac, torch.nn.functional.one_hot(tok, 10).double()], 1)
+    pen = torch.diag(torch.cat([torch.zeros(6), torch.full((10,), shrink)])).double()
+    coef = torch.linalg.solve(f.T @ f + pen, f.T @ bc)
+    direct = f @ coef + b.mean(0).double()
+    got = codec.decode(codec.encode(a), tok).double()
+    err = ((got - direct).norm() / direct.norm()).item()
+    assert err < 1e-5, f"token-table fit vs direct ridge regression: relative error {err:.2e}"
+    plain = g.fit_regression(rank=5, ridge=0.0)
+    e_table, e_plain = ((got - b) ** 2).mean().item(), ((plain.decode(plain.encode(a)) - b) ** 2).mean().item()
+    assert e_table < 0.05 * e_plain, f"the table should explain the token offsets: MSE {e_table:.3g} vs {e_plain:.3g}"
+
+
+def test_token_table_at_low_rank_unknown_tokens_and_levels():
+    """A rank-r fit with a table: tokens outside the table decode to the code's map plus mu_b alone, a lower
+    level decodes with the decoder's leading rows, the table survives tensors(), and bad tables are refused."""
+    import pytest
+
+    from scd.fitting.gram import TokenStats
+    from scd.online.reuse import LinearCodec
+    tok, a, b = _token_rows(d_a=8, d_b=8)
+    g, stats = JointGram(8, 8), TokenStats(torch.arange(0, 10, 2), 8, 8)      # even tokens only
+    g.update(a, b)
+    stats.update(tok, a, b)
+    assert int(stats.n.sum()) == int((tok % 2 == 0).sum()), "rows of tokens outside the table must be skipped"
+    codec = g.fit_regression(rank=3, ridge=1e-6, tokens=stats, shrink=1.0)
+    z = codec.encode(a)
+    odd = tok % 2 == 1
+    bare = z @ codec.dec + codec.mu_b
+    assert torch.equal(codec.decode(z, tok)[odd], bare[odd]), "a token without a row must get mu_b alone"
+    assert not torch.allclose(codec.decode(z, tok)[~odd], bare[~odd]), "a token with a row must get it"
+    low = codec.decode(z[:, :2], tok)
+    want = z[:, :2] @ codec.dec[:2] + codec.bias(tok)
+    assert (low - want).abs().max().item() < 1e-5, "a level decodes with the decoder's leading rows"
+    back = LinearCodec.from_tensors(codec.tensors("x"), "x")
+    assert torch.equal(back.table, codec.table) and torch.equal(back.table_ids, codec.table_ids)
+    with pytest.raises(ValueError, match="token ids"):
+        codec.decode(z)
+    with pytest.raises(ValueError, match="sorted"):
+        LinearCodec(codec.mu_a, codec.enc, codec.mu_b, codec.dec, codec.table, codec.table_ids.flip(0))
+    with pytest.raises(ValueError, match="both"):
+        LinearCodec(codec.mu_a, codec.enc, codec.mu_b, codec.dec, codec.table, None)
+
+
+def test_most_frequent_tokens_break_ties_by_id():
+    from scd.fitting.gram import TokenStats
+    seqs = [torch.tensor([5, 5, 7, 9, 9]), torch.tensor([7, 1, 3])]        # 5, 7, 9 twice; 1, 3 once
+    assert TokenStats.most_frequent(seqs, 4, 2, 2).ids.tolist() == [1, 5, 7, 9]
+    assert TokenStats.most_frequent(seqs, 99, 2, 2).ids.tolist() == [1, 3, 5, 7, 9]

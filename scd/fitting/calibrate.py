@@ -31,8 +31,8 @@ from scd.evaluation import metrics
 from scd.fitting import policy
 from scd.fitting.aligners import patch_aligner
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
-from scd.fitting.gram import JointGram
-from scd.fitting.traces import chunk_path, read_chunks, trace_rows, write_chunk
+from scd.fitting.gram import JointGram, TokenStats
+from scd.fitting.traces import chunk_path, read_chunks, trace_rows, valid_rows, write_chunk
 from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts, code_groups, layer_groups
 from scd.online.models import ModelSpec, data_digest, model_digest
@@ -120,6 +120,7 @@ class Calibration:
         self.base_plan = ["exact" if exact_layer0 else kind] + [kind] * (spec.num_layers - 1)
         self._grams = None
         self._hidden_grams: list[JointGram | None] | None = None
+        self._token_stats: list[TokenStats | None] = []
         self._ranks: dict[str, int] = {}                    # chosen by ranks(), else the config's
         self._linear: dict[tuple, object] = {}       # (r_k, r_v) -> per-head codecs; ("hidden", r_x) -> hidden
         self._patch_enc: dict[int, LinearCodec] = {}
@@ -194,34 +195,54 @@ class Calibration:
 
     def hidden_grams(self) -> list[JointGram | None]:
         """Per hidden-state code (at each layer >= 1, or at the first layer of each of x_groups), the joint Gram
-        of the producer's x_norm with the consumer's K (de-RoPE'd) and V of every head, of every layer of the
-        group side by side, [x_A | K_B V_B] (one pass over the chunks, checkpointed): hidden-state Reuse fits
-        from it."""
+        of the producer's x_norm of its layers side by side with the consumer's K and V of every head of them,
+        [x_A | K_B V_B] (one pass over the chunks, checkpointed): hidden-state Reuse fits from it. With
+        `token_table`, the same pass sums the rows per token (token_stats)."""
         if self._hidden_grams is not None:
             return self._hidden_grams
         groups = code_groups(self.spec.num_layers, self.cfg.x_group)
-        path = self.trace_dir / ("grams_hidden.safetensors" if not self.x_groups else
-                                 f"grams_hidden_groups_{'_'.join(str(len(g)) for g in groups)}.safetensors")
+        name = "grams_hidden" if not self.x_groups else f"grams_hidden_groups_{'_'.join(str(len(g)) for g in groups)}"
+        path = self.trace_dir / (name + (f"_tokens{self.cfg.token_table}" if self.cfg.token_table else "")
+                                 + ".safetensors")
         hid, m = self.spec.hidden_size, self.spec.num_kv_heads * self.spec.head_dim
         grams: list[JointGram | None] = [None] * self.spec.num_layers
+        stats: list[TokenStats | None] = [None] * self.spec.num_layers
         if path.is_file():
             t = load_file(str(path))
             for g in groups:
                 grams[g[0]] = JointGram.from_tensors(t, f"x.{g[0]}", len(g) * hid)
+                if self.cfg.token_table:
+                    stats[g[0]] = TokenStats.from_tensors(t, f"tokens.{g[0]}")
             self.log("stage hidden: resumed from checkpoint")
         else:
             for g in groups:
                 grams[g[0]] = JointGram(len(g) * hid, len(g) * 2 * m)
-            for chunk in tqdm(read_chunks(self.trace_dir / "traces"), desc="gram hidden", disable=not self.progress):
+                if self.cfg.token_table:
+                    stats[g[0]] = TokenStats.most_frequent(self.prefixes, self.cfg.token_table, len(g) * hid,
+                                                           len(g) * 2 * m)
+            batches = range(0, len(self.prefixes), self.cfg.batch)      # chunk i holds batch i's valid rows
+            for start, chunk in tqdm(zip(batches, read_chunks(self.trace_dir / "traces")), total=len(batches),
+                                     desc="gram hidden", disable=not self.progress):
+                ids, mask = pad(self.prefixes[start:start + self.cfg.batch], self.pad_id)
+                tokens = valid_rows(ids, mask)
                 for g in groups:
-                    grams[g[0]].update(torch.cat([chunk[f"xa.{l}"] for l in g], 1), torch.cat(
-                        [torch.cat([chunk[f"kb.{l}"].flatten(1), chunk[f"vb.{l}"].flatten(1)], 1) for l in g], 1))
+                    a = torch.cat([chunk[f"xa.{l}"] for l in g], 1)
+                    b = torch.cat([torch.cat([chunk[f"kb.{l}"].flatten(1), chunk[f"vb.{l}"].flatten(1)], 1) for l in g], 1)
+                    if len(tokens) != len(a):
+                        raise RuntimeError(f"trace chunk of {len(a)} rows for a batch of {len(tokens)} tokens: "
+                                           f"the traces under {self.trace_dir} are not of these prefixes")
+                    grams[g[0]].update(a, b)
+                    if stats[g[0]] is not None:
+                        stats[g[0]].update(tokens, a, b)
             t = {}
             for g in groups:
                 t.update(grams[g[0]].tensors(f"x.{g[0]}"))
+                if stats[g[0]] is not None:
+                    t.update(stats[g[0]].tensors(f"tokens.{g[0]}"))
             save_file(t, str(path))
-            self.log(f"stage hidden: accumulated x_norm -> K,V Gram matrices of {len(groups)} codes")
-        self._hidden_grams = grams
+            self.log(f"stage hidden: accumulated x_norm -> K,V Gram matrices of {len(groups)} codes"
+                     + (f", with per-token sums for a table of {self.cfg.token_table} tokens" if self.cfg.token_table else ""))
+        self._hidden_grams, self._token_stats = grams, stats
         return grams
 
     def hidden(self, r_x: int | None = None) -> dict[int, LinearCodec]:
@@ -229,8 +250,11 @@ class Calibration:
         per group of x_groups, kept under its first layer."""
         r_x = r_x or self.r_x
         if ("hidden", r_x) not in self._linear:    # a group narrower than r_x: its full rank, zero-padded
-            self._linear[("hidden", r_x)] = {l: g.fit_regression(min(r_x, g.d_b), self.cfg.ridge).padded(r_x)
-                                             for l, g in enumerate(self.hidden_grams()) if g is not None}
+            grams = self.hidden_grams()
+            self._linear[("hidden", r_x)] = {
+                l: g.fit_regression(min(r_x, g.d_b), self.cfg.ridge, self._token_stats[l],
+                                    self.cfg.token_shrink).padded(r_x)
+                for l, g in enumerate(grams) if g is not None}
         return self._linear[("hidden", r_x)]
 
     def linear(self, r_k: int | None = None, r_v: int | None = None):

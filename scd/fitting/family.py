@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from scd.fitting.calibrate import pad
-from scd.fitting.gram import JointGram
+from scd.fitting.gram import JointGram, TokenStats
 from scd.fitting.traces import valid_rows
 from scd.online.artifacts import code_groups
 from scd.online.models import ModelSpec
@@ -40,52 +40,68 @@ def split(codec: LinearCodec, widths: list[int]) -> list[LinearCodec]:
         raise ValueError(f"member widths {widths} do not add up to the decoder's {codec.dec.shape[1]} columns")
     out, col = [], 0
     for w in widths:
+        table = None if codec.table is None else codec.table[:, col:col + w].contiguous()
         out.append(LinearCodec(codec.mu_a, codec.enc, codec.mu_b[col:col + w].contiguous(),
-                               codec.dec[:, col:col + w].contiguous()))
+                               codec.dec[:, col:col + w].contiguous(), table, codec.table_ids))
         col += w
     return out
 
 
-def fit_codec(gram: JointGram, rank: int, ridge: float, regression: bool) -> LinearCodec:
-    """A pair's closed-form fit at `rank`: reduced-rank regression (hidden-state codes; below full rank of
-    B it is zero-padded to `rank`) or the joint SVD (per-head codes)."""
-    return gram.fit_regression(min(rank, gram.d_b), ridge).padded(rank) if regression else gram.fit(rank, ridge)
+def fit_codec(gram: JointGram, rank: int, ridge: float, regression: bool, tokens: TokenStats | None = None,
+              shrink: float = 1.0) -> LinearCodec:
+    """A pair's closed-form fit at `rank`: reduced-rank regression (hidden-state codes, with a token table
+    when `tokens` are given; below full rank of B it is zero-padded to `rank`) or the joint SVD (per-head
+    codes)."""
+    if not regression:
+        return gram.fit(rank, ridge)
+    return gram.fit_regression(min(rank, gram.d_b), ridge, tokens, shrink).padded(rank)
 
 
-def refit_decoder(codec: LinearCodec, gram: JointGram, ridge: float) -> LinearCodec:
+def refit_decoder(codec: LinearCodec, gram: JointGram, ridge: float, tokens: TokenStats | None = None,
+                  shrink: float = 1.0) -> LinearCodec:
     """`codec`'s encoder with the decoder that rebuilds B best, in least squares, from its code on the rows
     of `gram` (a Gram of [A | B]): B ~ mu_b + (A - mu_a) E D with D = (E^T C_AA E + lam I)^-1 E^T C_AB and
     mu_b = mean(B) - (mean(A) - mu_a) E D. `ridge` is relative to the codes' mean variance; code columns
-    that carry nothing (zero-padded) get zero decoder rows."""
+    that carry nothing (zero-padded) get zero decoder rows. With `tokens` (per-token sums of the same
+    rows) the decoder gets a token table: D is fitted on the covariance with the token means taken out
+    (JointGram.cov) and the table holds each token's mean residual (TokenStats.table)."""
     if gram.d_a != codec.enc.shape[0] or gram.d_b != codec.dec.shape[1]:
         raise ValueError(f"a Gram of [{gram.d_a} | {gram.d_b}] columns cannot refit a decoder of a codec "
                          f"{tuple(codec.enc.shape)} -> {tuple(codec.dec.shape)}")
     if gram.n == 0:
         raise ValueError("no rows accumulated")
     da, e = gram.d_a, codec.enc.double()
-    mu, cov = gram.s / gram.n, gram.cov()
+    mu, cov = gram.s / gram.n, gram.cov(tokens, shrink)
     c_zz, c_zb = e.T @ cov[:da, :da] @ e, e.T @ cov[:da, da:]
     lam = ridge * c_zz.diagonal().mean().clamp(min=1e-12)
     dec = torch.linalg.solve(c_zz + lam * torch.eye(e.shape[1], dtype=e.dtype), c_zb)
     mu_b = mu[da:] - (mu[:da] - codec.mu_a.double()) @ e @ dec
-    return LinearCodec(codec.mu_a, codec.enc, mu_b.float(), dec.float().contiguous())
+    table = None if tokens is None else tokens.table(mu, e @ dec, shrink)
+    return LinearCodec(codec.mu_a, codec.enc, mu_b.float(), dec.float().contiguous(), table,
+                       None if tokens is None else tokens.ids)
 
 
 def fit_family(gram: JointGram, n: int, rank: int, ridge: float, regression: bool,
-               own: list[JointGram] | None = None) -> list[LinearCodec]:
+               own: list[JointGram] | None = None, tokens: TokenStats | None = None,
+               own_tokens: list[TokenStats] | None = None, shrink: float = 1.0) -> list[LinearCodec]:
     """The family's shared-encoder codecs, one per member, from a Gram whose B holds n equal member blocks;
-    with `own` (per member a Gram of [A | B_j] over its own rows), each member's decoder refitted on them."""
+    with `own` (per member a Gram of [A | B_j] over its own rows), each member's decoder refitted on them.
+    With `tokens` (the family rows' per-token sums) the shared code is fitted beside a token table, and
+    with `own_tokens` each member's refitted decoder has its own table, from its own rows."""
     if gram.d_b % n:
         raise ValueError(f"a family Gram of {gram.d_b} target columns cannot hold {n} equal member blocks")
-    members = split(fit_codec(gram, rank, ridge, regression), [gram.d_b // n] * n)
+    members = split(fit_codec(gram, rank, ridge, regression, tokens, shrink), [gram.d_b // n] * n)
     if own is None:
         return members
-    if len(own) != n:
+    if len(own) != n or (own_tokens is not None and len(own_tokens) != n):
         raise ValueError(f"{len(own)} member Grams for a family of {n}")
-    return [refit_decoder(m, g, ridge) for m, g in zip(members, own)]
+    return [refit_decoder(m, g, ridge, None if own_tokens is None else own_tokens[j], shrink)
+            for j, (m, g) in enumerate(zip(members, own))]
 
 
-Grams = dict[str, list[JointGram | None]]        # per stream ("x", or "k" and "v"), per layer (None: no code there)
+# per stream ("x", or "k" and "v"), per layer (None: no code there); with token tables, "t": per hidden-state
+# code the per-token sums of the same rows
+Grams = dict[str, list[JointGram | TokenStats | None]]
 
 
 def member_batches(prefixes: list[list[torch.Tensor]], batch: int, pad_id: int | None, desc: str):
@@ -97,25 +113,29 @@ def member_batches(prefixes: list[list[torch.Tensor]], batch: int, pad_id: int |
 
 
 def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[list[torch.Tensor]], hidden: bool,
-               batch: int, pad_id: int | None, x_group: int = 1) -> tuple[Grams, list[Grams]]:
+               batch: int, pad_id: int | None, x_group: int = 1, token_table: int = 0) -> tuple[Grams, list[Grams]]:
     """Family Gram matrices from one pass over every member's own prefixes (`prefixes[j]`, member j's):
     per hidden-state code (at each layer >= 1, or the first layer of each group of x_group layers),
     [x_A of its layers | (K_j, V_j of its layers)_j], or per layer, per-head codes [K_A | K_j...] and
     [V_A | V_j...] (every layer), over all the rows; and per member j the Gram of [A | B_j] over its own
-    rows only (its decoders' fit, and its pair fit). Returns (family Grams, each member's own)."""
+    rows only (its decoders' fit, and its pair fit). With `token_table` (hidden-state codes), the same
+    rows' per-token sums ("t") for the most frequent tokens of all the prefixes, and of a member's own.
+    Returns (family Grams, each member's own)."""
     n, L = len(consumers), spec.num_layers
     m, d, hid = spec.num_kv_heads * spec.head_dim, spec.head_dim, spec.hidden_size
     groups = code_groups(spec.num_layers, x_group)
 
-    def grams(members: int) -> Grams:
+    def grams(members: int, mine: list[torch.Tensor]) -> Grams:
         if hidden:
-            out: Grams = {"x": [None] * L}
+            out: Grams = {"x": [None] * L, **({"t": [None] * L} if token_table else {})}
             for g in groups:
                 out["x"][g[0]] = JointGram(len(g) * hid, members * len(g) * 2 * m)
+                if token_table:
+                    out["t"][g[0]] = TokenStats.most_frequent(mine, token_table, len(g) * hid, members * len(g) * 2 * m)
             return out
         return {"k": [JointGram(d, members * d) for _ in range(L)], "v": [JointGram(d, members * d) for _ in range(L)]}
 
-    fam, own = grams(n), [grams(1) for _ in range(n)]
+    fam, own = grams(n, [p for mine in prefixes for p in mine]), [grams(1, mine) for mine in prefixes]
     for src, ids, mask in member_batches(prefixes, batch, pad_id, "family traces"):
         keep = mask.bool()
         a = capture(producer, ids, mask, want_xnorm=hidden)
@@ -128,6 +148,9 @@ def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[list[t
                                       for l in g], 1) for b in bs]
                 fam["x"][g[0]].update(x_a, torch.cat(targets, 1))
                 own[src]["x"][g[0]].update(x_a, targets[src])
+                if token_table:
+                    fam["t"][g[0]].update(ids[keep], x_a, torch.cat(targets, 1))
+                    own[src]["t"][g[0]].update(ids[keep], x_a, targets[src])
             continue
         for l in range(L):
             for s, t_a, t_b in (("k", a.content[l], [b.content[l] for b in bs]),
@@ -155,10 +178,12 @@ def load_grams(path: Path, spec: ModelSpec, hidden: bool, members: int, x_group:
 
     def grams(prefix: str) -> Grams:
         if hidden:
-            out: list[JointGram | None] = [None] * spec.num_layers
+            out: Grams = {"x": [None] * spec.num_layers}
             for g in code_groups(spec.num_layers, x_group):
-                out[g[0]] = JointGram.from_tensors(t, f"{prefix}x.{g[0]}", len(g) * spec.hidden_size)
-            return {"x": out}
+                out["x"][g[0]] = JointGram.from_tensors(t, f"{prefix}x.{g[0]}", len(g) * spec.hidden_size)
+                if f"{prefix}t.{g[0]}.ids" in t:
+                    out.setdefault("t", [None] * spec.num_layers)[g[0]] = TokenStats.from_tensors(t, f"{prefix}t.{g[0]}")
+            return out
         return {s: [JointGram.from_tensors(t, f"{prefix}{s}.{l}", spec.head_dim) for l in range(spec.num_layers)]
                 for s in "kv"}
 

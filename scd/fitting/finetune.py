@@ -82,7 +82,7 @@ def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
             z = z + (codec.wire_round(z, art.code_dtype) - z).detach()
         else:
             z = _code(b, src, "z_x")
-        y = z @ c.dec + c.mu_b                                  # (B, T, 2 n_kv d) per layer of the group
+        y = c.decode(z, b["ids"])                               # (B, T, 2 n_kv d) per layer of the group
         bt = y.shape[:2]
         for l in layers:
             i = art.hidden_source(l)[1] * 2 * m
@@ -115,8 +115,7 @@ def _state(art: PairArtifacts) -> dict:
     hidden = art.hidden_codes()
     return {"aligners": {l: {k: t.detach().clone() for k, t in art.aligners[l].state_dict().items()}
                          for l in art.patch_layers},
-            "hidden": {l: LinearCodec(*(t.detach().clone() for t in (c.mu_a, c.enc, c.mu_b, c.dec)))
-                       for l, c in art.reuse_x.items() if l in hidden}}
+            "hidden": {l: c.map(lambda t: t.detach().clone()) for l, c in art.reuse_x.items() if l in hidden}}
 
 
 def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: Callable[[PairArtifacts], float],
@@ -132,9 +131,10 @@ def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: C
     for l in hidden:
         c = art.reuse_x[l]
         own = lambda t, train: t.detach().clone().requires_grad_(train)  # noqa: E731
-        art.reuse_x[l] = LinearCodec(own(c.mu_a, encoders), own(c.enc, encoders), own(c.mu_b, True), own(c.dec, True))
+        art.reuse_x[l] = LinearCodec(own(c.mu_a, encoders), own(c.enc, encoders), own(c.mu_b, True), own(c.dec, True),
+                                     None if c.table is None else own(c.table, True), c.table_ids)
     params = [q for l in art.patch_layers for q in art.aligners[l].parameters()]
-    params += [t for l in hidden for t in vars(art.reuse_x[l]).values() if t.requires_grad]
+    params += [t for l in hidden for t in vars(art.reuse_x[l]).values() if t is not None and t.requires_grad]
     frozen = [q for q in consumer.parameters() if q.requires_grad]
     batches = []
     for i in tqdm(range(0, len(samples), batch), desc="finetune batches", disable=not progress):

@@ -37,23 +37,42 @@ class JointGram:
         """Eigenvalues of the joint covariance, descending (for choosing ranks)."""
         return torch.linalg.eigvalsh(self.cov()).flip(0).clamp(min=0)
 
-    def cov(self) -> torch.Tensor:
-        """The covariance of the rows [A B] (population, float64)."""
+    def cov(self, tokens: "TokenStats | None" = None, shrink: float = 1.0) -> torch.Tensor:
+        """The covariance of the rows [A B] (population, float64). With `tokens` (the same rows' per-token
+        sums), what is left of it once each token's mean, ridge-shrunk by `shrink` rows, is taken out:
+        C - S^T diag(1 / (n + shrink)) S / N over the centred per-token sums S = [S_A S_B]. A least-squares fit
+        on it is the fit of the model with a free row per token (fit_regression)."""
         mu = self.s / self.n
-        return self.g / self.n - torch.outer(mu, mu)
+        cov = self.g / self.n - torch.outer(mu, mu)
+        if tokens is None:
+            return cov
+        if (tokens.d_a, tokens.d_b) != (self.d_a, self.d_b):
+            raise ValueError(f"token sums of widths {(tokens.d_a, tokens.d_b)} for a Gram of {(self.d_a, self.d_b)}")
+        if shrink <= 0:
+            raise ValueError(f"shrink must be > 0, got {shrink}")
+        s = torch.cat(tokens.centred(mu[:self.d_a], mu[self.d_a:]), 1)                  # (K, d_a + d_b)
+        return cov - (s.T / (tokens.n + shrink)) @ s / self.n
 
-    def fit_regression(self, rank: int, ridge: float = 1e-4) -> LinearCodec:
+    def fit_regression(self, rank: int, ridge: float = 1e-4, tokens: "TokenStats | None" = None,
+                       shrink: float = 1.0) -> LinearCodec:
         """Reduced-rank regression of B on A: the rank-`rank` linear map from A that predicts B best in least
         squares (ridge OLS B_hat = A W, then the top principal directions of B_hat). Encoder (d_a, r) and
         decoder (r, d_b) as a LinearCodec. Used for Reuse from hidden states, where A is the producer's
         x_norm and B the consumer's K and V of every head: unlike the joint SVD it spends its rank only on
-        what A can predict, and it maps all heads at once."""
+        what A can predict, and it maps all heads at once.
+
+        With `tokens` (the same rows' per-token sums) the model is B = mu + A W + T[token]: a table row per
+        token of `tokens`, ridge-shrunk towards 0 by `shrink` (in rows: a token seen n times keeps
+        n / (n + shrink) of its mean residual). The table is free on the wire (the consumer has the token ids),
+        so the code is fitted to what the table cannot say: W is the reduced-rank regression on the covariance
+        with the token means taken out (cov(tokens, shrink)), and T = (S_B - S_A W) / (n + shrink) for the
+        rank-r W (TokenStats.table)."""
         if self.n == 0:
             raise ValueError("no rows accumulated")
         if not 1 <= rank <= self.d_b:
             raise ValueError(f"rank must be in [1, {self.d_b}], got {rank}")
         da = self.d_a
-        mu, cov = self.s / self.n, self.cov()
+        mu, cov = self.s / self.n, self.cov(tokens, shrink)
         c_aa, c_ab = cov[:da, :da], cov[:da, da:]
         lam = ridge * c_aa.diagonal().mean().clamp(min=1e-12)
         w = torch.linalg.solve(c_aa + lam * torch.eye(da, dtype=cov.dtype), c_ab)        # (d_a, d_b)
@@ -62,7 +81,9 @@ class JointGram:
         # whitened codes: each column has unit variance (the decoder scales it back), so a quantised row's one
         # scale suits all its columns instead of being set by the first, widest one
         sd = var.clamp(min=var.max() * 1e-12).sqrt()
-        return LinearCodec(mu[:da].float(), (w @ v / sd).float(), mu[da:].float(), (sd[:, None] * v.T).contiguous().float())
+        table = None if tokens is None else tokens.table(mu, w @ v @ v.T, shrink)
+        return LinearCodec(mu[:da].float(), (w @ v / sd).float(), mu[da:].float(),
+                           (sd[:, None] * v.T).contiguous().float(), table, None if tokens is None else tokens.ids)
 
     def fit(self, rank: int, ridge: float = 1e-4) -> LinearCodec:
         """Truncated joint SVD at `rank` + ridge encoder; `ridge` is relative to the mean variance of A."""
@@ -79,3 +100,54 @@ class JointGram:
         # cov(A, Z) = cov(A, X) V_r ; W_enc = (C_AA + lam I)^-1 cov(A, Z)
         enc = torch.linalg.solve(c_aa + lam * torch.eye(da, dtype=cov.dtype), cov[:da, :] @ v)
         return LinearCodec(mu[:da].float(), enc.float(), mu[da:].float(), v[da:].T.contiguous().float())
+
+
+class TokenStats:
+    """Per-token sums of paired rows [A B] for the tokens of a table (`ids`): counts, sums of A and of B, in
+    float64. With a JointGram of the same rows they give the fit with a token table (JointGram.fit_regression)."""
+
+    def __init__(self, ids: torch.Tensor, d_a: int, d_b: int):
+        self.ids = torch.as_tensor(ids, dtype=torch.long).unique()      # sorted
+        self.d_a, self.d_b = d_a, d_b
+        k = len(self.ids)
+        self.n = torch.zeros(k, dtype=torch.float64)
+        self.sa = torch.zeros(k, d_a, dtype=torch.float64)
+        self.sb = torch.zeros(k, d_b, dtype=torch.float64)
+
+    @classmethod
+    def most_frequent(cls, sequences, k: int, d_a: int, d_b: int) -> "TokenStats":
+        """For the k tokens that occur most often in `sequences` (1-D token id tensors; ties: lower id first)."""
+        ids = torch.cat([torch.as_tensor(s).flatten() for s in sequences]).long()
+        uniq, counts = ids.unique(return_counts=True)
+        order = sorted(range(len(uniq)), key=lambda i: (-int(counts[i]), int(uniq[i])))[:k]
+        return cls(uniq[order], d_a, d_b)
+
+    def update(self, tokens: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """tokens (N,) with their rows a (N, d_a), b (N, d_b); tokens outside the table are skipped."""
+        tokens = tokens.reshape(-1).long()
+        at = torch.searchsorted(self.ids, tokens).clamp(max=max(len(self.ids) - 1, 0))
+        hit = (self.ids[at] == tokens) if len(self.ids) else torch.zeros_like(tokens, dtype=torch.bool)
+        rows = at[hit]
+        self.n.index_add_(0, rows, torch.ones(len(rows), dtype=torch.float64))
+        self.sa.index_add_(0, rows, a.reshape(-1, self.d_a)[hit].double())
+        self.sb.index_add_(0, rows, b.reshape(-1, self.d_b)[hit].double())
+
+    def centred(self, mu_a: torch.Tensor, mu_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sums of (A - mu_a) and of (B - mu_b) per token: (K, d_a), (K, d_b)."""
+        return self.sa - self.n[:, None] * mu_a, self.sb - self.n[:, None] * mu_b
+
+    def table(self, mu: torch.Tensor, m: torch.Tensor, shrink: float) -> torch.Tensor:
+        """(K, d_b) float32: each token's mean residual of B - mu_B - (A - mu_A) m, shrunk by `shrink` rows
+        (mu = [mu_A mu_B], the Gram's means; m (d_a, d_b) the linear map the table completes)."""
+        s_a, s_b = self.centred(mu[:self.d_a], mu[self.d_a:])
+        return ((s_b - s_a @ m.to(s_a.dtype)) / (self.n + shrink)[:, None]).float()
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.ids": self.ids, f"{prefix}.n": self.n, f"{prefix}.sa": self.sa, f"{prefix}.sb": self.sb}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> "TokenStats":
+        sa, sb = t[f"{prefix}.sa"], t[f"{prefix}.sb"]
+        out = cls(t[f"{prefix}.ids"], sa.shape[1], sb.shape[1])
+        out.n, out.sa, out.sb = t[f"{prefix}.n"], sa, sb
+        return out

@@ -150,15 +150,21 @@ class PairArtifacts:
 
     def hidden_decoders(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Decoders of the given hidden layers (a grouped code's decoder columns of each layer) split into
-        their K and V halves and stacked, made once: (dec_k (L, r_x, n_kv d), mu_k (L, n_kv d), dec_v, mu_v)."""
+        their K and V halves and stacked, made once: (dec_k (L, r_x, n_kv d), mu_k (L, n_kv d), dec_v, mu_v).
+        With token tables mu_k and mu_v are each layer's biases, (L, K + 1, n_kv d): index them with
+        reuse_x[code].table_rows(token_ids)."""
         key = ("hidden", layers, dtype)
         if key not in self.derived:
             m = self.spec.num_kv_heads * self.spec.head_dim
             sources = [self.hidden_source(l) for l in layers]               # (code, place in its group)
             dec = torch.stack([self.reuse_x[s].dec[:, i * 2 * m:(i + 1) * 2 * m] for s, i in sources]).to(dtype)
-            mu = torch.stack([self.reuse_x[s].mu_b[i * 2 * m:(i + 1) * 2 * m] for s, i in sources]).to(dtype)
-            self.derived[key] = (dec[..., :m].contiguous(), mu[:, :m].contiguous(), dec[..., m:].contiguous(),
-                                 mu[:, m:].contiguous())
+            tabled = {self.reuse_x[s].table is not None for s, _ in sources}
+            if len(tabled) > 1:
+                raise ValueError(f"{self.pair}: some hidden-state codecs have token tables and some do not")
+            mu = torch.stack([(self.reuse_x[s].biases() if tabled == {True} else self.reuse_x[s].mu_b)
+                              [..., i * 2 * m:(i + 1) * 2 * m] for s, i in sources]).to(dtype)
+            self.derived[key] = (dec[..., :m].contiguous(), mu[..., :m].contiguous(), dec[..., m:].contiguous(),
+                                 mu[..., m:].contiguous())
         return self.derived[key]
 
     @property

@@ -176,13 +176,16 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         dec_k, mu_k, dec_v, mu_v = art.hidden_decoders(tuple(hidden), dtype)
         r = codes.layers[art.hidden_source(hidden[0])[0]]["z_x"].shape[-1]
         buf = torch.empty(b * t, r, dtype=dtype, device=cos.device)           # every code, in turn
-        src = None
+        src = rows = None
         for i, l in enumerate(hidden):
             if (s := art.hidden_source(l)[0]) != src:   # the layers of a group share their code: dequantised once
                 src = s
                 z = dense(codes.layers[src]["z_x"], dtype, buf).reshape(b * t, -1)
-            k = torch.addmm(mu_k[i], z, dec_k[i, :r]).view(b, t, -1)
-            kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(mu_v[i], z, dec_v[i, :r]).view(b, t, -1)))
+                if mu_k.dim() == 3:                     # token tables: each token's bias row
+                    rows = art.reuse_x[src].table_rows(codes.token_ids.reshape(-1))
+            bias_k, bias_v = (mu_k[i], mu_v[i]) if rows is None else (mu_k[i][rows], mu_v[i][rows])
+            k = torch.addmm(bias_k, z, dec_k[i, :r]).view(b, t, -1)
+            kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(bias_v, z, dec_v[i, :r]).view(b, t, -1)))
     t_patch = time.perf_counter()
     if patch := by_kind["patch"]:                       # all Patch layers at once
         x0 = tables.x0(codes.token_ids) if art.aligner_tokens and not tables.vocab_kept else None

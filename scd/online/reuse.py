@@ -7,23 +7,39 @@ online, so its encoder is a ridge regression from A alone: W_enc = argmin |(A - 
 Everything is computed from the (2d x 2d) Gram matrix, accumulated in float64 over streamed chunks.
 
 Online: Z = (A - mu_A) W_enc  (producer) ;  B_hat = mu_B + Z W_dec_B  (consumer).
+A hidden-state codec may also carry a token table (scd.fitting.gram.TokenStats): a row per token id of the
+calibration's most frequent tokens, added to what the code decodes. The consumer has the token ids (they are
+in the payload), so the part of its K and V that is a function of the token alone costs no payload; a linear
+map of the producer's features cannot express such a lookup.
 The latent's columns come in order of singular value, so a code's leading columns are a code of lower rank
 (nested ranks: one artifact serves several payload sizes, see PairArtifacts.levels).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 
 @dataclass
 class LinearCodec:
-    """Producer encoder and consumer decoder for one layer/stream. Shapes: enc (d_a, r), dec (r, d_b)."""
+    """Producer encoder and consumer decoder for one layer/stream. Shapes: enc (d_a, r), dec (r, d_b); with a
+    token table, table (K, d_b) is added to the decoded rows of the tokens in table_ids (K,), sorted."""
     mu_a: torch.Tensor
     enc: torch.Tensor
     mu_b: torch.Tensor
     dec: torch.Tensor
+    table: torch.Tensor | None = None
+    table_ids: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if (self.table is None) != (self.table_ids is None):
+            raise ValueError("a token table needs both its rows and their token ids")
+        if self.table is not None and (self.table.shape != (len(self.table_ids), self.dec.shape[1])
+                                       or not bool((self.table_ids[1:] > self.table_ids[:-1]).all())):
+            raise ValueError(f"token table {tuple(self.table.shape)} must have one row of width {self.dec.shape[1]} "
+                             f"per token id, and its {len(self.table_ids)} ids must be sorted and distinct")
 
     @property
     def rank(self) -> int:
@@ -35,9 +51,33 @@ class LinearCodec:
         decoding them with the decoder's first r' rows is that fit's reconstruction."""
         return (a - self.mu_a) @ (self.enc if rank is None else self.enc[:, :rank])
 
-    def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """(..., r) -> (..., d_b)"""
-        return z @ self.dec + self.mu_b
+    def decode(self, z: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., r) -> (..., d_b); a codec with a token table needs the rows' token ids (...)."""
+        return z @ self.dec[:z.shape[-1]] + self.bias(token_ids)
+
+    def bias(self, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """What the decoder adds to the code's map: mu_b, plus each token's table row with a table
+        ((..., d_b) then; tokens not in the table get mu_b alone)."""
+        if self.table is None:
+            return self.mu_b
+        if token_ids is None:
+            raise ValueError("this codec has a token table: decoding needs the token ids")
+        return self.biases()[self.table_rows(token_ids)]
+
+    def table_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's row of biases(): its table row, or the last row (mu_b alone) if it has none."""
+        ids = self.table_ids.to(token_ids.device)
+        at = torch.searchsorted(ids, token_ids).clamp(max=len(ids) - 1)
+        return torch.where(ids[at] == token_ids, at, len(ids))
+
+    def biases(self) -> torch.Tensor:
+        """(K + 1, d_b): mu_b plus each table row, then mu_b alone."""
+        return torch.cat([self.table + self.mu_b, self.mu_b[None]])
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "LinearCodec":
+        """The same codec with fn applied to each of its float tensors (table ids are kept as they are)."""
+        return LinearCodec(fn(self.mu_a), fn(self.enc), fn(self.mu_b), fn(self.dec),
+                           None if self.table is None else fn(self.table), self.table_ids)
 
     def padded(self, rank: int) -> "LinearCodec":
         """The same map with zero code columns appended up to `rank` (a shorter group's code at the rank of
@@ -46,15 +86,17 @@ class LinearCodec:
         if extra <= 0:
             return self
         return LinearCodec(self.mu_a, torch.nn.functional.pad(self.enc, (0, extra)), self.mu_b,
-                           torch.nn.functional.pad(self.dec, (0, 0, 0, extra)))
+                           torch.nn.functional.pad(self.dec, (0, 0, 0, extra)), self.table, self.table_ids)
 
     def to(self, device) -> "LinearCodec":
-        return LinearCodec(self.mu_a.to(device), self.enc.to(device), self.mu_b.to(device), self.dec.to(device))
+        out = self.map(lambda t: t.to(device))
+        if out.table_ids is not None:
+            out.table_ids = out.table_ids.to(device)
+        return out
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.{k}": v.contiguous() for k, v in
-                (("mu_a", self.mu_a), ("enc", self.enc), ("mu_b", self.mu_b), ("dec", self.dec))}
+        return {f"{prefix}.{k}": v.contiguous() for k, v in vars(self).items() if v is not None}
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> "LinearCodec":
-        return cls(t[f"{prefix}.mu_a"], t[f"{prefix}.enc"], t[f"{prefix}.mu_b"], t[f"{prefix}.dec"])
+        return cls(*(t.get(f"{prefix}.{k}") for k in ("mu_a", "enc", "mu_b", "dec", "table", "table_ids")))
