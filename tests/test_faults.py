@@ -161,7 +161,8 @@ def test_overload_answers_503_with_retry_after_and_then_serves_again(served_faul
         def full():
             seen.append(_health(url))
             return seen[-1][1].get("inflight") == 6
-        assert wait_for(full, 120, every_s=0.2), f"router never full; last /healthz: {seen[-1]}"
+        assert wait_for(full, 120, every_s=0.2), (f"router never full; last /healthz: {seen[-1]}; requests that "
+                                                  f"already returned: {[f.result() for f in futures if f.done()]}")
         req = urllib.request.Request(url + "/v1/completions", json.dumps(
             {"model": "qa", "prompt": PREFIX + "One too many.", "max_tokens": 2}).encode(),
             {"Content-Type": "application/json"})
