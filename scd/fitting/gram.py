@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from scd.online.reuse import LinearCodec
+from scd.online.reuse import LinearCodec, rows_of
 
 
 class JointGram:
@@ -124,9 +124,8 @@ class TokenStats:
 
     def update(self, tokens: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """tokens (N,) with their rows a (N, d_a), b (N, d_b); tokens outside the table are skipped."""
-        tokens = tokens.reshape(-1).long()
-        at = torch.searchsorted(self.ids, tokens).clamp(max=max(len(self.ids) - 1, 0))
-        hit = (self.ids[at] == tokens) if len(self.ids) else torch.zeros_like(tokens, dtype=torch.bool)
+        at = rows_of(self.ids, tokens.reshape(-1).long())
+        hit = at < len(self.ids)
         rows = at[hit]
         self.n.index_add_(0, rows, torch.ones(len(rows), dtype=torch.float64))
         self.sa.index_add_(0, rows, a.reshape(-1, self.d_a)[hit].double())

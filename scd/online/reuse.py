@@ -22,6 +22,14 @@ from typing import Callable
 import torch
 
 
+def rows_of(table_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each token's index in `table_ids` (sorted, distinct), or len(table_ids) for a token not in it."""
+    if len(table_ids) == 0:
+        return torch.zeros_like(tokens)
+    at = torch.searchsorted(table_ids, tokens).clamp(max=len(table_ids) - 1)
+    return torch.where(table_ids[at] == tokens, at, len(table_ids))
+
+
 @dataclass
 class LinearCodec:
     """Producer encoder and consumer decoder for one layer/stream. Shapes: enc (d_a, r), dec (r, d_b); with a
@@ -66,9 +74,7 @@ class LinearCodec:
 
     def table_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Each token's row of biases(): its table row, or the last row (mu_b alone) if it has none."""
-        ids = self.table_ids.to(token_ids.device)
-        at = torch.searchsorted(ids, token_ids).clamp(max=len(ids) - 1)
-        return torch.where(ids[at] == token_ids, at, len(ids))
+        return rows_of(self.table_ids.to(token_ids.device), token_ids)
 
     def biases(self) -> torch.Tensor:
         """(K + 1, d_b): mu_b plus each table row, then mu_b alone."""
