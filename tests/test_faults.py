@@ -16,7 +16,8 @@ from tests.conftest import DEMO, free_port, write_config
 from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, holding_qa, wait_for
 
 NS = "scd-test-faults"
-BACK_WITHIN_S = 90          # producer restart + model and artifact load, on a busy 2-core machine
+BACK_WITHIN_S = 240         # producer restart + model and artifact load, on a 2-core machine as busy as two
+                            # CPU-bound processes beside the test (the test prints the time it took)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def _ask(url, i: int):
     """(seconds since epoch when sent, status, mode or error)."""
     sent = time.time()
     status, out = _post(url + "/v1/completions", {"model": "qa", "prompt": PREFIX + f"Load {i}. Question:",
-                                                   "max_tokens": 4}, timeout=300)
+                                                   "max_tokens": 4}, timeout=600)
     if status != 200:
         return sent, status, out.get("error", out)
     return sent, status, out["scd"]["mode"] + (f":{out['scd']['reason']}" if out["scd"]["reason"] else "")
@@ -98,7 +99,7 @@ def test_specialist_replica_killed_under_its_requests_loses_none(served_faults):
     url, _, _ = served_faults
     with holding_qa(NS) as gate, concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(_ask, url, 100 + i) for i in range(3)]
-        assert wait_for(lambda: ray.get(gate.held.remote()) == 3, 120, every_s=0.2), "requests never held"
+        assert wait_for(lambda: ray.get(gate.held.remote()) == 3, 300, every_s=0.2), "requests never held"
         (replica,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
                       if a.class_name.endswith("specialist-qa")]
         ray.kill(ray.get_actor(replica.name, namespace="serve"), no_restart=True)
@@ -161,7 +162,7 @@ def test_overload_answers_503_with_retry_after_and_then_serves_again(served_faul
         def full():
             seen.append(_health(url))
             return seen[-1][1].get("inflight") == 6
-        assert wait_for(full, 120, every_s=0.2), (f"router never full; last /healthz: {seen[-1]}; requests that "
+        assert wait_for(full, 300, every_s=0.2), (f"router never full; last /healthz: {seen[-1]}; requests that "
                                                   f"already returned: {[f.result() for f in futures if f.done()]}")
         req = urllib.request.Request(url + "/v1/completions", json.dumps(
             {"model": "qa", "prompt": PREFIX + "One too many.", "max_tokens": 2}).encode(),
