@@ -196,3 +196,31 @@ def test_a_token_table_rebuilds_what_the_probe_decodes_and_fits_better_than_none
     with_table = _calibration_error(a, b, art, prefixes)
     without = _calibration_error(a, b, plain.artifacts_for(plain.base_plan), prefixes)
     assert with_table < without, f"K/V error with a token table {with_table:.4f}, without {without:.4f}"
+
+
+def test_the_probes_bigram_rows_land_on_their_keys_only():
+    """jobs.probe_cross_layer with bigram rows: a row keyed by (sequence start, 5) is added at the first
+    position of a sequence that starts with token 5, and not at a later 5 (key (9, 5)), nor at any other layer."""
+    from jobs.probe_cross_layer import CrossLayer
+    from scd.fitting.gram import bigram_keys
+    a, b = tiny_llama(0, layers=3), perturbed(tiny_llama(0, layers=3), 0.3, seed=1)
+    spec = ModelSpec.from_config(a.config)
+    d_a, d_b = 2 * a.config.hidden_size, 2 * 2 * spec.num_kv_heads * spec.head_dim
+    g = torch.Generator().manual_seed(0)
+    codec_x = LinearCodec(torch.zeros(d_a), torch.randn(d_a, 8, generator=g) * 0.1, torch.zeros(d_b),
+                          torch.randn(8, d_b, generator=g) * 0.1)
+    ids = torch.tensor([[5, 9, 5, 7]])
+    mask = torch.ones_like(ids)
+    trace = capture(a, ids, mask)
+    key = bigram_keys(torch.tensor([5]), spec.vocab_size)                 # (start, 5)
+    row = torch.zeros(1, d_b)
+    row[0, -1] = 1.0                                                       # the last V column of layer 2
+    plain = CrossLayer([([1, 2], codec_x)], spec).build(b, ids, mask, trace).kv
+    bumped = CrossLayer([([1, 2], codec_x)], spec, bigrams=[(key, row)]).build(b, ids, mask, trace).kv
+    diff = bumped[2][1] - plain[2][1]                                      # (B, n_kv, T, d): layer 2's V
+    want = torch.zeros_like(diff)
+    want[0, -1, 0, -1] = 1.0
+    err = (diff - want).abs().max().item()
+    assert err < 1e-5, f"the (start, 5) row landed elsewhere: max error {err:.2e}"
+    others = max((x - y).abs().max().item() for layer in (0, 1) for x, y in zip(bumped[layer], plain[layer]))
+    assert others < 1e-6, f"layers 0 and 1 moved by {others:.2e}"

@@ -83,6 +83,41 @@ def test_token_table_fit_equals_ridge_regression_with_one_hot_tokens():
     assert e_table < 0.05 * e_plain, f"the table should explain the token offsets: MSE {e_table:.3g} vs {e_plain:.3g}"
 
 
+def test_bigram_table_is_the_shrunk_mean_residual_after_code_and_token_row():
+    """A (previous token, token) table fitted in closed form from its keys' sums (TokenStats.table with the
+    token's row as prior) equals, per key, the mean over its rows of what the code and the token's row leave,
+    shrunk by n / (n + shrink), computed directly from the rows; and on rows whose targets carry a bigram
+    offset it lowers the error of the token table alone."""
+    from jobs.probe_cross_layer import bigram_table
+    from scd.fitting.gram import TokenStats, bigram_keys
+    from scd.online.reuse import rows_of
+    g = torch.Generator().manual_seed(3)
+    vocab, n = 6, 3000
+    tok = torch.randint(vocab, (n,), generator=g)                 # one sequence
+    keys = bigram_keys(tok, vocab)
+    a = torch.randn(n, 5, generator=g)
+    b = a @ torch.randn(5, 4, generator=g) + 3 * torch.randn(vocab, 4, generator=g)[tok] \
+        + 2 * torch.randn((vocab + 1) * vocab, 4, generator=g)[keys] + 0.05 * torch.randn(n, 4, generator=g)
+    gram, uni = JointGram(5, 4), TokenStats(torch.arange(vocab), 5, 4)
+    bi = TokenStats.most_frequent([keys], 20, 5, 4)
+    gram.update(a, b)
+    uni.update(tok, a, b)
+    bi.update(keys, a, b)
+    codec = gram.fit_regression(rank=4, ridge=0.0, tokens=uni, shrink=1.0)
+    shrink = 5.0
+    rows = bigram_table(gram, codec, bi, vocab, shrink)
+    resid = (b - codec.decode(codec.encode(a), tok)).double()
+    at = rows_of(bi.ids, keys)
+    for i in range(len(bi.ids)):
+        sel = resid[at == i]
+        want = sel.sum(0) / (len(sel) + shrink)
+        err = (rows[i].double() - want).abs().max().item()
+        assert err < 1e-4, f"bigram row {i} (key {int(bi.ids[i])}, {len(sel)} rows) differs by {err:.2e}"
+    with_bi = resid - torch.cat([rows, torch.zeros(1, 4)])[at].double()
+    e_bi, e_uni = (with_bi ** 2).mean().item(), (resid ** 2).mean().item()
+    assert e_bi < 0.8 * e_uni, f"the bigram rows should explain the bigram offsets: MSE {e_bi:.3g} vs {e_uni:.3g}"
+
+
 def test_token_table_at_low_rank_unknown_tokens_and_levels():
     """A rank-r fit with a table: tokens outside the table decode to the code's map plus mu_b alone, a lower
     level decodes with the decoder's leading rows, the table survives tensors(), and bad tables are refused."""

@@ -102,6 +102,13 @@ class JointGram:
         return LinearCodec(mu[:da].float(), enc.float(), mu[da:].float(), v[da:].T.contiguous().float())
 
 
+def bigram_keys(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(..., T) token ids of whole sequences -> their (previous token, token) keys, (prev + 1) * vocab + token,
+    with prev + 1 = 0 at a sequence's start: key % vocab is the token."""
+    prev = torch.nn.functional.pad(ids.long() + 1, (1, 0))[..., :-1]
+    return prev * vocab + ids.long()
+
+
 class TokenStats:
     """Per-token sums of paired rows [A B] for the tokens of a table (`ids`): counts, sums of A and of B, in
     float64. With a JointGram of the same rows they give the fit with a token table (JointGram.fit_regression)."""
@@ -135,11 +142,16 @@ class TokenStats:
         """The sums of (A - mu_a) and of (B - mu_b) per token: (K, d_a), (K, d_b)."""
         return self.sa - self.n[:, None] * mu_a, self.sb - self.n[:, None] * mu_b
 
-    def table(self, mu: torch.Tensor, m: torch.Tensor, shrink: float) -> torch.Tensor:
+    def table(self, mu: torch.Tensor, m: torch.Tensor, shrink: float, prior: torch.Tensor | None = None) -> torch.Tensor:
         """(K, d_b) float32: each token's mean residual of B - mu_B - (A - mu_A) m, shrunk by `shrink` rows
-        (mu = [mu_A mu_B], the Gram's means; m (d_a, d_b) the linear map the table completes)."""
+        (mu = [mu_A mu_B], the Gram's means; m (d_a, d_b) the linear map the table completes). With `prior`
+        (K, d_b), what is already added for each token (a bigram's unigram row: backoff), the residual after
+        it, so a rarely seen token keeps its prior."""
         s_a, s_b = self.centred(mu[:self.d_a], mu[self.d_a:])
-        return ((s_b - s_a @ m.to(s_a.dtype)) / (self.n + shrink)[:, None]).float()
+        resid = s_b - s_a @ m.to(s_a.dtype)
+        if prior is not None:
+            resid = resid - self.n[:, None] * prior.to(resid.dtype)
+        return (resid / (self.n + shrink)[:, None]).float()
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {f"{prefix}.ids": self.ids, f"{prefix}.n": self.n, f"{prefix}.sa": self.sa, f"{prefix}.sb": self.sb}
