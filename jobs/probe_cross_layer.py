@@ -27,10 +27,10 @@ from jobs import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting.calibrate import pad
-from scd.fitting.gram import JointGram, TokenStats, bigram_keys
+from scd.fitting.gram import JointGram, TokenStats
 from scd.online.artifacts import code_groups
 from scd.online.models import ModelSpec, load
-from scd.online.reuse import LinearCodec, rows_of
+from scd.online.reuse import LinearCodec, bigram_keys
 from scd.online.rope import apply_rope, positions_from_mask
 from scd.online.tables import consumer_tables
 from scd.online.trace import Trace, capture
@@ -51,22 +51,13 @@ def consumer_rows(trace: Trace, keep: torch.Tensor, layers: list[int]) -> torch.
     return torch.cat([torch.cat([rows(trace.content[l]), rows(trace.values[l])], 1) for l in layers], 1)
 
 
-def bigram_table(gram: JointGram, codec: LinearCodec, stats: TokenStats, vocab: int, shrink: float) -> torch.Tensor:
-    """(K, d_b): each (previous token, token) key's mean residual after the code and the token's own table
-    row (its prior: a key seen n times keeps n / (n + shrink) of what it adds to that row)."""
-    own = torch.cat([codec.table, torch.zeros(1, codec.table.shape[1])])[rows_of(codec.table_ids, stats.ids % vocab)]
-    return stats.table(gram.s / gram.n, codec.enc.double() @ codec.dec.double(), shrink, own)
-
-
 class CrossLayer(methods.Method):
-    """Reuse from one code per token per group of layers (fp16 on the wire); with `bigrams`, each group's
-    (bigram key ids, rows) added to the decoded rows of the keys it holds."""
+    """Reuse from one code per token per group of layers (fp16 on the wire)."""
 
-    def __init__(self, codecs: list[tuple[list[int], LinearCodec]], spec: ModelSpec, window: int = 1,
-                 bigrams: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
-        self.codecs, self.spec, self.window, self.bigrams = codecs, spec, window, bigrams
+    def __init__(self, codecs: list[tuple[list[int], LinearCodec]], spec: ModelSpec, window: int = 1):
+        self.codecs, self.spec, self.window = codecs, spec, window
         self.name = f"cross_layer_r{codecs[0][1].enc.shape[1]}" + (f"x{len(codecs)}" if len(codecs) > 1 else "") \
-            + (f"_w{window}" if window > 1 else "") + ("_bigram" if bigrams else "")
+            + (f"_w{window}" if window > 1 else "") + ("_bigram" if codecs[0][1].bigram is not None else "")
 
     def build(self, consumer, ids, mask, producer_trace):
         b, t = ids.shape
@@ -77,15 +68,11 @@ class CrossLayer(methods.Method):
         heads = lambda x: x.reshape(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)     # noqa: E731
         kv, nbytes = [(apply_rope(heads(k0), cos, sin), heads(v0))], 0
         keep = mask.bool()
-        keys = bigram_keys(ids, s.vocab_size)                        # unpadded rows (the evaluator's batches of one)
-        for i, (layers, codec) in enumerate(self.codecs):
+        keys = bigram_keys(ids, mask)
+        for layers, codec in self.codecs:
             z = codec.encode(producer_rows(producer_trace, keep, layers, self.window)).half().float()
             nbytes += z.numel() * 2
-            flat = codec.decode(z, ids[keep])
-            if self.bigrams:
-                key_ids, rows = self.bigrams[i]
-                flat = flat + torch.cat([rows, torch.zeros(1, rows.shape[1])])[rows_of(key_ids, keys[keep])]
-            pred = flat.view(b, t, len(layers), 2, -1)    # 2: K, V
+            pred = codec.decode(z, ids[keep], keys[keep]).view(b, t, len(layers), 2, -1)    # 2: K, V
             kv += [(apply_rope(heads(pred[:, :, i, 0]), cos, sin), heads(pred[:, :, i, 1])) for i in range(len(layers))]
         return methods.Built(kv, nbytes, 0.0)
 
@@ -138,30 +125,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
     grams = [JointGram(args.window * len(g) * spec.hidden_size, len(g) * kv_width) for g in layer_groups]
     tables = [TokenStats.most_frequent(calib, args.token_table, g.d_a, g.d_b) if args.token_table else None
               for g in grams]
-    vocab = spec.vocab_size
-    bigrams = [TokenStats.most_frequent([bigram_keys(torch.as_tensor(c), vocab) for c in calib], args.bigram_table,
+    bigrams = [TokenStats.most_frequent([bigram_keys(torch.as_tensor(c)) for c in calib], args.bigram_table,
                                         g.d_a, g.d_b) if args.bigram_table else None for g in grams]
     for start in tqdm(range(0, len(calib), cfg.calibration.batch), desc="cross-layer Gram"):
         ids, mask = pad(calib[start:start + cfg.calibration.batch], tok.pad_token_id)
         keep = mask.bool()
-        keys = torch.cat([bigram_keys(torch.as_tensor(c), vocab) for c in calib[start:start + cfg.calibration.batch]])
+        keys = bigram_keys(ids, mask)[keep]
         a, b = capture(producer, ids, mask), capture(consumer, ids, mask, want_xnorm=False)
-        for g, gram, table in zip(layer_groups, grams, tables):
+        for g, gram, table, bigram in zip(layer_groups, grams, tables, bigrams):
             rows_a, rows_b = producer_rows(a, keep, g, args.window), consumer_rows(b, keep, g)
             gram.update(rows_a, rows_b)
             if table is not None:
                 table.update(ids[keep], rows_a, rows_b)
-            if bigrams[0] is not None:
-                bigrams[layer_groups.index(g)].update(keys, rows_a, rows_b)
+            if bigram is not None:
+                bigram.update(keys, rows_a, rows_b)
     ways = [methods.RawKV()]
     for r in ranks:
-        codecs = [(g, gram.fit_regression(min(r, gram.d_b), cfg.calibration.ridge, table, args.token_shrink))
-                  for g, gram, table in zip(layer_groups, grams, tables)]
-        ways.append(CrossLayer(codecs, spec, args.window))
-        if args.bigram_table:
-            ways.append(CrossLayer(codecs, spec, args.window, [
-                (st.ids, bigram_table(gram, codec, st, vocab, args.bigram_shrink))
-                for (_, codec), gram, st in zip(codecs, grams, bigrams)]))
+        for with_bigrams in (False, True)[:1 + bool(args.bigram_table)]:
+            ways.append(CrossLayer([(g, gram.fit_regression(min(r, gram.d_b), cfg.calibration.ridge, table,
+                                                            args.token_shrink, bigram if with_bigrams else None,
+                                                            args.bigram_shrink))
+                                    for g, gram, table, bigram in zip(layer_groups, grams, tables, bigrams)],
+                                   spec, args.window))
     rows = Evaluator(producer, consumer, tok).run(held, ways, desc=f"held-out {args.pair}")
     raw = rows[0]["kl"]
     print(f"\n{args.pair}: one code per token per group of layers ({len(layer_groups)} groups of {len(layer_groups[0])}), "

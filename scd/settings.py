@@ -58,6 +58,12 @@ class CalibConfig(BaseModel):
         "function of the token alone, which no linear map of the producer's features expresses"))
     token_shrink: float = Field(1.0, gt=0, description=(
         "ridge of the token table, in rows: a token seen n times keeps n / (n + token_shrink) of its mean"))
+    bigram_table: int = Field(0, ge=0, description=(
+        "with token_table: the decoders also add a row per (previous token, token) pair for the calibration's "
+        "this many most frequent pairs, on top of the token's row (0 = none; free on the wire too)"))
+    bigram_shrink: float = Field(16.0, gt=0, description=(
+        "ridge of the bigram table, in rows: a pair seen n times keeps n / (n + bigram_shrink) of what it adds "
+        "to its token's row"))
     code_dtype: Literal[CODE_DTYPES] = Field("fp16", description=(
         "precision of the codes on the wire, what the payload budget counts and what validation scores; int8 "
         "(per-row scales) halves the bytes of a rank, so a payload budget buys twice the rank; int4 (per-row "

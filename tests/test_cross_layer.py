@@ -87,12 +87,13 @@ def test_groups_must_be_disjoint_runs_of_adjacent_layers(pair, groups):
         dataclasses.replace(art, x_groups=groups, derived={})
 
 
-def _calibration(tmp_path, x_group, r_x, layers=4, ridge=1e-4, token_table=0):
+def _calibration(tmp_path, x_group, r_x, layers=4, ridge=1e-4, token_table=0, bigram_table=0):
     a = tiny_llama(0, layers=layers)
     b = perturbed(a, 0.3, seed=1)
-    cfg = CalibConfig(reuse_source="hidden", r_x=r_x, x_group=x_group, batch=16, ridge=ridge, token_table=token_table)
+    cfg = CalibConfig(reuse_source="hidden", r_x=r_x, x_group=x_group, batch=16, ridge=ridge, token_table=token_table,
+                      bigram_table=bigram_table)
     cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(24, 1)],
-                      tmp_path / f"g{x_group}_t{token_table}", cfg, progress=False, log=lambda s: None)
+                      tmp_path / f"g{x_group}_t{token_table}_b{bigram_table}", cfg, progress=False, log=lambda s: None)
     cal.traces()
     return a, b, cal
 
@@ -198,29 +199,69 @@ def test_a_token_table_rebuilds_what_the_probe_decodes_and_fits_better_than_none
     assert with_table < without, f"K/V error with a token table {with_table:.4f}, without {without:.4f}"
 
 
-def test_the_probes_bigram_rows_land_on_their_keys_only():
-    """jobs.probe_cross_layer with bigram rows: a row keyed by (sequence start, 5) is added at the first
-    position of a sequence that starts with token 5, and not at a later 5 (key (9, 5)), nor at any other layer."""
+def test_bigram_rows_land_on_their_keys_only_also_behind_left_padding():
+    """A bigram row keyed by (sequence start, 5) is added at the first real token of a sequence that starts
+    with token 5, behind left padding too, and not at a later 5 (key (9, 5)), nor at any other layer: in the
+    probe's decode (batches of one) and in bigram_keys of a padded batch."""
     from jobs.probe_cross_layer import CrossLayer
-    from scd.fitting.gram import bigram_keys
+    from scd.fitting.calibrate import pad
+    from scd.online.reuse import bigram_keys
     a, b = tiny_llama(0, layers=3), perturbed(tiny_llama(0, layers=3), 0.3, seed=1)
     spec = ModelSpec.from_config(a.config)
     d_a, d_b = 2 * a.config.hidden_size, 2 * 2 * spec.num_kv_heads * spec.head_dim
     g = torch.Generator().manual_seed(0)
-    codec_x = LinearCodec(torch.zeros(d_a), torch.randn(d_a, 8, generator=g) * 0.1, torch.zeros(d_b),
-                          torch.randn(8, d_b, generator=g) * 0.1)
+    plain = LinearCodec(torch.zeros(d_a), torch.randn(d_a, 8, generator=g) * 0.1, torch.zeros(d_b),
+                        torch.randn(8, d_b, generator=g) * 0.1, torch.zeros(1, d_b), torch.tensor([5]))
+    row = torch.zeros(1, d_b)
+    row[0, -1] = 1.0                                                       # the last V column of layer 2
+    bumped = dataclasses.replace(plain, bigram=row, bigram_ids=bigram_keys(torch.tensor([5])))
     ids = torch.tensor([[5, 9, 5, 7]])
     mask = torch.ones_like(ids)
     trace = capture(a, ids, mask)
-    key = bigram_keys(torch.tensor([5]), spec.vocab_size)                 # (start, 5)
-    row = torch.zeros(1, d_b)
-    row[0, -1] = 1.0                                                       # the last V column of layer 2
-    plain = CrossLayer([([1, 2], codec_x)], spec).build(b, ids, mask, trace).kv
-    bumped = CrossLayer([([1, 2], codec_x)], spec, bigrams=[(key, row)]).build(b, ids, mask, trace).kv
-    diff = bumped[2][1] - plain[2][1]                                      # (B, n_kv, T, d): layer 2's V
+    kv = [CrossLayer([([1, 2], c)], spec).build(b, ids, mask, trace).kv for c in (plain, bumped)]
+    diff = kv[1][2][1] - kv[0][2][1]                                       # (B, n_kv, T, d): layer 2's V
     want = torch.zeros_like(diff)
     want[0, -1, 0, -1] = 1.0
     err = (diff - want).abs().max().item()
     assert err < 1e-5, f"the (start, 5) row landed elsewhere: max error {err:.2e}"
-    others = max((x - y).abs().max().item() for layer in (0, 1) for x, y in zip(bumped[layer], plain[layer]))
+    others = max((x - y).abs().max().item() for layer in (0, 1) for x, y in zip(kv[1][layer], kv[0][layer]))
     assert others < 1e-6, f"layers 0 and 1 moved by {others:.2e}"
+    padded, pmask = pad([torch.tensor([5, 9, 5, 7]), torch.tensor([3, 3, 5, 9, 5, 7])], 0)
+    keys = bigram_keys(padded, pmask)
+    assert torch.equal(keys[0, 2:], bigram_keys(torch.tensor([5, 9, 5, 7]))), keys
+    assert torch.equal(keys[1], bigram_keys(torch.tensor([3, 3, 5, 9, 5, 7]))), keys
+
+
+def test_a_bigram_table_rebuilds_what_the_probe_decodes_also_in_a_padded_batch(tmp_path):
+    """Calibration with token and bigram tables: the serving rebuild gives what the probe's independent decode
+    of the same codec gives; a left-padded batch of two prefixes rebuilds each as it rebuilds alone (the
+    keys of a padded row start at its first real token); and on the calibration prefixes it fits the
+    consumer's K and V better than the token table alone."""
+    from jobs.probe_cross_layer import CrossLayer
+    from scd.fitting.calibrate import pad
+    a, b, cal = _calibration(tmp_path, 0, 24, token_table=40, bigram_table=200)
+    art = cal.artifacts_for(cal.base_plan)
+    codec_x = art.reuse_x[1]
+    assert codec_x.bigram is not None and len(codec_x.bigram_ids) == 200 and codec_x.bigram.abs().max() > 0
+    prefixes = [s.prefix for s in _samples(24, 1)][:6]
+
+    def rebuilt(seqs):
+        ids, mask = pad(seqs, 0)
+        kv, _ = rebuild(b, art, codec.as_received(encode(art, capture(a, ids, mask), ids), "fp16"))
+        return ids, mask, kv
+    ids, mask, kv = rebuilt(prefixes[:1])
+    probe = CrossLayer([([1, 2, 3], codec_x)], cal.spec).build(b, ids, mask, capture(a, ids, mask)).kv
+    err = max((x - y).abs().max().item() for got, want in zip(kv, probe) for x, y in zip(got, want))
+    assert err < 1e-4, f"rebuild and the probe's decode of one codec with a bigram table differ by {err:.2e}"
+    short, long_ = prefixes[1][:20], prefixes[2]
+    _, pmask, both = rebuilt([short, long_])
+    for i, seq in enumerate((short, long_)):
+        _, _, alone = rebuilt([seq])
+        keep = pmask[i].bool()
+        err = max((got[i][:, keep] - want[0]).abs().max().item()
+                  for layer, layer_alone in zip(both[1:], alone[1:]) for got, want in zip(layer, layer_alone))
+        assert err < 1e-4, f"prefix {i} rebuilt in a padded batch differs from alone by {err:.2e}"
+    _, _, tokens_only = _calibration(tmp_path, 0, 24, token_table=40)
+    with_bigrams = _calibration_error(a, b, art, prefixes)
+    without = _calibration_error(a, b, tokens_only.artifacts_for(tokens_only.base_plan), prefixes)
+    assert with_bigrams < without, f"K/V error with a bigram table {with_bigrams:.4f}, token table alone {without:.4f}"

@@ -145,12 +145,13 @@ def test_a_changed_setting_redoes_only_the_stages_that_depend_on_it(tmp_path):
     assert fourth.trace_dir != first.trace_dir and "traces: done" in out, out
 
 
-@pytest.mark.parametrize("source, encoders, x_group, token_table", [
-    ("kv", False, 1, 0), ("hidden", False, 1, 0), ("hidden", True, 1, 0), ("hidden", False, 0, 0),
-    ("hidden", True, 0, 0), ("hidden", False, 0, 24)])
-def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, source, encoders, x_group, token_table):
+@pytest.mark.parametrize("source, encoders, x_group, token_table, bigram_table", [
+    ("kv", False, 1, 0, 0), ("hidden", False, 1, 0, 0), ("hidden", True, 1, 0, 0), ("hidden", False, 0, 0, 0),
+    ("hidden", True, 0, 0, 0), ("hidden", False, 0, 24, 0), ("hidden", False, 0, 24, 64)])
+def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, source, encoders, x_group, token_table,
+                                                                     bigram_table):
     """x_group 0: one hidden-state code for layers 1 and 2 (a cross-layer code), trained as one codec; with a
-    token table, the table is trained with the decoders."""
+    token table (and a bigram table), the tables are trained with the decoders."""
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
@@ -158,7 +159,7 @@ def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, s
     cfg = CalibConfig(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source=source, aligner_epochs=3,
                       pool=1 if source == "hidden" else 2, batch=8, finetune_samples=16, finetune_epochs=3,
                       finetune_lr=3e-3, finetune_encoders=encoders, code_dtype="int8" if encoders else "fp16",
-                      x_group=x_group, token_table=token_table)
+                      x_group=x_group, token_table=token_table, bigram_table=bigram_table)
     tune, val = _samples(16, 4, t=20, c=8), _samples(4, 2)
     logs = []
     cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)
@@ -189,6 +190,10 @@ def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, s
         assert all((t is None) == (not token_table) and (f is None) == (not token_table) for t, f in tables)
         if token_table:
             assert len(fitted[1].table_ids) == token_table and max((t - f).abs().max().item() for t, f in tables) > 0
+        pairs = [(art.reuse_x[l].bigram, fitted[l].bigram) for l in art.reuse_x]
+        assert all((t is None) == (not bigram_table) and (f is None) == (not bigram_table) for t, f in pairs)
+        if bigram_table:
+            assert len(fitted[1].bigram_ids) == bigram_table and max((t - f).abs().max().item() for t, f in pairs) > 0
 
 
 def test_padding_id_does_not_matter_and_none_is_accepted(tmp_path):
@@ -304,9 +309,10 @@ def test_int8_codes_count_their_bytes_and_are_what_the_artifact_sends(tmp_path):
         CalibConfig(code_dtype="int3")
 
 
-@pytest.mark.parametrize("token_table", [0, 16])
+@pytest.mark.parametrize("token_table, bigram_table", [(0, 0), (16, 0), (16, 48)])
 def test_hidden_state_artifacts_survive_save_load_and_the_wire_and_rebuild_padded_batches_row_by_row(tmp_path,
-                                                                                                     token_table):
+                                                                                                     token_table,
+                                                                                                     bigram_table):
     from scd.online import codec
     from scd.online.artifacts import PairArtifacts
     from scd.online.rebuild import encode, rebuild
@@ -315,7 +321,8 @@ def test_hidden_state_artifacts_survive_save_load_and_the_wire_and_rebuild_padde
     a = tiny_llama(0)
     b = perturbed(a, 0.3)
     spec = ModelSpec.from_config(a.config)
-    cfg = CalibConfig(reuse_source="hidden", r_x=12, r_h=16, aligner_epochs=2, batch=16, token_table=token_table)
+    cfg = CalibConfig(reuse_source="hidden", r_x=12, r_h=16, aligner_epochs=2, batch=16, token_table=token_table,
+                      bigram_table=bigram_table)
     cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path, cfg, progress=False,
                       log=lambda s: None)
     cal.traces()
@@ -325,6 +332,8 @@ def test_hidden_state_artifacts_survive_save_load_and_the_wire_and_rebuild_padde
     assert back.r_x == 12 and back.plan == art.plan and set(back.reuse_x) == {1, 2} and not back.reuse_k
     if token_table:
         assert torch.equal(back.reuse_x[2].table, art.reuse_x[2].table) and len(back.reuse_x[2].table_ids) == 16
+    if bigram_table:
+        assert torch.equal(back.reuse_x[2].bigram, art.reuse_x[2].bigram) and len(back.reuse_x[2].bigram_ids) == 48
     ids, mask = left_padded_batch()
     codes = encode(back, capture(a, ids, mask), ids)
     payload = codec.encode(codes, "a:b", "v1", codec.artifact_dims(back), "fp16")

@@ -84,38 +84,50 @@ def test_token_table_fit_equals_ridge_regression_with_one_hot_tokens():
 
 
 def test_bigram_table_is_the_shrunk_mean_residual_after_code_and_token_row():
-    """A (previous token, token) table fitted in closed form from its keys' sums (TokenStats.table with the
-    token's row as prior) equals, per key, the mean over its rows of what the code and the token's row leave,
-    shrunk by n / (n + shrink), computed directly from the rows; and on rows whose targets carry a bigram
-    offset it lowers the error of the token table alone."""
-    from jobs.probe_cross_layer import bigram_table
-    from scd.fitting.gram import TokenStats, bigram_keys
-    from scd.online.reuse import rows_of
+    """A (previous token, token) table fitted in closed form from its keys' sums (fit_regression with
+    `bigrams`) equals, per key, the mean over its rows of what the code and the token's row leave, shrunk by
+    n / (n + shrink), computed directly from the rows; a key outside it decodes as the token table alone; and
+    on rows whose targets carry a bigram offset it lowers the error of the token table alone."""
+    import pytest
+
+    from scd.fitting.gram import TokenStats
+    from scd.online.reuse import LinearCodec, bigram_keys, rows_of
     g = torch.Generator().manual_seed(3)
     vocab, n = 6, 3000
     tok = torch.randint(vocab, (n,), generator=g)                 # one sequence
-    keys = bigram_keys(tok, vocab)
+    keys = bigram_keys(tok)
+    offsets = 2 * torch.randn(vocab + 1, vocab, 4, generator=g)   # by (previous + 1, token)
     a = torch.randn(n, 5, generator=g)
     b = a @ torch.randn(5, 4, generator=g) + 3 * torch.randn(vocab, 4, generator=g)[tok] \
-        + 2 * torch.randn((vocab + 1) * vocab, 4, generator=g)[keys] + 0.05 * torch.randn(n, 4, generator=g)
+        + offsets[keys >> 32, tok] + 0.05 * torch.randn(n, 4, generator=g)
     gram, uni = JointGram(5, 4), TokenStats(torch.arange(vocab), 5, 4)
     bi = TokenStats.most_frequent([keys], 20, 5, 4)
     gram.update(a, b)
     uni.update(tok, a, b)
     bi.update(keys, a, b)
-    codec = gram.fit_regression(rank=4, ridge=0.0, tokens=uni, shrink=1.0)
     shrink = 5.0
-    rows = bigram_table(gram, codec, bi, vocab, shrink)
-    resid = (b - codec.decode(codec.encode(a), tok)).double()
+    plain = gram.fit_regression(rank=4, ridge=0.0, tokens=uni, shrink=1.0)
+    codec = gram.fit_regression(rank=4, ridge=0.0, tokens=uni, shrink=1.0, bigrams=bi, bigram_shrink=shrink)
+    resid = (b - plain.decode(plain.encode(a), tok)).double()
     at = rows_of(bi.ids, keys)
     for i in range(len(bi.ids)):
         sel = resid[at == i]
         want = sel.sum(0) / (len(sel) + shrink)
-        err = (rows[i].double() - want).abs().max().item()
+        err = (codec.bigram[i].double() - want).abs().max().item()
         assert err < 1e-4, f"bigram row {i} (key {int(bi.ids[i])}, {len(sel)} rows) differs by {err:.2e}"
-    with_bi = resid - torch.cat([rows, torch.zeros(1, 4)])[at].double()
-    e_bi, e_uni = (with_bi ** 2).mean().item(), (resid ** 2).mean().item()
+    got = codec.decode(codec.encode(a), tok, keys)
+    outside = at == len(bi.ids)
+    assert outside.any()
+    err = (got[outside] - plain.decode(plain.encode(a), tok)[outside]).abs().max().item()
+    assert err < 1e-5, f"a key outside the bigram table should decode as the token table alone: {err:.2e}"
+    e_bi, e_uni = ((got - b) ** 2).mean().item(), (resid ** 2).mean().item()
     assert e_bi < 0.8 * e_uni, f"the bigram rows should explain the bigram offsets: MSE {e_bi:.3g} vs {e_uni:.3g}"
+    with pytest.raises(ValueError, match="bigram keys"):
+        codec.decode(codec.encode(a), tok)
+    back = LinearCodec.from_tensors(codec.tensors("c"), "c")
+    assert torch.equal(back.bigram, codec.bigram) and torch.equal(back.bigram_ids, codec.bigram_ids)
+    with pytest.raises(ValueError, match="bigram table"):
+        LinearCodec(codec.mu_a, codec.enc, codec.mu_b, codec.dec, bigram=codec.bigram, bigram_ids=codec.bigram_ids)
 
 
 def test_token_table_at_low_rank_unknown_tokens_and_levels():

@@ -38,7 +38,7 @@ from scd.online.artifacts import PairArtifacts, code_groups, layer_groups
 from scd.online.models import ModelSpec, data_digest, model_digest
 from scd.online.patch import Aligner
 from scd.online.rebuild import encode, rebuild
-from scd.online.reuse import LinearCodec
+from scd.online.reuse import LinearCodec, bigram_keys
 from scd.online.trace import capture
 from scd.settings import CalibConfig
 
@@ -50,6 +50,8 @@ TRACE_FIELDS = ("batch",)
 ALIGNER_FIELDS = ("r_h", "ridge", "aligner_width", "aligner_epochs", "aligner_context", "aligner_window",
                   "aligner_tokens", "aligner_loss", "seed")
 TUNE_FIELDS = ("finetune_samples", "finetune_epochs", "finetune_lr", "finetune_encoders", "finetune_tokens")
+# fields added after checkpoints existed: left out of the plan folder's key while they keep these values
+KEYED_WHEN_SET = {"bigram_table": 0, "bigram_shrink": 16.0}
 
 # capture_pair(ids, mask) -> (producer rows, consumer rows) as named by scd.online.trace.trace_rows
 CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]
@@ -114,13 +116,15 @@ class Calibration:
         self.aligner_dir = key_dir(self.trace_dir / "aligners", "", {k: config[k] for k in ALIGNER_FIELDS})
         self.plan_dir = key_dir(self.trace_dir, "plan-", {
             "exact_layer0": exact_layer0,
-            **{k: v for k, v in config.items() if k not in TRACE_FIELDS + TUNE_FIELDS}})
+            **{k: v for k, v in config.items()
+               if k not in TRACE_FIELDS + TUNE_FIELDS and not (k in KEYED_WHEN_SET and v == KEYED_WHEN_SET[k])}})
         self.dir = key_dir(self.plan_dir, "tune-", {k: config[k] for k in TUNE_FIELDS})
         kind = "hidden" if cfg.reuse_source == "hidden" else "reuse"
         self.base_plan = ["exact" if exact_layer0 else kind] + [kind] * (spec.num_layers - 1)
         self._grams = None
         self._hidden_grams: list[JointGram | None] | None = None
         self._token_stats: list[TokenStats | None] = []
+        self._bigram_stats: list[TokenStats | None] = []
         self._ranks: dict[str, int] = {}                    # chosen by ranks(), else the config's
         self._linear: dict[tuple, object] = {}       # (r_k, r_v) -> per-head codecs; ("hidden", r_x) -> hidden
         self._patch_enc: dict[int, LinearCodec] = {}
@@ -197,22 +201,27 @@ class Calibration:
         """Per hidden-state code (at each layer >= 1, or at the first layer of each of x_groups), the joint Gram
         of the producer's x_norm of its layers side by side with the consumer's K and V of every head of them,
         [x_A | K_B V_B] (one pass over the chunks, checkpointed): hidden-state Reuse fits from it. With
-        `token_table`, the same pass sums the rows per token (token_stats)."""
+        `token_table`, the same pass sums the rows per token (token_stats), and with `bigram_table` per
+        (previous token, token) key."""
         if self._hidden_grams is not None:
             return self._hidden_grams
         groups = code_groups(self.spec.num_layers, self.cfg.x_group)
         name = "grams_hidden" if not self.x_groups else f"grams_hidden_groups_{'_'.join(str(len(g)) for g in groups)}"
+        bigrams = self.cfg.bigram_table if self.cfg.token_table else 0
         path = self.trace_dir / (name + (f"_tokens{self.cfg.token_table}" if self.cfg.token_table else "")
-                                 + ".safetensors")
+                                 + (f"_bigrams{bigrams}" if bigrams else "") + ".safetensors")
         hid, m = self.spec.hidden_size, self.spec.num_kv_heads * self.spec.head_dim
         grams: list[JointGram | None] = [None] * self.spec.num_layers
         stats: list[TokenStats | None] = [None] * self.spec.num_layers
+        pairs: list[TokenStats | None] = [None] * self.spec.num_layers
         if path.is_file():
             t = load_file(str(path))
             for g in groups:
                 grams[g[0]] = JointGram.from_tensors(t, f"x.{g[0]}", len(g) * hid)
                 if self.cfg.token_table:
                     stats[g[0]] = TokenStats.from_tensors(t, f"tokens.{g[0]}")
+                if bigrams:
+                    pairs[g[0]] = TokenStats.from_tensors(t, f"bigrams.{g[0]}")
             self.log("stage hidden: resumed from checkpoint")
         else:
             for g in groups:
@@ -220,11 +229,15 @@ class Calibration:
                 if self.cfg.token_table:
                     stats[g[0]] = TokenStats.most_frequent(self.prefixes, self.cfg.token_table, len(g) * hid,
                                                            len(g) * 2 * m)
+                if bigrams:
+                    pairs[g[0]] = TokenStats.most_frequent([bigram_keys(torch.as_tensor(p)) for p in self.prefixes],
+                                                           bigrams, len(g) * hid, len(g) * 2 * m)
             batches = range(0, len(self.prefixes), self.cfg.batch)      # chunk i holds batch i's valid rows
             for start, chunk in tqdm(zip(batches, read_chunks(self.trace_dir / "traces")), total=len(batches),
                                      desc="gram hidden", disable=not self.progress):
                 ids, mask = pad(self.prefixes[start:start + self.cfg.batch], self.pad_id)
                 tokens = valid_rows(ids, mask)
+                keys = valid_rows(bigram_keys(ids, mask), mask) if bigrams else None
                 for g in groups:
                     a = torch.cat([chunk[f"xa.{l}"] for l in g], 1)
                     b = torch.cat([torch.cat([chunk[f"kb.{l}"].flatten(1), chunk[f"vb.{l}"].flatten(1)], 1) for l in g], 1)
@@ -234,15 +247,20 @@ class Calibration:
                     grams[g[0]].update(a, b)
                     if stats[g[0]] is not None:
                         stats[g[0]].update(tokens, a, b)
+                    if pairs[g[0]] is not None:
+                        pairs[g[0]].update(keys, a, b)
             t = {}
             for g in groups:
                 t.update(grams[g[0]].tensors(f"x.{g[0]}"))
                 if stats[g[0]] is not None:
                     t.update(stats[g[0]].tensors(f"tokens.{g[0]}"))
+                if pairs[g[0]] is not None:
+                    t.update(pairs[g[0]].tensors(f"bigrams.{g[0]}"))
             save_file(t, str(path))
             self.log(f"stage hidden: accumulated x_norm -> K,V Gram matrices of {len(groups)} codes"
-                     + (f", with per-token sums for a table of {self.cfg.token_table} tokens" if self.cfg.token_table else ""))
-        self._hidden_grams, self._token_stats = grams, stats
+                     + (f", with per-token sums for a table of {self.cfg.token_table} tokens" if self.cfg.token_table else "")
+                     + (f" and per-pair sums for {bigrams} token pairs" if bigrams else ""))
+        self._hidden_grams, self._token_stats, self._bigram_stats = grams, stats, pairs
         return grams
 
     def hidden(self, r_x: int | None = None) -> dict[int, LinearCodec]:
@@ -252,8 +270,8 @@ class Calibration:
         if ("hidden", r_x) not in self._linear:    # a group narrower than r_x: its full rank, zero-padded
             grams = self.hidden_grams()
             self._linear[("hidden", r_x)] = {
-                l: g.fit_regression(min(r_x, g.d_b), self.cfg.ridge, self._token_stats[l],
-                                    self.cfg.token_shrink).padded(r_x)
+                l: g.fit_regression(min(r_x, g.d_b), self.cfg.ridge, self._token_stats[l], self.cfg.token_shrink,
+                                    self._bigram_stats[l], self.cfg.bigram_shrink).padded(r_x)
                 for l, g in enumerate(grams) if g is not None}
         return self._linear[("hidden", r_x)]
 

@@ -26,7 +26,7 @@ from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.patch import regenerate_kv
 from scd.online.rebuild import encode, rebuild
-from scd.online.reuse import LinearCodec
+from scd.online.reuse import LinearCodec, bigram_keys
 from scd.online.rope import apply_rope, cos_sin, positions_from_mask
 from scd.online.tables import layer0_input
 from scd.online.trace import capture
@@ -60,7 +60,7 @@ def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int | None, 
     ref, _ = cache.extend(consumer, cache.assemble(consumer, list(zip(o.keys, o.values))), mask, cont[:, :-1],
                           cmask[:, :-1])
     cos, sin = cos_sin(consumer, positions_from_mask(mask))
-    return {"ids": ids, "mask": mask, "cont": cont, "cmask": cmask, "wire": wire, "kv": kv, "cos": cos,
+    return {"ids": ids, "keys": bigram_keys(ids, mask), "mask": mask, "cont": cont, "cmask": cmask, "wire": wire, "kv": kv, "cos": cos,
             "sin": sin, "ref": F.log_softmax(ref.float(), -1).bfloat16(), "x0": layer0_input(consumer, ids), "xa": xa}
 
 
@@ -82,7 +82,7 @@ def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
             z = z + (codec.wire_round(z, art.code_dtype) - z).detach()
         else:
             z = _code(b, src, "z_x")
-        y = c.decode(z, b["ids"])                               # (B, T, 2 n_kv d) per layer of the group
+        y = c.decode(z, b["ids"], b["keys"])                    # (B, T, 2 n_kv d) per layer of the group
         bt = y.shape[:2]
         for l in layers:
             i = art.hidden_source(l)[1] * 2 * m
@@ -132,7 +132,8 @@ def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: C
         c = art.reuse_x[l]
         own = lambda t, train: t.detach().clone().requires_grad_(train)  # noqa: E731
         art.reuse_x[l] = LinearCodec(own(c.mu_a, encoders), own(c.enc, encoders), own(c.mu_b, True), own(c.dec, True),
-                                     None if c.table is None else own(c.table, True), c.table_ids)
+                                     None if c.table is None else own(c.table, True), c.table_ids,
+                                     None if c.bigram is None else own(c.bigram, True), c.bigram_ids)
     params = [q for l in art.patch_layers for q in art.aligners[l].parameters()]
     params += [t for l in hidden for t in vars(art.reuse_x[l]).values() if t is not None and t.requires_grad]
     frozen = [q for q in consumer.parameters() if q.requires_grad]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from scd.online.reuse import LinearCodec, rows_of
+from scd.online.reuse import TOKEN, LinearCodec, rows_of
 
 
 class JointGram:
@@ -54,7 +54,8 @@ class JointGram:
         return cov - (s.T / (tokens.n + shrink)) @ s / self.n
 
     def fit_regression(self, rank: int, ridge: float = 1e-4, tokens: "TokenStats | None" = None,
-                       shrink: float = 1.0) -> LinearCodec:
+                       shrink: float = 1.0, bigrams: "TokenStats | None" = None,
+                       bigram_shrink: float = 16.0) -> LinearCodec:
         """Reduced-rank regression of B on A: the rank-`rank` linear map from A that predicts B best in least
         squares (ridge OLS B_hat = A W, then the top principal directions of B_hat). Encoder (d_a, r) and
         decoder (r, d_b) as a LinearCodec. Used for Reuse from hidden states, where A is the producer's
@@ -66,7 +67,11 @@ class JointGram:
         n / (n + shrink) of its mean residual). The table is free on the wire (the consumer has the token ids),
         so the code is fitted to what the table cannot say: W is the reduced-rank regression on the covariance
         with the token means taken out (cov(tokens, shrink)), and T = (S_B - S_A W) / (n + shrink) for the
-        rank-r W (TokenStats.table)."""
+        rank-r W (TokenStats.table).
+
+        With `bigrams` too (sums per bigram_keys key), a bigram row per key on top: each key's mean residual after
+        the code and its token's row, shrunk by `bigram_shrink` rows towards that row (TokenStats.table with the
+        token's row as prior; a backoff). The code is not refitted for it."""
         if self.n == 0:
             raise ValueError("no rows accumulated")
         if not 1 <= rank <= self.d_b:
@@ -81,9 +86,17 @@ class JointGram:
         # whitened codes: each column has unit variance (the decoder scales it back), so a quantised row's one
         # scale suits all its columns instead of being set by the first, widest one
         sd = var.clamp(min=var.max() * 1e-12).sqrt()
-        table = None if tokens is None else tokens.table(mu, w @ v @ v.T, shrink)
+        m = w @ v @ v.T                                                                  # the code's map
+        table = None if tokens is None else tokens.table(mu, m, shrink)
+        bigram = None
+        if bigrams is not None:
+            if tokens is None:
+                raise ValueError("a bigram table backs off to a token table: give `tokens` too")
+            prior = torch.cat([table, torch.zeros_like(table[:1])])[rows_of(tokens.ids, bigrams.ids & TOKEN)]
+            bigram = bigrams.table(mu, m, bigram_shrink, prior)
         return LinearCodec(mu[:da].float(), (w @ v / sd).float(), mu[da:].float(),
-                           (sd[:, None] * v.T).contiguous().float(), table, None if tokens is None else tokens.ids)
+                           (sd[:, None] * v.T).contiguous().float(), table, None if tokens is None else tokens.ids,
+                           bigram, None if bigrams is None else bigrams.ids)
 
     def fit(self, rank: int, ridge: float = 1e-4) -> LinearCodec:
         """Truncated joint SVD at `rank` + ridge encoder; `ridge` is relative to the mean variance of A."""
@@ -102,16 +115,10 @@ class JointGram:
         return LinearCodec(mu[:da].float(), enc.float(), mu[da:].float(), v[da:].T.contiguous().float())
 
 
-def bigram_keys(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(..., T) token ids of whole sequences -> their (previous token, token) keys, (prev + 1) * vocab + token,
-    with prev + 1 = 0 at a sequence's start: key % vocab is the token."""
-    prev = torch.nn.functional.pad(ids.long() + 1, (1, 0))[..., :-1]
-    return prev * vocab + ids.long()
-
-
 class TokenStats:
-    """Per-token sums of paired rows [A B] for the tokens of a table (`ids`): counts, sums of A and of B, in
-    float64. With a JointGram of the same rows they give the fit with a token table (JointGram.fit_regression)."""
+    """Per-token sums of paired rows [A B] for the tokens of a table (`ids`; or the bigram_keys of a bigram
+    table): counts, sums of A and of B, in float64. With a JointGram of the same rows they give the fit with a
+    token table (JointGram.fit_regression)."""
 
     def __init__(self, ids: torch.Tensor, d_a: int, d_b: int):
         self.ids = torch.as_tensor(ids, dtype=torch.long).unique()      # sorted

@@ -167,6 +167,24 @@ class PairArtifacts:
                                  mu[..., m:].contiguous())
         return self.derived[key]
 
+    def hidden_bigrams(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The given hidden layers' bigram rows split into K and V halves and stacked, made once: (L, K2 + 1,
+        n_kv d) each, the last row zero; index them with reuse_x[code].bigram_rows(keys). None without
+        bigram tables."""
+        key = ("bigrams", layers, dtype)
+        if key not in self.derived:
+            m = self.spec.num_kv_heads * self.spec.head_dim
+            sources = [self.hidden_source(l) for l in layers]
+            have = {self.reuse_x[s].bigram is not None for s, _ in sources}
+            if len(have) > 1:
+                raise ValueError(f"{self.pair}: some hidden-state codecs have bigram tables and some do not")
+            rows = None
+            if have == {True}:
+                rows = torch.stack([self.reuse_x[s].bigram_biases()[:, i * 2 * m:(i + 1) * 2 * m]
+                                    for s, i in sources]).to(dtype)
+            self.derived[key] = None if rows is None else (rows[..., :m].contiguous(), rows[..., m:].contiguous())
+        return self.derived[key]
+
     @property
     def reuse_ranks(self) -> dict[str, int]:
         """The ranks of its Reuse codes: {"r_x": ...} for hidden-state codes, else {"r_k": ..., "r_v": ...}."""

@@ -18,6 +18,7 @@ import torch
 from scd.online.artifacts import PairArtifacts
 from scd.online.patch import regenerate_kv
 from scd.online.rope import apply_rope, positions_from_mask
+from scd.online.reuse import bigram_keys
 from scd.online.tables import consumer_tables, layer0_input
 from scd.online.trace import Trace
 
@@ -174,16 +175,22 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         kv.update({l: (k[i], v[i]) for i, l in enumerate(reuse)})
     if hidden := by_kind["hidden"]:                     # one code per token -> K and V of every head
         dec_k, mu_k, dec_v, mu_v = art.hidden_decoders(tuple(hidden), dtype)
+        bigrams = art.hidden_bigrams(tuple(hidden), dtype)
+        keys = bigram_keys(codes.token_ids, codes.mask).reshape(-1) if bigrams else None
         r = codes.layers[art.hidden_source(hidden[0])[0]]["z_x"].shape[-1]
         buf = torch.empty(b * t, r, dtype=dtype, device=cos.device)           # every code, in turn
-        src = rows = None
+        src = rows = pair_rows = None
         for i, l in enumerate(hidden):
             if (s := art.hidden_source(l)[0]) != src:   # the layers of a group share their code: dequantised once
                 src = s
                 z = dense(codes.layers[src]["z_x"], dtype, buf).reshape(b * t, -1)
                 if mu_k.dim() == 3:                     # token tables: each token's bias row
                     rows = art.reuse_x[src].table_rows(codes.token_ids.reshape(-1))
+                if bigrams:                             # and each (previous token, token) pair's on top
+                    pair_rows = art.reuse_x[src].bigram_rows(keys)
             bias_k, bias_v = (mu_k[i], mu_v[i]) if rows is None else (mu_k[i][rows], mu_v[i][rows])
+            if pair_rows is not None:
+                bias_k, bias_v = bias_k + bigrams[0][i][pair_rows], bias_v + bigrams[1][i][pair_rows]
             k = torch.addmm(bias_k, z, dec_k[i, :r]).view(b, t, -1)
             kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(bias_v, z, dec_v[i, :r]).view(b, t, -1)))
     t_patch = time.perf_counter()

@@ -10,7 +10,9 @@ Online: Z = (A - mu_A) W_enc  (producer) ;  B_hat = mu_B + Z W_dec_B  (consumer)
 A hidden-state codec may also carry a token table (scd.fitting.gram.TokenStats): a row per token id of the
 calibration's most frequent tokens, added to what the code decodes. The consumer has the token ids (they are
 in the payload), so the part of its K and V that is a function of the token alone costs no payload; a linear
-map of the producer's features cannot express such a lookup.
+map of the producer's features cannot express such a lookup. With a token table it may carry a bigram table
+as well: a row per (previous token, token) key of the calibration's most frequent pairs (bigram_keys), added
+on top of the token's row.
 The latent's columns come in order of singular value, so a code's leading columns are a code of lower rank
 (nested ranks: one artifact serves several payload sizes, see PairArtifacts.levels).
 """
@@ -20,6 +22,20 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+
+def bigram_keys(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., T) token ids of sequences (left-padded where `mask` is 0) -> each token's (previous token, token)
+    key, (previous + 1) << 32 | token, with previous + 1 = 0 at a sequence's first real token; key & TOKEN is
+    the token. Padded positions get keys too; their rows are masked out wherever they are used."""
+    ids = ids.long()
+    prev = torch.nn.functional.pad(ids + 1, (1, 0))[..., :-1]
+    if mask is not None:
+        prev = prev * torch.nn.functional.pad(mask.long(), (1, 0))[..., :-1]
+    return (prev << 32) | ids
+
+
+TOKEN = (1 << 32) - 1       # a bigram key's token bits
 
 
 def rows_of(table_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -40,10 +56,18 @@ class LinearCodec:
     dec: torch.Tensor
     table: torch.Tensor | None = None
     table_ids: torch.Tensor | None = None
+    bigram: torch.Tensor | None = None          # (K2, d_b) on top of the token's table row
+    bigram_ids: torch.Tensor | None = None      # (K2,) sorted bigram_keys
 
     def __post_init__(self):
         if (self.table is None) != (self.table_ids is None):
             raise ValueError("a token table needs both its rows and their token ids")
+        if (self.bigram is None) != (self.bigram_ids is None) or (self.bigram is not None and self.table is None):
+            raise ValueError("a bigram table needs its rows, their keys and a token table")
+        if self.bigram is not None and (self.bigram.shape != (len(self.bigram_ids), self.dec.shape[1])
+                                        or not bool((self.bigram_ids[1:] > self.bigram_ids[:-1]).all())):
+            raise ValueError(f"bigram table {tuple(self.bigram.shape)} must have one row of width {self.dec.shape[1]} "
+                             f"per key, and its {len(self.bigram_ids)} keys must be sorted and distinct")
         if self.table is not None and (self.table.shape != (len(self.table_ids), self.dec.shape[1])
                                        or not bool((self.table_ids[1:] > self.table_ids[:-1]).all())):
             raise ValueError(f"token table {tuple(self.table.shape)} must have one row of width {self.dec.shape[1]} "
@@ -59,18 +83,33 @@ class LinearCodec:
         decoding them with the decoder's first r' rows is that fit's reconstruction."""
         return (a - self.mu_a) @ (self.enc if rank is None else self.enc[:, :rank])
 
-    def decode(self, z: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., r) -> (..., d_b); a codec with a token table needs the rows' token ids (...)."""
-        return z @ self.dec[:z.shape[-1]] + self.bias(token_ids)
+    def decode(self, z: torch.Tensor, token_ids: torch.Tensor | None = None,
+               keys: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., r) -> (..., d_b); a codec with a token table needs the rows' token ids (...), one with a
+        bigram table their bigram_keys (...) too."""
+        return z @ self.dec[:z.shape[-1]] + self.bias(token_ids, keys)
 
-    def bias(self, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def bias(self, token_ids: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
         """What the decoder adds to the code's map: mu_b, plus each token's table row with a table
-        ((..., d_b) then; tokens not in the table get mu_b alone)."""
+        ((..., d_b) then; tokens not in the table get mu_b alone), plus each key's bigram row with those."""
         if self.table is None:
             return self.mu_b
         if token_ids is None:
             raise ValueError("this codec has a token table: decoding needs the token ids")
-        return self.biases()[self.table_rows(token_ids)]
+        out = self.biases()[self.table_rows(token_ids)]
+        if self.bigram is None:
+            return out
+        if keys is None:
+            raise ValueError("this codec has a bigram table: decoding needs the tokens' bigram keys")
+        return out + self.bigram_biases()[self.bigram_rows(keys)]
+
+    def bigram_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """Each key's row of bigram_biases(): its bigram row, or the last (zero) row if it has none."""
+        return rows_of(self.bigram_ids.to(keys.device), keys)
+
+    def bigram_biases(self) -> torch.Tensor:
+        """(K2 + 1, d_b): each bigram row, then a zero row."""
+        return torch.cat([self.bigram, torch.zeros_like(self.bigram[:1])])
 
     def table_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Each token's row of biases(): its table row, or the last row (mu_b alone) if it has none."""
@@ -83,7 +122,8 @@ class LinearCodec:
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "LinearCodec":
         """The same codec with fn applied to each of its float tensors (table ids are kept as they are)."""
         return LinearCodec(fn(self.mu_a), fn(self.enc), fn(self.mu_b), fn(self.dec),
-                           None if self.table is None else fn(self.table), self.table_ids)
+                           None if self.table is None else fn(self.table), self.table_ids,
+                           None if self.bigram is None else fn(self.bigram), self.bigram_ids)
 
     def padded(self, rank: int) -> "LinearCodec":
         """The same map with zero code columns appended up to `rank` (a shorter group's code at the rank of
@@ -92,12 +132,15 @@ class LinearCodec:
         if extra <= 0:
             return self
         return LinearCodec(self.mu_a, torch.nn.functional.pad(self.enc, (0, extra)), self.mu_b,
-                           torch.nn.functional.pad(self.dec, (0, 0, 0, extra)), self.table, self.table_ids)
+                           torch.nn.functional.pad(self.dec, (0, 0, 0, extra)), self.table, self.table_ids,
+                           self.bigram, self.bigram_ids)
 
     def to(self, device) -> "LinearCodec":
         out = self.map(lambda t: t.to(device))
         if out.table_ids is not None:
             out.table_ids = out.table_ids.to(device)
+        if out.bigram_ids is not None:
+            out.bigram_ids = out.bigram_ids.to(device)
         return out
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -105,4 +148,5 @@ class LinearCodec:
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> "LinearCodec":
-        return cls(*(t.get(f"{prefix}.{k}") for k in ("mu_a", "enc", "mu_b", "dec", "table", "table_ids")))
+        return cls(*(t.get(f"{prefix}.{k}") for k in ("mu_a", "enc", "mu_b", "dec", "table", "table_ids", "bigram",
+                                                       "bigram_ids")))
