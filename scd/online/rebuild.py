@@ -188,9 +188,11 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
                     rows = art.reuse_x[src].table_rows(codes.token_ids.reshape(-1))
                 if bigrams:                             # and each (previous token, token) pair's on top
                     pair_rows = art.reuse_x[src].bigram_rows(keys)
-            bias_k, bias_v = (mu_k[i], mu_v[i]) if rows is None else (mu_k[i][rows], mu_v[i][rows])
-            if pair_rows is not None:
-                bias_k, bias_v = bias_k + bigrams[0][i][pair_rows], bias_v + bigrams[1][i][pair_rows]
+            bias_k, bias_v = (mu_k[i], mu_v[i]) if rows is None else (mu_k[i].index_select(0, rows),
+                                                                      mu_v[i].index_select(0, rows))
+            if pair_rows is not None:                   # added in place to the rows just gathered
+                bias_k.add_(bigrams[0][i].index_select(0, pair_rows))
+                bias_v.add_(bigrams[1][i].index_select(0, pair_rows))
             k = torch.addmm(bias_k, z, dec_k[i, :r]).view(b, t, -1)
             kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(bias_v, z, dec_v[i, :r]).view(b, t, -1)))
     t_patch = time.perf_counter()
