@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 CODE_DTYPES = ("fp16", "bf16", "int8", "int4", "mixed")   # wire precisions of codes (scd.online.codec)
 
@@ -76,3 +76,9 @@ class CalibConfig(BaseModel):
     def of(cls, settings: BaseModel) -> "CalibConfig":
         """The fit settings within a larger settings model (e.g. the config's calibration section)."""
         return cls(**settings.model_dump(include=set(cls.model_fields)))
+
+    @model_validator(mode="after")
+    def _bigrams_back_off_to_tokens(self):
+        if self.bigram_table and not self.token_table:
+            raise ValueError("bigram_table needs token_table > 0: a pair's row is added on top of its token's row")
+        return self

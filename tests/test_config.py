@@ -201,3 +201,17 @@ def test_families_are_named_apart_from_every_model_and_pinned_versions_are_gc_pi
         with pytest.raises(ConfigError) as e:
             parse({**two, "families": bad})
         assert msg in str(e.value), str(e.value)
+
+
+def test_a_bigram_table_without_a_token_table_is_refused_by_name(tmp_path):
+    from scd.settings import CalibConfig
+    raw = yaml.safe_load(open("ray_config.yaml"))
+    raw["calibration"]["token_table"] = 0
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="bigram_table needs token_table") as e:
+        load_config(path)
+    assert "calibration" in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="bigram_table needs token_table"):
+        CalibConfig(bigram_table=8)
+    assert CalibConfig(bigram_table=8, token_table=4).bigram_table == 8
