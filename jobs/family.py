@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "x_group": c.x_group, "r_h": c.r_h}, patched=len({l for p in plans for l in p}))
     log(f"members {names}: {n_prefixes} calibration prefixes each of {c.prefix_tokens} tokens, {n_held} held-out "
         f"each; {c.reuse_source} codes {ranks} in {c.code_dtype}; Patch layers {dict(zip(names, plans))}")
-    if hidden and c.token_table and c.bigram_table:
+    if hidden and c.bigram_table:
         log(f"calibration.bigram_table {c.bigram_table} is for pair artifacts: the family's decoders take token "
             "tables only")
 

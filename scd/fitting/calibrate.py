@@ -207,7 +207,7 @@ class Calibration:
             return self._hidden_grams
         groups = code_groups(self.spec.num_layers, self.cfg.x_group)
         name = "grams_hidden" if not self.x_groups else f"grams_hidden_groups_{'_'.join(str(len(g)) for g in groups)}"
-        bigrams = self.cfg.bigram_table if self.cfg.token_table else 0
+        bigrams = self.cfg.bigram_table                # CalibConfig holds it to a token table
         path = self.trace_dir / (name + (f"_tokens{self.cfg.token_table}" if self.cfg.token_table else "")
                                  + (f"_bigrams{bigrams}" if bigrams else "") + ".safetensors")
         hid, m = self.spec.hidden_size, self.spec.num_kv_heads * self.spec.head_dim

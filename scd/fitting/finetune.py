@@ -60,8 +60,9 @@ def _batch(producer, consumer, art: PairArtifacts, samples, pad_id: int | None, 
     ref, _ = cache.extend(consumer, cache.assemble(consumer, list(zip(o.keys, o.values))), mask, cont[:, :-1],
                           cmask[:, :-1])
     cos, sin = cos_sin(consumer, positions_from_mask(mask))
-    return {"ids": ids, "keys": bigram_keys(ids, mask), "mask": mask, "cont": cont, "cmask": cmask, "wire": wire, "kv": kv, "cos": cos,
-            "sin": sin, "ref": F.log_softmax(ref.float(), -1).bfloat16(), "x0": layer0_input(consumer, ids), "xa": xa}
+    return {"ids": ids, "keys": bigram_keys(ids, mask), "mask": mask, "cont": cont, "cmask": cmask, "wire": wire,
+            "kv": kv, "cos": cos, "sin": sin, "ref": F.log_softmax(ref.float(), -1).bfloat16(),
+            "x0": layer0_input(consumer, ids), "xa": xa}
 
 
 def _code(b: dict, layer: int, name: str) -> torch.Tensor:
