@@ -16,6 +16,7 @@ import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -148,6 +149,22 @@ class PairArtifacts:
                 out.setdefault(self.hidden_source(l)[0], []).append(l)
         return out
 
+    def _hidden_halves(self, layers: tuple[int, ...], dtype: torch.dtype,
+                       part: Callable[[LinearCodec], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """part(codec) (..., d_b) of each given hidden layer's code, cut to that layer's columns (a grouped
+        code decodes several layers side by side), stacked and split into K and V halves: (L, ..., n_kv d)."""
+        m = self.spec.num_kv_heads * self.spec.head_dim
+        sources = [self.hidden_source(l) for l in layers]                   # (code, place in its group)
+        x = torch.stack([part(self.reuse_x[s])[..., i * 2 * m:(i + 1) * 2 * m] for s, i in sources]).to(dtype)
+        return x[..., :m].contiguous(), x[..., m:].contiguous()
+
+    def _all_or_none(self, layers: tuple[int, ...], field: str, what: str) -> bool:
+        """Whether the given hidden layers' codes carry `field`; refused when some do and some do not."""
+        have = {getattr(self.reuse_x[self.hidden_source(l)[0]], field) is not None for l in layers}
+        if len(have) > 1:
+            raise ValueError(f"{self.pair}: some hidden-state codecs have {what} and some do not")
+        return have == {True}
+
     def hidden_decoders(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Decoders of the given hidden layers (a grouped code's decoder columns of each layer) split into
         their K and V halves and stacked, made once: (dec_k (L, r_x, n_kv d), mu_k (L, n_kv d), dec_v, mu_v).
@@ -155,16 +172,10 @@ class PairArtifacts:
         reuse_x[code].table_rows(token_ids)."""
         key = ("hidden", layers, dtype)
         if key not in self.derived:
-            m = self.spec.num_kv_heads * self.spec.head_dim
-            sources = [self.hidden_source(l) for l in layers]               # (code, place in its group)
-            dec = torch.stack([self.reuse_x[s].dec[:, i * 2 * m:(i + 1) * 2 * m] for s, i in sources]).to(dtype)
-            tabled = {self.reuse_x[s].table is not None for s, _ in sources}
-            if len(tabled) > 1:
-                raise ValueError(f"{self.pair}: some hidden-state codecs have token tables and some do not")
-            mu = torch.stack([(self.reuse_x[s].biases() if tabled == {True} else self.reuse_x[s].mu_b)
-                              [..., i * 2 * m:(i + 1) * 2 * m] for s, i in sources]).to(dtype)
-            self.derived[key] = (dec[..., :m].contiguous(), mu[..., :m].contiguous(), dec[..., m:].contiguous(),
-                                 mu[..., m:].contiguous())
+            tabled = self._all_or_none(layers, "table", "token tables")
+            dec_k, dec_v = self._hidden_halves(layers, dtype, lambda c: c.dec)
+            mu_k, mu_v = self._hidden_halves(layers, dtype, lambda c: c.biases() if tabled else c.mu_b)
+            self.derived[key] = (dec_k, mu_k, dec_v, mu_v)
         return self.derived[key]
 
     def hidden_bigrams(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -173,16 +184,8 @@ class PairArtifacts:
         bigram tables."""
         key = ("bigrams", layers, dtype)
         if key not in self.derived:
-            m = self.spec.num_kv_heads * self.spec.head_dim
-            sources = [self.hidden_source(l) for l in layers]
-            have = {self.reuse_x[s].bigram is not None for s, _ in sources}
-            if len(have) > 1:
-                raise ValueError(f"{self.pair}: some hidden-state codecs have bigram tables and some do not")
-            rows = None
-            if have == {True}:
-                rows = torch.stack([self.reuse_x[s].bigram_biases()[:, i * 2 * m:(i + 1) * 2 * m]
-                                    for s, i in sources]).to(dtype)
-            self.derived[key] = None if rows is None else (rows[..., :m].contiguous(), rows[..., m:].contiguous())
+            self.derived[key] = (self._hidden_halves(layers, dtype, LinearCodec.bigram_biases)
+                                 if self._all_or_none(layers, "bigram", "bigram tables") else None)
         return self.derived[key]
 
     @property
