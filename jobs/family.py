@@ -46,7 +46,7 @@ from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting import family
 from scd.fitting.aligners import patch_aligner
-from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, PlanScorer
+from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, PlanScorer, keyed
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
 from scd.fitting.finetune import finetune_aligners
 from scd.online import codec
@@ -147,7 +147,7 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
     cfg = c.model_dump()
     spec = shared.encoder.spec
     layers = sorted({l for p in plans for l in p})
-    pdir = key_dir(work, "patch-", {"plans": plans, **{k: cfg[k] for k in ALIGNER_FIELDS}})
+    pdir = key_dir(work, "patch-", {"plans": plans, **keyed(cfg, ALIGNER_FIELDS)})
     rows: dict[str, torch.Tensor] = {}
 
     def patch_rows() -> dict[str, torch.Tensor]:        # one pass over the prefixes, only if something is not on disk

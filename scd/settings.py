@@ -30,6 +30,9 @@ class CalibConfig(BaseModel):
     aligner_tokens: int = Field(32, ge=0, description="width of the aligner's token features from the consumer's "
                                                       "layer-0 input (0 = none)")
     aligner_loss: Literal["kv", "x"] = Field("kv", description="aligner fit: regenerated K/V error or x_norm error")
+    aligner_prefixes: int = Field(0, ge=0, description=(
+        "the Patch aligners train on the first this many calibration prefixes (0 = all): their training time "
+        "grows with the rows, while the Reuse codes, a closed-form fit, keep every prefix"))
     pool: int = Field(4, ge=1, description="Patch candidates: the most sensitive layers kept for the greedy policy")
     finetune_samples: int = Field(512, ge=0, description="(prefix, continuation) samples for end-to-end fine-tuning "
                                                          "on the consumer's next-token KL (0 = off)")

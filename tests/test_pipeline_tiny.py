@@ -145,6 +145,35 @@ def test_a_changed_setting_redoes_only_the_stages_that_depend_on_it(tmp_path):
     assert fourth.trace_dir != first.trace_dir and "traces: done" in out, out
 
 
+
+def test_aligners_train_on_the_first_aligner_prefixes_only(tmp_path, monkeypatch):
+    from scd.fitting import aligners
+    from scd.fitting.checkpoints import key_dir
+    a = tiny_llama(0)
+    b = perturbed(a, 0.5)
+    spec = ModelSpec.from_config(a.config)
+    g = torch.Generator().manual_seed(3)
+    prefixes = [torch.randint(2, 97, (int(n),), generator=g) for n in torch.randint(5, 13, (10,), generator=g)]
+    seen = []
+    train = aligners.train_aligner
+    monkeypatch.setattr(aligners, "train_aligner", lambda z, x_b, *args, **kw: seen.append(x_b) or train(z, x_b, *args, **kw))
+    cals = {}
+    for n in (0, 3):            # 3 prefixes: rows of a batch of 4 (left-padded) and the next batch's none
+        cfg = CalibConfig(r_k=2, r_v=3, r_h=8, aligner_epochs=1, batch=4, aligner_prefixes=n)
+        cals[n] = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=lambda s: None)
+        cals[n].traces()
+        cals[n].aligner(1)
+    every, first = seen
+    assert every.shape[0] == sum(len(p) for p in prefixes), (every.shape, [len(p) for p in prefixes])
+    assert first.shape[0] == sum(len(p) for p in prefixes[:3]), (first.shape, [len(p) for p in prefixes[:3]])
+    assert torch.equal(first, every[:first.shape[0]])
+    # a cap is keyed (its aligners and plan are its own); no cap keys as before the setting existed
+    assert cals[3].trace_dir == cals[0].trace_dir
+    assert cals[3].aligner_dir != cals[0].aligner_dir and cals[3].plan_dir != cals[0].plan_dir
+    old = {k: v for k, v in cals[0].cfg.model_dump().items() if k in ("r_h", "ridge", "aligner_width", "aligner_epochs",
+           "aligner_context", "aligner_window", "aligner_tokens", "aligner_loss", "seed")}
+    assert cals[0].aligner_dir == key_dir(cals[0].trace_dir / "aligners", "", old)
+
 @pytest.mark.parametrize("source, encoders, x_group, token_table, bigram_table", [
     ("kv", False, 1, 0, 0), ("hidden", False, 1, 0, 0), ("hidden", True, 1, 0, 0), ("hidden", False, 0, 0, 0),
     ("hidden", True, 0, 0, 0), ("hidden", False, 0, 24, 0), ("hidden", False, 0, 24, 64)])

@@ -97,19 +97,28 @@ def train_aligner(z: torch.Tensor, x_b: torch.Tensor, init_dec: torch.Tensor, in
     return AlignerFit(g, train_hist, val_hist, best_epoch)
 
 
+def first_sequences(rows: tuple[torch.Tensor, ...], n: int) -> tuple[torch.Tensor, ...]:
+    """(x_a, x_b, positions, x0) rows of whole sequences in order -> those of the first n sequences (a sequence
+    starts at position 0); all of them for n = 0."""
+    starts = (rows[2] == 0).nonzero().flatten()
+    if not n or n >= len(starts):
+        return rows
+    return tuple(r[:int(starts[n])] for r in rows)
+
+
 def patch_aligner(path: Path, cfg, hidden_size: int, enc, consumer, layer: int,
                   rows: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[Aligner, dict, bool]:
     """The Patch aligner of one consumer layer under the calibration settings `cfg` (CalibConfig), loaded from
     its checkpoint `path` (safetensors + a JSON of its loss curves) or trained and saved there: trained on
     rows() = (x_a producer x_norm, x_b consumer x_norm, positions, x0 the consumer's layer-0 input), rows of
-    whole sequences in order, with the linear part seeded by the Patch encoder `enc`. Returns (the aligner in
-    eval mode, its loss curves, whether it was trained now)."""
+    whole sequences in order (the first cfg.aligner_prefixes of them), with the linear part seeded by the
+    Patch encoder `enc`. Returns (the aligner in eval mode, its loss curves, whether it was trained now)."""
     if path.is_file():
         g = Aligner(cfg.r_h, hidden_size, cfg.aligner_width, cfg.aligner_context, cfg.aligner_tokens,
                     cfg.aligner_window)
         g.load_state_dict(load_file(str(path)))
         return g.eval(), json.loads(path.with_suffix(".json").read_text()), False
-    x_a, x_b, pos, x0 = rows()
+    x_a, x_b, pos, x0 = first_sequences(rows(), cfg.aligner_prefixes)
     with torch.no_grad():
         z = enc.encode(x_a)
     fit = train_aligner(z, x_b, enc.dec, enc.mu_b, pos, cfg.aligner_context, width=cfg.aligner_width,

@@ -48,10 +48,15 @@ CHECKPOINT_FORMAT = 3
 # the CalibConfig fields each stage folder is keyed by (see the module docstring); the plan folder takes the rest
 TRACE_FIELDS = ("batch",)
 ALIGNER_FIELDS = ("r_h", "ridge", "aligner_width", "aligner_epochs", "aligner_context", "aligner_window",
-                  "aligner_tokens", "aligner_loss", "seed")
+                  "aligner_tokens", "aligner_loss", "aligner_prefixes", "seed")
 TUNE_FIELDS = ("finetune_samples", "finetune_epochs", "finetune_lr", "finetune_encoders", "finetune_tokens")
 # fields added after checkpoints existed: left out of the plan folder's key while they keep these values
-KEYED_WHEN_SET = {"bigram_table": 0, "bigram_shrink": 16.0}
+KEYED_WHEN_SET = {"bigram_table": 0, "bigram_shrink": 16.0, "aligner_prefixes": 0}
+
+
+def keyed(config: dict, fields) -> dict:
+    """The settings among `fields` that a checkpoint folder is keyed by: KEYED_WHEN_SET's only when set."""
+    return {k: config[k] for k in fields if not (k in KEYED_WHEN_SET and config[k] == KEYED_WHEN_SET[k])}
 
 # capture_pair(ids, mask) -> (producer rows, consumer rows) as named by scd.online.trace.trace_rows
 CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]
@@ -113,11 +118,9 @@ class Calibration:
         self.trace_dir = key_dir(Path(work_root) / pair.replace(":", "__"), "", {
             "format": CHECKPOINT_FORMAT, "pair": pair, "models": models, "data": data_digest(prefixes),
             "spec": spec.fingerprint(), **{k: config[k] for k in TRACE_FIELDS}})
-        self.aligner_dir = key_dir(self.trace_dir / "aligners", "", {k: config[k] for k in ALIGNER_FIELDS})
+        self.aligner_dir = key_dir(self.trace_dir / "aligners", "", keyed(config, ALIGNER_FIELDS))
         self.plan_dir = key_dir(self.trace_dir, "plan-", {
-            "exact_layer0": exact_layer0,
-            **{k: v for k, v in config.items()
-               if k not in TRACE_FIELDS + TUNE_FIELDS and not (k in KEYED_WHEN_SET and v == KEYED_WHEN_SET[k])}})
+            "exact_layer0": exact_layer0, **keyed(config, [k for k in config if k not in TRACE_FIELDS + TUNE_FIELDS])})
         self.dir = key_dir(self.plan_dir, "tune-", {k: config[k] for k in TUNE_FIELDS})
         kind = "hidden" if cfg.reuse_source == "hidden" else "reuse"
         self.base_plan = ["exact" if exact_layer0 else kind] + [kind] * (spec.num_layers - 1)
