@@ -66,11 +66,11 @@ def log(msg: str) -> None:
 
 
 def artifacts(grams: family.Grams, own_grams: list[family.Grams], spec: ModelSpec, pairs: list[str], ranks: dict[str, int],
-              ridge: float, dtype: str, family_id: str, x_group: int = 1,
-              shrink: float = 1.0) -> tuple[FamilyArtifacts, list[PairArtifacts]]:
+              ridge: float, dtype: str, family_id: str, x_group: int = 1, shrink: float = 1.0,
+              bigram_shrink: float = 16.0) -> tuple[FamilyArtifacts, list[PairArtifacts]]:
     """(the family artifact, each member's own pair artifact), Reuse-only (layer 0 exact): the family's
     encoders from all the rows, each member's decoders and pair fit from its own (with token tables when
-    the Grams hold per-token sums, "t")."""
+    the Grams hold per-token sums, "t", and bigram tables when a member's hold per-pair sums, "p")."""
     n, hidden = len(pairs), "x" in grams
     kind = "hidden" if hidden else "reuse"
     plan = ["exact"] + [kind] * (spec.num_layers - 1)
@@ -84,19 +84,24 @@ def artifacts(grams: family.Grams, own_grams: list[family.Grams], spec: ModelSpe
     fam: list[dict] = [{} for _ in range(n)]
     own: list[dict] = [{} for _ in range(n)]
     tokens = lambda gs, l: gs["t"][l] if "t" in gs else None      # noqa: E731
+    bigrams = lambda gs, l: gs["p"][l] if "p" in gs else None     # noqa: E731
     for stream, gs in grams.items():
-        if stream == "t":
+        if stream in ("t", "p"):
             continue
         r = ranks["r_x" if hidden else f"r_{stream}"]
         for l, g in enumerate(gs):
             if g is None:
                 continue
             mine, mine_t = [o[stream][l] for o in own_grams], [tokens(o, l) for o in own_grams]
+            mine_p = [bigrams(o, l) for o in own_grams]
             fitted = family.fit_family(g, n, r, ridge, hidden, own=mine, tokens=tokens(grams, l),
-                                       own_tokens=mine_t if "t" in grams else None, shrink=shrink)
+                                       own_tokens=mine_t if "t" in grams else None, shrink=shrink,
+                                       own_bigrams=mine_p if "p" in own_grams[0] else None,
+                                       bigram_shrink=bigram_shrink)
             for j, c in enumerate(fitted):
                 fam[j].setdefault(stream, {})[l] = c
-                own[j].setdefault(stream, {})[l] = family.fit_codec(mine[j], r, ridge, hidden, mine_t[j], shrink)
+                own[j].setdefault(stream, {})[l] = family.fit_codec(mine[j], r, ridge, hidden, mine_t[j], shrink,
+                                                                    mine_p[j], bigram_shrink)
     return (FamilyArtifacts(family_id, {p: make(family_id, c) for p, c in zip(pairs, fam)}),
             [make(p, c) for p, c in zip(pairs, own)])
 
@@ -343,15 +348,13 @@ def main(argv: list[str] | None = None) -> dict:
                          "x_group": c.x_group, "r_h": c.r_h}, patched=len({l for p in plans for l in p}))
     log(f"members {names}: {n_prefixes} calibration prefixes each of {c.prefix_tokens} tokens, {n_held} held-out "
         f"each; {c.reuse_source} codes {ranks} in {c.code_dtype}; Patch layers {dict(zip(names, plans))}")
-    if hidden and c.bigram_table:
-        log(f"calibration.bigram_table {c.bigram_table} is for pair artifacts: the family's decoders take token "
-            "tables only")
 
     work = key_dir(Path(c.work_dir).expanduser() / "family", "", {
         "models": [model_digest(producer), *map(model_digest, consumers)], "data": data_digest(every),
         "members": [len(mine) for mine in calib], "hidden": hidden, "batch": c.batch,
         **({"x_group": c.x_group} if c.x_group != 1 else {}),
-        **({"token_table": c.token_table} if hidden and c.token_table else {})})
+        **({"token_table": c.token_table} if hidden and c.token_table else {}),
+        **({"bigram_table": c.bigram_table} if hidden and c.bigram_table else {})})
     path = work / "grams.safetensors"
     t0 = time.time()
     if path.is_file():
@@ -359,11 +362,12 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"grams resumed from {path}")
     else:
         grams, own_grams = family.accumulate(producer, consumers, spec, calib, hidden, c.batch, tok.pad_token_id,
-                                             c.x_group, c.token_table if hidden else 0)
+                                             c.x_group, c.token_table if hidden else 0,
+                                             c.bigram_table if hidden else 0)
         family.save_grams(grams, own_grams, path)
         log(f"grams accumulated in {time.time() - t0:.0f} s ({path})")
     shared, own = artifacts(grams, own_grams, spec, pairs, ranks, c.ridge, c.code_dtype, family_id, c.x_group,
-                            c.token_shrink)
+                            c.token_shrink, c.bigram_shrink)
     fam = fit_members(work, shared, names, producer, consumers, calib, plans, c, tok.pad_token_id, val, tune)
 
     rows = []

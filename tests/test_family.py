@@ -291,3 +291,74 @@ def test_a_family_with_token_tables_gives_each_member_its_own_and_saves_them(tmp
         with_table = _calibration_error(a, members[j], fam.members[pair], mine[j][:4])
         without = _calibration_error(a, members[j], plain.members[pair], mine[j][:4])
         assert with_table < without, f"{pair}: K/V error with tables {with_table:.4f}, without {without:.4f}"
+
+
+def test_a_family_of_one_with_bigram_tables_decodes_as_its_pair_fit():
+    """refit_decoder with per-pair sums backs off to the member's token table exactly as the pair fit does: a
+    one-member family refitted on its own rows decodes every key (in the table or not) as its pair fit."""
+    from scd.fitting.gram import TokenStats
+    from scd.online.reuse import bigram_keys
+    g = torch.Generator().manual_seed(6)
+    n, d, vocab = 4000, 8, 10
+    tok = torch.randint(0, vocab, (1, n), generator=g)
+    keys = bigram_keys(tok)[0]
+    prev = torch.cat([torch.zeros(1, dtype=torch.long), tok[0, :-1]])
+    a = torch.randn(n, d, generator=g) * torch.linspace(0.5, 2, d)
+    b = a @ torch.randn(d, d, generator=g) + 3 * torch.randn(vocab, d, generator=g)[tok[0]] \
+        + torch.randn(vocab, vocab, d, generator=g)[prev, tok[0]] + 0.05 * torch.randn(n, d, generator=g)
+    gram, stats, pairs = JointGram(d, d), TokenStats(torch.arange(vocab), d, d), TokenStats.most_frequent([keys], 60, d, d)
+    gram.update(a, b)
+    stats.update(tok[0], a, b)
+    pairs.update(keys, a, b)
+    (alone,) = family.fit_family(gram, 1, 5, 1e-4, True, own=[gram], tokens=stats, own_tokens=[stats], shrink=2.0,
+                                 own_bigrams=[pairs], bigram_shrink=8.0)
+    pair = family.fit_codec(gram, 5, 1e-4, True, stats, 2.0, pairs, 8.0)
+    assert torch.equal(alone.bigram_ids, pairs.ids) and len(pairs.ids) < len(keys.unique())   # some keys back off
+    err = ((alone.decode(alone.encode(a), tok[0], keys) - pair.decode(pair.encode(a), tok[0], keys)).norm()
+           / b.norm()).item()
+    assert err < 1e-4, f"a family of one with bigram tables decodes differently from its pair fit by {err:.2e}"
+    no_pairs = family.fit_codec(gram, 5, 1e-4, True, stats, 2.0)
+    gain = [((c.decode(c.encode(a), tok[0], keys if c is pair else None) - b).norm() / b.norm()).item()
+            for c in (pair, no_pairs)]
+    assert gain[0] < 0.9 * gain[1], f"bigram rows: relative error {gain[0]:.4f} against {gain[1]:.4f} without"
+
+
+def test_a_family_with_bigram_tables_gives_each_member_its_own_and_saves_them(tmp_path):
+    """accumulate(bigram_table=k): each member's own Grams hold its per-pair sums (the family's shared Grams
+    none); each member's decoders (family and pair) get a bigram table of its own prefixes' k most frequent
+    pairs; the family artifact saves and loads them, and they rebuild the calibration rows better than the
+    token tables alone."""
+    from jobs.family import artifacts
+    from scd.fitting.family import accumulate, load_grams, save_grams
+    from scd.fitting.gram import TokenStats
+    from scd.online.artifacts import FamilyArtifacts
+    from scd.online.models import ModelSpec
+    from scd.online.reuse import bigram_keys
+    from tests.conftest import perturbed, tiny_llama
+    from tests.test_cross_layer import _calibration_error
+    from tests.test_pipeline_tiny import _samples
+    a = tiny_llama(0)
+    members = [perturbed(a, 0.3, seed=1), perturbed(a, 0.3, seed=2)]
+    spec = ModelSpec.from_config(a.config)
+    prefixes = [s.prefix for s in _samples(16, 1)]
+    mine = [prefixes[:8], prefixes[8:]]
+    grams, own_grams = accumulate(a, members, spec, mine, True, 4, 0, x_group=0, token_table=20, bigram_table=40)
+    save_grams(grams, own_grams, tmp_path / "g.safetensors")
+    grams, own_grams = load_grams(tmp_path / "g.safetensors", spec, True, 2, x_group=0)
+    assert "p" not in grams and all(isinstance(o["p"][1], TokenStats) for o in own_grams)
+    fam, own = artifacts(grams, own_grams, spec, ["a:b", "a:c"], {"r_x": 16}, 1e-4, "fp16", "a:fam", x_group=0)
+    for j, pair in enumerate(["a:b", "a:c"]):
+        keys = [bigram_keys(p) for p in mine[j]]
+        want = TokenStats.most_frequent(keys, 40, 1, 1).ids
+        assert torch.equal(fam.members[pair].reuse_x[1].bigram_ids, want)
+        assert torch.equal(own[j].reuse_x[1].bigram_ids, want)
+        assert own_grams[j]["p"][1].n.sum() == torch.isin(torch.cat(keys), want).sum()     # rows of its pairs only
+    fam.save(tmp_path / "fam")
+    back = FamilyArtifacts.load(tmp_path / "fam")
+    assert torch.equal(back.members["a:c"].reuse_x[1].bigram, fam.members["a:c"].reuse_x[1].bigram)
+    tables, _ = artifacts(grams, [{k: o[k] for k in "xt"} for o in own_grams], spec, ["a:b", "a:c"], {"r_x": 16},
+                          1e-4, "fp16", "a:fam", x_group=0)
+    for j, pair in enumerate(["a:b", "a:c"]):
+        with_pairs = _calibration_error(a, members[j], fam.members[pair], mine[j][:4])
+        without = _calibration_error(a, members[j], tables.members[pair], mine[j][:4])
+        assert with_pairs < without, f"{pair}: K/V error with bigram rows {with_pairs:.4f}, without {without:.4f}"

@@ -198,9 +198,10 @@ def test_patch_plan_auto_gives_each_member_its_published_patch_layers():
 
 def test_a_family_code_may_serve_groups_of_layers(tmp_path):
     """x_group 3: one family code per three adjacent layers (layers 1..7: codes at 1, 4 and 7), shared by
-    every member, each member decoding its own K and V of every layer of the group."""
+    every member, each member decoding its own K and V of every layer of the group; with the config's token
+    and bigram tables, each member's decoders carry its own."""
     cfg = write_config(tmp_path, prefixes=4, heldout=2, reuse_source="hidden", r_x=24, x_group=3,
-                       finetune_samples=0)
+                       finetune_samples=0, token_table=16, bigram_table=32)
     res = family_job(["--config", str(cfg), "--repeats", "1", "--out", str(tmp_path / "out"), "--members", "qa,code",
                       "--patch-layers", "none"])
     fam = FamilyArtifacts.load(tmp_path / "out" / "base" / "family")
@@ -208,6 +209,9 @@ def test_a_family_code_may_serve_groups_of_layers(tmp_path):
     assert qa.x_groups == [[1, 2, 3], [4, 5, 6], [7]] and sorted(qa.reuse_x) == [1, 4, 7] and qa.x_codes == [1, 4, 7]
     assert torch.equal(qa.reuse_x[4].enc, code.reuse_x[4].enc) and not torch.equal(qa.reuse_x[4].dec, code.reuse_x[4].dec)
     assert qa.reuse_x[4].dec.shape[1] == 3 * 2 * qa.spec.num_kv_heads * qa.spec.head_dim
+    assert len(qa.reuse_x[4].table_ids) == 16 and len(qa.reuse_x[4].bigram_ids) == 32
+    assert qa.reuse_x[4].bigram.shape == (32, qa.reuse_x[4].dec.shape[1])
+    assert not torch.equal(qa.reuse_x[4].bigram_ids, code.reuse_x[4].bigram_ids)     # each member's own pairs
     cost = res["fanout"]
     assert cost["pairs_bytes"] == pytest.approx(2 * cost["family_bytes"], rel=0.01), cost
     for row in res["kl"]:

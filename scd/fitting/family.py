@@ -25,11 +25,11 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from scd.fitting.calibrate import pad
-from scd.fitting.gram import JointGram, TokenStats
+from scd.fitting.gram import JointGram, TokenStats, backoff_table
 from scd.fitting.traces import valid_rows
 from scd.online.artifacts import code_groups
 from scd.online.models import ModelSpec
-from scd.online.reuse import LinearCodec
+from scd.online.reuse import LinearCodec, bigram_keys
 from scd.online.trace import capture
 
 
@@ -41,30 +41,33 @@ def split(codec: LinearCodec, widths: list[int]) -> list[LinearCodec]:
     out, col = [], 0
     for w in widths:
         table = None if codec.table is None else codec.table[:, col:col + w].contiguous()
+        bigram = None if codec.bigram is None else codec.bigram[:, col:col + w].contiguous()
         out.append(LinearCodec(codec.mu_a, codec.enc, codec.mu_b[col:col + w].contiguous(),
-                               codec.dec[:, col:col + w].contiguous(), table, codec.table_ids))
+                               codec.dec[:, col:col + w].contiguous(), table, codec.table_ids, bigram,
+                               codec.bigram_ids))
         col += w
     return out
 
 
 def fit_codec(gram: JointGram, rank: int, ridge: float, regression: bool, tokens: TokenStats | None = None,
-              shrink: float = 1.0) -> LinearCodec:
+              shrink: float = 1.0, bigrams: TokenStats | None = None, bigram_shrink: float = 16.0) -> LinearCodec:
     """A pair's closed-form fit at `rank`: reduced-rank regression (hidden-state codes, with a token table
-    when `tokens` are given; below full rank of B it is zero-padded to `rank`) or the joint SVD (per-head
-    codes)."""
+    when `tokens` are given, and a bigram table on top with `bigrams`; below full rank of B it is
+    zero-padded to `rank`) or the joint SVD (per-head codes)."""
     if not regression:
         return gram.fit(rank, ridge)
-    return gram.fit_regression(min(rank, gram.d_b), ridge, tokens, shrink).padded(rank)
+    return gram.fit_regression(min(rank, gram.d_b), ridge, tokens, shrink, bigrams, bigram_shrink).padded(rank)
 
 
 def refit_decoder(codec: LinearCodec, gram: JointGram, ridge: float, tokens: TokenStats | None = None,
-                  shrink: float = 1.0) -> LinearCodec:
+                  shrink: float = 1.0, bigrams: TokenStats | None = None, bigram_shrink: float = 16.0) -> LinearCodec:
     """`codec`'s encoder with the decoder that rebuilds B best, in least squares, from its code on the rows
     of `gram` (a Gram of [A | B]): B ~ mu_b + (A - mu_a) E D with D = (E^T C_AA E + lam I)^-1 E^T C_AB and
     mu_b = mean(B) - (mean(A) - mu_a) E D. `ridge` is relative to the codes' mean variance; code columns
     that carry nothing (zero-padded) get zero decoder rows. With `tokens` (per-token sums of the same
     rows) the decoder gets a token table: D is fitted on the covariance with the token means taken out
-    (JointGram.cov) and the table holds each token's mean residual (TokenStats.table)."""
+    (JointGram.cov) and the table holds each token's mean residual (TokenStats.table); with `bigrams` too, a
+    bigram table backs off to it (gram.backoff_table)."""
     if gram.d_a != codec.enc.shape[0] or gram.d_b != codec.dec.shape[1]:
         raise ValueError(f"a Gram of [{gram.d_a} | {gram.d_b}] columns cannot refit a decoder of a codec "
                          f"{tuple(codec.enc.shape)} -> {tuple(codec.dec.shape)}")
@@ -77,30 +80,34 @@ def refit_decoder(codec: LinearCodec, gram: JointGram, ridge: float, tokens: Tok
     dec = torch.linalg.solve(c_zz + lam * torch.eye(e.shape[1], dtype=e.dtype), c_zb)
     mu_b = mu[da:] - (mu[:da] - codec.mu_a.double()) @ e @ dec
     table = None if tokens is None else tokens.table(mu, e @ dec, shrink)
+    bigram = None if bigrams is None else backoff_table(bigrams, tokens, table, mu, e @ dec, bigram_shrink)
     return LinearCodec(codec.mu_a, codec.enc, mu_b.float(), dec.float().contiguous(), table,
-                       None if tokens is None else tokens.ids)
+                       None if tokens is None else tokens.ids, bigram, None if bigrams is None else bigrams.ids)
 
 
 def fit_family(gram: JointGram, n: int, rank: int, ridge: float, regression: bool,
                own: list[JointGram] | None = None, tokens: TokenStats | None = None,
-               own_tokens: list[TokenStats] | None = None, shrink: float = 1.0) -> list[LinearCodec]:
+               own_tokens: list[TokenStats] | None = None, shrink: float = 1.0,
+               own_bigrams: list[TokenStats] | None = None, bigram_shrink: float = 16.0) -> list[LinearCodec]:
     """The family's shared-encoder codecs, one per member, from a Gram whose B holds n equal member blocks;
     with `own` (per member a Gram of [A | B_j] over its own rows), each member's decoder refitted on them.
     With `tokens` (the family rows' per-token sums) the shared code is fitted beside a token table, and
-    with `own_tokens` each member's refitted decoder has its own table, from its own rows."""
+    with `own_tokens` each member's refitted decoder has its own table, from its own rows; with
+    `own_bigrams` also its own bigram table on top."""
     if gram.d_b % n:
         raise ValueError(f"a family Gram of {gram.d_b} target columns cannot hold {n} equal member blocks")
     members = split(fit_codec(gram, rank, ridge, regression, tokens, shrink), [gram.d_b // n] * n)
     if own is None:
         return members
-    if len(own) != n or (own_tokens is not None and len(own_tokens) != n):
+    if any(x is not None and len(x) != n for x in (own, own_tokens, own_bigrams)):
         raise ValueError(f"{len(own)} member Grams for a family of {n}")
-    return [refit_decoder(m, g, ridge, None if own_tokens is None else own_tokens[j], shrink)
+    return [refit_decoder(m, g, ridge, None if own_tokens is None else own_tokens[j], shrink,
+                          None if own_bigrams is None else own_bigrams[j], bigram_shrink)
             for j, (m, g) in enumerate(zip(members, own))]
 
 
 # per stream ("x", or "k" and "v"), per layer (None: no code there); with token tables, "t": per hidden-state
-# code the per-token sums of the same rows
+# code the per-token sums of the same rows, and with bigram tables "p" (a member's own only): its per-pair sums
 Grams = dict[str, list[JointGram | TokenStats | None]]
 
 
@@ -113,31 +120,39 @@ def member_batches(prefixes: list[list[torch.Tensor]], batch: int, pad_id: int |
 
 
 def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[list[torch.Tensor]], hidden: bool,
-               batch: int, pad_id: int | None, x_group: int = 1, token_table: int = 0) -> tuple[Grams, list[Grams]]:
+               batch: int, pad_id: int | None, x_group: int = 1, token_table: int = 0,
+               bigram_table: int = 0) -> tuple[Grams, list[Grams]]:
     """Family Gram matrices from one pass over every member's own prefixes (`prefixes[j]`, member j's):
     per hidden-state code (at each layer >= 1, or the first layer of each group of x_group layers),
     [x_A of its layers | (K_j, V_j of its layers)_j], or per layer, per-head codes [K_A | K_j...] and
     [V_A | V_j...] (every layer), over all the rows; and per member j the Gram of [A | B_j] over its own
     rows only (its decoders' fit, and its pair fit). With `token_table` (hidden-state codes), the same
-    rows' per-token sums ("t") for the most frequent tokens of all the prefixes, and of a member's own.
-    Returns (family Grams, each member's own)."""
+    rows' per-token sums ("t") for the most frequent tokens of all the prefixes, and of a member's own; with
+    `bigram_table` too, a member's per-pair sums ("p", bigram_keys) for the most frequent pairs of its own
+    prefixes (the decoders are refitted per member, so the family's shared fit needs none). Returns (family Grams, each member's own)."""
     n, L = len(consumers), spec.num_layers
     m, d, hid = spec.num_kv_heads * spec.head_dim, spec.head_dim, spec.hidden_size
     groups = code_groups(spec.num_layers, x_group)
 
     def grams(members: int, mine: list[torch.Tensor]) -> Grams:
         if hidden:
-            out: Grams = {"x": [None] * L, **({"t": [None] * L} if token_table else {})}
+            pairs = bigram_table if members == 1 else 0
+            out: Grams = {"x": [None] * L, **({"t": [None] * L} if token_table else {}),
+                          **({"p": [None] * L} if pairs else {})}
             for g in groups:
                 out["x"][g[0]] = JointGram(len(g) * hid, members * len(g) * 2 * m)
                 if token_table:
                     out["t"][g[0]] = TokenStats.most_frequent(mine, token_table, len(g) * hid, members * len(g) * 2 * m)
+                if pairs:
+                    out["p"][g[0]] = TokenStats.most_frequent([bigram_keys(torch.as_tensor(p)) for p in mine], pairs,
+                                                              len(g) * hid, len(g) * 2 * m)
             return out
         return {"k": [JointGram(d, members * d) for _ in range(L)], "v": [JointGram(d, members * d) for _ in range(L)]}
 
     fam, own = grams(n, [p for mine in prefixes for p in mine]), [grams(1, mine) for mine in prefixes]
     for src, ids, mask in member_batches(prefixes, batch, pad_id, "family traces"):
         keep = mask.bool()
+        keys = bigram_keys(ids, mask)[keep] if bigram_table else None
         a = capture(producer, ids, mask, want_xnorm=hidden)
         bs = [capture(c, ids, mask, want_xnorm=False) for c in consumers]
         rows = lambda t: t.transpose(1, 2)[keep].float()        # noqa: E731  (B, n_kv, T, d) -> (N, n_kv, d)
@@ -151,6 +166,8 @@ def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[list[t
                 if token_table:
                     fam["t"][g[0]].update(ids[keep], x_a, torch.cat(targets, 1))
                     own[src]["t"][g[0]].update(ids[keep], x_a, targets[src])
+                if bigram_table:
+                    own[src]["p"][g[0]].update(keys, x_a, targets[src])
             continue
         for l in range(L):
             for s, t_a, t_b in (("k", a.content[l], [b.content[l] for b in bs]),
@@ -181,8 +198,10 @@ def load_grams(path: Path, spec: ModelSpec, hidden: bool, members: int, x_group:
             out: Grams = {"x": [None] * spec.num_layers}
             for g in code_groups(spec.num_layers, x_group):
                 out["x"][g[0]] = JointGram.from_tensors(t, f"{prefix}x.{g[0]}", len(g) * spec.hidden_size)
-                if f"{prefix}t.{g[0]}.ids" in t:
-                    out.setdefault("t", [None] * spec.num_layers)[g[0]] = TokenStats.from_tensors(t, f"{prefix}t.{g[0]}")
+                for name in "tp":
+                    if f"{prefix}{name}.{g[0]}.ids" in t:
+                        out.setdefault(name, [None] * spec.num_layers)[g[0]] = TokenStats.from_tensors(
+                            t, f"{prefix}{name}.{g[0]}")
             return out
         return {s: [JointGram.from_tensors(t, f"{prefix}{s}.{l}", spec.head_dim) for l in range(spec.num_layers)]
                 for s in "kv"}

@@ -88,12 +88,7 @@ class JointGram:
         sd = var.clamp(min=var.max() * 1e-12).sqrt()
         m = w @ v @ v.T                                                                  # the code's map
         table = None if tokens is None else tokens.table(mu, m, shrink)
-        bigram = None
-        if bigrams is not None:
-            if tokens is None:
-                raise ValueError("a bigram table backs off to a token table: give `tokens` too")
-            prior = torch.cat([table, torch.zeros_like(table[:1])])[rows_of(tokens.ids, bigrams.ids & TOKEN)]
-            bigram = bigrams.table(mu, m, bigram_shrink, prior)
+        bigram = None if bigrams is None else backoff_table(bigrams, tokens, table, mu, m, bigram_shrink)
         return LinearCodec(mu[:da].float(), (w @ v / sd).float(), mu[da:].float(),
                            (sd[:, None] * v.T).contiguous().float(), table, None if tokens is None else tokens.ids,
                            bigram, None if bigrams is None else bigrams.ids)
@@ -169,3 +164,13 @@ class TokenStats:
         out = cls(t[f"{prefix}.ids"], sa.shape[1], sb.shape[1])
         out.n, out.sa, out.sb = t[f"{prefix}.n"], sa, sb
         return out
+
+
+def backoff_table(bigrams: TokenStats, tokens: TokenStats | None, table: torch.Tensor | None, mu: torch.Tensor,
+                  m: torch.Tensor, shrink: float) -> torch.Tensor:
+    """A bigram table (sums per bigram_keys key) on top of the token table `table` of `tokens`: each key's mean
+    residual after the map m and its token's row, shrunk by `shrink` rows towards that row (a backoff)."""
+    if tokens is None or table is None:
+        raise ValueError("a bigram table backs off to a token table: give `tokens` too")
+    prior = torch.cat([table, torch.zeros_like(table[:1])])[rows_of(tokens.ids, bigrams.ids & TOKEN)]
+    return bigrams.table(mu, m, shrink, prior)
