@@ -41,6 +41,9 @@ def specialist_options(cfg: DeploymentConfig, name: str) -> dict:
             "user_config": {"artifact": s.artifact, "families": cfg.family_refs()}}
 
 
+ROUTER_QUEUE_FACTOR = 8     # Serve's queue of each proxy before the router, in router slots (see build)
+
+
 def build(cfg: DeploymentConfig):
     """The Serve application (router bound to every specialist deployment). Refuses to serve a non-loopback
     address without an API key unless the config says `auth.allow_unauthenticated: true`."""
@@ -55,10 +58,12 @@ def build(cfg: DeploymentConfig):
         s.name, s.path, pair_id(base, s.name), cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
         lim.control_timeout_s, s.base, lim.specialist_max_ongoing)
         for s in cfg.specialists}
+    # Serve's own limits sit well above the router's admission limit, so that the router's JSON 503 answers
+    # an overload, not Serve's plain-text one: a request waits in the proxy's queue until a router replica is
+    # assigned, so a burst arriving at once is queued there whole, however quickly the router refuses it
     return Router.options(ray_actor_options={"num_cpus": 0}, num_replicas=lim.router_replicas,
-                          # headroom over the router's own admission limit: its JSON 503 answers first
                           max_ongoing_requests=lim.router_max_ongoing + 16,
-                          max_queued_requests=lim.router_max_ongoing).bind(
+                          max_queued_requests=ROUTER_QUEUE_FACTOR * (lim.router_max_ongoing + 16)).bind(
         handles, cfg.model_dump(), key_digest(key))
 
 

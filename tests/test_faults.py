@@ -145,11 +145,23 @@ def test_gc_while_serving_keeps_the_version_the_producer_serves(served_faults):
     assert (status, mode) == (200, "scd"), mode
 
 
-def test_overload_answers_503_with_retry_after_and_then_serves_again(served_faults):
-    """Six requests held open fill the router (limits.router_max_ongoing: 6): the seventh is refused at once
-    with an OpenAI-shaped 503 and Retry-After, and once they finish the next request is served."""
+def _one_too_many(url) -> tuple[int, str | None, str]:
+    """(status, Retry-After, body text) of a request to a router that should be full."""
     import urllib.request
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(
+        {"model": "qa", "prompt": PREFIX + "One too many.", "max_tokens": 2}).encode(),
+        {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, None, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Retry-After"], e.read().decode(errors="replace")
 
+
+def test_overload_answers_503_with_retry_after_and_then_serves_again(served_faults):
+    """Six requests held open fill the router (limits.router_max_ongoing: 6): a burst of twelve more, sent at
+    once, is refused at once, each with the router's own OpenAI-shaped 503 and Retry-After (never Serve's
+    plain-text backpressure answer), and once the six finish the next request is served."""
     from serve_app.app import wait_healthy
     url, _, _ = served_faults
     # the fault drills before this one kill replicas and the producer: start from a whole app again (while
@@ -164,15 +176,13 @@ def test_overload_answers_503_with_retry_after_and_then_serves_again(served_faul
             return seen[-1][1].get("inflight") == 6
         assert wait_for(full, 300, every_s=0.2), (f"router never full; last /healthz: {seen[-1]}; requests that "
                                                   f"already returned: {[f.result() for f in futures if f.done()]}")
-        req = urllib.request.Request(url + "/v1/completions", json.dumps(
-            {"model": "qa", "prompt": PREFIX + "One too many.", "max_tokens": 2}).encode(),
-            {"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(req, timeout=60)
+        with concurrent.futures.ThreadPoolExecutor(12) as burst:
+            refused = list(burst.map(lambda _: _one_too_many(url), range(12)))
         ray.get(gate.open.remote())
         results = [f.result() for f in futures]
-    err = json.loads(refused.value.read())["error"]
-    assert refused.value.code == 503 and refused.value.headers["Retry-After"] == "2", refused.value.headers
-    assert err["code"] == "overloaded" and err["type"] == "server_error" and err["message"], err
+    for status, retry_after, body in refused:
+        assert status == 503 and retry_after == "2", (status, retry_after, body)
+        err = json.loads(body)["error"]
+        assert err["code"] == "overloaded" and err["type"] == "server_error" and err["message"], err
     assert [status for _, status, _ in results] == [200] * 6, results
     assert _ask(url, 600)[1] == 200
