@@ -87,17 +87,29 @@ def domain(consumer_name: str) -> str:
     return consumer_name.split("_", 1)[0]
 
 
+VAL_EVERY = 8      # every 8th training document (or paragraph block of a --text file) holds validation windows
+
+
 def domain_texts(domain: str, split: str, text_file: str | None = None) -> list[str]:
+    """The texts of a split: 'train' (calibration prefixes and fine-tuning samples), 'val' (validation windows:
+    documents apart from train's, so that choices made on validation, a rank, a Patch layer, a fine-tuning
+    epoch, are not made on the texts that were fitted) or 'heldout' (evaluation)."""
     if text_file:
         p = Path(text_file).expanduser()
         if not p.is_file():
             raise FileNotFoundError(f"--text {p}: no such file")
         paras = [t for t in p.read_text(encoding="utf-8", errors="replace").split("\n\n") if t.strip()]
         cut = max(1, len(paras) // 5)                       # last fifth held out
-        return ["\n\n".join(paras[:-cut])] if split == "train" else ["\n\n".join(paras[-cut:])]
-    if domain == "code":
-        return demo_data.code_texts(split)
-    return demo_data.prose_texts(split)
+        if split == "heldout":
+            return ["\n\n".join(paras[-cut:])]
+        train = paras[:-cut]
+        val = max(1, len(train) // VAL_EVERY)               # the last eighth of the rest for validation
+        return ["\n\n".join(train[-val:] if split == "val" else train[:-val] or train)]
+    texts = demo_data.code_texts("heldout" if split == "heldout" else "train") if domain == "code" else \
+        demo_data.prose_texts("heldout" if split == "heldout" else "train")
+    if split == "heldout":
+        return texts
+    return [t for i, t in enumerate(texts) if (i % VAL_EVERY == VAL_EVERY - 1) == (split == "val")]
 
 
 def pair_data(consumer_name: str, tok, n_calib: int, n_val: int, n_eval: int, prefix_tokens: int = 160,
@@ -108,9 +120,8 @@ def pair_data(consumer_name: str, tok, n_calib: int, n_val: int, n_eval: int, pr
         calib = [s.prefix for s in qa_samples(tok, "calib", n_calib, seed, prefix_tokens)]
         return (calib, qa_samples(tok, "val", n_val, seed, prefix_tokens),
                 qa_samples(tok, "heldout", n_eval, seed, prefix_tokens))
-    train = domain_texts(data, "train", text_file)
-    calib = [s.prefix for s in lm_samples(tok, train, n_calib, prefix_tokens, 1, seed)]
-    val = lm_samples(tok, train, n_val, prefix_tokens, cont_tokens, seed + 1)
+    calib = [s.prefix for s in lm_samples(tok, domain_texts(data, "train", text_file), n_calib, prefix_tokens, 1, seed)]
+    val = lm_samples(tok, domain_texts(data, "val", text_file), n_val, prefix_tokens, cont_tokens, seed + 1)
     return calib, val, lm_samples(tok, domain_texts(data, "heldout", text_file), n_eval, prefix_tokens, cont_tokens,
                                   seed + 2)
 

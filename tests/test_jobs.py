@@ -39,6 +39,27 @@ def test_a_specialist_named_domain_underscore_variant_uses_its_domains_data():
     assert few[0][0].tolist() != samples.pair_data("prose", tok, 2, 1, 1, 32)[0][0].tolist()
 
 
+
+@pytest.mark.parametrize("domain", ["prose", "code", "text"])
+def test_validation_windows_come_from_documents_apart_from_the_fitted_ones(domain, tmp_path):
+    """Validation picks ranks, Patch layers and the fine-tuning epoch: its windows are cut from documents
+    (for a --text file, paragraphs) that no calibration prefix or fine-tuning sample comes from."""
+    from jobs import samples
+    _, tok, _ = load(DEMO / "base")
+    text = None
+    if domain == "text":
+        text = tmp_path / "t.txt"
+        text.write_text("\n\n".join(f"Paragraph {i} says " + f"word{i} " * 60 for i in range(40)))
+        text, domain = str(text), "prose"
+    train, val, held = (samples.domain_texts(domain, s, text) for s in ("train", "val", "heldout"))
+    pieces = lambda texts: {p for t in texts for p in t.split("\n\n")} if text else set(texts)  # noqa: E731
+    assert val and train and not pieces(val) & pieces(train) and not pieces(val) & pieces(held)
+    calib, vals, _ = samples.pair_data("prose" if domain == "prose" else "code", tok, 6, 4, 1, 32, text_file=text)
+    tune = samples.tune_samples("prose" if domain == "prose" else "code", tok, 6, 32, 8, text_file=text)
+    in_any = lambda ids, texts: any(tok.decode(ids) in t for t in texts)  # noqa: E731
+    assert all(in_any(s.prefix.tolist() + s.cont.tolist(), val) for s in vals)
+    assert all(in_any(p.tolist(), train) for p in calib) and all(in_any(s.prefix.tolist(), train) for s in tune)
+
 def test_eval_json_on_the_demo_family(tmp_path, capsys):
     scd(["eval", "--pair", "base:qa", "--json", "--samples", "3", "--calib", "24", "--val", "3",
          "--aligner-epochs", "3", "--pool", "2", "--finetune-samples", "8", "--finetune-epochs", "1",
