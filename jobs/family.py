@@ -96,7 +96,7 @@ def artifacts(grams: family.Grams, own_grams: list[family.Grams], spec: ModelSpe
             mine_p = [bigrams(o, l) for o in own_grams]
             fitted = family.fit_family(g, n, r, ridge, hidden, own=mine, tokens=tokens(grams, l),
                                        own_tokens=mine_t if "t" in grams else None, shrink=shrink,
-                                       own_bigrams=mine_p if "p" in own_grams[0] else None,
+                                       own_bigrams=mine_p,
                                        bigram_shrink=bigram_shrink)
             for j, c in enumerate(fitted):
                 fam[j].setdefault(stream, {})[l] = c

@@ -105,10 +105,10 @@ def domain_texts(domain: str, split: str, text_file: str | None = None) -> list[
         train = paras[:-cut]
         val = max(1, len(train) // VAL_EVERY)               # the last eighth of the rest for validation
         return ["\n\n".join(train[-val:] if split == "val" else train[:-val] or train)]
-    texts = demo_data.code_texts("heldout" if split == "heldout" else "train") if domain == "code" else \
-        demo_data.prose_texts("heldout" if split == "heldout" else "train")
+    source = demo_data.code_texts if domain == "code" else demo_data.prose_texts
     if split == "heldout":
-        return texts
+        return source("heldout")
+    texts = source("train")
     return [t for i, t in enumerate(texts) if (i % VAL_EVERY == VAL_EVERY - 1) == (split == "val")]
 
 

@@ -129,14 +129,14 @@ def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[list[t
     rows only (its decoders' fit, and its pair fit). With `token_table` (hidden-state codes), the same
     rows' per-token sums ("t") for the most frequent tokens of all the prefixes, and of a member's own; with
     `bigram_table` too, a member's per-pair sums ("p", bigram_keys) for the most frequent pairs of its own
-    prefixes (the decoders are refitted per member, so the family's shared fit needs none). Returns (family Grams, each member's own)."""
+    prefixes (the decoders are refitted per member, so the family's shared fit needs none).
+    Returns (family Grams, each member's own)."""
     n, L = len(consumers), spec.num_layers
     m, d, hid = spec.num_kv_heads * spec.head_dim, spec.head_dim, spec.hidden_size
     groups = code_groups(spec.num_layers, x_group)
 
-    def grams(members: int, mine: list[torch.Tensor]) -> Grams:
+    def grams(members: int, mine: list[torch.Tensor], pairs: int) -> Grams:
         if hidden:
-            pairs = bigram_table if members == 1 else 0
             out: Grams = {"x": [None] * L, **({"t": [None] * L} if token_table else {}),
                           **({"p": [None] * L} if pairs else {})}
             for g in groups:
@@ -149,7 +149,8 @@ def accumulate(producer, consumers: list, spec: ModelSpec, prefixes: list[list[t
             return out
         return {"k": [JointGram(d, members * d) for _ in range(L)], "v": [JointGram(d, members * d) for _ in range(L)]}
 
-    fam, own = grams(n, [p for mine in prefixes for p in mine]), [grams(1, mine) for mine in prefixes]
+    fam = grams(n, [p for mine in prefixes for p in mine], 0)
+    own = [grams(1, mine, bigram_table) for mine in prefixes]
     for src, ids, mask in member_batches(prefixes, batch, pad_id, "family traces"):
         keep = mask.bool()
         keys = bigram_keys(ids, mask)[keep] if bigram_table else None

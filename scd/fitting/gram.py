@@ -170,7 +170,7 @@ def backoff_table(bigrams: TokenStats, tokens: TokenStats | None, table: torch.T
                   m: torch.Tensor, shrink: float) -> torch.Tensor:
     """A bigram table (sums per bigram_keys key) on top of the token table `table` of `tokens`: each key's mean
     residual after the map m and its token's row, shrunk by `shrink` rows towards that row (a backoff)."""
-    if tokens is None or table is None:
+    if tokens is None:
         raise ValueError("a bigram table backs off to a token table: give `tokens` too")
     prior = torch.cat([table, torch.zeros_like(table[:1])])[rows_of(tokens.ids, bigrams.ids & TOKEN)]
     return bigrams.table(mu, m, shrink, prior)
