@@ -48,7 +48,7 @@ from scd.fitting import family
 from scd.fitting.aligners import patch_aligner
 from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, PlanScorer, keyed
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
-from scd.fitting.finetune import finetune_aligners
+from scd.fitting.finetune import KEEP_RULE, finetune_aligners
 from scd.online import codec
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import ArtifactStoreError, InvalidReference
@@ -204,7 +204,8 @@ def finetuned(d: Path, art: PairArtifacts, name: str, producer, consumer, tune: 
     """A member fine-tuned end to end (scd.fitting.finetune) with its encoders frozen, or its checkpoint in `d`
     when it was fine-tuned from these very codecs and aligners (a refitted Reuse code or a retrained aligner
     starts it afresh)."""
-    inputs = {"tune": samples_digest(tune), "val": samples_digest(val), "start": weights_digest(art.tensors())}
+    inputs = {"tune": samples_digest(tune), "val": samples_digest(val), "start": weights_digest(art.tensors()),
+              "keep": KEEP_RULE}
     if load_record(d / "record.json", inputs, log) is not None:
         log(f"{name}: fine-tuned member resumed from checkpoint")
         got = PairArtifacts.load(d)
@@ -213,11 +214,11 @@ def finetuned(d: Path, art: PairArtifacts, name: str, producer, consumer, tune: 
     if c.finetune_encoders:
         log(f"{name}: finetune_encoders is ignored for a family (its encoders are shared by every member)")
     scorer = PlanScorer(producer, consumer, val, lambda plan: art.with_plan(plan))
-    fit = finetune_aligners(producer, consumer, art, tune, lambda a: scorer.kl(a.plan), c.finetune_epochs,
+    fit = finetune_aligners(producer, consumer, art, tune, lambda a: scorer.kls(a.plan), c.finetune_epochs,
                             c.finetune_lr, c.batch, pad_id, c.seed, True, lambda line: log(f"{name}: {line}"))
     art.save(d)
     save_record(d / "record.json", {"samples": len(tune), "train": fit.train, "val": fit.val,
-                                    "best_epoch": fit.best_epoch}, inputs)
+                                    "gain_kept": fit.gain_kept, "best_epoch": fit.best_epoch}, inputs)
     log(f"{name}: fine-tuned, validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f}")
     return art
 

@@ -91,20 +91,25 @@ class PlanScorer:
             ref, _ = cache.extend(consumer, cache.assemble(consumer, oracle_kv), mask, s.cont[None])
             self.items.append((ids, mask, capture(producer, ids, mask), oracle_kv, s.cont[None], ref))
 
-    @torch.no_grad()
     def kl(self, plan: list[str], restore: "int | Iterable[int] | None" = None, streams: str = "kv") -> float:
         """Mean KL of the plan's rebuilt caches; `restore`: layer(s) whose keys and/or values (`streams`: "k",
         "v" or "kv") are replaced by the consumer's own, to see what the error there costs."""
+        kls = self.kls(plan, restore, streams)
+        return sum(kls) / len(kls)
+
+    @torch.no_grad()
+    def kls(self, plan: list[str], restore: "int | Iterable[int] | None" = None, streams: str = "kv") -> list[float]:
+        """The KL of each validation sample (see kl)."""
         art = self.art_for(plan)
         restored = [restore] if isinstance(restore, int) else list(restore or ())
-        total = 0.0
+        out = []
         for ids, mask, ptrace, oracle_kv, cont, ref in self.items:
             kv, _ = rebuild(self.consumer, art, codec.as_received(encode(art, ptrace, ids), art.code_dtype))
             for l in restored:
                 kv[l] = (oracle_kv[l][0] if "k" in streams else kv[l][0], oracle_kv[l][1] if "v" in streams else kv[l][1])
             logits, _ = cache.extend(self.consumer, cache.assemble(self.consumer, kv), mask, cont)
-            total += metrics.kl_tv_top1(ref, logits)[0]
-        return total / len(self.items)
+            out.append(metrics.kl_tv_top1(ref, logits)[0])
+        return out
 
 
 class Calibration:
@@ -435,9 +440,9 @@ class Calibration:
     def finetune(self, art: PairArtifacts, tune_samples, val_samples) -> dict:
         """End-to-end fine-tuning of the chosen plan's aligners (scd.fitting.finetune), or its checkpoint. Returns its
         record; art's aligners are replaced by the fine-tuned ones."""
-        from scd.fitting.finetune import finetune_aligners
+        from scd.fitting.finetune import KEEP_RULE, finetune_aligners
         d = self.dir / "finetuned"
-        inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples)}
+        inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples), "keep": KEEP_RULE}
         done = load_record(d / "record.json", inputs, self.log)
         if done is not None and done.get("plan", art.plan) != art.plan:      # (records before 2026-11 had none)
             self.log("stage finetune: the checkpoint was fine-tuned for another plan; recomputing")
@@ -452,7 +457,7 @@ class Calibration:
             self.log("stage finetune: resumed from checkpoint")
             return done
         scorer = PlanScorer(self.producer, self.consumer, val_samples, lambda plan: art.with_plan(plan))
-        fit = finetune_aligners(self.producer, self.consumer, art, tune_samples, lambda a: scorer.kl(a.plan),
+        fit = finetune_aligners(self.producer, self.consumer, art, tune_samples, lambda a: scorer.kls(a.plan),
                                 self.cfg.finetune_epochs, self.cfg.finetune_lr, self.cfg.batch, self.pad_id,
                                 self.cfg.seed, self.progress, lambda line: self.log(f"stage {line}"),
                                 encoders=self.cfg.finetune_encoders)
@@ -463,7 +468,8 @@ class Calibration:
             save_file({k: v for l, c in art.reuse_x.items() for k, v in c.tensors(f"hidden.{l}").items()},
                       str(d / "hidden.safetensors"))
         record = save_record(d / "record.json", {"samples": len(tune_samples), "train": fit.train, "val": fit.val,
-                                                 "best_epoch": fit.best_epoch, "plan": art.plan}, inputs)
+                                                 "gain_kept": fit.gain_kept, "best_epoch": fit.best_epoch,
+                                                 "plan": art.plan}, inputs)
         self.log(f"stage finetune: validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f} "
                  f"(epoch {fit.best_epoch} of {len(fit.train)})")
         return record

@@ -7,8 +7,9 @@ trained on KL(oracle || rebuilt) of its predictions: they learn what matters to 
 to make up for the error the Reuse layers leave. The decoders of "hidden" layers (fitted in closed form on
 the K/V error) are trained with them; with `encoders=True` so are their producer-side encoders, and the codes
 themselves learn what the consumer needs (through the wire's rounding with a straight-through gradient).
-The consumer stays fixed; the weights of the best epoch on the validation samples are kept (the locally
-fitted ones if no epoch beats them).
+The consumer stays fixed. The weights of the best epoch on the validation samples are kept, and only if they
+beat the locally fitted ones by more than the validation samples' own spread (`beats`): a gain that small
+samples cannot tell from noise keeps the closed-form fit.
 """
 from __future__ import annotations
 
@@ -32,11 +33,29 @@ from scd.online.tables import layer0_input
 from scd.online.trace import capture
 
 
+KEEP_RULE = "paired gain > 2 standard errors"      # recorded with fine-tuning checkpoints: another rule refits
+KEEP_Z = 2.0
+
+
+def beats(before: list[float], after: list[float], z: float | None = None) -> bool:
+    """Whether `after` (per-sample validation KLs) is lower than `before` (the same samples) by more than z
+    (default KEEP_Z) standard errors of their paired differences. A single sample has no spread: any gain
+    counts."""
+    z = KEEP_Z if z is None else z
+    d = [a - b for a, b in zip(after, before, strict=True)]
+    mean = sum(d) / len(d)
+    if len(d) < 2:
+        return mean < 0
+    se = (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+    return mean + z * se < 0
+
+
 @dataclass
 class FinetuneFit:
     train: list[float]          # mean training KL per epoch
     val: list[float]            # validation KL before training (index 0) and after each epoch
     best_epoch: int             # 0 = the locally fitted aligners were kept
+    gain_kept: list[bool]       # per epoch: whether its gain over epoch 0 stood out of the validation noise
 
 
 @torch.no_grad()
@@ -119,12 +138,12 @@ def _state(art: PairArtifacts) -> dict:
             "hidden": {l: c.map(lambda t: t.detach().clone()) for l, c in art.reuse_x.items() if l in hidden}}
 
 
-def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: Callable[[PairArtifacts], float],
+def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: Callable[[PairArtifacts], list[float]],
                       epochs: int = 3, lr: float = 1e-4, batch: int = 8, pad_id: int | None = 0, seed: int = 0,
                       progress: bool = False, log: Callable[[str], None] = lambda s: None,
                       encoders: bool = False) -> FinetuneFit:
     """Fine-tune art's aligners and hidden-state decoders (and with `encoders`, their encoders) in place on
-    (prefix, continuation) samples; val_kl(art) scores a candidate."""
+    (prefix, continuation) samples; val_kl(art) scores a candidate (its KL on each validation sample)."""
     hidden = list(art.hidden_codes())
     if not art.patch_layers and not hidden:
         raise ValueError("the plan has no Patch or hidden layers: nothing to fine-tune")
@@ -143,7 +162,8 @@ def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: C
         batches.append(_batch(producer, consumer, art, samples[i:i + batch], pad_id, encoders))
         _release_freed_memory()
     best_state = _state(art)
-    fit = FinetuneFit([], [val_kl(art.with_plan(art.plan))], 0)
+    start = val_kl(art.with_plan(art.plan))
+    fit = FinetuneFit([], [sum(start) / len(start)], 0, [])
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(params, lr=lr)
     try:
@@ -160,9 +180,12 @@ def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: C
                     opt.step()
                     tot += loss.item()
                 fit.train.append(tot / len(batches))
-                fit.val.append(val_kl(art.with_plan(art.plan)))     # a fresh copy: nothing derived is stale
-                log(f"finetune epoch {epoch}: train KL {fit.train[-1]:.4f}, validation KL {fit.val[-1]:.4f}")
-                if fit.val[-1] < min(fit.val[:-1]):
+                kls = val_kl(art.with_plan(art.plan))               # a fresh copy: nothing derived is stale
+                fit.val.append(sum(kls) / len(kls))
+                fit.gain_kept.append(beats(start, kls))
+                log(f"finetune epoch {epoch}: train KL {fit.train[-1]:.4f}, validation KL {fit.val[-1]:.4f}"
+                    + ("" if fit.gain_kept[-1] or fit.val[-1] >= fit.val[0] else " (gain within the noise)"))
+                if fit.gain_kept[-1] and fit.val[-1] < fit.val[fit.best_epoch]:
                     fit.best_epoch = epoch
                     best_state = _state(art)
     finally:
