@@ -217,8 +217,7 @@ def finetuned(d: Path, art: PairArtifacts, name: str, producer, consumer, tune: 
     fit = finetune_aligners(producer, consumer, art, tune, lambda a: scorer.kls(a.plan), c.finetune_epochs,
                             c.finetune_lr, c.batch, pad_id, c.seed, True, lambda line: log(f"{name}: {line}"))
     art.save(d)
-    save_record(d / "record.json", {"samples": len(tune), "train": fit.train, "val": fit.val,
-                                    "gain_kept": fit.gain_kept, "best_epoch": fit.best_epoch}, inputs)
+    save_record(d / "record.json", {"samples": len(tune), **fit.record()}, inputs)
     log(f"{name}: fine-tuned, validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f}")
     return art
 

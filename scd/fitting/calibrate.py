@@ -467,9 +467,8 @@ class Calibration:
         if art.reuse_x:
             save_file({k: v for l, c in art.reuse_x.items() for k, v in c.tensors(f"hidden.{l}").items()},
                       str(d / "hidden.safetensors"))
-        record = save_record(d / "record.json", {"samples": len(tune_samples), "train": fit.train, "val": fit.val,
-                                                 "gain_kept": fit.gain_kept, "best_epoch": fit.best_epoch,
-                                                 "plan": art.plan}, inputs)
+        record = save_record(d / "record.json", {"samples": len(tune_samples), **fit.record(), "plan": art.plan},
+                             inputs)
         self.log(f"stage finetune: validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f} "
                  f"(epoch {fit.best_epoch} of {len(fit.train)})")
         return record

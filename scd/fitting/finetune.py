@@ -33,8 +33,8 @@ from scd.online.tables import layer0_input
 from scd.online.trace import capture
 
 
-KEEP_RULE = "paired gain > 2 standard errors"      # recorded with fine-tuning checkpoints: another rule refits
 KEEP_Z = 2.0
+KEEP_RULE = f"paired gain > {KEEP_Z:g} standard errors"    # in fine-tuning checkpoints' inputs: another rule refits
 
 
 def beats(before: list[float], after: list[float], z: float | None = None) -> bool:
@@ -56,6 +56,10 @@ class FinetuneFit:
     val: list[float]            # validation KL before training (index 0) and after each epoch
     best_epoch: int             # 0 = the locally fitted aligners were kept
     gain_kept: list[bool]       # per epoch: whether its gain over epoch 0 stood out of the validation noise
+
+    def record(self) -> dict:
+        """The checkpoint record's fields (callers add what they know besides)."""
+        return {"train": self.train, "val": self.val, "gain_kept": self.gain_kept, "best_epoch": self.best_epoch}
 
 
 @torch.no_grad()
