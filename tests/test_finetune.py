@@ -125,3 +125,15 @@ def test_finetuning_keeps_the_best_epoch_whose_gain_stands_out(tmp_path):
     assert fit.val == pytest.approx([1.0, 0.875, 0.9, 0.93]), fit.val
     moved = {e: max((art.reuse_x[l].dec - d).abs().max().item() for l, d in decoders[e].items()) for e in range(4)}
     assert moved[2] == 0 and min(moved[0], moved[1], moved[3]) > 0, f"kept decoders differ from each epoch's by {moved}"
+
+
+def test_a_fine_tuning_record_with_another_keep_rule_is_recomputed_and_says_which_input_changed(tmp_path):
+    from scd.fitting.checkpoints import load_record, save_record
+    path = tmp_path / "finetuned" / "record.json"
+    path.parent.mkdir()
+    save_record(path, {"best_epoch": 2}, {"tune": "t", "val": "v", "keep": "paired gain > 0 standard errors"})
+    lines = []
+    assert load_record(path, {"tune": "t", "val": "v", "keep": "paired gain > 0 standard errors"}, lines.append) == \
+        {"best_epoch": 2}
+    assert load_record(path, {"tune": "t", "val": "v", "keep": "paired gain > 2 standard errors"}, lines.append) is None
+    assert lines == ["stage finetuned: checkpoint was computed for other inputs (keep); recomputing"], lines

@@ -139,7 +139,8 @@ def test_a_changed_setting_redoes_only_the_stages_that_depend_on_it(tmp_path):
     assert "trained" not in out and third.plan_dir != first.plan_dir, out
     # other validation samples: the policy is recomputed in the same folder
     _, out = run(cfg, v=_samples(3, 7))
-    assert "policy: checkpoint was computed on other samples" in out and "policy: resumed" not in out, out
+    assert "stage policy: checkpoint was computed for other inputs (val); recomputing" in out, out
+    assert "policy: resumed" not in out, out
     # other consumer weights: nothing is reused
     fourth, out = run(cfg, consumer=perturbed(a, 0.4))
     assert fourth.trace_dir != first.trace_dir and "traces: done" in out, out

@@ -23,13 +23,20 @@ def key_dir(parent: Path, prefix: str, key: dict) -> Path:
     return d
 
 
+def stage_name(path: Path) -> str:
+    """What a log line calls the stage of a checkpoint file: its stem, or its folder's name for a record.json."""
+    return path.parent.name if path.name == "record.json" else path.stem
+
+
 def load_record(path: Path, inputs: dict, log: Callable[[str], None] = lambda s: None) -> dict | None:
     """A JSON stage record written by save_record for the same inputs (e.g. sample digests), else None."""
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
-    if record.get("inputs") != inputs:
-        log(f"stage {path.stem}: checkpoint was computed on other samples; recomputing")
+    old = record.get("inputs") or {}
+    if old != inputs:
+        changed = sorted(k for k in set(old) | set(inputs) if old.get(k) != inputs.get(k))
+        log(f"stage {stage_name(path)}: checkpoint was computed for other inputs ({', '.join(changed)}); recomputing")
         return None
     return {k: v for k, v in record.items() if k != "inputs"}
 
