@@ -174,7 +174,7 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
         plan = [("patch" if l in plans[j] else kind) for l, kind in enumerate(base.plan)]
         aligners = {}
         for l in plans[j]:
-            def rows_of(l=l, j=j):
+            def rows_of(n, l=l, j=j):       # in memory already: patch_aligner keeps the first n
                 return family.own_rows(patch_rows(), j, l)
             aligners[l], curve, trained = patch_aligner(pdir / names[j] / f"layer_{l}.safetensors", c, spec.hidden_size,
                                                         encs[j][l], consumers[j], l, rows_of)

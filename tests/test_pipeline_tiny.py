@@ -149,22 +149,34 @@ def test_a_changed_setting_redoes_only_the_stages_that_depend_on_it(tmp_path):
 
 def test_aligners_train_on_the_first_aligner_prefixes_only(tmp_path, monkeypatch):
     from scd.fitting import aligners
+    from scd.fitting import calibrate as calibrate_mod
     from scd.fitting.checkpoints import key_dir
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
     g = torch.Generator().manual_seed(3)
     prefixes = [torch.randint(2, 97, (int(n),), generator=g) for n in torch.randint(5, 13, (10,), generator=g)]
-    seen = []
+    seen, chunks_read, reads = [], [], [0]
     train = aligners.train_aligner
     monkeypatch.setattr(aligners, "train_aligner", lambda z, x_b, *args, **kw: seen.append(x_b) or train(z, x_b, *args, **kw))
+    read = calibrate_mod.read_chunks
+
+    def counted(directory):
+        for c in read(directory):
+            reads[0] += 1
+            yield c
+    monkeypatch.setattr(calibrate_mod, "read_chunks", counted)
     cals = {}
     for n in (0, 3):            # 3 prefixes: rows of a batch of 4 (left-padded) and the next batch's none
         cfg = CalibConfig(r_k=2, r_v=3, r_h=8, aligner_epochs=1, batch=4, aligner_prefixes=n)
         cals[n] = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=lambda s: None)
         cals[n].traces()
+        cals[n].linear()            # its Gram pass reads every chunk; count the aligner's reads alone
+        before = reads[0]
         cals[n].aligner(1)
+        chunks_read.append(reads[0] - before)
     every, first = seen
+    assert chunks_read == [3, 1], chunks_read       # 10 prefixes in batches of 4; the cap of 3 reads only the first
     assert every.shape[0] == sum(len(p) for p in prefixes), (every.shape, [len(p) for p in prefixes])
     assert first.shape[0] == sum(len(p) for p in prefixes[:3]), (first.shape, [len(p) for p in prefixes[:3]])
     assert torch.equal(first, every[:first.shape[0]])

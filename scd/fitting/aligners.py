@@ -107,18 +107,19 @@ def first_sequences(rows: tuple[torch.Tensor, ...], n: int) -> tuple[torch.Tenso
 
 
 def patch_aligner(path: Path, cfg, hidden_size: int, enc, consumer, layer: int,
-                  rows: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[Aligner, dict, bool]:
+                  rows: Callable[[int], tuple[torch.Tensor, ...]]) -> tuple[Aligner, dict, bool]:
     """The Patch aligner of one consumer layer under the calibration settings `cfg` (CalibConfig), loaded from
     its checkpoint `path` (safetensors + a JSON of its loss curves) or trained and saved there: trained on
-    rows() = (x_a producer x_norm, x_b consumer x_norm, positions, x0 the consumer's layer-0 input), rows of
-    whole sequences in order (the first cfg.aligner_prefixes of them), with the linear part seeded by the
+    rows(n) = (x_a producer x_norm, x_b consumer x_norm, positions, x0 the consumer's layer-0 input), rows of
+    whole sequences in order, at least the first n of them (all for n = 0; n = cfg.aligner_prefixes, and only
+    the first n are used), with the linear part seeded by the
     Patch encoder `enc`. Returns (the aligner in eval mode, its loss curves, whether it was trained now)."""
     if path.is_file():
         g = Aligner(cfg.r_h, hidden_size, cfg.aligner_width, cfg.aligner_context, cfg.aligner_tokens,
                     cfg.aligner_window)
         g.load_state_dict(load_file(str(path)))
         return g.eval(), json.loads(path.with_suffix(".json").read_text()), False
-    x_a, x_b, pos, x0 = first_sequences(rows(), cfg.aligner_prefixes)
+    x_a, x_b, pos, x0 = first_sequences(rows(cfg.aligner_prefixes), cfg.aligner_prefixes)
     with torch.no_grad():
         z = enc.encode(x_a)
     fit = train_aligner(z, x_b, enc.dec, enc.mu_b, pos, cfg.aligner_context, width=cfg.aligner_width,

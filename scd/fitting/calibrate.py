@@ -374,10 +374,14 @@ class Calibration:
     # -- stage 3 -------------------------------------------------------------------------------------
     def aligner(self, layer: int) -> tuple[Aligner, dict]:
         """Train (or load) the Patch aligner of one layer on the traced (Z_H, x_norm_B) rows."""
-        def rows():
-            xa, xb, pos, x0 = zip(*((c[f"xa.{layer}"], c[f"xb.{layer}"], c["posa"], c["xb.0"])
-                                    for c in read_chunks(self.trace_dir / "traces")))
-            return torch.cat(xa), torch.cat(xb), torch.cat(pos), torch.cat(x0)
+        def rows(n: int):           # the trace chunks in order until they hold n whole sequences (all for 0)
+            got, seqs = [], 0
+            for c in read_chunks(self.trace_dir / "traces"):
+                got.append((c[f"xa.{layer}"], c[f"xb.{layer}"], c["posa"], c["xb.0"]))
+                seqs += int((c["posa"] == 0).sum())
+                if n and seqs >= n:
+                    break
+            return tuple(torch.cat(t) for t in zip(*got))
 
         g, curve, trained = patch_aligner(self.aligner_dir / f"layer_{layer}.safetensors", self.cfg,
                                           self.spec.hidden_size, self.linear()[2][layer], self.consumer, layer, rows)
