@@ -46,9 +46,9 @@ from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting import family
 from scd.fitting.aligners import patch_aligner
-from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, PlanScorer, keyed
+from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, keyed
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
-from scd.fitting.finetune import KEEP_RULE, finetune_aligners
+from scd.fitting.finetune import KEEP_RULE, finetune_scored
 from scd.online import codec
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import ArtifactStoreError, InvalidReference
@@ -213,9 +213,7 @@ def finetuned(d: Path, art: PairArtifacts, name: str, producer, consumer, tune: 
         return got
     if c.finetune_encoders:
         log(f"{name}: finetune_encoders is ignored for a family (its encoders are shared by every member)")
-    scorer = PlanScorer(producer, consumer, val, lambda plan: art.with_plan(plan))
-    fit = finetune_aligners(producer, consumer, art, tune, lambda a: scorer.kls(a.plan), c.finetune_epochs,
-                            c.finetune_lr, c.batch, pad_id, c.seed, True, lambda line: log(f"{name}: {line}"))
+    fit = finetune_scored(producer, consumer, art, tune, val, c, pad_id, True, lambda line: log(f"{name}: {line}"))
     art.save(d)
     save_record(d / "record.json", {"samples": len(tune), **fit.record()}, inputs)
     log(f"{name}: fine-tuned, validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f}")

@@ -444,7 +444,7 @@ class Calibration:
     def finetune(self, art: PairArtifacts, tune_samples, val_samples) -> dict:
         """End-to-end fine-tuning of the chosen plan's aligners (scd.fitting.finetune), or its checkpoint. Returns its
         record; art's aligners are replaced by the fine-tuned ones."""
-        from scd.fitting.finetune import KEEP_RULE, finetune_aligners
+        from scd.fitting.finetune import KEEP_RULE, finetune_scored
         d = self.dir / "finetuned"
         inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples), "keep": KEEP_RULE}
         done = load_record(d / "record.json", inputs, self.log)
@@ -460,11 +460,8 @@ class Calibration:
             art.derived.clear()
             self.log("stage finetune: resumed from checkpoint")
             return done
-        scorer = PlanScorer(self.producer, self.consumer, val_samples, lambda plan: art.with_plan(plan))
-        fit = finetune_aligners(self.producer, self.consumer, art, tune_samples, lambda a: scorer.kls(a.plan),
-                                self.cfg.finetune_epochs, self.cfg.finetune_lr, self.cfg.batch, self.pad_id,
-                                self.cfg.seed, self.progress, lambda line: self.log(f"stage {line}"),
-                                encoders=self.cfg.finetune_encoders)
+        fit = finetune_scored(self.producer, self.consumer, art, tune_samples, val_samples, self.cfg, self.pad_id,
+                              self.progress, lambda line: self.log(f"stage {line}"), encoders=self.cfg.finetune_encoders)
         d.mkdir(exist_ok=True)
         for l in art.patch_layers:
             save_file({k: v.contiguous() for k, v in art.aligners[l].state_dict().items()}, str(d / f"layer_{l}.safetensors"))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from scd.fitting.calibrate import pad
+from scd.fitting.calibrate import PlanScorer, pad
 from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.patch import regenerate_kv
@@ -140,6 +140,15 @@ def _state(art: PairArtifacts) -> dict:
     return {"aligners": {l: {k: t.detach().clone() for k, t in art.aligners[l].state_dict().items()}
                          for l in art.patch_layers},
             "hidden": {l: c.map(lambda t: t.detach().clone()) for l, c in art.reuse_x.items() if l in hidden}}
+
+
+def finetune_scored(producer, consumer, art: PairArtifacts, samples, val_samples, cfg, pad_id: int | None,
+                    progress: bool, log: Callable[[str], None], encoders: bool = False) -> FinetuneFit:
+    """finetune_aligners under the calibration settings `cfg` (CalibConfig), each epoch scored by the
+    consumer's next-token KL on `val_samples` (PlanScorer): what a pair's and a family member's calibration run."""
+    scorer = PlanScorer(producer, consumer, val_samples, lambda plan: art.with_plan(plan))
+    return finetune_aligners(producer, consumer, art, samples, lambda a: scorer.kls(a.plan), cfg.finetune_epochs,
+                             cfg.finetune_lr, cfg.batch, pad_id, cfg.seed, progress, log, encoders=encoders)
 
 
 def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: Callable[[PairArtifacts], list[float]],
