@@ -9,14 +9,21 @@ Layout (little-endian):
           the layers carrying a hidden-state code, when codes are shared by groups of layers; absent, every
           hidden layer carries its own)
   body    token_ids (int32, B*T) | mask (uint8, B*T) | per coded layer, in plan order, each code tensor
-          (a layer's z_x after its other codes)
-  crc32   u32 of everything before it
+          (a layer's z_x after its other codes); with "compress": "zstd" in the header, one zstd frame of
+          those bytes (its content size set: the decoder refuses a frame that does not say it holds exactly
+          the body the header implies)
+  crc32   u32 of everything before it (the bytes on the wire)
 Code tensors are fp16 or bf16, or int8 / int4 with a per-row fp16 scale (row = last dim), stored scales first;
 int4 values are offset by 8 and packed two to a byte, low nibble first, a row padded to an even width. A
 "mixed" code is two such tensors one after the other: its first r // 3 columns in int8, then the rest in int4
 (codes are ordered widest column first, so the columns that matter most get the finer steps).
 The decoder checks magic, version, lengths, crc, and that pair/artifact/plan match what it expects and dims
 are among the ones it accepts (one per level of the artifact).
+
+Quantised codes (int8, int4, mixed) are compressed with zstd by default: lossless, so the consumer rebuilds
+from exactly the same codes, and their values are far from uniform over their range (a row's scale is set by
+its largest value), so the bytes shrink by about a seventh (`smollm2:code_few`, mixed r_X 1024: 0.859 of the
+body at level 3, 2 ms for 1.8 MB).
 """
 from __future__ import annotations
 
@@ -25,12 +32,15 @@ import struct
 import zlib
 
 import torch
+import zstandard
 
 from scd.online.rebuild import Codes, MixedCode, QuantCode
 from scd.settings import CODE_DTYPES as DTYPES
 
 MAGIC = b"SCDC"
 VERSION = 1
+COMPRESS = ("none", "zstd")
+ZSTD_LEVEL = 3          # code_few's payloads: level 1 0.868 of the body in 3.0 ms, 3 0.859 in 2.1, 19 0.870 in 315
 _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # code tensor names per layer kind, and which dims of the artifact give their last axis
 FIELDS = {"reuse": (("z_k", "r_k"), ("z_v", "r_v")), "hidden": (("z_x", "r_x"),), "patch": (("z_h", "r_h"),),
@@ -191,25 +201,41 @@ def _body_bytes(layout, b: int, t: int, dtype: str) -> int:
     return 5 * b * t + sum(_nbytes(shape, dtype) for _, _, shape in layout)
 
 
-def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: str = "fp16") -> bytes:
-    """Serialise codes. dims = {"n_kv", "r_k", "r_v", "r_h"} of the artifact that produced them."""
+def default_compress(dtype: str) -> str:
+    """zstd for quantised codes (their bytes shrink by about a seventh), none for fp16/bf16 ones."""
+    return "zstd" if dtype in _QMAX or dtype == "mixed" else "none"
+
+
+def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: str = "fp16",
+           compress: str | None = None) -> bytes:
+    """Serialise codes. dims = {"n_kv", "r_k", "r_v", "r_h"} of the artifact that produced them; compress: the
+    lossless stage over the body, one of COMPRESS (default: `default_compress(dtype)`), used when it makes the
+    body smaller (the header says so)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    compress = default_compress(dtype) if compress is None else compress
+    if compress not in COMPRESS:
+        raise ValueError(f"compress must be one of {COMPRESS}, got {compress!r}")
     b, t = codes.token_ids.shape
     header = {"pair": pair, "artifact": artifact, "dtype": dtype, "batch": b, "tokens": t, "plan": codes.plan,
               "dims": dims}
     x_codes = sorted(l for l, fields in codes.layers.items() if "z_x" in fields)
     if x_codes != _hidden_layers(codes.plan):              # codes shared by groups of layers
         header["x_codes"] = x_codes
-    hb = json.dumps(header, sort_keys=True).encode()
-    parts = [MAGIC, struct.pack("<HI", VERSION, len(hb)), hb,
-             codes.token_ids.to(torch.int32).cpu().numpy().tobytes(), codes.mask.to(torch.uint8).cpu().numpy().tobytes()]
+    parts = [codes.token_ids.to(torch.int32).cpu().numpy().tobytes(), codes.mask.to(torch.uint8).cpu().numpy().tobytes()]
     for l, name, want in _layout(codes.plan, dims, b, t, x_codes):
         x = codes.layers[l][name]
         if tuple(x.shape) != want:
             raise ValueError(f"layer {l} {name} has shape {tuple(x.shape)}, expected {want}")
         parts.append(_to_bytes(x, dtype))
-    blob = b"".join(parts)
+    body = b"".join(parts)
+    hb = json.dumps(header, sort_keys=True).encode()
+    if compress == "zstd":
+        packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(body)
+        hz = json.dumps({**header, "compress": compress}, sort_keys=True).encode()
+        if len(hz) + len(packed) < len(hb) + len(body):     # (a few tokens' codes may not shrink: sent as they are)
+            hb, body = hz, packed
+    blob = b"".join([MAGIC, struct.pack("<HI", VERSION, len(hb)), hb, body])
     return blob + struct.pack("<I", zlib.crc32(blob))
 
 
@@ -259,14 +285,18 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dic
         wrong.append(f"dims: payload={h.get('dims')!r} expected one of {accepted!r}")
     if dtype not in DTYPES:
         wrong.append(f"dtype: {dtype!r} not in {DTYPES}")
+    compress = h.get("compress", "none")
+    if compress not in COMPRESS:
+        wrong.append(f"compress: {compress!r} not in {COMPRESS}")
     if wrong:
         raise PayloadError("payload does not match this consumer: " + "; ".join(wrong))
     dims = h["dims"]
     layout = _layout(plan, dims, b, t, x_codes)
-    expected = 10 + hlen + _body_bytes(layout, b, t, dtype) + 4
-    if expected != len(mv):
-        raise PayloadError(f"payload is {len(mv)} bytes, its header implies {expected}")
-    body = torch.frombuffer(bytearray(mv[10 + hlen:-4]), dtype=torch.uint8)   # one copy; fields are views
+    size = _body_bytes(layout, b, t, dtype)
+    raw = _decompress(mv[10 + hlen:-4], size) if compress == "zstd" else bytearray(mv[10 + hlen:-4])
+    if len(raw) != size:
+        raise PayloadError(f"payload is {len(mv)} bytes, its header implies {10 + hlen + size + 4}")
+    body = torch.frombuffer(raw, dtype=torch.uint8)       # one copy; fields are views
     ids = _field(body, 0, 4 * b * t, torch.int32).long().reshape(b, t)
     mask = body[4 * b * t:5 * b * t].long().reshape(b, t)
     off = 5 * b * t
@@ -276,6 +306,18 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dic
         codes.layers.setdefault(l, {})[name] = _from_bytes(body, off, shape, dtype)
         off += _nbytes(shape, dtype)
     return codes
+
+
+def _decompress(frame: memoryview, size: int) -> bytearray:
+    """The body in a zstd frame that must say it holds `size` bytes (never more is allocated: a frame claiming
+    some other size is refused before it is decompressed)."""
+    try:
+        claimed = zstandard.frame_content_size(frame)
+        if claimed != size:
+            raise PayloadError(f"compressed body holds {claimed} bytes, the header implies {size}")
+        return bytearray(zstandard.ZstdDecompressor().decompress(frame))
+    except zstandard.ZstdError as e:
+        raise PayloadError(f"compressed body is not a valid zstd frame: {e}") from None
 
 
 def artifact_dims(art, level: dict[str, int] | None = None) -> dict[str, int]:
