@@ -236,6 +236,41 @@ def test_ranks_are_chosen_by_validation_kl_within_the_payload_budget(tmp_path):
         CalibConfig(reuse_source="magic")
 
 
+def test_the_rank_stage_counts_the_bytes_the_wire_sends(tmp_path):
+    """Quantised codes travel compressed (codec's zstd stage): the rank stage measures how much on its
+    validation codes, and the budget buys the rank those bytes leave room for."""
+    from scd.online import codec
+    from scd.online.rebuild import encode
+    from scd.online.trace import capture
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    spec = ModelSpec.from_config(a.config)
+    prefixes, val = [s.prefix for s in _samples(24, 1, t=120)], _samples(3, 2, t=120)
+    cfg = CalibConfig(payload_budget=0.14, reuse_source="hidden", code_dtype="int4", batch=16)
+    cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=lambda s: None)
+    cal.traces()
+    in_code_bytes = max(c["r_x"] for c in cal.rank_candidates())
+    rec = cal.ranks(val)
+    assert 0.5 < rec["wire_factor"] < 1, rec
+    assert rec["chosen"]["r_x"] > in_code_bytes, (rec["chosen"], in_code_bytes)
+    assert all(t["payload_ratio"] <= 0.14 + 1e-9 for t in rec["tried"]), rec["tried"]
+    # the codes the codec sends for the validation prefixes at the chosen rank fit the budget (token ids
+    # zeroed: the budget counts codes), and they compress about as the rank the factor was measured at
+    art = cal.artifacts_for(cal.base_plan)
+    sent = plain = 0
+    for s in val:
+        codes = encode(art, capture(a, s.prefix[None], torch.ones(1, 120, dtype=torch.long)), s.prefix[None])
+        codes.token_ids = torch.zeros_like(codes.token_ids)        # (not in place: it is the sample's prefix)
+        sent += codec.body_bytes(codec.encode(codes, "a:b", "v", codec.artifact_dims(art), "int4"))
+        plain += codec.body_bytes(codec.encode(codes, "a:b", "v", codec.artifact_dims(art), "int4", compress="none"))
+    raw = len(val) * 120 * spec.kv_bytes_per_token
+    assert sent / raw <= 0.14, f"codes as sent at r_x {art.r_x}: {sent / raw:.4f} of the raw KV, over the budget of 0.14"
+    at_chosen = sent / (plain - 5 * 120 * len(val))
+    assert abs(at_chosen - rec["wire_factor"]) < 0.05, (at_chosen, rec["wire_factor"])
+    again = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=lambda s: None)
+    assert again.ranks(val) == rec and again.payload_ratio(rec["chosen"]) == cal.payload_ratio(rec["chosen"])
+
+
 def test_hidden_state_reuse_beats_per_head_reuse_at_equal_payload_on_a_perturbed_pair(tmp_path):
     """A fine-tune that moves k/v projections: per-head codecs of the producer's K cannot see the hidden
     state the consumer's new projections read; one code per token from x_norm can."""

@@ -134,6 +134,7 @@ class Calibration:
         self._token_stats: list[TokenStats | None] = []
         self._bigram_stats: list[TokenStats | None] = []
         self._ranks: dict[str, int] = {}                    # chosen by ranks(), else the config's
+        self._wire = 1.0                    # bytes sent per code byte, measured by ranks() (codec's lossless stage)
         self._linear: dict[tuple, object] = {}       # (r_k, r_v) -> per-head codecs; ("hidden", r_x) -> hidden
         self._patch_enc: dict[int, LinearCodec] = {}
         self._aligners_logged: set[int] = set()
@@ -309,17 +310,34 @@ class Calibration:
         return self._ranks.get("r_x", self.cfg.r_x)
 
     def payload_ratio(self, ranks: dict[str, int]) -> float:
-        """Codes of the Reuse-only plan (at cfg.code_dtype) over the raw KV (bf16), per token. `ranks`: r_k and
-        r_v, or r_x."""
+        """Codes of the Reuse-only plan (at cfg.code_dtype, as sent: times the wire's measured compression once
+        ranks() has run) over the raw KV (bf16), per token. `ranks`: r_k and r_v, or r_x."""
         row = lambda r: codec.code_bytes_per_row(r, self.cfg.code_dtype) if r else 0  # noqa: E731
         per_layer = {"reuse": self.spec.num_kv_heads * (row(ranks.get("r_k", 0)) + row(ranks.get("r_v", 0))),
                      "hidden": 0 if self.x_groups else row(ranks.get("r_x", 0))}
         grouped = len(self.x_groups) * row(ranks.get("r_x", 0))          # one code per group
-        return (sum(per_layer.get(k, 0) for k in self.base_plan) + grouped) / self.spec.kv_bytes_per_token
+        return self._wire * (sum(per_layer.get(k, 0) for k in self.base_plan) + grouped) / self.spec.kv_bytes_per_token
 
     def plan_payload(self, plan: list[str]) -> float:
-        """A plan's codes per token (at the chosen ranks, without token ids and mask) over the raw KV."""
-        return (codec.code_bytes(self.artifacts_for(plan), 1) - 5) / self.spec.kv_bytes_per_token
+        """A plan's codes per token (at the chosen ranks, without token ids and mask, as sent) over the raw KV."""
+        return self._wire * (codec.code_bytes(self.artifacts_for(plan), 1) - 5) / self.spec.kv_bytes_per_token
+
+    def wire_factor(self, samples, ranks: dict[str, int]) -> float:
+        """Bytes the wire sends per byte of code (codec's lossless stage; 1 for codes it sends as they are),
+        measured on the codes of `samples`' prefixes at `ranks` (closed-form Reuse-only artifact), all together.
+        Codes only, as payload_ratio counts them: the token ids go zeroed, so they compress to nothing."""
+        if codec.default_compress(self.cfg.code_dtype) == "none":
+            return 1.0
+        art = self.artifacts_for(self.base_plan, **ranks)
+        dims, sent, plain = codec.artifact_dims(art), 0, 0
+        for s in samples:
+            ids = s.prefix[None]
+            codes = encode(art, capture(self.producer, ids, torch.ones_like(ids)), ids)
+            codes.token_ids = torch.zeros_like(ids)
+            sent += codec.body_bytes(codec.encode(codes, self.pair, "wire", dims, art.code_dtype))
+            plain += codec.body_bytes(codec.encode(codes, self.pair, "wire", dims, art.code_dtype, compress="none"))
+            plain -= 5 * ids.numel()                                    # ids and mask
+        return min(1.0, sent / plain)
 
     def fits_budget(self, patched: list[int]) -> bool:
         """Whether Patching these layers keeps the payload within cfg.payload_budget (always, without one).
@@ -333,8 +351,8 @@ class Calibration:
         fits = lambda r: self.payload_ratio(r) <= self.cfg.payload_budget + 1e-9  # noqa: E731
         if self.cfg.reuse_source == "hidden":
             top = 2 * self.spec.num_kv_heads * self.spec.head_dim * max(map(len, self.x_groups or [[1]]))
-            grid = sorted({r for r in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 288, 320, 384, 512, 640, 768, 1024,
-                                       1280, 1536, 2048) if r <= top} | {top})
+            grid = sorted({r for r in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 288, 320, 384, 512, 640, 768, 896,
+                                       1024, 1152, 1280, 1536, 2048) if r <= top} | {top})
             return [{"r_x": r} for r in grid if fits({"r_x": r})][-3:]
         d = self.spec.head_dim
         grid = sorted({r for r in (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if r <= d} | {d})
@@ -349,14 +367,19 @@ class Calibration:
         """Stage 2b (only with cfg.payload_budget > 0): Reuse-only validation KL of every candidate on the
         budget's frontier; the lowest is used from here on. Checkpointed; returns its record."""
         path, inputs = self.plan_dir / "ranks.json", {"val": samples_digest(val_samples)}
+        if codec.default_compress(self.cfg.code_dtype) != "none":                 # counted as sent
+            inputs["wire"] = f"{codec.default_compress(self.cfg.code_dtype)}-{codec.ZSTD_LEVEL}"
         record = load_record(path, inputs, self.log)
         if record is not None:
+            self._wire = record.get("wire_factor", 1.0)
             self.log(f"stage ranks: resumed from checkpoint ({record['chosen']})")
         else:
-            cands = self.rank_candidates()
+            cands = self.rank_candidates()          # in code bytes: the wire sends at most that many
             if not cands:
                 raise ValueError(f"payload_budget {self.cfg.payload_budget} is below the smallest code of this "
                                  f"model ({self.cfg.reuse_source} Reuse)")
+            self._wire = self.wire_factor(val_samples, cands[-1])
+            cands = self.rank_candidates()          # as sent: the budget may buy more rank
             scorer = PlanScorer(self.producer, self.consumer, val_samples, self.artifacts_for)
             tried = []
             for ranks in tqdm(cands, desc="ranks", disable=not self.progress):
@@ -365,9 +388,10 @@ class Calibration:
             best = min(tried, key=lambda t: t["kl"])
             chosen = {k: best[k] for k in cands[0]}
             record = save_record(path, {"budget": self.cfg.payload_budget, "source": self.cfg.reuse_source,
-                                        "tried": tried, "chosen": chosen}, inputs)
-            self.log(f"stage ranks: {chosen} (reuse-only KL {best['kl']:.4f} at payload {best['payload_ratio']:.3f}; "
-                     f"{len(tried)} candidates within {self.cfg.payload_budget})")
+                                        "wire_factor": self._wire, "tried": tried, "chosen": chosen}, inputs)
+            self.log(f"stage ranks: {chosen} (reuse-only KL {best['kl']:.4f} at payload {best['payload_ratio']:.3f} as "
+                     f"sent, the wire sending {self._wire:.3f} of the code bytes; {len(tried)} candidates within "
+                     f"{self.cfg.payload_budget})")
         self._ranks = dict(record["chosen"])
         return record
 

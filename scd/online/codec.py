@@ -239,6 +239,11 @@ def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: 
     return blob + struct.pack("<I", zlib.crc32(blob))
 
 
+def body_bytes(payload: bytes) -> int:
+    """Bytes of a payload's body as sent (compressed or not): the payload without its header and checksum."""
+    return len(payload) - 14 - struct.unpack("<I", payload[6:10])[0]
+
+
 def header(payload: bytes, checksum: bool = True) -> dict:
     """The payload's JSON header after checking magic, version, lengths and (unless `checksum` is False: a
     peek at which artifact decodes it, before `decode` checks everything) the checksum; PayloadError if any
