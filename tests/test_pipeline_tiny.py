@@ -1,5 +1,6 @@
 """End-to-end numeric pipeline on a tiny random pair: calibrate, then every method through the harness."""
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -269,6 +270,34 @@ def test_the_rank_stage_counts_the_bytes_the_wire_sends(tmp_path):
     assert abs(at_chosen - rec["wire_factor"]) < 0.05, (at_chosen, rec["wire_factor"])
     again = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=lambda s: None)
     assert again.ranks(val) == rec and again.payload_ratio(rec["chosen"]) == cal.payload_ratio(rec["chosen"])
+
+
+def test_stages_after_the_ranks_are_redone_when_the_ranks_stage_chooses_otherwise(tmp_path):
+    """The ranks stage may choose another rank in the same folder (its wire accounting changed): the layer
+    policy, fitted for the old code, is recomputed and says why."""
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    spec = ModelSpec.from_config(a.config)
+    prefixes, val = [s.prefix for s in _samples(16, 1)], _samples(2, 2)
+    cfg = CalibConfig(payload_budget=0.3, reuse_source="hidden", aligner_epochs=1, pool=1, batch=16)
+    lines = []
+
+    def run():
+        cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=lines.append)
+        cal.traces()
+        return cal.ranks(val), cal.policy(val)
+
+    ranks, _ = run()
+    run()
+    assert "stage policy: resumed from checkpoint" in lines, lines
+    path = next(tmp_path.rglob("ranks.json"))
+    record = json.loads(path.read_text())
+    other = ranks["chosen"]["r_x"] // 2
+    record["chosen"] = {"r_x": other}
+    path.write_text(json.dumps(record))
+    lines.clear()
+    run()
+    assert "stage policy: checkpoint was computed for other inputs (ranks); recomputing" in lines, lines
 
 
 def test_hidden_state_reuse_beats_per_head_reuse_at_equal_payload_on_a_perturbed_pair(tmp_path):

@@ -309,6 +309,12 @@ class Calibration:
     def r_x(self) -> int:
         return self._ranks.get("r_x", self.cfg.r_x)
 
+    def chosen_ranks(self) -> dict[str, dict[str, int]]:
+        """{"ranks": the ranks stage's choice} for the inputs of the stages after it (its choice may change
+        while their folder stays: e.g. when the wire's compression lets the budget buy more rank); {} without
+        a payload budget, where the ranks are the config's and key the folder."""
+        return {"ranks": dict(self._ranks)} if self._ranks else {}
+
     def payload_ratio(self, ranks: dict[str, int]) -> float:
         """Codes of the Reuse-only plan (at cfg.code_dtype, as sent: times the wire's measured compression once
         ranks() has run) over the raw KV (bf16), per token. `ranks`: r_k and r_v, or r_x."""
@@ -439,7 +445,7 @@ class Calibration:
 
     def policy(self, val_samples) -> dict:
         """Run the layer policy on validation samples (or load its checkpoint). Returns its JSON record."""
-        path, inputs = self.plan_dir / "policy.json", {"val": samples_digest(val_samples)}
+        path, inputs = self.plan_dir / "policy.json", {"val": samples_digest(val_samples), **self.chosen_ranks()}
         record = load_record(path, inputs, self.log)
         if record is not None and not self.fits_budget(record["chosen"]):    # chosen before Patch codes counted
             self.log("stage policy: the checkpoint's plan exceeds the payload budget; recomputing")
@@ -470,7 +476,8 @@ class Calibration:
         record; art's aligners are replaced by the fine-tuned ones."""
         from scd.fitting.finetune import KEEP_RULE, finetune_scored
         d = self.dir / "finetuned"
-        inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples), "keep": KEEP_RULE}
+        inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples), "keep": KEEP_RULE,
+                  **self.chosen_ranks()}
         done = load_record(d / "record.json", inputs, self.log)
         if done is not None and done.get("plan", art.plan) != art.plan:      # (records before 2026-11 had none)
             self.log("stage finetune: the checkpoint was fine-tuned for another plan; recomputing")
