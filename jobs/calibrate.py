@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> str:
         extra["ranks tried"] = "; ".join(
             ", ".join(f"{k} {v}" for k, v in t.items() if k.startswith("r_")) + f": KL {t['kl']:.4f} @ "
             f"{t['payload_ratio']:.3f}" for t in art.info["ranks"]["tried"])
+        if "wire_factor" in art.info["ranks"]:
+            extra["wire"] = f"sends {art.info['ranks']['wire_factor']:.3f} of the code bytes (zstd), counted in the budget"
     files = report.build_report(args.pair, art.info["policy"], rows, grid, xn, extra)
     metrics = {"kl": by["scd"]["kl"], "kl_reuse_only": by["reuse_only"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"],
                "payload_bytes": float(by["scd"]["payload_bytes"]), "payload_ratio": by["scd"]["payload_ratio"],
