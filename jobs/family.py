@@ -48,7 +48,7 @@ from scd.fitting import family
 from scd.fitting.aligners import patch_aligner
 from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, keyed
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
-from scd.fitting.finetune import KEEP_RULE, finetune_scored
+from scd.fitting.finetune import KEEP_RULE, Progress, finetune_scored
 from scd.online import codec
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import ArtifactStoreError, InvalidReference
@@ -213,9 +213,13 @@ def finetuned(d: Path, art: PairArtifacts, name: str, producer, consumer, tune: 
         return got
     if c.finetune_encoders:
         log(f"{name}: finetune_encoders is ignored for a family (its encoders are shared by every member)")
-    fit = finetune_scored(producer, consumer, art, tune, val, c, pad_id, True, lambda line: log(f"{name}: {line}"))
+    d.mkdir(parents=True, exist_ok=True)
+    resume = Progress(d / "progress.safetensors", inputs)          # the epochs done so far
+    fit = finetune_scored(producer, consumer, art, tune, val, c, pad_id, True, lambda line: log(f"{name}: {line}"),
+                          resume=resume)
     art.save(d)
     save_record(d / "record.json", {"samples": len(tune), **fit.record()}, inputs)
+    resume.clear()
     log(f"{name}: fine-tuned, validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f}")
     return art
 

@@ -137,3 +137,46 @@ def test_a_fine_tuning_record_with_another_keep_rule_is_recomputed_and_says_whic
         {"best_epoch": 2}
     assert load_record(path, {"tune": "t", "val": "v", "keep": "paired gain > 2 standard errors"}, lines.append) is None
     assert lines == ["stage finetuned: checkpoint was computed for other inputs (keep); recomputing"], lines
+
+
+def test_a_fine_tuning_killed_after_an_epoch_goes_on_from_it_and_ends_where_an_unbroken_run_does(tmp_path,
+                                                                                                   monkeypatch):
+    monkeypatch.setattr("scd.fitting.finetune.KEEP_Z", 0.0)
+    a = tiny_llama(0)
+    b = perturbed(a, 0.5)
+    spec = ModelSpec.from_config(a.config)
+    prefixes = [s.prefix for s in _samples(24, 1)]
+    cfg = CalibConfig(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source="hidden", aligner_epochs=3, pool=1, batch=8,
+                      finetune_samples=16, finetune_epochs=3, finetune_lr=3e-3)
+    tune, val = _samples(16, 4, t=20, c=8), _samples(4, 2)
+
+    def run(folder, log=lambda s: None):
+        return Calibration(a, b, spec, "a:b", prefixes, tmp_path / folder, cfg, progress=False, log=log).run(
+            val, tune_samples=tune)
+
+    unbroken = run("unbroken")
+    from scd.fitting import finetune
+    tune_fn, calls = finetune.finetune_aligners, []
+
+    def killed_in_epoch_2(producer, consumer, art, samples, val_kl, *args, **kw):
+        def scored(candidate):
+            calls.append(1)
+            if len(calls) == 3:         # the start, epoch 1, then epoch 2's score: killed before it is kept
+                raise KeyboardInterrupt
+            return val_kl(candidate)
+        return tune_fn(producer, consumer, art, samples, scored, *args, **kw)
+    monkeypatch.setattr(finetune, "finetune_aligners", killed_in_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        run("broken")
+    monkeypatch.setattr(finetune, "finetune_aligners", tune_fn)
+    assert list((tmp_path / "broken").rglob("progress.safetensors")), "no epoch kept"
+    logs = []
+    resumed = run("broken", logs.append)
+    assert any("finetune: resumed after epoch 1 of 3" in line for line in logs), logs
+    want, got = unbroken.info["finetune"], resumed.info["finetune"]
+    assert got["best_epoch"] == want["best_epoch"] > 0 and len(got["val"]) == 4, (got, want)   # a trained epoch kept
+    err = max(abs(x - y) for x, y in zip(got["val"] + got["train"], want["val"] + want["train"]))
+    assert err < 1e-6, f"resumed run's KLs differ from the unbroken run's by {err:.2e}: {got} vs {want}"
+    moved = max((resumed.reuse_x[l].dec - unbroken.reuse_x[l].dec).abs().max().item() for l in unbroken.reuse_x)
+    assert moved < 1e-6, f"resumed decoders differ from the unbroken run's by {moved:.2e}"
+    assert not list((tmp_path / "broken").rglob("progress.safetensors")), "progress left behind after the record"

@@ -474,7 +474,7 @@ class Calibration:
     def finetune(self, art: PairArtifacts, tune_samples, val_samples) -> dict:
         """End-to-end fine-tuning of the chosen plan's aligners (scd.fitting.finetune), or its checkpoint. Returns its
         record; art's aligners are replaced by the fine-tuned ones."""
-        from scd.fitting.finetune import KEEP_RULE, finetune_scored
+        from scd.fitting.finetune import KEEP_RULE, Progress, finetune_scored
         d = self.dir / "finetuned"
         inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples), "keep": KEEP_RULE,
                   **self.chosen_ranks()}
@@ -491,9 +491,11 @@ class Calibration:
             art.derived.clear()
             self.log("stage finetune: resumed from checkpoint")
             return done
-        fit = finetune_scored(self.producer, self.consumer, art, tune_samples, val_samples, self.cfg, self.pad_id,
-                              self.progress, lambda line: self.log(f"stage {line}"), encoders=self.cfg.finetune_encoders)
         d.mkdir(exist_ok=True)
+        resume = Progress(d / "progress.safetensors", {**inputs, "plan": art.plan})     # the epochs done so far
+        fit = finetune_scored(self.producer, self.consumer, art, tune_samples, val_samples, self.cfg, self.pad_id,
+                              self.progress, lambda line: self.log(f"stage {line}"), encoders=self.cfg.finetune_encoders,
+                              resume=resume)
         for l in art.patch_layers:
             save_file({k: v.contiguous() for k, v in art.aligners[l].state_dict().items()}, str(d / f"layer_{l}.safetensors"))
         if art.reuse_x:
@@ -501,6 +503,7 @@ class Calibration:
                       str(d / "hidden.safetensors"))
         record = save_record(d / "record.json", {"samples": len(tune_samples), **fit.record(), "plan": art.plan},
                              inputs)
+        resume.clear()
         self.log(f"stage finetune: validation KL {fit.val[0]:.4f} -> {fit.val[fit.best_epoch]:.4f} "
                  f"(epoch {fit.best_epoch} of {len(fit.train)})")
         return record

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from scd.fitting.calibrate import PlanScorer, pad
@@ -142,21 +145,95 @@ def _state(art: PairArtifacts) -> dict:
             "hidden": {l: c.map(lambda t: t.detach().clone()) for l, c in art.reuse_x.items() if l in hidden}}
 
 
+def _flat(state: dict, prefix: str) -> dict[str, torch.Tensor]:
+    """A _state as flat named tensors (safetensors)."""
+    out = {f"{prefix}al.{l}.{k}": t.contiguous() for l, sd in state["aligners"].items() for k, t in sd.items()}
+    for l, c in state["hidden"].items():
+        out.update(c.tensors(f"{prefix}hid.{l}"))
+    return out
+
+
+def _unflat(t: dict[str, torch.Tensor], prefix: str, art: PairArtifacts) -> dict:
+    """The _state of `art`'s layers that _flat wrote under `prefix`."""
+    return {"aligners": {l: {k[len(f"{prefix}al.{l}."):]: v for k, v in t.items() if k.startswith(f"{prefix}al.{l}.")}
+                         for l in art.patch_layers},
+            "hidden": {l: LinearCodec.from_tensors(t, f"{prefix}hid.{l}") for l in art.hidden_codes()}}
+
+
+def _load_state(art: PairArtifacts, state: dict) -> None:
+    """Put a _state's values into art's own tensors, in place (the optimiser holds them)."""
+    with torch.no_grad():
+        for l, sd in state["aligners"].items():
+            art.aligners[l].load_state_dict(sd)
+        for l, c in state["hidden"].items():
+            for k, v in vars(art.reuse_x[l]).items():
+                if v is not None:
+                    v.copy_(getattr(c, k))
+
+
+@dataclass
+class Progress:
+    """Where fine-tuning keeps its state after each epoch, so that a killed run goes on from the last epoch
+    done (the batches are built again): `path` (a .safetensors, with a .json beside it), and `key`, what the
+    run depends on (the caller's checkpoint inputs); a file with another key is not resumed."""
+    path: Path
+    key: dict
+
+    def save(self, epoch: int, fit: FinetuneFit, start: list[float], art: PairArtifacts, best: dict, opt, gen) -> None:
+        t = {k: v.clone() for k, v in {**_flat(_state(art), "cur."), **_flat(best, "best.")}.items()}  # (shared ids)
+        t["gen"] = gen.get_state()
+        for i, st in opt.state_dict()["state"].items():
+            t.update({f"opt.{i}.{k}": v.contiguous() for k, v in st.items()})
+        tmp = self.path.with_suffix(".tmp")
+        save_file(t, str(tmp))
+        tmp.replace(self.path)
+        meta = {"key": self.key, "epoch": epoch, "start": start, **fit.record()}
+        self.path.with_suffix(".json").write_text(json.dumps(meta))
+
+    def load(self, art: PairArtifacts, opt, gen) -> tuple[int, FinetuneFit, list[float], dict] | None:
+        """(last epoch done, fit so far, the starting per-sample KLs, the best state) with art, opt and gen
+        put back as they were after that epoch; None without a file for this key."""
+        meta_path = self.path.with_suffix(".json")
+        if not (self.path.is_file() and meta_path.is_file()):
+            return None
+        meta = json.loads(meta_path.read_text())
+        if meta.get("key") != json.loads(json.dumps(self.key)):
+            return None
+        t = load_file(str(self.path))
+        _load_state(art, _unflat(t, "cur.", art))
+        gen.set_state(t["gen"])
+        state = {}
+        for k, v in t.items():
+            if k.startswith("opt."):
+                _, i, name = k.split(".", 2)
+                state.setdefault(int(i), {})[name] = v
+        opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+        fit = FinetuneFit(meta["train"], meta["val"], meta["best_epoch"], meta["gain_kept"])
+        return int(meta["epoch"]), fit, meta["start"], _unflat(t, "best.", art)
+
+    def clear(self) -> None:
+        for f in (self.path, self.path.with_suffix(".json")):
+            f.unlink(missing_ok=True)
+
+
 def finetune_scored(producer, consumer, art: PairArtifacts, samples, val_samples, cfg, pad_id: int | None,
-                    progress: bool, log: Callable[[str], None], encoders: bool = False) -> FinetuneFit:
+                    progress: bool, log: Callable[[str], None], encoders: bool = False,
+                    resume: Progress | None = None) -> FinetuneFit:
     """finetune_aligners under the calibration settings `cfg` (CalibConfig), each epoch scored by the
     consumer's next-token KL on `val_samples` (PlanScorer): what a pair's and a family member's calibration run."""
     scorer = PlanScorer(producer, consumer, val_samples, lambda plan: art.with_plan(plan))
     return finetune_aligners(producer, consumer, art, samples, lambda a: scorer.kls(a.plan), cfg.finetune_epochs,
-                             cfg.finetune_lr, cfg.batch, pad_id, cfg.seed, progress, log, encoders=encoders)
+                             cfg.finetune_lr, cfg.batch, pad_id, cfg.seed, progress, log, encoders=encoders,
+                             resume=resume)
 
 
 def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: Callable[[PairArtifacts], list[float]],
                       epochs: int = 3, lr: float = 1e-4, batch: int = 8, pad_id: int | None = 0, seed: int = 0,
                       progress: bool = False, log: Callable[[str], None] = lambda s: None,
-                      encoders: bool = False) -> FinetuneFit:
+                      encoders: bool = False, resume: Progress | None = None) -> FinetuneFit:
     """Fine-tune art's aligners and hidden-state decoders (and with `encoders`, their encoders) in place on
-    (prefix, continuation) samples; val_kl(art) scores a candidate (its KL on each validation sample)."""
+    (prefix, continuation) samples; val_kl(art) scores a candidate (its KL on each validation sample). With
+    `resume`, the state after each epoch is kept there, and a run killed after some epochs goes on from them."""
     hidden = list(art.hidden_codes())
     if not art.patch_layers and not hidden:
         raise ValueError("the plan has no Patch or hidden layers: nothing to fine-tune")
@@ -174,16 +251,21 @@ def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: C
     for i in tqdm(range(0, len(samples), batch), desc="finetune batches", disable=not progress):
         batches.append(_batch(producer, consumer, art, samples[i:i + batch], pad_id, encoders))
         _release_freed_memory()
-    best_state = _state(art)
-    start = val_kl(art.with_plan(art.plan))
-    fit = FinetuneFit([], [sum(start) / len(start)], 0, [])
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(params, lr=lr)
+    done = resume.load(art, opt, gen) if resume is not None else None
+    if done is not None:
+        last, fit, start, best_state = done
+        log(f"finetune: resumed after epoch {last} of {epochs}")
+    else:
+        last, best_state = 0, _state(art)
+        start = val_kl(art.with_plan(art.plan))
+        fit = FinetuneFit([], [sum(start) / len(start)], 0, [])
     try:
         for q in frozen:
             q.requires_grad_(False)
         with torch.enable_grad():
-            for epoch in range(1, epochs + 1):
+            for epoch in range(last + 1, epochs + 1):
                 tot = 0.0
                 for i in tqdm(torch.randperm(len(batches), generator=gen).tolist(), desc=f"finetune {epoch}/{epochs}",
                               disable=not progress):
@@ -201,6 +283,8 @@ def finetune_aligners(producer, consumer, art: PairArtifacts, samples, val_kl: C
                 if fit.gain_kept[-1] and fit.val[-1] < fit.val[fit.best_epoch]:
                     fit.best_epoch = epoch
                     best_state = _state(art)
+                if resume is not None and epoch < epochs:
+                    resume.save(epoch, fit, start, art, best_state, opt, gen)
     finally:
         for q in frozen:
             q.requires_grad_(True)
