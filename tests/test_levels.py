@@ -144,6 +144,22 @@ def test_the_bench_sweep_models_each_bandwidths_level_from_the_measured_phases(f
     assert per_link(m, art, [just[1] * 1.0001], None, kls, link_ms=10.0) == rows[:1]     # the link's share given
 
 
+def test_a_link_counts_the_bytes_calibration_measured_on_the_wire(fitted):
+    """A level's payload ratio measured on held-out payloads (info["levels"], compressed as sent) is what
+    the link carries: a level measured at half its code bytes fits a budget its code bytes do not."""
+    _, _, _, art = fitted
+    tokens = 1000
+    full = codec.code_bytes(art, tokens)
+    budget = links.transfer_ms(full, 1.0) * 0.6
+    assert links.choose(art, tokens, 1.0, budget) != art.levels[-1]
+    half = full / 2 / (art.spec.kv_bytes_per_token * tokens)
+    measured = dataclasses.replace(art, info={"levels": [{**lv, "payload_ratio": half if lv == art.levels[-1] else 1.0}
+                                                         for lv in art.levels]})
+    assert links.level_bytes(measured, tokens, art.levels[-1]) == pytest.approx(full / 2, abs=1)
+    assert links.choose(measured, tokens, 1.0, budget) == art.levels[-1]
+    assert links.level_bytes(art, tokens, art.levels[0]) == codec.code_bytes(art, tokens, art.levels[0])   # unmeasured
+
+
 def test_a_link_never_gets_a_level_that_failed_the_quality_gate(fitted):
     """Levels whose held-out KL lost to raw KV reuse at calibration (info["levels"][i]["servable"] false) are
     never chosen: a slow link gets the smallest level that passed, and the consumer still decodes any level."""

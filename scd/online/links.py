@@ -18,13 +18,23 @@ def transfer_ms(nbytes: int, gbps: float) -> float:
     return nbytes * 8 / (gbps * 1e6)
 
 
+def level_bytes(art: PairArtifacts, tokens: int, level: dict[str, int]) -> int:
+    """The bytes a payload of `tokens` prefix tokens at `level` takes on the wire: as measured on the held-out
+    payloads at calibration (info["levels"], compressed as sent), else codec.code_bytes, their size before
+    the wire's lossless stage (an upper bound)."""
+    for rec in art.info.get("levels", []):
+        if "payload_ratio" in rec and {k: rec.get(k) for k in level} == level:
+            return int(rec["payload_ratio"] * art.spec.kv_bytes_per_token * tokens)
+    return code_bytes(art, tokens, level)
+
+
 def choose(art: PairArtifacts, tokens: int, gbps: float | None, budget_ms: float | None) -> dict[str, int]:
-    """The largest level whose codes of `tokens` prefix tokens cross a `gbps` link within `budget_ms`; the
-    smallest level when none does (a late answer beats a prefill); the full ranks when the bandwidth or the
-    budget is not known. Only levels that passed the quality gate at calibration are chosen
-    (PairArtifacts.servable_levels)."""
+    """The largest level whose codes of `tokens` prefix tokens cross a `gbps` link within `budget_ms`
+    (level_bytes); the smallest level when none does (a late answer beats a prefill); the full ranks when
+    the bandwidth or the budget is not known. Only levels that passed the quality gate at calibration are
+    chosen (PairArtifacts.servable_levels)."""
     levels = art.servable_levels
     if gbps is None or budget_ms is None:
         return levels[-1]
-    fits = [lv for lv in levels if transfer_ms(code_bytes(art, tokens, lv), gbps) <= budget_ms]
+    fits = [lv for lv in levels if transfer_ms(level_bytes(art, tokens, lv), gbps) <= budget_ms]
     return fits[-1] if fits else levels[0]
