@@ -22,7 +22,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from scd.fitting.calibrate import PlanScorer, pad
@@ -174,8 +175,9 @@ def _load_state(art: PairArtifacts, state: dict) -> None:
 @dataclass
 class Progress:
     """Where fine-tuning keeps its state after each epoch, so that a killed run goes on from the last epoch
-    done (the batches are built again): `path` (a .safetensors, with a .json beside it), and `key`, what the
-    run depends on (the caller's checkpoint inputs); a file with another key is not resumed."""
+    done (the batches are built again): `path`, one .safetensors written atomically (the fit so far and `key`
+    in its metadata), and `key`, what the run depends on (the caller's checkpoint inputs); a file with
+    another key is not resumed."""
     path: Path
     key: dict
 
@@ -184,22 +186,21 @@ class Progress:
         t["gen"] = gen.get_state()
         for i, st in opt.state_dict()["state"].items():
             t.update({f"opt.{i}.{k}": v.contiguous() for k, v in st.items()})
-        tmp = self.path.with_suffix(".tmp")
-        save_file(t, str(tmp))
-        tmp.replace(self.path)
         meta = {"key": self.key, "epoch": epoch, "start": start, **fit.record()}
-        self.path.with_suffix(".json").write_text(json.dumps(meta))
+        tmp = self.path.with_suffix(".tmp")
+        save_file(t, str(tmp), metadata={"progress": json.dumps(meta)})
+        tmp.replace(self.path)
 
     def load(self, art: PairArtifacts, opt, gen) -> tuple[int, FinetuneFit, list[float], dict] | None:
         """(last epoch done, fit so far, the starting per-sample KLs, the best state) with art, opt and gen
         put back as they were after that epoch; None without a file for this key."""
-        meta_path = self.path.with_suffix(".json")
-        if not (self.path.is_file() and meta_path.is_file()):
+        if not self.path.is_file():
             return None
-        meta = json.loads(meta_path.read_text())
-        if meta.get("key") != json.loads(json.dumps(self.key)):
-            return None
-        t = load_file(str(self.path))
+        with safe_open(str(self.path), "pt") as f:
+            meta = json.loads(f.metadata()["progress"])
+            if meta.get("key") != json.loads(json.dumps(self.key)):
+                return None
+            t = {k: f.get_tensor(k) for k in f.keys()}
         _load_state(art, _unflat(t, "cur.", art))
         gen.set_state(t["gen"])
         state = {}
@@ -212,8 +213,7 @@ class Progress:
         return int(meta["epoch"]), fit, meta["start"], _unflat(t, "best.", art)
 
     def clear(self) -> None:
-        for f in (self.path, self.path.with_suffix(".json")):
-            f.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
 
 
 def finetune_scored(producer, consumer, art: PairArtifacts, samples, val_samples, cfg, pad_id: int | None,
