@@ -341,8 +341,7 @@ class Calibration:
             codes = encode(art, capture(self.producer, ids, torch.ones_like(ids)), ids)
             codes.token_ids = torch.zeros_like(ids)
             sent += codec.body_bytes(codec.encode(codes, self.pair, "wire", dims, art.code_dtype))
-            plain += codec.body_bytes(codec.encode(codes, self.pair, "wire", dims, art.code_dtype, compress="none"))
-            plain -= 5 * ids.numel()                                    # ids and mask
+            plain += codec.code_bytes(art, ids.shape[1]) - 5 * ids.shape[1]    # uncompressed, without ids and mask
         return min(1.0, sent / plain)
 
     def fits_budget(self, patched: list[int]) -> bool:
