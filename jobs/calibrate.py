@@ -28,7 +28,8 @@ from jobs.evaluate import profile_droidspeak
 from scd.evaluation import methods
 from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator
-from scd.fitting.calibrate import CalibConfig, Calibration, PlanScorer
+from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.fitting.scoring import PlanScorer
 from scd.fitting.checkpoints import load_record, samples_digest, save_record
 from scd.online.models import load_pair
 from scd.online.rebuild import encode, rebuild

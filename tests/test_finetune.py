@@ -3,7 +3,8 @@ worsens validation KL, resumes, belongs to its plan, and keeps an epoch only if 
 validation noise."""
 import pytest
 
-from scd.fitting.calibrate import CalibConfig, Calibration, PlanScorer
+from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.fitting.scoring import PlanScorer
 from scd.online.models import ModelSpec
 from tests.conftest import perturbed, tiny_llama
 from tests.test_pipeline_tiny import _samples

@@ -7,7 +7,8 @@ import torch
 
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator, Sample
-from scd.fitting.calibrate import CalibConfig, Calibration, PlanScorer, calibrate
+from scd.fitting.calibrate import CalibConfig, Calibration, calibrate
+from scd.fitting.scoring import PlanScorer
 from scd.online.models import ModelSpec
 from tests.conftest import perturbed, tiny_llama
 

@@ -21,23 +21,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from scd.evaluation import metrics
 from scd.fitting import policy
 from scd.fitting.aligners import patch_aligner
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
 from scd.fitting.gram import JointGram, TokenStats
+from scd.fitting.scoring import PlanScorer
 from scd.fitting.traces import chunk_path, read_chunks, trace_rows, valid_rows, write_chunk
-from scd.online import cache, codec
+from scd.online import codec
 from scd.online.artifacts import PairArtifacts, code_groups, layer_groups
 from scd.online.models import ModelSpec, data_digest, model_digest
 from scd.online.patch import Aligner
-from scd.online.rebuild import encode, rebuild
+from scd.online.rebuild import encode
 from scd.online.reuse import LinearCodec, bigram_keys
 from scd.online.trace import capture
 from scd.settings import CalibConfig
@@ -75,41 +75,6 @@ def pad(seqs: list[torch.Tensor], pad_id: int | None, left: bool = True) -> tupl
         sl = slice(t - len(s), t) if left else slice(0, len(s))
         ids[i, sl], mask[i, sl] = s, 1
     return ids, mask
-
-
-class PlanScorer:
-    """Mean KL(oracle || rebuilt) over validation samples for a plan, with oracle traces computed once."""
-
-    def __init__(self, producer, consumer, samples, art_for: Callable[[list[str]], PairArtifacts]):
-        self.consumer, self.art_for = consumer, art_for
-        self.items = []
-        for s in samples:
-            ids = s.prefix[None]
-            mask = torch.ones_like(ids)
-            o = capture(consumer, ids, mask, want_xnorm=False)
-            oracle_kv = list(zip(o.keys, o.values))
-            ref, _ = cache.extend(consumer, cache.assemble(consumer, oracle_kv), mask, s.cont[None])
-            self.items.append((ids, mask, capture(producer, ids, mask), oracle_kv, s.cont[None], ref))
-
-    def kl(self, plan: list[str], restore: "int | Iterable[int] | None" = None, streams: str = "kv") -> float:
-        """Mean KL of the plan's rebuilt caches; `restore`: layer(s) whose keys and/or values (`streams`: "k",
-        "v" or "kv") are replaced by the consumer's own, to see what the error there costs."""
-        kls = self.kls(plan, restore, streams)
-        return sum(kls) / len(kls)
-
-    @torch.no_grad()
-    def kls(self, plan: list[str], restore: "int | Iterable[int] | None" = None, streams: str = "kv") -> list[float]:
-        """The KL of each validation sample (see kl)."""
-        art = self.art_for(plan)
-        restored = [restore] if isinstance(restore, int) else list(restore or ())
-        out = []
-        for ids, mask, ptrace, oracle_kv, cont, ref in self.items:
-            kv, _ = rebuild(self.consumer, art, codec.as_received(encode(art, ptrace, ids), art.code_dtype))
-            for l in restored:
-                kv[l] = (oracle_kv[l][0] if "k" in streams else kv[l][0], oracle_kv[l][1] if "v" in streams else kv[l][1])
-            logits, _ = cache.extend(self.consumer, cache.assemble(self.consumer, kv), mask, cont)
-            out.append(metrics.kl_tv_top1(ref, logits)[0])
-        return out
 
 
 class Calibration:

@@ -26,7 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from scd.fitting.calibrate import PlanScorer, pad
+from scd.fitting.calibrate import pad
+from scd.fitting.scoring import PlanScorer
 from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.patch import regenerate_kv
