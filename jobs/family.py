@@ -49,6 +49,7 @@ from scd.fitting.aligners import patch_aligner
 from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, keyed
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
 from scd.fitting.finetune import KEEP_RULE, Progress, finetune_scored
+from scd.fitting.scoring import wire_factor
 from scd.online import codec
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import ArtifactStoreError, InvalidReference
@@ -269,18 +270,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def budget_ranks(spec: ModelSpec, hidden: bool, budget: float, dtype: str, given: dict[str, int],
-                 patched: int = 0) -> dict[str, int]:
+                 patched: int = 0, wire: float = 1.0) -> dict[str, int]:
     """The config's ranks, or with a payload budget the largest hidden-state rank whose codes fit in it beside
-    `patched` Patch codes of rank given["r_h"] (per-head codes keep r_k and r_v: their budget is a two-rank
-    frontier that a pair calibration chooses by KL)."""
+    `patched` Patch codes of rank given["r_h"], the wire sending `wire` of their bytes (per-head codes keep
+    r_k and r_v: their budget is a two-rank frontier that a pair calibration chooses by KL)."""
     if not hidden:
         return {"r_k": given["r_k"], "r_v": given["r_v"]}
     if not budget:
         return {"r_x": given["r_x"]}
     groups = code_groups(spec.num_layers, given.get("x_group", 1))
     top = 2 * spec.num_kv_heads * spec.head_dim * max(map(len, groups))
-    room = budget * spec.kv_bytes_per_token - patched * codec.code_bytes_per_row(given.get("r_h", 1), dtype)
-    fits = [r for r in range(8, top + 1, 8) if len(groups) * codec.code_bytes_per_row(r, dtype) <= room]
+    patch = patched * codec.code_bytes_per_row(given.get("r_h", 1), dtype)
+    fits = [r for r in range(8, top + 1, 8)
+            if wire * (len(groups) * codec.code_bytes_per_row(r, dtype) + patch) <= budget * spec.kv_bytes_per_token]
     if not fits:
         raise SystemExit(f"payload_budget {budget} is below the smallest hidden-state code of this family")
     return {"r_x": fits[-1]}
@@ -346,8 +348,9 @@ def main(argv: list[str] | None = None) -> dict:
     store = ArtifactStore(args.store or cfg.artifacts.uri)
     served = served_pairs(store, pairs, producer, consumers, tok)
     plans = patch_plan(args.patch_layers, served, spec.num_layers, hidden)
-    ranks = budget_ranks(spec, hidden, c.payload_budget, c.code_dtype, {"r_k": c.r_k, "r_v": c.r_v, "r_x": c.r_x,
-                         "x_group": c.x_group, "r_h": c.r_h}, patched=len({l for p in plans for l in p}))
+    given = {"r_k": c.r_k, "r_v": c.r_v, "r_x": c.r_x, "x_group": c.x_group, "r_h": c.r_h}
+    n_patched = len({l for p in plans for l in p})
+    ranks = budget_ranks(spec, hidden, c.payload_budget, c.code_dtype, given, patched=n_patched)
     log(f"members {names}: {n_prefixes} calibration prefixes each of {c.prefix_tokens} tokens, {n_held} held-out "
         f"each; {c.reuse_source} codes {ranks} in {c.code_dtype}; Patch layers {dict(zip(names, plans))}")
 
@@ -368,8 +371,20 @@ def main(argv: list[str] | None = None) -> dict:
                                              c.bigram_table if hidden else 0)
         family.save_grams(grams, own_grams, path)
         log(f"grams accumulated in {time.time() - t0:.0f} s ({path})")
-    shared, own = artifacts(grams, own_grams, spec, pairs, ranks, c.ridge, c.code_dtype, family_id, c.x_group,
-                            c.token_shrink, c.bigram_shrink)
+    fit = lambda r: artifacts(grams, own_grams, spec, pairs, r, c.ridge, c.code_dtype, family_id,  # noqa: E731
+                              c.x_group, c.token_shrink, c.bigram_shrink)
+    shared, own = fit(ranks)
+    wire = 1.0
+    if hidden and c.payload_budget and codec.default_compress(c.code_dtype) != "none":
+        # the budget counts the bytes as sent: the codes' compression, measured on the validation prefixes
+        # at the rank that fits in code bytes, may buy a wider code (as a pair calibration's ranks stage)
+        wire = wire_factor(producer, shared.encoder, [s.prefix for n in names for s in val[n]])
+        wider = budget_ranks(spec, hidden, c.payload_budget, c.code_dtype, given, patched=n_patched, wire=wire)
+        log(f"the wire sends {wire:.3f} of the code bytes at {ranks}: {wider} within payload_budget "
+            f"{c.payload_budget}")
+        if wider != ranks:
+            ranks = wider
+            shared, own = fit(ranks)
     fam = fit_members(work, shared, names, producer, consumers, calib, plans, c, tok.pad_token_id, val, tune)
 
     rows = []
@@ -394,7 +409,7 @@ def main(argv: list[str] | None = None) -> dict:
     cost["pairs_are"] = "published pair artifacts" if published_pairs else "Reuse-only pair fits"
 
     out = Path(args.out).expanduser() / cfg.producer.name / args.name
-    result = {"family": family_id, "members": pairs, "ranks": ranks, "code_dtype": c.code_dtype,
+    result = {"family": family_id, "members": pairs, "ranks": ranks, "code_dtype": c.code_dtype, "wire_factor": wire,
               "patch_layers": dict(zip(names, plans)),
               "prefixes": len(every), "heldout": n_held, "kl": rows, "fanout": cost}
     fam.info = result

@@ -265,3 +265,28 @@ def test_the_family_rank_leaves_room_in_the_budget_for_its_patch_codes():
     assert codec.code_bytes_per_row(patched, "mixed") + patch_bytes <= room
     assert codec.code_bytes_per_row(patched + 8, "mixed") + patch_bytes > room
     assert patched < alone
+    sent = budget_ranks(spec, True, 0.15, "mixed", given, patched=3, wire=0.8)["r_x"]  # the wire sends 0.8 of the bytes
+    assert 0.8 * (codec.code_bytes_per_row(sent, "mixed") + patch_bytes) <= room
+    assert 0.8 * (codec.code_bytes_per_row(sent + 8, "mixed") + patch_bytes) > room
+    assert sent > patched
+
+
+def test_with_compressed_codes_the_family_rank_counts_the_bytes_the_wire_sends(tmp_path, capsys):
+    from jobs.family import budget_ranks
+    from scd.online import codec
+    from scd.online.models import load
+    from tests.conftest import DEMO
+    cfg = write_config(tmp_path, prefixes=16, heldout=2, reuse_source="hidden", payload_budget=0.15, x_group=0,
+                       code_dtype="int4", finetune_samples=0)
+    res = family_job(["--config", str(cfg), "--repeats", "1", "--out", str(tmp_path / "out"), "--members", "qa,code",
+                      "--patch-layers", "none"])
+    spec = load(str(DEMO / "base"))[2]
+    in_code_bytes = budget_ranks(spec, True, 0.15, "int4", {"r_x": 0, "x_group": 0})["r_x"]
+    assert 0.5 < res["wire_factor"] < 1, res["wire_factor"]
+    assert res["ranks"]["r_x"] > in_code_bytes, (res["ranks"], in_code_bytes)
+    code_ratio = codec.code_bytes_per_row(res["ranks"]["r_x"], "int4") / spec.kv_bytes_per_token
+    assert code_ratio > 0.15, code_ratio                # the chosen code would not fit uncompressed...
+    for row in res["kl"]:                               # ...and does as sent, within what the factor predicts
+        assert row["payload_ratio"] <= 0.15 + 0.01, row
+        assert abs(row["payload_ratio"] - res["wire_factor"] * code_ratio) < 0.02, (row, res["wire_factor"], code_ratio)
+    assert "the wire sends" in capsys.readouterr().out

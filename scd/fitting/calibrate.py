@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from scd.fitting import policy
+from scd.fitting import policy, scoring
 from scd.fitting.aligners import patch_aligner
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
 from scd.fitting.gram import JointGram, TokenStats
@@ -37,7 +37,6 @@ from scd.online import codec
 from scd.online.artifacts import PairArtifacts, code_groups, layer_groups
 from scd.online.models import ModelSpec, data_digest, model_digest
 from scd.online.patch import Aligner
-from scd.online.rebuild import encode
 from scd.online.reuse import LinearCodec, bigram_keys
 from scd.online.trace import capture
 from scd.settings import CalibConfig
@@ -294,20 +293,9 @@ class Calibration:
         return self._wire * (codec.code_bytes(self.artifacts_for(plan), 1) - 5) / self.spec.kv_bytes_per_token
 
     def wire_factor(self, samples, ranks: dict[str, int]) -> float:
-        """Bytes the wire sends per byte of code (codec's lossless stage; 1 for codes it sends as they are),
-        measured on the codes of `samples`' prefixes at `ranks` (closed-form Reuse-only artifact), all together.
-        Codes only, as payload_ratio counts them: the token ids go zeroed, so they compress to nothing."""
-        if codec.default_compress(self.cfg.code_dtype) == "none":
-            return 1.0
-        art = self.artifacts_for(self.base_plan, **ranks)
-        dims, sent, plain = codec.artifact_dims(art), 0, 0
-        for s in samples:
-            ids = s.prefix[None]
-            codes = encode(art, capture(self.producer, ids, torch.ones_like(ids)), ids)
-            codes.token_ids = torch.zeros_like(ids)
-            sent += codec.body_bytes(codec.encode(codes, self.pair, "wire", dims, art.code_dtype))
-            plain += codec.code_bytes(art, ids.shape[1]) - 5 * ids.shape[1]    # uncompressed, without ids and mask
-        return min(1.0, sent / plain)
+        """The wire's bytes per code byte (scoring.wire_factor) at `ranks`, on the codes of `samples`' prefixes
+        (closed-form Reuse-only artifact)."""
+        return scoring.wire_factor(self.producer, self.artifacts_for(self.base_plan, **ranks), [s.prefix for s in samples])
 
     def fits_budget(self, patched: list[int]) -> bool:
         """Whether Patching these layers keeps the payload within cfg.payload_budget (always, without one).

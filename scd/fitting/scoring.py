@@ -46,3 +46,20 @@ class PlanScorer:
             logits, _ = cache.extend(self.consumer, cache.assemble(self.consumer, kv), mask, cont)
             out.append(metrics.kl_tv_top1(ref, logits)[0])
         return out
+
+
+@torch.no_grad()
+def wire_factor(producer, art: PairArtifacts, prefixes: Iterable[torch.Tensor]) -> float:
+    """Bytes the wire sends per byte of code (the codec's lossless stage; 1 for codes it sends as they are),
+    measured on `art`'s codes of `prefixes` (1-D token ids), all together. Codes only, as a payload ratio
+    counts them: the token ids go zeroed, so they compress to nothing."""
+    if codec.default_compress(art.code_dtype) == "none":
+        return 1.0
+    dims, sent, plain = codec.artifact_dims(art), 0, 0
+    for prefix in prefixes:
+        ids = prefix[None]
+        codes = encode(art, capture(producer, ids, torch.ones_like(ids)), ids)
+        codes.token_ids = torch.zeros_like(ids)
+        sent += codec.body_bytes(codec.encode(codes, art.pair, "wire", dims, art.code_dtype))
+        plain += codec.code_bytes(art, ids.shape[1]) - 5 * ids.shape[1]    # uncompressed, without ids and mask
+    return min(1.0, sent / plain)
