@@ -48,8 +48,8 @@ from scd.fitting import family
 from scd.fitting.aligners import patch_aligner
 from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, keyed
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
-from scd.fitting.finetune import KEEP_RULE, Progress, finetune_scored
-from scd.fitting.scoring import wire_factor
+from scd.fitting.finetune import Progress, finetune_scored
+from scd.fitting.scoring import KEEP_RULE, wire_factor
 from scd.online import codec
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import ArtifactStoreError, InvalidReference

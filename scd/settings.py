@@ -46,7 +46,8 @@ class CalibConfig(BaseModel):
     patch_cost: float = Field(0.25, ge=0, description="one Patch layer's consumer work relative to the whole Reuse rebuild")
     payload_budget: float = Field(0.0, ge=0, le=1, description=(
         "> 0: calibration chooses r_k and r_v (or r_x) by validation KL among the ranks whose codes stay within "
-        "this fraction of the raw KV (0: the ranks as given)"))
+        "this fraction of the raw KV, the cheapest one the lowest-KL one does not beat beyond the validation "
+        "samples' noise (0: the ranks as given)"))
     reuse_source: Literal["kv", "hidden"] = Field("kv", description=(
         "Reuse codes: 'kv' per-head codecs of the producer's K and V (r_k, r_v); 'hidden' one code per token "
         "from the producer's x_norm, decoded into the K and V of every head of the consumer (r_x)"))

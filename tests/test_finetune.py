@@ -19,7 +19,7 @@ def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, m
     token table (and a bigram table), the tables are trained with the decoders. Any validation gain counts
     here (KEEP_Z 0): 4 validation samples cannot tell the tiny pair's gains from noise, and what is checked is
     that the kept weights are trained, saved and resumed (the noise rule has its own tests below)."""
-    monkeypatch.setattr("scd.fitting.finetune.KEEP_Z", 0.0)
+    monkeypatch.setattr("scd.fitting.scoring.KEEP_Z", 0.0)
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
@@ -92,7 +92,7 @@ def test_a_finetune_checkpoint_of_another_plan_is_not_resumed(tmp_path):
 
 def test_a_validation_gain_within_the_noise_keeps_the_closed_form_fit():
     """beats: a gain counts only beyond 2 standard errors of the per-sample differences."""
-    from scd.fitting.finetune import beats
+    from scd.fitting.scoring import beats
     before = [1.0, 1.0, 1.0, 1.0]
     assert beats(before, [0.90, 0.91, 0.89, 0.90])                     # small, but every sample gains
     assert not beats(before, [0.50, 1.40, 0.60, 1.30])                 # a larger mean gain, half the samples worse
@@ -100,6 +100,18 @@ def test_a_validation_gain_within_the_noise_keeps_the_closed_form_fit():
     assert beats([1.0], [0.99]) and not beats([1.0], [1.0])            # one sample: no spread to test against
     with pytest.raises(ValueError):
         beats(before, [0.9])
+
+
+def test_the_cheapest_code_the_best_one_does_not_beat_beyond_the_noise_is_chosen():
+    """cheapest_within_noise (the ranks stage's rule): more bytes must buy a gain the samples can tell."""
+    from scd.fitting.scoring import cheapest_within_noise
+    small = {"r_x": 8, "payload_ratio": 0.10, "kls": [1.0, 1.0, 1.0, 1.0]}
+    noisy = {"r_x": 16, "payload_ratio": 0.12, "kls": [0.50, 1.40, 0.60, 1.30]}   # lowest mean, half the samples worse
+    clear = {"r_x": 24, "payload_ratio": 0.14, "kls": [0.90, 0.91, 0.89, 0.90]}   # every sample gains
+    assert cheapest_within_noise([small, noisy]) is small
+    assert cheapest_within_noise([small, clear]) is clear
+    assert cheapest_within_noise([clear, small, noisy]) is noisy    # the best, clear, beats small but not noisy
+    assert cheapest_within_noise([noisy]) is noisy
 
 
 def test_finetuning_keeps_the_best_epoch_whose_gain_stands_out(tmp_path):
@@ -142,7 +154,7 @@ def test_a_fine_tuning_record_with_another_keep_rule_is_recomputed_and_says_whic
 
 def test_a_fine_tuning_killed_after_an_epoch_goes_on_from_it_and_ends_where_an_unbroken_run_does(tmp_path,
                                                                                                    monkeypatch):
-    monkeypatch.setattr("scd.fitting.finetune.KEEP_Z", 0.0)
+    monkeypatch.setattr("scd.fitting.scoring.KEEP_Z", 0.0)
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)

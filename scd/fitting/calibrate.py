@@ -31,7 +31,7 @@ from scd.fitting import policy, scoring
 from scd.fitting.aligners import patch_aligner
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
 from scd.fitting.gram import JointGram, TokenStats
-from scd.fitting.scoring import PlanScorer
+from scd.fitting.scoring import KEEP_RULE, PlanScorer, cheapest_within_noise
 from scd.fitting.traces import chunk_path, read_chunks, trace_rows, valid_rows, write_chunk
 from scd.online import codec
 from scd.online.artifacts import PairArtifacts, code_groups, layer_groups
@@ -323,8 +323,9 @@ class Calibration:
 
     def ranks(self, val_samples) -> dict:
         """Stage 2b (only with cfg.payload_budget > 0): Reuse-only validation KL of every candidate on the
-        budget's frontier; the lowest is used from here on. Checkpointed; returns its record."""
-        path, inputs = self.plan_dir / "ranks.json", {"val": samples_digest(val_samples)}
+        budget's frontier; the cheapest one whose KL the lowest does not beat (scoring.beats) is used from here
+        on. Checkpointed; returns its record."""
+        path, inputs = self.plan_dir / "ranks.json", {"val": samples_digest(val_samples), "choose": KEEP_RULE}
         if codec.default_compress(self.cfg.code_dtype) != "none":                 # counted as sent
             inputs["wire"] = f"{codec.default_compress(self.cfg.code_dtype)}-{codec.ZSTD_LEVEL}"
         record = load_record(path, inputs, self.log)
@@ -342,14 +343,19 @@ class Calibration:
             tried = []
             for ranks in tqdm(cands, desc="ranks", disable=not self.progress):
                 scorer.art_for = lambda plan, r=ranks: self.artifacts_for(plan, **r)
-                tried.append({**ranks, "payload_ratio": self.payload_ratio(ranks), "kl": scorer.kl(self.base_plan)})
-            best = min(tried, key=lambda t: t["kl"])
-            chosen = {k: best[k] for k in cands[0]}
+                kls = scorer.kls(self.base_plan)
+                tried.append({**ranks, "payload_ratio": self.payload_ratio(ranks), "kl": sum(kls) / len(kls), "kls": kls})
+            # the smallest code that the best one does not beat beyond the validation samples' noise: a wider
+            # code costs bytes on the wire and FLOPs in the consumer's rebuild, and has to earn them
+            best, pick = min(tried, key=lambda t: t["kl"]), cheapest_within_noise(tried)
+            chosen = {k: pick[k] for k in cands[0]}
             record = save_record(path, {"budget": self.cfg.payload_budget, "source": self.cfg.reuse_source,
-                                        "wire_factor": self._wire, "tried": tried, "chosen": chosen}, inputs)
-            self.log(f"stage ranks: {chosen} (reuse-only KL {best['kl']:.4f} at payload {best['payload_ratio']:.3f} as "
-                     f"sent, the wire sending {self._wire:.3f} of the code bytes; {len(tried)} candidates within "
-                     f"{self.cfg.payload_budget})")
+                                        "wire_factor": self._wire, "tried": tried, "best": {k: best[k] for k in chosen},
+                                        "chosen": chosen}, inputs)
+            self.log(f"stage ranks: {chosen} (reuse-only KL {pick['kl']:.4f} at payload {pick['payload_ratio']:.3f} as "
+                     f"sent, the wire sending {self._wire:.3f} of the code bytes; the lowest, {best['kl']:.4f} at "
+                     f"{best['payload_ratio']:.3f}, is no gain beyond the noise ({KEEP_RULE})" * (pick is not best)
+                     + f"; {len(tried)} candidates within {self.cfg.payload_budget})")
         self._ranks = dict(record["chosen"])
         return record
 
@@ -426,7 +432,7 @@ class Calibration:
     def finetune(self, art: PairArtifacts, tune_samples, val_samples) -> dict:
         """End-to-end fine-tuning of the chosen plan's aligners (scd.fitting.finetune), or its checkpoint. Returns its
         record; art's aligners are replaced by the fine-tuned ones."""
-        from scd.fitting.finetune import KEEP_RULE, Progress, finetune_scored
+        from scd.fitting.finetune import Progress, finetune_scored
         d = self.dir / "finetuned"
         inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples), "keep": KEEP_RULE,
                   **self.chosen_ranks()}

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from scd.fitting.calibrate import pad
-from scd.fitting.scoring import PlanScorer
+from scd.fitting.scoring import PlanScorer, beats
 from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.patch import regenerate_kv
@@ -36,23 +36,6 @@ from scd.online.reuse import LinearCodec, bigram_keys
 from scd.online.rope import apply_rope, cos_sin, positions_from_mask
 from scd.online.tables import layer0_input
 from scd.online.trace import capture
-
-
-KEEP_Z = 2.0
-KEEP_RULE = f"paired gain > {KEEP_Z:g} standard errors"    # in fine-tuning checkpoints' inputs: another rule refits
-
-
-def beats(before: list[float], after: list[float], z: float | None = None) -> bool:
-    """Whether `after` (per-sample validation KLs) is lower than `before` (the same samples) by more than z
-    (default KEEP_Z) standard errors of their paired differences. A single sample has no spread: any gain
-    counts."""
-    z = KEEP_Z if z is None else z
-    d = [a - b for a, b in zip(after, before, strict=True)]
-    mean = sum(d) / len(d)
-    if len(d) < 2:
-        return mean < 0
-    se = (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
-    return mean + z * se < 0
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Scoring a layer plan on validation samples: the consumer's next-token KL(oracle || rebuilt) on top of the
-cache a plan's artifacts rebuild, the number every calibration stage (ranks, policy, fine-tuning) decides by."""
+cache a plan's artifacts rebuild, the number every calibration stage (ranks, policy, fine-tuning) decides by,
+and the rule that tells a gain from the validation samples' noise (`beats`)."""
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -11,6 +12,31 @@ from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.rebuild import encode, rebuild
 from scd.online.trace import capture
+
+
+KEEP_Z = 2.0
+KEEP_RULE = f"paired gain > {KEEP_Z:g} standard errors"    # in the inputs of checkpoints it decided: another rule refits
+
+
+def beats(before: list[float], after: list[float], z: float | None = None) -> bool:
+    """Whether `after` (per-sample validation KLs) is lower than `before` (the same samples) by more than z
+    (default KEEP_Z) standard errors of their paired differences. A single sample has no spread: any gain
+    counts."""
+    z = KEEP_Z if z is None else z
+    d = [a - b for a, b in zip(after, before, strict=True)]
+    mean = sum(d) / len(d)
+    if len(d) < 2:
+        return mean < 0
+    se = (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+    return mean + z * se < 0
+
+
+def cheapest_within_noise(tried: list[dict]) -> dict:
+    """Of scored candidates ({"kls": per-sample validation KLs on the same samples, "payload_ratio": ...}),
+    the cheapest one that the lowest-KL candidate does not beat: a gain that the samples cannot tell from
+    noise does not pay for more bytes."""
+    best = min(tried, key=lambda t: sum(t["kls"]))
+    return min((t for t in tried if not beats(t["kls"], best["kls"])), key=lambda t: t["payload_ratio"])
 
 
 class PlanScorer:
