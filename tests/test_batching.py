@@ -23,7 +23,7 @@ def _alone(model, prefix: list[int], suffix: list[int], n: int) -> list[int]:
 
 def _row(model, prefix, suffix, max_tokens, got: list, done: threading.Event) -> Row:
     ids = torch.tensor([prefix])
-    c = model(input_ids=ids, use_cache=True).past_key_values
+    c = cache.cache_of(model(input_ids=ids, use_cache=True))
     logits, _ = cache.extend(model, c, torch.ones_like(ids), torch.tensor([suffix]))
 
     def on_token(t):

@@ -1,3 +1,5 @@
+import inspect
+
 import torch
 
 from scd.online import cache, decode, rope, trace
@@ -109,3 +111,29 @@ def test_consumer_tables_follow_the_model_to_another_dtype():
     model.to(torch.float64)
     moved = consumer_tables(model, 8)
     assert moved is not first and moved.x0(ids).dtype == torch.float64
+
+
+def test_the_cache_goes_by_the_name_the_installed_transformers_takes():
+    """transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40): tracing,
+    decoding on a cache and recomputing layers must use the name the model's forward takes."""
+    import warnings
+
+    from scd.evaluation.methods import DroidSpeak
+
+    model = tiny_llama()
+    ids, mask = left_padded_batch()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        tr = trace.capture(model, ids[:, :-1], mask[:, :-1], want_hidden=True)
+        decode.generate(model, cache.assemble(model, list(zip(tr.keys, tr.values))), mask[:, :-1], ids[:, -1:], 3)
+        block = DroidSpeak(n_layers=1, start=1).recompute(model, tr.hidden[1], mask[:, :-1], tr.positions)
+    err = max((block[0][0] - tr.keys[1]).abs().max().item(), (block[0][1] - tr.values[1]).abs().max().item())
+    assert err < 1e-5, f"layer 1 recomputed from its own input differs from the trace by {err:.2e}"
+
+    class OldStyle(torch.nn.Module):                          # a model of transformers before 5.24
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            pass
+
+    assert cache.cache_arg(OldStyle(), "c") == {"past_key_values": "c"}
+    assert list(cache.cache_arg(model, "c")) == [next(n for n in ("cache", "past_key_values")
+                                                       if n in inspect.signature(type(model).forward).parameters)]

@@ -19,6 +19,7 @@ import torch
 
 from scd.online import codec
 from scd.online.artifacts import PairArtifacts, level_tag
+from scd.online.cache import cache_arg
 from scd.online.rebuild import encode, rebuild
 from scd.online.rope import cos_sin
 from scd.online.trace import Trace, capture
@@ -114,8 +115,9 @@ class DroidSpeak(Method):
         cache = DynamicCache(config=consumer.config)
         x = hidden
         for l in range(self.start, self.start + self.n):
-            x = consumer.model.layers[l](x, attention_mask=attn_mask, position_ids=positions, past_key_values=cache,
-                                         use_cache=True, position_embeddings=emb)
+            layer = consumer.model.layers[l]
+            x = layer(x, attention_mask=attn_mask, position_ids=positions, use_cache=True, position_embeddings=emb,
+                      **cache_arg(layer, cache))
             x = x[0] if isinstance(x, tuple) else x
         return [(cache.layers[l].keys, cache.layers[l].values) for l in range(self.start, self.start + self.n)]
 

@@ -6,10 +6,30 @@ the attention mask and position ids continuing the prefix's.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import DynamicCache
 
 KV = tuple[torch.Tensor, torch.Tensor]
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_name(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def cache_arg(module, cache) -> dict:
+    """The keyword that hands a Cache to this model or decoder layer: transformers 5.24 renamed it from
+    `past_key_values` to `cache` (the old name warns, and goes in 5.40); earlier 5.x only know the old one."""
+    return {_cache_name(type(module)): cache}
+
+
+def cache_of(out):
+    """The Cache a forward pass returned, under either name of its output field (see `cache_arg`)."""
+    c = getattr(out, "cache", None)
+    return c if c is not None else out.past_key_values
 
 
 def assemble(model, kv: list[KV]) -> DynamicCache:
@@ -28,7 +48,7 @@ def forward_on_cache(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor,
     full = torch.cat([prefix_mask, ids_mask], dim=1)
     start = prefix_mask.long().sum(-1, keepdim=True)                                 # (B, 1) next position
     pos = start + (ids_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=full, position_ids=pos, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, attention_mask=full, position_ids=pos, use_cache=True, **cache_arg(model, cache))
     return out.logits, full
 
 

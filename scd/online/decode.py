@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from scd.online.cache import assemble, extend
+from scd.online.cache import assemble, cache_arg, extend
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,8 @@ class Batch:
         """Feed each row its token (B,); returns the next logits (B, V)."""
         cache = assemble(model, list(zip(self.keys, self.values)))
         mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=self.pos[:, None],
-                    past_key_values=cache, use_cache=True)
+        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=self.pos[:, None], use_cache=True,
+                    **cache_arg(model, cache))
         self.keys = [layer.keys for layer in cache.layers]
         self.values = [layer.values for layer in cache.layers]
         self.mask, self.pos = mask, self.pos + 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from scd.online.cache import cache_of
 from scd.online.rope import cos_sin, positions_from_mask, remove_rope
 
 
@@ -46,8 +47,9 @@ def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, wa
         for h in hooks:
             h.remove()
     cos, sin = cos_sin(model, positions)
-    keys = [layer.keys for layer in out.past_key_values.layers]
-    values = [layer.values for layer in out.past_key_values.layers]
+    cache = cache_of(out)
+    keys = [layer.keys for layer in cache.layers]
+    values = [layer.values for layer in cache.layers]
     content = [remove_rope(k, cos, sin) for k in keys]
     hidden = list(out.hidden_states[:-1]) if want_hidden else None
     return Trace(keys, content, values, xnorm, mask, positions, hidden)
