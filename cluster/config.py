@@ -109,6 +109,9 @@ class SpecialistSettings(ModelSettings):
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     link_gbps: float | None = Field(None, gt=0, description="bandwidth from the producer to this specialist "
                                                             "(Gbps); default: link.bandwidth_gbps")
+    calibration: dict[str, object] = Field(default_factory=dict, description=(
+        "fit settings of this pair that differ from the `calibration:` section's (any of scd.settings.CalibConfig, "
+        "e.g. more Patch layers for a specialist whose gap sits in a few layers); the rest come from that section"))
 
 
 class FamilySettings(_Strict):
@@ -263,6 +266,24 @@ class DeploymentConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _pair_calibration(self):
+        problems = []
+        for i, s in enumerate(self.specialists):
+            unknown = sorted(set(s.calibration) - set(CalibConfig.model_fields))
+            if unknown:
+                problems.append(f"specialists[{i}].calibration: {unknown} are not fit settings "
+                                f"(scd.settings.CalibConfig)")
+                continue
+            try:
+                self.calibration_for(s.name)
+            except ValidationError as e:
+                problems += [f"specialists[{i}].calibration{'.' + _where(err['loc']) if err['loc'] else ''}: "
+                             f"{err['msg']}" for err in e.errors()]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _nccl_needs_gpus(self):
         if self.transport == "nccl":
             cpu = [m.name for m in (self.producer, *self.specialists) if m.num_gpus <= 0]
@@ -284,6 +305,14 @@ class DeploymentConfig(_Strict):
             if s.name == name:
                 return s
         raise KeyError(f"no specialist {name!r}; have {[s.name for s in self.specialists]}")
+
+    def calibration_for(self, name: str) -> CalibrationSettings:
+        """The calibration settings of the producer -> `name` pair: the section's, with that specialist's own
+        `calibration:` fields over them."""
+        own = self.specialist(name).calibration
+        if not own:
+            return self.calibration
+        return CalibrationSettings.model_validate({**self.calibration.model_dump(), **own})
 
     def pairs(self) -> list[str]:
         return [f"{self.producer.name}:{s.name}" for s in self.specialists]

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> str:
         spec_cfg = cfg.specialist(cons_name)
     except KeyError as e:
         raise SystemExit(str(e.args[0])) from None
-    c = cfg.calibration
+    c = cfg.calibration_for(cons_name)
     n_prefixes, n_held = args.prefixes or c.prefixes, args.heldout or c.heldout
     work = args.work_dir or c.work_dir
     store = ArtifactStore(args.store or cfg.artifacts.uri)

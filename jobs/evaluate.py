@@ -112,8 +112,9 @@ def _from_config(args) -> tuple[str, str, str, str]:
     a, b = args.pair.split(":")
     if a != cfg.producer.name or b not in {s.name for s in cfg.specialists}:
         raise SystemExit(f"--pair {args.pair} is not in {args.config} (it has {', '.join(cfg.pairs())})")
+    settings = cfg.calibration_for(b)                                   # what the calibration job fits with
     for name in SETTING_FLAGS - getattr(args, "given_settings", set()):
-        setattr(args, name, getattr(cfg.calibration, name))            # what the calibration job fits with
+        setattr(args, name, getattr(settings, name))
     args.work_dir = cfg.calibration.work_dir
     args.consumer_base = cfg.specialist(b).base
     return cfg.producer.path, cfg.specialist(b).path, a, b

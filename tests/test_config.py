@@ -215,3 +215,37 @@ def test_a_bigram_table_without_a_token_table_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="bigram_table needs token_table"):
         CalibConfig(bigram_table=8)
     assert CalibConfig(bigram_table=8, token_table=4).bigram_table == 8
+
+
+def test_a_specialist_overrides_fit_settings_for_its_own_pair_only_and_bad_overrides_are_named():
+    two = {**GOOD, "calibration": {"pool": 4, "patch_cost": 0.1},
+           "specialists": [{"name": "qa", "path": "q", "calibration": {"pool": 6, "patch_cost": 0.02}},
+                           {"name": "code", "path": "c"}]}
+    cfg = parse(two)
+    qa, code = cfg.calibration_for("qa"), cfg.calibration_for("code")
+    assert (qa.pool, qa.patch_cost) == (6, 0.02) and (code.pool, code.patch_cost) == (4, 0.1)
+    assert qa.work_dir == code.work_dir == cfg.calibration.work_dir and qa.r_h == code.r_h
+    assert (cfg.calibration.pool, cfg.calibration.patch_cost) == (4, 0.1), "the section itself must not change"
+    for bad, msg in (({"pool": 0}, "specialists[0].calibration.pool"),
+                     ({"prefixes": 64, "colour": 1}, "['colour', 'prefixes'] are not fit settings"),
+                     ({"bigram_table": 8, "token_table": 0}, "bigram_table needs token_table")):
+        with pytest.raises(ConfigError) as e:
+            parse({**two, "specialists": [{"name": "qa", "path": "q", "calibration": bad}]})
+        assert msg in str(e.value), str(e.value)
+
+
+def test_scd_eval_with_a_config_fits_a_pair_with_its_specialists_own_settings(tmp_path):
+    import argparse
+    from jobs.evaluate import add_pair_args, parse as parse_args, resolve_pair
+    raw = yaml.safe_load(open("configs/smollm2.yaml"))
+    raw["specialists"][0]["calibration"] = {"pool": 6}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    p = argparse.ArgumentParser()
+    add_pair_args(p)
+    got = {}
+    for name in ("qa", "code"):
+        args = parse_args(p, ["--config", str(path), "--pair", f"smollm2:{name}"])
+        resolve_pair(args)
+        got[name] = args.pool
+    assert got == {"qa": 6, "code": load_config(path).calibration.pool}, got
