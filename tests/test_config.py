@@ -176,7 +176,8 @@ def test_with_a_config_an_explicit_settings_flag_overrides_the_config_and_the_ot
     args = parse_args(p, ["--config", "configs/smollm2.yaml", "--pair", "smollm2:qa", "--finetune-samples", "0"])
     resolve_pair(args)
     assert args.finetune_samples == 0, "an explicit flag must win over the config"
-    assert args.r_h == cfg.calibration.r_h and args.reuse_source == cfg.calibration.reuse_source
+    qa = cfg.calibration_for("qa")
+    assert args.r_h == qa.r_h and args.reuse_source == qa.reuse_source
     assert args.work_dir == cfg.calibration.work_dir
 
 
