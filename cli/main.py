@@ -8,13 +8,13 @@ import sys
 
 # subcommand -> (module with main(argv), one-line help)
 COMMANDS = {
-    "eval": ("jobs.evaluate", "calibrate a pair and compare SCD with the baselines on held-out prefixes"),
-    "bench": ("jobs.bench", "consumer rebuild vs prefill; --fanout compute; --bandwidth TTFT of every method"),
+    "eval": ("cli.evaluate", "calibrate a pair and compare SCD with the baselines on held-out prefixes"),
+    "bench": ("cli.bench", "consumer rebuild vs prefill; --fanout compute; --bandwidth TTFT of every method"),
     "train-demo": ("jobs.train_family", "train the demo model family (base + specialists)"),
     "fetch-family": ("jobs.fetch_family", "build a real pretrained producer (smollm2) as a local HF folder, once"),
     "artifacts": ("cli.artifacts", "list | show | verify | leases | gc the artifact registry"),
     "serve": ("cli.serve", "run the Serve app (or print a `serve deploy` config)"),
-    "demo": ("jobs.demo", "the main job: calibrate if needed, serve, fan out, print TTFT vs oracle"),
+    "demo": ("cli.demo", "the main job: calibrate if needed, serve, fan out, print TTFT vs oracle"),
     "calibrate": ("cli.calibrate", "submit one Ray Job per pair to calibrate and publish it, and follow them"),
     "loadtest": ("cli.loadtest", "N requests at C concurrent against a running service: ok/error/lost, modes, p50/p99"),
 }

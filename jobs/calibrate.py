@@ -23,11 +23,11 @@ import torch
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints, calibration_digest
 from cluster.config import load_config
 from cluster.runtime import actor_options, connect
-from jobs import report, samples
-from jobs.evaluate import profile_droidspeak
+from jobs import report
+from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.diagnostics import xnorm_errors
-from scd.evaluation.evaluate import Evaluator
+from scd.evaluation.evaluate import Evaluator, profile_droidspeak
 from scd.fitting.calibrate import CalibConfig, Calibration
 from scd.fitting.scoring import PlanScorer
 from scd.fitting.checkpoints import load_record, samples_digest, save_record

@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cluster.config import load_config
-from jobs import samples
+from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting import family

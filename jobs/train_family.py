@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from jobs import demo_data
+from scd.data import demo_data
 
 SPECIALISTS = ("qa", "prose", "code")
 EOS, PAD = "<|endoftext|>", "<|pad|>"

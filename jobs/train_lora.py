@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from jobs import demo_data
+from scd.data import demo_data
 
 DEFAULT_BASE = "~/.scd/models/SmolLM2-135M-Instruct"
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -135,7 +135,7 @@ def test_quality_gate_compares_with_raw_kv_and_the_absolute_bound():
 
 
 def test_eval_with_the_config_resumes_the_jobs_checkpoints_and_can_load_the_published_artifact(job, capsys):
-    from jobs.evaluate import main as evaluate
+    from cli.evaluate import main as evaluate
     tmp_path, cfg, ref, _ = job
     rows = evaluate(["--config", str(cfg), "--pair", "base:qa", "--samples", "2", "--methods", "oracle,raw_kv,scd"])
     err = capsys.readouterr().err

@@ -143,7 +143,7 @@ def test_every_calibration_setting_is_settable_from_the_config_and_is_a_scd_eval
     import argparse
 
     from cluster.config import CalibrationSettings
-    from jobs.evaluate import NOT_FLAGS, add_pair_args
+    from cli.evaluate import NOT_FLAGS, add_pair_args
     from scd.settings import CalibConfig
     changed = {n: _other_value(n, f) for n, f in CalibrationSettings.model_fields.items() if n != "work_dir"}
     cfg = parse({**GOOD, "calibration": changed})
@@ -168,7 +168,7 @@ def test_every_calibration_setting_is_settable_from_the_config_and_is_a_scd_eval
 
 def test_with_a_config_an_explicit_settings_flag_overrides_the_config_and_the_others_come_from_it():
     import argparse
-    from jobs.evaluate import add_pair_args, parse as parse_args, resolve_pair
+    from cli.evaluate import add_pair_args, parse as parse_args, resolve_pair
     cfg = load_config("configs/smollm2.yaml")
     assert cfg.calibration.finetune_samples != 0 and cfg.calibration.r_h != 32
     p = argparse.ArgumentParser()
@@ -237,7 +237,7 @@ def test_a_specialist_overrides_fit_settings_for_its_own_pair_only_and_bad_overr
 
 def test_scd_eval_with_a_config_fits_a_pair_with_its_specialists_own_settings(tmp_path):
     import argparse
-    from jobs.evaluate import add_pair_args, parse as parse_args, resolve_pair
+    from cli.evaluate import add_pair_args, parse as parse_args, resolve_pair
     raw = yaml.safe_load(open("configs/smollm2.yaml"))
     raw["specialists"][0]["calibration"] = {"pool": 6}
     path = tmp_path / "c.yaml"

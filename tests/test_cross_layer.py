@@ -178,9 +178,9 @@ def _calibration_error(a, b, art, prefixes):
 
 def test_a_token_table_rebuilds_what_the_probe_decodes_and_fits_better_than_none(tmp_path):
     """A code for all layers with a token table: the serving rebuild (stacked decoders, one bias row per token)
-    gives what jobs.probe_cross_layer's independent decode of the same codec gives, and on the calibration
+    gives what tools.probe_cross_layer's independent decode of the same codec gives, and on the calibration
     prefixes it fits the consumer's K and V better than the same code without a table."""
-    from jobs.probe_cross_layer import CrossLayer
+    from tools.probe_cross_layer import CrossLayer
     a, b, cal = _calibration(tmp_path, 0, 24, token_table=40)
     art = cal.artifacts_for(cal.base_plan)
     codec_x = art.reuse_x[1]
@@ -203,7 +203,7 @@ def test_bigram_rows_land_on_their_keys_only_also_behind_left_padding():
     """A bigram row keyed by (sequence start, 5) is added at the first real token of a sequence that starts
     with token 5, behind left padding too, and not at a later 5 (key (9, 5)), nor at any other layer: in the
     probe's decode (batches of one) and in bigram_keys of a padded batch."""
-    from jobs.probe_cross_layer import CrossLayer
+    from tools.probe_cross_layer import CrossLayer
     from scd.fitting.calibrate import pad
     from scd.online.reuse import bigram_keys
     a, b = tiny_llama(0, layers=3), perturbed(tiny_llama(0, layers=3), 0.3, seed=1)
@@ -237,7 +237,7 @@ def test_a_bigram_table_rebuilds_what_the_probe_decodes_also_in_a_padded_batch(t
     of the same codec gives; a left-padded batch of two prefixes rebuilds each as it rebuilds alone (the
     keys of a padded row start at its first real token); and on the calibration prefixes it fits the
     consumer's K and V better than the token table alone."""
-    from jobs.probe_cross_layer import CrossLayer
+    from tools.probe_cross_layer import CrossLayer
     from scd.fitting.calibrate import pad
     a, b, cal = _calibration(tmp_path, 0, 24, token_table=40, bigram_table=200)
     art = cal.artifacts_for(cal.base_plan)

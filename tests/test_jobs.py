@@ -30,7 +30,7 @@ def test_committed_demo_family_is_small_and_loads():
 
 def test_a_specialist_named_domain_underscore_variant_uses_its_domains_data():
     """`code_few` (the code fine-tune confined to a few layers) is calibrated and evaluated on the code data."""
-    from jobs import samples
+    from scd.data import samples
     _, tok, _ = load(DEMO / "base")
     assert [samples.domain(n) for n in ("qa", "code", "code_few", "prose")] == ["qa", "code", "code", "prose"]
     few, code = (samples.pair_data(n, tok, 2, 1, 1, 32) for n in ("code_few", "code"))
@@ -44,7 +44,7 @@ def test_a_specialist_named_domain_underscore_variant_uses_its_domains_data():
 def test_validation_windows_come_from_documents_apart_from_the_fitted_ones(domain, tmp_path):
     """Validation picks ranks, Patch layers and the fine-tuning epoch: its windows are cut from documents
     (for a --text file, paragraphs) that no calibration prefix or fine-tuning sample comes from."""
-    from jobs import samples
+    from scd.data import samples
     _, tok, _ = load(DEMO / "base")
     text = None
     if domain == "text":
@@ -108,7 +108,7 @@ def test_bench_fanout_and_bandwidth_views_of_one_measurement(tmp_path, capsys):
 
 
 def test_bench_fanout_and_ttft_arithmetic():
-    from jobs.bench import fanout, ttft
+    from cli.bench import fanout, ttft
     m = {"prefill_ms": 100.0, "producer_prefill_ms": 90.0,
          "methods": {"oracle": {"producer_ms": 0.0, "consumer_ms": 100.0, "payload_bytes": 0},
                      "raw_kv": {"producer_ms": 0.0, "consumer_ms": 1.0, "payload_bytes": 125_000_000},

@@ -126,7 +126,7 @@ def test_the_producer_sends_each_link_the_level_that_fits_and_the_answer_says_wh
 
 
 def test_the_bench_sweep_models_each_bandwidths_level_from_the_measured_phases(fitted):
-    from jobs.bench import per_link
+    from cli.bench import per_link
     _, _, _, art = fitted
     tokens = 1000
     names = [x.name for x in methods.at_levels(art)] + ["scd"]

@@ -23,7 +23,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A tiny Llama base folder with a byte-level BPE tokenizer, ChatML special tokens and a chat template."""
-    from jobs import demo_data
+    from scd.data import demo_data
     path = tmp_path_factory.mktemp("base")
     tok = train_tokenizer(demo_data.facts_texts(40, 0) + ["Answer the question with words copied from notes?"], 400)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -117,7 +117,7 @@ def test_lora_training_resumes_to_the_same_adapter(base, tmp_path):
 
 
 def test_qa_samples_of_a_chat_model_share_the_system_turn_and_ask_in_the_user_turn(base):
-    from jobs.samples import qa_samples
+    from scd.data.samples import qa_samples
     tok = AutoTokenizer.from_pretrained(base)
     short, long = qa_samples(tok, "heldout", 3, prefix_tokens=80), qa_samples(tok, "heldout", 3, prefix_tokens=400)
     for s in short + long:
@@ -130,7 +130,7 @@ def test_qa_samples_of_a_chat_model_share_the_system_turn_and_ask_in_the_user_tu
 
 
 def test_fine_tuning_samples_of_a_chat_qa_family_ask_several_questions_about_one_prefix(base):
-    from jobs.samples import tune_samples
+    from scd.data.samples import tune_samples
     tok = AutoTokenizer.from_pretrained(base)
     got = tune_samples("qa", tok, 3, prefix_tokens=200)
     assert len(got) == 3
@@ -146,7 +146,7 @@ def test_fine_tuning_samples_of_a_chat_qa_family_ask_several_questions_about_one
 
 
 def test_demo_prompts_of_a_chat_family_share_the_system_turn(base):
-    from jobs.demo import demo_prompts
+    from cli.demo import demo_prompts
     tok = AutoTokenizer.from_pretrained(base)
     prefix, suffixes = demo_prompts(tok)
     assert prefix.startswith("<|im_start|>system\nAnswer the question") and prefix.endswith("<|im_end|>\n")

@@ -83,12 +83,13 @@ def test_imports_run_one_way_online_evaluation_fitting_and_serving_never_imports
     import ast
     import pathlib
     root = pathlib.Path(__file__).resolve().parents[1]
-    forbidden = {"scd/online": ("scd.fitting", "scd.evaluation", "jobs", "cli"),
-                 "scd/evaluation": ("scd.fitting", "jobs", "cli"),
-                 "scd/fitting": ("jobs", "cli"),
+    forbidden = {"scd/online": ("scd.fitting", "scd.evaluation", "scd.data", "jobs", "cli", "tools"),
+                 "scd/evaluation": ("scd.fitting", "scd.data", "jobs", "cli", "tools"),
+                 "scd/data": ("scd.fitting", "jobs", "cli", "tools"),
+                 "scd/fitting": ("jobs", "cli", "tools"),
                  "artifacts_store": ("scd.fitting", "scd.evaluation", "jobs", "cli"),
                  "serve_app": ("scd.fitting", "scd.evaluation", "jobs", "cli"),
-                 "jobs": ("cli",)}
+                 "jobs": ("cli", "tools")}
     checked = 0
     for folder, banned in forbidden.items():
         for path in (root / folder).rglob("*.py"):

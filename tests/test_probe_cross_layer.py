@@ -2,7 +2,7 @@
 rebuilds the model's own cache (RoPE and layouts included); a lower rank can only do worse."""
 import torch
 
-from jobs.probe_cross_layer import CrossLayer, consumer_rows, producer_rows
+from tools.probe_cross_layer import CrossLayer, consumer_rows, producer_rows
 from scd.online.artifacts import code_groups
 from scd.fitting.gram import JointGram
 from scd.online.models import ModelSpec

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from jobs import samples
+from scd.data import samples
 from scd.online import cache, decode
 from scd.online.models import adapter_digest, folder_digest, load
 from scd.online.trace import capture

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from scd.evaluation import metrics
-from scd.evaluation.methods import Built, Method, Oracle
+from scd.evaluation.methods import Built, DroidSpeak, Method, Oracle
 from scd.online import cache, decode
 from scd.online.trace import capture
 
@@ -135,3 +135,16 @@ def table(rows: list[dict], title: str = "") -> str:
                      f"{r['tv']:>6.3f} {r['top1']:>6.3f} {r['greedy']:>6.3f} {r['ppl']:>7.2f} {fmt(r['f1'], '>6.3f')} "
                      f"{fmt(r['em'], '>6.3f')} {r['consumer_ms']:>8.2f} {r['prefill_ratio']:>8.3f}")
     return "\n".join(lines)
+
+
+def profile_droidspeak(ds: DroidSpeak, producer, consumer, val) -> int:
+    """DroidSpeak picks its own recompute block: the start with the lowest KL on validation samples."""
+    ev = Evaluator(producer, consumer)
+    refs = [ev.reference(v) for v in val]                 # one oracle run per sample, shared by every start
+    best = None
+    for s in range(1, producer.config.num_hidden_layers - ds.n + 1):
+        ds.start = s
+        kl = sum(ev.kl(v, ds, ref) for v, ref in zip(val, refs)) / len(val)
+        ds.profile[s] = kl
+        best = s if best is None or kl < ds.profile[best] else best
+    return best

@@ -172,7 +172,7 @@ def test_the_package_imports_without_ray():
 def test_an_artifact_of_another_format_is_refused_with_a_recalibrate_message(store, monkeypatch):
     import scd.online.artifacts
     from artifacts_store import ManifestError
-    from jobs.demo import usable
+    from cli.demo import usable
     with monkeypatch.context() as m:
         m.setattr(scd.online.artifacts, "FORMAT_VERSION", 1)         # as an older build wrote it
         publish(store, tiny_artifacts(patch=True))

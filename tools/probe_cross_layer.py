@@ -1,7 +1,7 @@
 """What one code per token for all layers would reach: a probe, not a serving path.
 
-    python -m jobs.probe_cross_layer --config ray_config.yaml --pair base:prose --prefixes 512 --ranks 128,256,896
-    python -m jobs.probe_cross_layer --config configs/smollm2.yaml --pair smollm2:code --group 4 --ranks 96,192
+    python -m tools.probe_cross_layer --config ray_config.yaml --pair base:prose --prefixes 512 --ranks 128,256,896
+    python -m tools.probe_cross_layer --config configs/smollm2.yaml --pair smollm2:code --group 4 --ranks 96,192
 
 Fits the reduced-rank regression from the producer's x_norm of every layer of a group (layers 1..L-1, in
 groups of --group adjacent layers, default all of them) side by side to the consumer's K and V of every
@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.config import load_config
-from jobs import samples
+from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting.calibrate import pad
@@ -78,7 +78,7 @@ class CrossLayer(methods.Method):
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="jobs.probe_cross_layer", description=__doc__,
+    p = argparse.ArgumentParser(prog="tools.probe_cross_layer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="ray_config.yaml")
     p.add_argument("--pair", required=True, help="producer:specialist of the config")

@@ -15,9 +15,9 @@ from typing import Literal, get_args, get_origin
 import torch
 
 from cluster.config import CalibrationSettings
-from jobs import samples
+from scd.data import samples
 from scd.evaluation import methods
-from scd.evaluation.evaluate import Evaluator, table
+from scd.evaluation.evaluate import Evaluator, profile_droidspeak, table
 from scd.fitting.calibrate import Calibration
 from scd.online import codec
 from scd.online.artifacts import PairArtifacts
@@ -181,19 +181,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         print(table(rows, f"{pair}: {len(held)} held-out prefixes, plan {art.plan}, codes {args.dtype or art.code_dtype}"))
     return rows
-
-
-def profile_droidspeak(ds: methods.DroidSpeak, producer, consumer, val) -> int:
-    """DroidSpeak picks its own recompute block: the start with the lowest KL on validation samples."""
-    ev = Evaluator(producer, consumer)
-    refs = [ev.reference(v) for v in val]                 # one oracle run per sample, shared by every start
-    best = None
-    for s in range(1, producer.config.num_hidden_layers - ds.n + 1):
-        ds.start = s
-        kl = sum(ev.kl(v, ds, ref) for v, ref in zip(val, refs)) / len(val)
-        ds.profile[s] = kl
-        best = s if best is None or kl < ds.profile[best] else best
-    return best
 
 
 if __name__ == "__main__":

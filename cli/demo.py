@@ -12,8 +12,8 @@ from pathlib import Path
 
 from artifacts_store import ArtifactStore, ArtifactStoreError
 from cluster.config import load_config
-from jobs import demo_data
-from jobs.samples import domain
+from scd.data import demo_data
+from scd.data.samples import domain
 from serve_app.schemas import model_compute_ms, overhead_parts_ms
 
 REPO = Path(__file__).resolve().parents[1]

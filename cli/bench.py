@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from jobs import demo_data, samples
-from jobs.evaluate import add_pair_args, calibrated, parse, resolve_pair
+from scd.data import demo_data, samples
+from cli.evaluate import add_pair_args, calibrated, parse, resolve_pair
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.online import codec, links

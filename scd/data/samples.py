@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from jobs import demo_data
+from scd.data import demo_data
 from scd.evaluation.evaluate import Sample
 
 
