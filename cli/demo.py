@@ -29,8 +29,9 @@ def _call(url: str, body: dict | None = None, timeout: float = 300) -> dict:
 def demo_prompts(tok=None) -> tuple[str, dict[str, str]]:
     """A shared prefix (a fact document) and one suffix per specialist domain. For a family with a chat
     template the prefix is the rendered system turn holding a ~550-token document, and each suffix a
-    rendered user turn plus the assistant header; otherwise the tiny family's plain text forms."""
-    if tok is None or not getattr(tok, "chat_template", None):
+    rendered user turn plus the assistant header; otherwise (the demo family's template is its plain QA text)
+    the tiny family's plain text forms."""
+    if tok is None or getattr(tok, "chat_template", None) in (None, demo_data.CHAT_TEMPLATE):
         ex = demo_data.qa_examples("heldout", 1, seed=7)[0]
         return ex.document, {"qa": ex.question, "prose": "\nIn short, the", "code": "\ndef "}
     ex = demo_data.qa_examples("heldout", 1, seed=7, people=(15, 15))[0]

@@ -94,6 +94,20 @@ def facts_document(rng: random.Random, n_people: int) -> tuple[str, list[tuple[s
     return "Notes:\n" + " ".join(sentences) + "\n", qas
 
 
+# The demo family's chat template: its conversations in the plain text its QA specialist was trained on. The
+# system turn holds the notes, a user turn is a question and an assistant turn the answer line:
+#     <notes>\nQuestion: Where does Alba Korin live?\nAnswer: Alba Korin lives in Quenby\n
+# Each turn renders on its own, so a conversation's rendering starts with every shorter one's (the router's
+# shared prefix is the conversation before its last user turn).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{{ 'Question: ' + m['content'] + '\\n' }}"
+    "{% elif m['role'] == 'assistant' %}{{ 'Answer: ' + m['content'] + '\\n' }}"
+    "{% else %}{{ m['content'] }}{% if not m['content'].endswith('\\n') %}{{ '\\n' }}{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Answer:' }}{% endif %}")
+
 QA_SYSTEM = "Answer the question with words copied from these notes."
 
 
