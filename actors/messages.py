@@ -74,9 +74,10 @@ class SpecialistRequest:
 
 @dataclass(frozen=True)
 class Output:
-    """What a replica answers: a streamed piece of text, or (the last event of a stream, and a whole
-    answer) the finish reason, how it was served (`scd`) and the number of generated tokens."""
+    """What a replica answers: a streamed piece of text (with the tokens generated so far), or (the last event
+    of a stream, and a whole answer) the finish reason, how it was served (`scd`) and the generated tokens."""
     text: str = ""
     finish_reason: str | None = None
     scd: dict | None = None
     tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)   # asked for: one entry per generated token (engine's shape)

@@ -17,7 +17,7 @@ from actors.batching import BatchDecoder
 from actors.messages import FallbackReason
 from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts
-from scd.online.decode import GenParams, Row
+from scd.online.decode import GenParams, Row, TokenLogprobs
 from scd.online.rebuild import prepare, rebuild
 from scd.online.trace import capture
 
@@ -161,7 +161,7 @@ class SpecialistEngine:
               params: GenParams, put: Callable[[tuple], None], timings: dict | None = None) -> Callable[[], None]:
         """Build the request's own cache (codes or prefill) and run its suffix, in the calling thread; then its
         decode steps run in the engine's batch with every other running request (BatchDecoder). Events go to
-        put(), from the decode loop's thread: ("token", text piece) per generated token, then ("done", info,
+        put(), from the decode loop's thread: ("token", text piece, logprobs entry or None, tokens so far) per generated token, then ("done", info,
         finish_reason) with finish_reason "stop" (stop string or EOS) or "length" (max_tokens), or ("error",
         message). Returns cancel(): the request's row leaves at its next token (a client gone)."""
         if not suffix_ids:
@@ -169,12 +169,17 @@ class SpecialistEngine:
         t_start = time.perf_counter()
         row, info, text = self._row(prefix_ids, suffix_ids, payload, reason, params, dict(timings or {}))
         cancelled = threading.Event()
+        emitted = [0]                                   # characters of text put so far (logprobs' text offsets)
+        generated = [0]                                 # tokens generated so far
 
-        def on_token(token_id: int) -> bool:
+        def on_token(token_id: int, lp: TokenLogprobs | None) -> bool:
             info.timings.setdefault("first_token", (time.perf_counter() - t_start) * 1e3)
             piece, stop = text.add(token_id)
-            if piece:
-                put(("token", piece))
+            entry = self._logprobs_entry(token_id, lp, emitted[0]) if lp is not None and not stop else None
+            emitted[0] += len(piece)
+            generated[0] += 1
+            if piece or entry:
+                put(("token", piece, entry, generated[0]))
             return not (stop or cancelled.is_set())
 
         def on_done(finish: str, n_out: int) -> None:
@@ -183,7 +188,7 @@ class SpecialistEngine:
                 return
             info.timings.setdefault("first_token", (time.perf_counter() - t_start) * 1e3)
             if finish == "length" and (rest := text.flush()):      # bytes of an unfinished character
-                put(("token", rest))
+                put(("token", rest, None, n_out))
             info.timings["total"] = (time.perf_counter() - t_start) * 1e3
             info.tokens = n_out
             put(("done", info, finish))
@@ -192,14 +197,21 @@ class SpecialistEngine:
         self.decoder.submit(row)
         return cancelled.set
 
+    def _logprobs_entry(self, token_id: int, lp: TokenLogprobs, offset: int) -> dict:
+        """A generated token's logprobs as the router formats them: its text, its logprob, the top alternatives
+        and where its text starts in the answer (the token that completes a stop string has none)."""
+        return {"token": self.tok.decode([token_id]), "logprob": lp.logprob,
+                "top": [(self.tok.decode([t]), v) for t, v in lp.top], "offset": offset}
+
     def stream(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
                params: GenParams, timings: dict | None = None) -> Iterator[tuple[str, object]]:
-        """start() as a blocking generator: ("token", piece)..., then ("done", (info, finish_reason))."""
+        """start() as a blocking generator of text: ("token", piece)..., then ("done", (info, finish_reason))."""
         events: queue.SimpleQueue = queue.SimpleQueue()
         cancel = self.start(prefix_ids, suffix_ids, payload, reason, params, events.put, timings)
         try:
             while (ev := events.get())[0] == "token":
-                yield ev
+                if ev[1]:
+                    yield ev[:2]
         finally:
             cancel()
         if ev[0] == "error":

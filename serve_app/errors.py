@@ -5,7 +5,7 @@
 `ApiError` is raised anywhere in a route; `install(app)` turns it, validation errors, unknown routes and
 methods, and any unexpected exception into that shape (a trailing slash is an unknown route, not a redirect;
 a body that is not sent as JSON is 415). `Guard` is the ASGI middleware in front of the routes:
-the API key (every path but /healthz) and the request body size, checked before a byte is parsed.
+the API key (every path but /health and /healthz) and the request body size, checked before a byte is parsed.
 """
 from __future__ import annotations
 
@@ -103,11 +103,11 @@ def key_digest(key: str | None) -> str | None:
 
 
 class Guard:
-    """ASGI middleware: API key on every path but /healthz, then the body size (Content-Length, or counted
+    """ASGI middleware: API key on every path but /health and /healthz, then the body size (Content-Length, or counted
     while reading a chunked body). Starlette builds the middleware itself, so its settings are class-wide:
     the Router sets them once when its replica starts (one router per replica process)."""
 
-    OPEN_PATHS = ("/healthz",)
+    OPEN_PATHS = ("/health", "/healthz")
     key_sha: str | None = None
     max_body: int = 1 << 20
 

@@ -22,7 +22,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from actors.messages import Codes, FallbackReason, GenParams, Output, SpecialistRequest, pair_id
 from cluster.config import DeploymentConfig
-from serve_app import telemetry
+from serve_app import responses, telemetry
 from serve_app.errors import ApiError, Guard, install, overloaded
 from serve_app.producer_client import ProducerClient
 from serve_app.schemas import ChatCompletionRequest, CompletionRequest, FanoutRequest, Sampling
@@ -101,6 +101,9 @@ class Router:
         if p.max_tokens > self.limits.max_tokens:
             raise ApiError(400, f"{where}max_tokens: at most {self.limits.max_tokens} (limits.max_tokens)",
                            where + "max_tokens")
+        if p.min_tokens > p.max_tokens:
+            raise ApiError(400, f"{where}min_tokens {p.min_tokens} exceeds max_tokens {p.max_tokens}",
+                           where + "min_tokens")
         if n_suffix == 0:
             raise ApiError(400, f"{where}the text after the prefix holds no token", where + "prompt")
         if n_prefix + n_suffix > self.max_input:
@@ -125,7 +128,8 @@ class Router:
         if not prefix_ids:
             reason = FallbackReason.PREFIX_TOO_SHORT
         return SpecialistRequest(
-            prefix_ids, suffix_ids, GenParams(p.max_tokens, p.temperature, p.top_p, tuple(p.stops()), p.seed),
+            prefix_ids, suffix_ids, GenParams(p.max_tokens, p.temperature, p.top_p, tuple(p.stops()), p.seed,
+                                              p.min_tokens, p.ignore_eos, p.n_logprobs),
             codes, reason or (codes and codes.reason), enc and enc.incarnation,
             {**(enc.timings if enc else {}), "producer_call": producer_ms}, trace)
 
@@ -178,6 +182,13 @@ class Router:
         return await self._once_more_if_replica_died(name, attempt)
 
     # -- routes ---------------------------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self):
+        """The probe vLLM and SGLang serve (load balancers, Kubernetes, benchmark clients): 200 while answers
+        come (ok or degraded), 503 when no specialist can answer; /healthz says why."""
+        state = json.loads((await self.healthz()).body)["status"]
+        return JSONResponse(status_code=503 if state == "down" else 200, content={"status": state})
+
     @api.get("/healthz")
     async def healthz(self):
         """ok: producer and every specialist answer; degraded: answers still come (fallbacks while the
@@ -250,34 +261,34 @@ class Router:
                 enc, reason = None, FallbackReason.PREFIX_TOO_SHORT
             req = self._request(body.model, prefix_ids, suffix_ids, body, enc, reason, trace, _ms_since(t0))
         cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+        n_in = len(prefix_ids) + len(suffix_ids)
         if body.stream:
             gen, first = await self._first_event(body.model, req)
             slot.append(gen)
-            return StreamingResponse(self._sse(gen, first, cid, created, body.model, chat),
+            return StreamingResponse(self._sse(gen, first, cid, created, body, n_in, chat),
                                      media_type="text/event-stream")
         out = await self._generate(body.model, req)
-        n_in = len(prefix_ids) + len(suffix_ids)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                   "finish_reason": out.finish_reason} if chat else
-                  {"text": out.text, "index": 0, "logprobs": None, "finish_reason": out.finish_reason})
         return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body.model, "choices": [choice],
-                "usage": {"prompt_tokens": n_in, "completion_tokens": out.tokens, "total_tokens": n_in + out.tokens},
-                "scd": out.scd}
+                "model": body.model, "choices": [responses.choice(out, chat, body.n_logprobs is not None)],
+                "usage": responses.usage(n_in, out.tokens), "scd": out.scd}
 
-    async def _sse(self, gen, first: Output, cid: str, created: int, model: str, chat: bool = False):
-        """Server-sent events; a failure after the first byte becomes an error event, then [DONE]."""
+    async def _sse(self, gen, first: Output, cid: str, created: int, body, n_in: int, chat: bool = False):
+        """Server-sent events; a failure after the first byte becomes an error event, then [DONE]. With
+        stream_options.include_usage a last chunk with no choices carries the usage, as OpenAI's does (and
+        every chunk carries the usage so far with continuous_usage_stats)."""
+        options, n_out = body.stream_options, 0
+
         def chunk(ev: Output, i: int) -> str:
-            if chat:                                      # the first delta names the role, as OpenAI's does
-                delta = {"role": "assistant", "content": ev.text} if i == 0 else {"content": ev.text}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": ev.finish_reason}
-            else:
-                choice = {"text": ev.text, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
-            body = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                    "model": model, "choices": [choice]}
+            nonlocal n_out
+            n_out = max(n_out, ev.tokens)
+            out = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                   "model": body.model,
+                   "choices": [responses.choice(ev, chat, body.n_logprobs is not None, first=i == 0, delta=True)]}
+            if options and (options.include_usage or options.continuous_usage_stats):
+                out["usage"] = responses.usage(n_in, n_out) if options.continuous_usage_stats else None
             if ev.scd is not None:
-                body["scd"] = ev.scd
-            return f"data: {json.dumps(body)}\n\n"
+                out["scd"] = ev.scd
+            return f"data: {json.dumps(out)}\n\n"
         try:
             yield chunk(first, 0)
             deadline = time.monotonic() + self.limits.request_timeout_s
@@ -290,8 +301,12 @@ class Router:
                     break
                 yield chunk(ev, i)
                 i += 1
+            if options and options.include_usage:
+                yield "data: " + json.dumps({"id": cid, "object": "chat.completion.chunk" if chat else
+                                             "text_completion", "created": created, "model": body.model,
+                                             "choices": [], "usage": responses.usage(n_in, n_out)}) + "\n\n"
         except Exception as e:
-            yield f"data: {json.dumps(self._failure(model, e).body())}\n\n"
+            yield f"data: {json.dumps(self._failure(body.model, e).body())}\n\n"
         finally:
             gen.cancel()
             self.inflight -= 1                        # the slot _admitted handed to this stream

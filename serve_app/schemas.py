@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 INT64 = 2 ** 63
 MAX_STOP_CHARS = 128
@@ -54,6 +54,9 @@ class Sampling(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = Field(None, description="up to 4 non-empty stop strings")
     seed: int | None = Field(None, ge=-INT64, lt=INT64, description="sampling seed (a signed 64-bit integer)")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension: end-of-sequence is masked until this many tokens")
+    ignore_eos: bool = Field(False, description="vLLM extension: end-of-sequence is always masked (benchmarks fix "
+                                                "output lengths with it); max_tokens or a stop string ends the answer")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -73,6 +76,38 @@ class Sampling(_Body):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @property
+    def n_logprobs(self) -> int | None:
+        """How many alternatives per generated token to report with its logprob (None: no logprobs)."""
+        return None
+
+
+class StreamOptions(_Body):
+    """OpenAI's stream_options (vLLM adds continuous_usage_stats)."""
+    include_usage: bool = Field(False, description="a last chunk, with empty choices, carries the usage")
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: every chunk carries the usage so far")
+
+
+class _Streamed(Sampling):
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+
+NO_PROMPT_LOGPROBS = ("prompt logprobs are not served: the specialist rebuilds the prefix's cache from the "
+                      "producer's codes and never computes logits over the prompt")
+
+
+def _no_prompt_logprobs(value, neutral):
+    if value is not None and value != neutral:
+        raise ValueError(NO_PROMPT_LOGPROBS)
+    return value
+
 
 def _only_neutral(value, neutral):
     """An OpenAI field this server does not implement: null, its neutral value, or (for a field whose neutral
@@ -83,28 +118,38 @@ def _only_neutral(value, neutral):
 
 
 # OpenAI completion fields this server does not implement, with the only value it accepts for each
-NEUTRAL: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None,
-                           "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "stream_options": None}
+NEUTRAL: dict[str, Any] = {"n": 1, "best_of": 1, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
+                           "logit_bias": None}
+MAX_LOGPROBS = 20
 
 
-class CompletionRequest(Sampling):
+class CompletionRequest(_Streamed):
     model: str = Field(min_length=1, max_length=64, description="specialist name")
     prompt: str | list[str] = Field(description="text to complete (one string, or a list of exactly one)")
     prefix: str | None = Field(None, min_length=1, description="scd extension: a shared prefix the producer "
                                "prefills; the prompt is then the suffix the specialist reads after it")
     oracle: bool = Field(False, description="scd extension: the specialist prefills the prefix itself (the "
                                             "reference path), e.g. to compare time to first token")
-    stream: bool = False
     user: str | None = Field(None, max_length=256, description="end-user id (accepted, recorded nowhere)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each generated token's logprob and "
+                                 "this many most likely alternatives")
+    echo: bool | None = Field(None, description="only false: prompt logprobs are not served")
+    prompt_logprobs: int | None = Field(None, description="vLLM extension; only null: prompt logprobs are not served")
     n: int | None = None
     best_of: int | None = None
-    echo: bool | None = None
-    logprobs: int | None = None
     suffix: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
-    stream_options: dict | None = None
+
+    @property
+    def n_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @field_validator("echo", "prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value, info):
+        return _no_prompt_logprobs(value, False if info.field_name == "echo" else None)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -153,12 +198,12 @@ class ChatMessage(_Body):
 
 
 # OpenAI chat fields this server does not implement, with the only value it accepts for each
-CHAT_NEUTRAL: dict[str, Any] = {"n": 1, "logprobs": False, "top_logprobs": None, "presence_penalty": 0,
-                                "frequency_penalty": 0, "logit_bias": None, "stream_options": None, "tools": None,
-                                "tool_choice": None, "response_format": None, "parallel_tool_calls": None}
+CHAT_NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+                                "tools": None, "tool_choice": None, "response_format": None,
+                                "parallel_tool_calls": None}
 
 
-class ChatCompletionRequest(Sampling):
+class ChatCompletionRequest(_Streamed):
     """OpenAI chat completions. The shared prefix (prefilled once by the producer, reusable across requests
     and specialists) is the conversation rendered with the model's chat template up to the last user turn;
     the specialist reads that turn and the assistant header itself."""
@@ -166,15 +211,15 @@ class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
     oracle: bool = Field(False, description="scd extension: the specialist prefills the prompt itself")
-    stream: bool = False
     user: str | None = Field(None, max_length=256, description="end-user id (accepted, recorded nowhere)")
+    logprobs: bool = Field(False, description="each generated token's logprob")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this many most "
+                                     "likely alternatives per token")
+    prompt_logprobs: int | None = Field(None, description="vLLM extension; only null: prompt logprobs are not served")
     n: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
-    stream_options: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
@@ -192,9 +237,24 @@ class ChatCompletionRequest(Sampling):
     def _neutral(cls, value, info):
         return _only_neutral(value, CHAT_NEUTRAL[info.field_name])
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value):
+        return _no_prompt_logprobs(value, None)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: only allowed when logprobs is true")
+        return self
+
     def model_post_init(self, _):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+
+    @property
+    def n_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class FanoutItem(Sampling):

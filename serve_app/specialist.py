@@ -198,7 +198,7 @@ class SpecialistServer:
                                              req.params, put, timings)
             try:
                 while (ev := await events.get())[0] == "token":
-                    yield Output(ev[1])
+                    yield Output(ev[1], tokens=ev[3], logprobs=[ev[2]] if ev[2] else [])
             finally:
                 cancel()
             if ev[0] == "error":
@@ -221,11 +221,12 @@ class SpecialistServer:
 
     async def generate(self, req: SpecialistRequest) -> Output:
         """The whole answer in one Output."""
-        text, last = [], None
+        text, logprobs, last = [], [], None
         async for ev in self._events(req):
             text.append(ev.text)
+            logprobs += ev.logprobs
             last = ev
-        return dataclasses.replace(last, text="".join(text))
+        return dataclasses.replace(last, text="".join(text), logprobs=logprobs)
 
     async def stream(self, req: SpecialistRequest) -> AsyncIterator[Output]:
         async for ev in self._events(req):

@@ -26,7 +26,7 @@ def _row(model, prefix, suffix, max_tokens, got: list, done: threading.Event) ->
     c = cache.cache_of(model(input_ids=ids, use_cache=True))
     logits, _ = cache.extend(model, c, torch.ones_like(ids), torch.tensor([suffix]))
 
-    def on_token(t):
+    def on_token(t, _logprobs):
         got.append(t)
         return True
     return Row([layer.keys for layer in c.layers], [layer.values for layer in c.layers], logits[0, -1],
@@ -73,7 +73,7 @@ def test_a_row_that_stops_early_leaves_and_the_batch_trims_its_padding():
     runner = _row(model, short_p, [4], 10, got_s, ds)
     widths = []
     original = runner.on_token
-    runner.on_token = lambda t: (widths.append(dec.decoder.batch.mask.shape[1]), original(t))[1]
+    runner.on_token = lambda t, lp: (widths.append(dec.decoder.batch.mask.shape[1]), original(t, lp))[1]
     with dec.cond:
         dec.submit(stopper)
         dec.submit(runner)

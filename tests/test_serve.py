@@ -46,17 +46,6 @@ def deploy_and_wait(cfg_path, raw: dict):
     return cfg, url
 
 
-def with_chat_template(model: Path, out: Path) -> Path:
-    """The same model (files linked) with a plain chat template, so the tiny family can answer chat requests.
-    The router renders chats with the producer's tokenizer."""
-    out.mkdir()
-    for f in model.iterdir():
-        (out / f.name).symlink_to(f)
-    (out / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                                             "{% if add_generation_prompt %}assistant:{% endif %}")
-    return out
-
-
 @pytest.fixture(scope="module")
 def served(ray_cluster, tmp_path_factory):
     from actors.producer_actor import PRODUCER_NAME
@@ -78,7 +67,6 @@ def served(ray_cluster, tmp_path_factory):
         *({"name": n, "path": str(DEMO / p), "num_cpus": 0.25, "autoscaling": fast}
           for n, p in (("prose", "prose"), ("code", "code"), ("nocal", "qa"), ("wrong", "prose")))]
     raw["producer"]["num_cpus"] = 0.25
-    raw["producer"]["path"] = str(with_chat_template(DEMO / "base", tmp / "base-chat"))
     raw["ray"] = {"namespace": "scd-test"}
     raw["http"] = {"port": free_port()}
     raw["producer_timeout_s"] = 1.5
@@ -111,6 +99,8 @@ def test_openai_client_lists_models_and_completes_plain_and_streamed(served):
 
 
 def test_openai_client_chat_shares_the_conversation_before_the_last_user_turn(served):
+    """The demo family's own chat template renders a chat as the QA text its specialist learned (notes,
+    "Question: ...", "Answer:"): the answer names the city the notes give, as the oracle's does."""
     import openai
     url, _, _ = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
@@ -119,6 +109,9 @@ def test_openai_client_chat_shares_the_conversation_before_the_last_user_turn(se
     scd = r.model_extra["scd"]
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant", r
     assert scd["mode"] == "scd" and r.choices[0].message.content, r
+    oracle = client.chat.completions.create(model="qa", messages=messages, max_tokens=8, extra_body={"oracle": True})
+    assert oracle.model_extra["scd"]["mode"] == "oracle"
+    assert "Tilda Vance lives in" in oracle.choices[0].message.content, oracle.choices[0].message.content
     # the prefix is the rendered system turn: it holds the notes, the user turn is read by the specialist
     assert r.usage.prompt_tokens > r.usage.completion_tokens and r.usage.completion_tokens <= 6
     pieces, roles, last = [], [], None
@@ -135,6 +128,67 @@ def test_openai_client_chat_shares_the_conversation_before_the_last_user_turn(se
                 {"messages": [{"role": "robot", "content": "x"}]}):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="qa", max_tokens=2, **bad)
+
+
+def _events(url, body, timeout=120) -> list[dict]:
+    """The JSON events of a streamed response, [DONE] left out."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        lines = [ln.decode().removeprefix("data: ").strip() for ln in r if ln.startswith(b"data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_what_serving_benchmarks_send_health_ignore_eos_and_usage_in_streams(served):
+    """guidellm's and vLLM's benchmark request shapes: GET /health first, then fixed output lengths with
+    ignore_eos, streams with include_usage and continuous_usage_stats."""
+    url, _, _ = served
+    assert _get(url + "/health") == {"status": "ok"}
+    prompt = PREFIX + "Question: Where does Tilda Vance live?\nAnswer: Tilda Vance lives in"
+    body = {"model": "qa", "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "stop": None}
+    status, r = _post(url + "/v1/completions", body)
+    assert status == 200 and r["usage"]["completion_tokens"] == 12 and r["choices"][0]["finish_reason"] == "length", r
+    events = _events(url + "/v1/completions", {**body, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 12, last
+    assert last["usage"]["prompt_tokens"] == r["usage"]["prompt_tokens"]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12, counts           # running totals, as vLLM sends them
+    assert "".join(c["choices"][0]["text"] for c in chunks) == r["choices"][0]["text"]
+    plain = _events(url + "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 12
+    status, err = _post(url + "/v1/completions", {**body, "min_tokens": 13})
+    assert status == 400 and err["error"]["param"] == "min_tokens", err
+    status, err = _post(url + "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert status == 400 and "stream" in err["error"]["message"], err
+
+
+def test_logprobs_of_generated_tokens_and_prompt_logprobs_refused(served):
+    import openai
+    url, _, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    prompt = PREFIX + "Question: Where does Tilda Vance live?\nAnswer: Tilda Vance lives in"
+    r = client.completions.create(model="qa", prompt=prompt, max_tokens=6, logprobs=2, extra_body={"ignore_eos": True})
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    assert len(lp.tokens) == r.usage.completion_tokens == 6 and "".join(lp.tokens) == text, (lp, text)
+    assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 2 for t in lp.top_logprobs), lp
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)], lp.text_offset
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):    # greedy: the chosen token leads
+        assert abs(max(top.values()) - v) < 1e-5 and top.get(tok) == pytest.approx(v, abs=1e-5), (tok, v, top)
+    messages = [{"role": "system", "content": PREFIX}, {"role": "user", "content": "Where does Tilda Vance live?"}]
+    c = client.chat.completions.create(model="qa", messages=messages, max_tokens=5, logprobs=True, top_logprobs=3)
+    content = c.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == c.choices[0].message.content and len(content) == 5, content
+    assert all(len(t.top_logprobs) == 3 and t.bytes == list(t.token.encode()) for t in content), content
+    streamed = list(client.chat.completions.create(model="qa", messages=messages, max_tokens=5, logprobs=True,
+                                                   stream=True, stream_options={"include_usage": True}))
+    got = [t.logprob for ch in streamed if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert got == pytest.approx([t.logprob for t in content], abs=1e-5)
+    assert streamed[-1].usage.completion_tokens == 5 and streamed[-1].choices == []
+    for bad in ({"echo": True, "logprobs": 1}, {"prompt_logprobs": 1}):
+        status, err = _post(url + "/v1/completions", {"model": "qa", "prompt": prompt, "max_tokens": 2, **bad})
+        assert status == 400 and "prompt logprobs are not served" in err["error"]["message"], err
 
 
 def test_fanout_to_three_specialists_is_one_prefill_and_all_scd(served):

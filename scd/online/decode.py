@@ -8,8 +8,9 @@ left-padded batch: every decode step is one forward pass for all running request
 (per-row positions, padding masked out). Requests join between steps, up to `max_batch` rows; a longer
 one re-pads the batch on the left, and the columns nobody needs any more are trimmed when rows leave.
 
-The loop deals in token ids only: each request's `on_token` callback gets every token it generates
-(detokenizing and stop strings are the caller's) and says whether to go on.
+The loop deals in token ids only: each request's `on_token` callback gets every token it generates, with its
+logprobs when the request asked for them (detokenizing and stop strings are the caller's), and says whether to
+go on. The end-of-sequence token ends a row unless the request masks it (`min_tokens`, `ignore_eos`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,24 @@ class GenParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    min_tokens: int = 0                     # eos is masked out until this many tokens were generated
+    ignore_eos: bool = False                # eos is always masked out: only max_tokens or a stop string ends it
+    logprobs: int | None = None             # report each token's logprob and this many top alternatives
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model's own next-token distribution (its logits before
+    temperature, top-p or the eos mask), and the `top` most likely tokens with theirs, most likely first."""
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """logits (V,) of one position -> the TokenLogprobs of `token` with the k most likely alternatives."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = lp.topk(k) if k > 0 else None
+    return TokenLogprobs(float(lp[token]), tuple(zip(top.indices.tolist(), top.values.tolist())) if top else ())
 
 
 @torch.no_grad()
@@ -52,7 +71,7 @@ class Row:
     values: list[torch.Tensor]
     logits: torch.Tensor                        # (V,) its next token's logits
     params: GenParams
-    on_token: Callable[[int], bool] | None = None         # a generated token -> go on?
+    on_token: Callable[[int, TokenLogprobs | None], bool] | None = None   # a generated token -> go on?
     on_done: Callable[[str, int], None] | None = None     # (finish reason "stop" | "length", tokens generated)
     generator: torch.Generator | None = None
     n_out: int = 0
@@ -143,13 +162,18 @@ class Decoder:
         rows = self.batch.rows
         picked, live = [], []
         for i, row in enumerate(rows):
-            nxt = int(pick(row.logits[None].float(), row.params.temperature, row.params.top_p, row.generator)[0])
+            p = row.params
+            logits = row.logits[None].float()
+            if self.eos_id is not None and (p.ignore_eos or row.n_out < p.min_tokens):
+                logits[0, self.eos_id] = float("-inf")
+            nxt = int(pick(logits, p.temperature, p.top_p, row.generator)[0])
             finish = None
             if nxt == self.eos_id:
                 finish = "stop"
             else:
                 row.n_out += 1
-                if not row.on_token(nxt):
+                lp = token_logprobs(row.logits, nxt, p.logprobs) if p.logprobs is not None else None
+                if not row.on_token(nxt, lp):
                     finish = "stop"
                 elif row.n_out >= row.params.max_tokens:
                     finish = "length"
@@ -195,7 +219,7 @@ def generate(model, cache, prefix_mask: torch.Tensor, first_ids: torch.Tensor, m
             raise ValueError(f"row {i} of the prefix mask is not left padding")
         keys = [layer.keys[i:i + 1, :, first:] for layer in cache.layers]
         values = [layer.values[i:i + 1, :, first:] for layer in cache.layers]
-        on_token = lambda t, got=out[i]: got.append(t) or True        # noqa: E731
+        on_token = lambda t, _lp, got=out[i]: got.append(t) or True        # noqa: E731
         on_done = lambda finish, n, got=out[i]: _done(finish, got, eos_id)                     # noqa: E731
         dec.waiting.append(Row(keys, values, logits[i, -1], GenParams(max_tokens=max_new_tokens,
                                                                       temperature=temperature, top_p=top_p),
