@@ -29,6 +29,16 @@ def port_taken(host: str, port: int) -> bool:
     return False
 
 
+def _dashboard_url() -> str | None:
+    """The connected cluster's dashboard (where `ray job submit` sends jobs), when it runs one."""
+    try:
+        from ray._private.worker import get_dashboard_url       # what ray.init's context reports, after the fact
+        url = get_dashboard_url()
+    except Exception:                                           # a Ray without it: the line is left out
+        return None
+    return f"http://{url}" if url else None
+
+
 def _interrupt(*_):
     raise KeyboardInterrupt
 
@@ -59,6 +69,8 @@ def run(cfg: DeploymentConfig, ready_timeout_s: float = 300) -> int:
         auth = "API key required" if cfg.auth.key() else "no API key"
         print(f"SCD Serve ready on {url}  (health: {state}; {auth}; models: "
               f"{', '.join(s.name for s in cfg.specialists)}; Ctrl-C stops)", flush=True)
+        if dashboard := _dashboard_url():
+            print(f"Ray Jobs API (ray job submit --address): {dashboard}", flush=True)
         while True:
             time.sleep(1)
     except KeyboardInterrupt:

@@ -29,6 +29,8 @@ class RaySettings(_Strict):
     namespace: str = Field("scd", description="Ray namespace of the named actors and jobs")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the embedded cluster (default: all)")
     num_gpus: int | None = Field(None, ge=0, description="GPUs of the embedded cluster (default: detected)")
+    dashboard_port: int | None = Field(None, ge=1, le=65535, description="the embedded cluster's dashboard (the "
+                                       "Jobs API that `ray job submit` talks to) on this port; null: no dashboard")
 
 
 # Placement names follow Ray's own rules (ray._private.label_utils, Kubernetes label syntax), checked here so

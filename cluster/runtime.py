@@ -22,6 +22,9 @@ def connect(settings: RaySettings, **overrides) -> dict:
         if address:
             ray.init(address=address, **kwargs)
         else:
+            if settings.dashboard_port is not None:
+                kwargs.setdefault("include_dashboard", True)
+                kwargs.setdefault("dashboard_port", settings.dashboard_port)
             kwargs.setdefault("include_dashboard", False)
             ray.init(address="local", num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, **kwargs)
     return ray.cluster_resources()
