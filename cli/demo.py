@@ -31,7 +31,7 @@ def demo_prompts(tok=None) -> tuple[str, dict[str, str]]:
     template the prefix is the rendered system turn holding a ~550-token document, and each suffix a
     rendered user turn plus the assistant header; otherwise (the demo family's template is its plain QA text)
     the tiny family's plain text forms."""
-    if tok is None or getattr(tok, "chat_template", None) in (None, demo_data.CHAT_TEMPLATE):
+    if tok is None or not demo_data.instruct_chat(tok):
         ex = demo_data.qa_examples("heldout", 1, seed=7)[0]
         return ex.document, {"qa": ex.question, "prose": "\nIn short, the", "code": "\ndef "}
     ex = demo_data.qa_examples("heldout", 1, seed=7, people=(15, 15))[0]
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in fan["results"]:
             why = f":{r['scd']['reason']}" if r["scd"].get("reason") else ""
             print(f"  {r['specialist']:<6} [{r['scd']['mode']}{why}] {r['text']!r}")
-        if getattr(tok, "chat_template", None) and "qa" in names:
+        if demo_data.instruct_chat(tok) and "qa" in names:
             ex = demo_data.qa_examples("heldout", 1, seed=7, people=(15, 15))[0]
             chat = _call(url + "/v1/chat/completions", {"model": "qa", "max_tokens": 16, "messages": [
                 {"role": "system", "content": demo_data.qa_system_prompt(ex.document)},

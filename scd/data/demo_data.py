@@ -108,6 +108,16 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Answer:' }}{% endif %}")
 
+
+
+def instruct_chat(tok) -> bool:
+    """Whether `tok`'s family is an instruction-tuned chat family (SmolLM2-Instruct): its template marks turns
+    with tokens of its own, and its QA samples and demo prompts are chats. The demo family's template only
+    renders the plain QA text it learned, so its samples and prompts stay in that text."""
+    template = getattr(tok, "chat_template", None)
+    return template is not None and template != CHAT_TEMPLATE
+
+
 QA_SYSTEM = "Answer the question with words copied from these notes."
 
 

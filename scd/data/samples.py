@@ -23,11 +23,11 @@ def _people(prefix_tokens: int) -> tuple[int, int]:
 
 
 def qa_samples(tok, split: str, n: int, seed: int = 0, prefix_tokens: int | None = None) -> list[Sample]:
-    """Extractive QA samples. With a chat template (a real instruct family) the prefix is the rendered system
+    """Extractive QA samples. With an instruct family's chat template the prefix is the rendered system
     turn holding the notes, the question the rendered user turn and assistant header, the answer the bare
-    span, and documents are sized to about `prefix_tokens`; without one (the demo family) the plain
+    span, and documents are sized to about `prefix_tokens`; otherwise (the demo family) the plain
     'Notes ... Question: ... Answer: <stem>' form on short documents."""
-    chat = getattr(tok, "chat_template", None) is not None
+    chat = demo_data.instruct_chat(tok)
     people = (2, 4)
     if chat and prefix_tokens:
         people = _people(prefix_tokens)
@@ -133,7 +133,7 @@ def tune_samples(consumer_name: str, tok, n: int, prefix_tokens: int = 160, cont
     if n <= 0:
         return []
     if domain(consumer_name) == "qa" and not text_file:
-        if getattr(tok, "chat_template", None) is not None:
+        if demo_data.instruct_chat(tok):
             return qa_chat_conversations(tok, "calib", n, seed + 11, prefix_tokens)
         return qa_samples(tok, "calib", n, seed + 11, prefix_tokens)
     return lm_samples(tok, domain_texts(domain(consumer_name), "train", text_file), n, prefix_tokens, cont_tokens,
