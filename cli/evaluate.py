@@ -45,7 +45,7 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
 
 
 # settings of the calibration job that an evaluation does not use (it has --samples and its own --work-dir)
-NOT_FLAGS = {"heldout", "gate_vs_raw_kv", "max_kl", "work_dir"}
+NOT_FLAGS = {"heldout", "gate_vs_raw_kv", "max_kl", "work_dir", "text_file"}   # text_file: --text
 SETTING_FLAGS = set(CalibrationSettings.model_fields) - NOT_FLAGS     # the settings that are flags too
 
 
@@ -117,6 +117,7 @@ def _from_config(args) -> tuple[str, str, str, str]:
         setattr(args, name, getattr(settings, name))
     args.work_dir = cfg.calibration.work_dir
     args.consumer_base = cfg.specialist(b).base
+    args.text = args.text or settings.text_file                         # the text the job calibrates on
     return cfg.producer.path, cfg.specialist(b).path, a, b
 
 

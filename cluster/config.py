@@ -113,7 +113,11 @@ class SpecialistSettings(ModelSettings):
                                                             "(Gbps); default: link.bandwidth_gbps")
     calibration: dict[str, object] = Field(default_factory=dict, description=(
         "fit settings of this pair that differ from the `calibration:` section's (any of scd.settings.CalibConfig, "
-        "e.g. more Patch layers for a specialist whose gap sits in a few layers); the rest come from that section"))
+        "e.g. more Patch layers for a specialist whose gap sits in a few layers), and its own `text_file`; the "
+        "rest come from that section"))
+
+
+PAIR_DATA = {"text_file"}     # besides fit settings, a specialist may calibrate on text of its own
 
 
 class FamilySettings(_Strict):
@@ -218,6 +222,10 @@ class CalibrationSettings(CalibConfig):
         "family code is <= this x the KL its published pair artifact recorded (a fan-out to the family gets "
         "the family code instead of the pair's; 0 = off)"))
     work_dir: str = Field("runs/calibrate", description="checkpoints of running/finished calibrations")
+    text_file: str | None = Field(None, description=(
+        "your own text (UTF-8, paragraphs split on blank lines; the last fifth held out) that the pair is "
+        "calibrated and evaluated on; default: the demo corpora chosen by the specialist's name (qa*, code*, "
+        "else the reference manual's prose)"))
 
 
 class TelemetrySettings(_Strict):
@@ -271,10 +279,10 @@ class DeploymentConfig(_Strict):
     def _pair_calibration(self):
         problems = []
         for i, s in enumerate(self.specialists):
-            unknown = sorted(set(s.calibration) - set(CalibConfig.model_fields))
+            unknown = sorted(set(s.calibration) - set(CalibConfig.model_fields) - PAIR_DATA)
             if unknown:
                 problems.append(f"specialists[{i}].calibration: {unknown} are not fit settings "
-                                f"(scd.settings.CalibConfig)")
+                                f"(scd.settings.CalibConfig) or {sorted(PAIR_DATA)}")
                 continue
             try:
                 self.calibration_for(s.name)
@@ -352,6 +360,13 @@ def parse(raw: dict, base_dir: str | Path = ".") -> DeploymentConfig:
     if "://" not in cfg.artifacts.uri:
         cfg.artifacts.uri = str((base / Path(cfg.artifacts.uri).expanduser()).resolve())
     cfg.calibration.work_dir = str((base / Path(cfg.calibration.work_dir).expanduser()).resolve())
+    for where, section in [("calibration", cfg.calibration.__dict__),
+                           *((f"specialists.{s.name}.calibration", s.calibration or {}) for s in cfg.specialists)]:
+        if section.get("text_file"):
+            text = (base / Path(section["text_file"]).expanduser()).resolve()
+            if not text.is_file():
+                raise ConfigError(f"{where}.text_file: {text} is not a file")
+            section["text_file"] = str(text)
     return cfg
 
 

@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> str:
 
     torch.manual_seed(0)
     producer, consumer, tok, spec = load_pair(cfg.producer.path, spec_cfg.path, consumer_base=spec_cfg.base)
-    calib, val, held = samples.pair_data(cons_name, tok, n_prefixes, c.val, n_held, c.prefix_tokens)
+    calib, val, held = samples.pair_data(cons_name, tok, n_prefixes, c.val, n_held, c.prefix_tokens,
+                                         text_file=c.text_file)
     ccfg = CalibConfig.of(c)
     cal = Calibration(producer, consumer, spec, args.pair, calib, work, ccfg, pad_id=tok.pad_token_id, log=log)
     log(f"pair {args.pair}: {len(calib)} calibration prefixes, {len(val)} validation, {len(held)} held-out; "
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None) -> str:
         connect(cfg.ray)
         capture_pair = actor_capture(cfg.producer.path, spec_cfg.path, (cfg.producer.num_gpus, spec_cfg.num_gpus),
                                      spec_cfg.base)
-    tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens, c.finetune_tokens)
+    tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens, c.finetune_tokens,
+                                text_file=c.text_file)
     art = cal.run(val, capture_pair, tune)
     log(f"plan {art.plan}")
 

@@ -4,6 +4,7 @@ import yaml
 
 from cluster.config import ConfigError, load_config, parse
 from serve_app.app import serve_deploy_config
+from tests.conftest import DEMO
 
 GOOD = {"producer": {"name": "base", "path": "demo_models/base"},
         "specialists": [{"name": "qa", "path": "demo_models/qa"}]}
@@ -145,7 +146,8 @@ def test_every_calibration_setting_is_settable_from_the_config_and_is_a_scd_eval
     from cluster.config import CalibrationSettings
     from cli.evaluate import NOT_FLAGS, add_pair_args
     from scd.settings import CalibConfig
-    changed = {n: _other_value(n, f) for n, f in CalibrationSettings.model_fields.items() if n != "work_dir"}
+    changed = {n: _other_value(n, f) for n, f in CalibrationSettings.model_fields.items()
+               if n not in ("work_dir", "text_file")}                  # paths: checked by the tests of each
     cfg = parse({**GOOD, "calibration": changed})
     for name, value in changed.items():
         assert getattr(cfg.calibration, name) == value, name
@@ -250,3 +252,38 @@ def test_scd_eval_with_a_config_fits_a_pair_with_its_specialists_own_settings(tm
         resolve_pair(args)
         got[name] = args.pool
     assert got == {"qa": 6, "code": load_config(path).calibration.pool}, got
+
+
+def test_a_pair_calibrates_on_its_own_text_file_resolved_against_the_config_and_checked(tmp_path, monkeypatch):
+    """calibration.text_file (the section's, or a specialist's own) is resolved like the model paths, refused
+    by name when missing, and is what the calibration job draws its prefixes from."""
+    import yaml
+    from cluster.config import ConfigError
+    (tmp_path / "support.txt").write_text("First paragraph of my own text.\n\nSecond one.\n")
+    (tmp_path / "legal.txt").write_text("A clause.\n\nAnother clause.\n")
+    raw = {"producer": {"name": "base", "path": str(DEMO / "base")},
+           "specialists": [{"name": "support", "path": str(DEMO / "qa")},
+                           {"name": "legal", "path": str(DEMO / "prose"), "calibration": {"text_file": "legal.txt"}}],
+           "calibration": {"text_file": "support.txt"}}
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(path)
+    assert cfg.calibration_for("support").text_file == str(tmp_path / "support.txt")
+    assert cfg.calibration_for("legal").text_file == str(tmp_path / "legal.txt")
+    raw["specialists"][1]["calibration"]["text_file"] = "gone.txt"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"specialists.legal.calibration.text_file: .*gone.txt is not a file"):
+        load_config(path)
+
+    raw["specialists"][1]["calibration"]["text_file"] = "legal.txt"
+    path.write_text(yaml.safe_dump(raw))
+    from jobs import calibrate
+    seen = []
+
+    def stop(*args, text_file=None, **kw):
+        seen.append(text_file)
+        raise SystemExit("stopped after choosing the data")
+    monkeypatch.setattr(calibrate.samples, "pair_data", stop)
+    with pytest.raises(SystemExit, match="stopped"):
+        calibrate.main(["--pair", "base:legal", "--config", str(path), "--no-actors", "--work-dir", str(tmp_path)])
+    assert seen == [str(tmp_path / "legal.txt")]
