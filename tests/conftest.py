@@ -66,6 +66,14 @@ def ray_cluster() -> str:
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def demo_work_dir(tmp_path_factory) -> str:
+    """One calibration work dir for the session: the tests that serve the demo family calibrate its pairs at
+    the same reduced budget, so the second one resumes the first one's checkpoints (it still evaluates and
+    publishes into its own store)."""
+    return str(tmp_path_factory.mktemp("demo-calibration"))
+
+
 def write_config(tmp_path, **calibration) -> Path:
     """A ray_config.yaml for the demo family with a reduced calibration budget and stores under tmp_path.
     The quality gates are off: a budget this small fits artifacts that may well lose to raw KV reuse, and
@@ -90,3 +98,10 @@ def real_family() -> Path:
     if folder is None:
         pytest.skip("the real family is not built here (run `scd fetch-family smollm2`)")
     return folder
+
+
+def pytest_collection_modifyitems(items):
+    """The README's quickstart runs first. It starts a Ray cluster of its own through `scd serve`, whose Jobs
+    API needs the machine's dashboard agent port (52365; `ray.init` cannot move it): the session's cluster,
+    started by the first test that asks for it, would hold that port."""
+    items.sort(key=lambda item: item.path.name != "test_quickstart.py")

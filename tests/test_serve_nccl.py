@@ -14,10 +14,10 @@ NS = "scd-test-nccl"
 
 
 @pytest.fixture(scope="module")
-def served_nccl(ray_cluster, tmp_path_factory):
+def served_nccl(ray_cluster, tmp_path_factory, demo_work_dir):
     from actors.producer_actor import PRODUCER_NAME
     tmp = tmp_path_factory.mktemp("serve-nccl")
-    cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
+    cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1, work_dir=demo_work_dir)
     for pair in ("base:qa", "base:prose"):
         calibrate(["--pair", pair, "--config", str(cfg_path), "--no-actors"])
     family_job(["--config", str(cfg_path), "--members", "qa,prose", "--name", "fam", "--publish", "--repeats", "1",
