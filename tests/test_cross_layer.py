@@ -204,7 +204,7 @@ def test_bigram_rows_land_on_their_keys_only_also_behind_left_padding():
     with token 5, behind left padding too, and not at a later 5 (key (9, 5)), nor at any other layer: in the
     probe's decode (batches of one) and in bigram_keys of a padded batch."""
     from tools.probe_cross_layer import CrossLayer
-    from scd.fitting.calibrate import pad
+    from scd.fitting.traces import pad
     from scd.online.reuse import bigram_keys
     a, b = tiny_llama(0, layers=3), perturbed(tiny_llama(0, layers=3), 0.3, seed=1)
     spec = ModelSpec.from_config(a.config)
@@ -238,7 +238,7 @@ def test_a_bigram_table_rebuilds_what_the_probe_decodes_also_in_a_padded_batch(t
     keys of a padded row start at its first real token); and on the calibration prefixes it fits the
     consumer's K and V better than the token table alone."""
     from tools.probe_cross_layer import CrossLayer
-    from scd.fitting.calibrate import pad
+    from scd.fitting.traces import pad
     a, b, cal = _calibration(tmp_path, 0, 24, token_table=40, bigram_table=200)
     art = cal.artifacts_for(cal.base_plan)
     codec_x = art.reuse_x[1]

@@ -100,3 +100,32 @@ def test_imports_run_one_way_online_evaluation_fitting_and_serving_never_imports
                 hits = [n for n in names if any(n == b or n.startswith(b + ".") for b in banned)]
                 assert not hits, f"{path.relative_to(root)} imports {hits}: {folder}/ must not import {banned}"
     assert checked > 40, f"only {checked} files checked: the folders moved?"
+
+
+def test_the_fitting_stages_import_one_another_without_a_cycle():
+    """scd/fitting's modules form a DAG (lazy imports included): a stage imports what it builds on, never back."""
+    import ast
+    import pathlib
+    folder = pathlib.Path(__file__).resolve().parents[1] / "scd" / "fitting"
+    graph = {}
+    for path in folder.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            deps |= {n.split(".")[2] for n in names if n.startswith("scd.fitting.")}
+        graph[path.stem] = deps - {path.stem}
+    done, stack = set(), []
+
+    def visit(m):
+        assert m not in stack, f"import cycle in scd/fitting: {' -> '.join(stack[stack.index(m):] + [m])}"
+        if m in done:
+            return
+        stack.append(m)
+        for d in graph.get(m, ()):
+            visit(d)
+        stack.pop()
+        done.add(m)
+    for m in graph:
+        visit(m)
+    assert {"calibrate", "finetune", "traces"} <= set(graph), sorted(graph)

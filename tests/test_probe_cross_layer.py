@@ -43,7 +43,7 @@ def test_a_models_own_cache_is_rebuilt_from_its_full_rank_cross_layer_code():
 def test_a_window_reads_each_tokens_previous_positions_within_its_own_sequence():
     """producer_rows with window 3: a row is [x_t | x_t-1 | x_t-2] of the same sequence, zeros before its
     start (left padding included), rows only for the kept positions."""
-    from scd.fitting.calibrate import pad
+    from scd.fitting.traces import pad
     model = tiny_llama(0)
     prefixes = [x.prefix for x in _samples(2, 3)]
     ids, mask = pad([prefixes[0][:7], prefixes[1][:4]], 0)          # the second row is left-padded by 3

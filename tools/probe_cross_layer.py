@@ -26,7 +26,7 @@ from cluster.config import load_config
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
-from scd.fitting.calibrate import pad
+from scd.fitting.traces import pad
 from scd.fitting.gram import JointGram, TokenStats
 from scd.online.artifacts import code_groups
 from scd.online.models import ModelSpec, load

@@ -32,7 +32,8 @@ from scd.fitting.aligners import patch_aligner
 from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
 from scd.fitting.gram import JointGram, TokenStats
 from scd.fitting.scoring import KEEP_RULE, PlanScorer, cheapest_within_noise
-from scd.fitting.traces import chunk_path, read_chunks, trace_rows, valid_rows, write_chunk
+from scd.fitting.finetune import Progress, finetune_scored
+from scd.fitting.traces import chunk_path, pad, read_chunks, trace_rows, valid_rows, write_chunk
 from scd.online import codec
 from scd.online.artifacts import PairArtifacts, code_groups, layer_groups
 from scd.online.models import ModelSpec, data_digest, model_digest
@@ -61,19 +62,6 @@ def keyed(config: dict, fields) -> dict:
 CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]
 
 
-
-
-def pad(seqs: list[torch.Tensor], pad_id: int | None, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences as one (B, T) batch padded on the left (prefixes) or the right (continuations), with its mask.
-    Padded positions are masked out everywhere, so their id does not matter: a tokenizer with neither a pad
-    nor an eos token (pad_id None) pads with 0."""
-    t = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), t), 0 if pad_id is None else pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), t, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        sl = slice(t - len(s), t) if left else slice(0, len(s))
-        ids[i, sl], mask[i, sl] = s, 1
-    return ids, mask
 
 
 class Calibration:
@@ -432,7 +420,6 @@ class Calibration:
     def finetune(self, art: PairArtifacts, tune_samples, val_samples) -> dict:
         """End-to-end fine-tuning of the chosen plan's aligners (scd.fitting.finetune), or its checkpoint. Returns its
         record; art's aligners are replaced by the fine-tuned ones."""
-        from scd.fitting.finetune import Progress, finetune_scored
         d = self.dir / "finetuned"
         inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples), "keep": KEEP_RULE,
                   **self.chosen_ranks()}

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from scd.fitting.calibrate import pad
+from scd.fitting.traces import pad
 from scd.fitting.gram import JointGram, TokenStats, backoff_table
 from scd.fitting.traces import valid_rows
 from scd.online.artifacts import code_groups

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from scd.fitting.calibrate import pad
+from scd.fitting.traces import pad
 from scd.fitting.scoring import PlanScorer, beats
 from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts

@@ -47,3 +47,16 @@ def read_chunks(directory: str | Path):
     """Yield each chunk's dict of tensors in order."""
     for path in sorted(Path(directory).glob("chunk_*.safetensors")):
         yield load_file(str(path))
+
+
+def pad(seqs: list[torch.Tensor], pad_id: int | None, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences as one (B, T) batch padded on the left (prefixes) or the right (continuations), with its mask.
+    Padded positions are masked out everywhere, so their id does not matter: a tokenizer with neither a pad
+    nor an eos token (pad_id None) pads with 0."""
+    t = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), t), 0 if pad_id is None else pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), t, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(t - len(s), t) if left else slice(0, len(s))
+        ids[i, sl], mask[i, sl] = s, 1
+    return ids, mask
