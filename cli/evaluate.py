@@ -36,7 +36,9 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
                                     "as well overrides the config's value")
     p.add_argument("--models-dir", default=str(DEMO_DIR))
     p.add_argument("--producer", help="local model folder (instead of --pair)")
-    p.add_argument("--consumer", help="local model folder (instead of --pair)")
+    p.add_argument("--consumer", help="local model folder, or a PEFT adapter folder (instead of --pair)")
+    p.add_argument("--consumer-base", help="the base model folder a --consumer adapter is merged into (default: "
+                                           "the local folder its adapter_config.json names, else the producer)")
     p.add_argument("--text", help="text file for prefixes of a non-demo pair (paragraphs split on blank lines)")
     p.add_argument("--artifact", help="PRODUCER:CONSUMER[@VERSION] from --store: use that published artifact "
                                       "(fingerprints checked against the loaded models) instead of calibrating")

@@ -30,8 +30,22 @@ def main(argv: list[str] | None = None) -> int:
         p.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    rc = module.main(argv[1:])
+    try:
+        rc = module.main(argv[1:])
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        print(f"scd {argv[0]}: {e}", file=sys.stderr)        # a user's mistake: one line, no traceback
+        return 2
     return rc if isinstance(rc, int) else 0
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """What a user's input can cause (a missing or wrong file, a pair that cannot be served together, a bad
+    config): imported only when a command failed, so `scd --help` stays instant."""
+    from cluster.config import ConfigError
+    from scd.online.models import IncompatiblePairError
+    return FileNotFoundError, NotADirectoryError, IncompatiblePairError, ConfigError
 
 
 if __name__ == "__main__":

@@ -84,6 +84,32 @@ def test_an_adapter_whose_base_is_not_local_needs_the_base_named(base, tmp_path)
         load(tmp_path / "nothing-here")
 
 
+def test_a_pair_whose_adapter_names_a_hub_base_merges_it_into_the_producer_and_says_so(base, tmp_path):
+    """Adapters usually name their base by hub id: with the producer given, that is the base to merge into (the
+    log says so); a producer the adapter's weights do not fit is refused in one line, and the scd command
+    answers a user's mistake with one line and exit code 2, never a traceback."""
+    import subprocess
+    import sys
+    from scd.online.models import IncompatiblePairError, load_pair
+    peft = _adapter(base, tmp_path / "a", name_base=False)
+    said = []
+    _, consumer, tok, _ = load_pair(base, tmp_path / "a", log=said.append)
+    assert said and "someone/remote-model" in said[0] and str(base) in said[0], said
+    ids = torch.randint(5, len(tok), (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        err = (consumer(input_ids=ids).logits - peft(input_ids=ids).logits).abs().max().item()
+    assert err < 1e-4, f"merged into the producer, the adapter differs from the PEFT model by {err:.2e}"
+    wide = tmp_path / "wide"                                  # same tokenizer, other shapes
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=12)).save_pretrained(wide)
+    tok.save_pretrained(wide)
+    with pytest.raises(IncompatiblePairError, match="does not fit base"):
+        load_pair(wide, tmp_path / "a", log=said.append)
+    r = subprocess.run([sys.executable, "-m", "cli.main", "eval", "--producer", str(wide), "--consumer",
+                        str(tmp_path / "a"), "--samples", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "does not fit base" in r.stderr, r.stderr[-2000:]
+
+
 def test_qa_conversations_score_only_the_answers(base):
     tok = AutoTokenizer.from_pretrained(base)
     ids, labels = train_lora.qa_conversation(tok, random.Random(3), 4096)

@@ -132,7 +132,8 @@ def adapter_base(path: str | Path, base: str | Path | None = None) -> Path:
     b = Path(base if base is not None else (named or "")).expanduser()
     if not str(b) or not (b / "config.json").is_file():
         raise FileNotFoundError(f"the base model of adapter {p} is not a local model folder: {str(b) or '(none named)'}"
-                                "; give the base explicitly (`base:` in the config) or build it (`scd fetch-family`)")
+                                "; give it with --consumer-base (scd eval, scd bench) or `base:` on the specialist "
+                                "in the config")
     return b
 
 
@@ -177,10 +178,25 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path 
 
 
 def load_pair(producer_path: str | Path, consumer_path: str | Path, dtype: torch.dtype = torch.float32,
-              consumer_base: str | Path | None = None):
+              consumer_base: str | Path | None = None, log=print):
     """Load both models and refuse an incompatible pair before any work is done. The consumer may be a PEFT
-    adapter folder (merged into `consumer_base` or the base it names)."""
+    adapter folder, merged into `consumer_base`, else the base it names; an adapter that names a hub model
+    (as most do) instead of a local folder is merged into the producer, and `log` says so (a base of another
+    architecture is refused when the adapter's weights do not fit it)."""
     a, tok_a, spec_a = load(producer_path, dtype)
-    b, tok_b, spec_b = load(consumer_path, dtype, base=consumer_base)
+    if consumer_base is None and is_adapter(consumer_path):
+        try:
+            adapter_base(consumer_path)
+        except FileNotFoundError:
+            consumer_base = producer_path
+            named = json.loads((Path(consumer_path).expanduser() / "adapter_config.json").read_text()).get(
+                "base_model_name_or_path")
+            log(f"adapter {consumer_path} names base {named!r}, not a local folder: merging it into the producer "
+                f"{producer_path} (--consumer-base picks another)")
+    try:
+        b, tok_b, spec_b = load(consumer_path, dtype, base=consumer_base)
+    except RuntimeError as e:                     # PEFT: the adapter's weights do not fit the base's shapes
+        raise IncompatiblePairError(f"adapter {consumer_path} does not fit base {consumer_base}: "
+                                    f"{str(e).splitlines()[0]}") from None
     check_pair(spec_a, spec_b, tokenizer_fingerprint(tok_a), tokenizer_fingerprint(tok_b))
     return a, b, tok_a, spec_a
