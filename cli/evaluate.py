@@ -18,10 +18,11 @@ from cluster.config import CalibrationSettings
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak, table
+from scd.fitting import structure
 from scd.fitting.calibrate import Calibration
 from scd.online import codec
 from scd.online.artifacts import PairArtifacts
-from scd.online.models import load_pair
+from scd.online.models import is_adapter, load_pair
 from scd.settings import CalibConfig
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo_models"
@@ -177,12 +178,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     make = {"oracle": methods.Oracle, "raw_kv": methods.RawKV, "int4_kv": methods.Int4KV, "droidspeak": lambda: ds,
             "reuse_only": lambda: methods.reuse_only(art), "scd": lambda: methods.SCDMethod(art, dtype=args.dtype)}
     rows = Evaluator(producer, consumer, tok).run(held, [make[m]() for m in wanted], desc=f"eval {pair}")
+    found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
+                                       pb if is_adapter(pb) else None)
     for r in rows:
-        r["pair"] = pair
+        r["pair"], r["structure"] = pair, shared
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         print(table(rows, f"{pair}: {len(held)} held-out prefixes, plan {art.plan}, codes {args.dtype or art.code_dtype}"))
+        print(f"shared with the producer: {found.describe()}; verified on {len(val)} validation prefixes, max "
+              f"|difference| {shared['verified_max_abs']:.2e}")
     return rows
 
 

@@ -28,10 +28,11 @@ from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak
+from scd.fitting import structure
 from scd.fitting.calibrate import CalibConfig, Calibration
 from scd.fitting.scoring import PlanScorer
 from scd.fitting.checkpoints import load_record, samples_digest, save_record
-from scd.online.models import load_pair
+from scd.online.models import is_adapter, load_pair
 from scd.online.rebuild import encode, rebuild
 from scd.online.trace import capture
 
@@ -201,6 +202,10 @@ def main(argv: list[str] | None = None) -> str:
                                 text_file=c.text_file)
     art = cal.run(val, capture_pair, tune)
     log(f"plan {art.plan}")
+    found, art.info["structure"] = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
+                                                      spec_cfg.path if is_adapter(spec_cfg.path) else None)
+    log(f"structure: {found.describe()}; verified on {len(val)} validation prefixes, max |difference| "
+        f"{art.info['structure']['verified_max_abs']:.2e}")
 
     def evaluate():
         ms = [methods.Oracle(), methods.RawKV(), methods.reuse_only(art), methods.SCDMethod(art)]
@@ -235,7 +240,9 @@ def main(argv: list[str] | None = None) -> str:
              "trace rows": info["rows"], "data digest": info["data_digest"],
              "quality gate": f"passed: KL {gate['kl_scd']:.4f} <= {c.gate_vs_raw_kv:g} x raw KV {gate['kl_raw_kv']:.4f}"
              + (f" and <= max_kl {c.max_kl:g}" if c.max_kl is not None else ""),
-             "where the error lives (validation KL)": "; ".join(f"{k}: {v:.4f}" for k, v in split.items())}
+             "where the error lives (validation KL)": "; ".join(f"{k}: {v:.4f}" for k, v in split.items()),
+             "shared with the producer": f"{found.describe()} (verified: max |difference| "
+                                         f"{art.info['structure']['verified_max_abs']:.2e})"}
     if "ranks" in art.info:
         extra["ranks tried"] = "; ".join(
             ", ".join(f"{k} {v}" for k, v in t.items() if k.startswith("r_")) + f": KL {t['kl']:.4f} @ "

@@ -31,14 +31,17 @@ class Trace:
 @torch.no_grad()
 def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, want_xnorm: bool = True,
             want_hidden: bool = False) -> Trace:
-    """Run the model once over the prefix and record K/V/x_norm for every layer."""
+    """Run the model once over the prefix and record K/V/x_norm for every layer. `model` may be a PEFT model
+    that cannot be merged (an activated LoRA, whose adapter switches on at its invocation tokens): it runs
+    as itself, and its base model's layers and rotary tables are read."""
     if mask is None:
         mask = torch.ones_like(input_ids)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     positions = positions_from_mask(mask)
     xnorm: list[torch.Tensor] = []
     hooks = []
     if want_xnorm:
-        for layer in model.model.layers:
+        for layer in inner.model.layers:
             hooks.append(layer.input_layernorm.register_forward_hook(lambda m, i, o: xnorm.append(o.detach())))
     try:
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -46,7 +49,7 @@ def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, wa
     finally:
         for h in hooks:
             h.remove()
-    cos, sin = cos_sin(model, positions)
+    cos, sin = cos_sin(inner, positions)
     cache = cache_of(out)
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
