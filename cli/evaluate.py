@@ -169,23 +169,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
     pair = f"{na}:{nb}"
-    art = calibrated(args, producer, consumer, spec, tok, pair)
+    art = calibrated(args, producer, consumer, spec, tok, pair) if {"reuse_only", "scd"} & set(wanted) else None
     _, val, held = samples.pair_data(nb, tok, 0, args.val, args.samples, args.prefix_tokens, text_file=args.text,
                                      seed=args.seed)
     ds = methods.DroidSpeak(args.droidspeak_layers)
     if "droidspeak" in wanted:                   # its profile runs every start over the validation samples
         ds.start = profile_droidspeak(ds, producer, consumer, val)
-    make = {"oracle": methods.Oracle, "raw_kv": methods.RawKV, "int4_kv": methods.Int4KV, "droidspeak": lambda: ds,
-            "reuse_only": lambda: methods.reuse_only(art), "scd": lambda: methods.SCDMethod(art, dtype=args.dtype)}
-    rows = Evaluator(producer, consumer, tok).run(held, [make[m]() for m in wanted], desc=f"eval {pair}")
     found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
                                        pb if is_adapter(pb) else None)
+    exact = 0 < found.first_adapted < found.num_layers and found.invocation_tokens is None
+    if not exact and {"exact", "exact_int8"} & set(wanted):
+        print(f"no exact plan for {pair}: {found.describe()}", file=sys.stderr)
+        wanted = [m for m in wanted if not m.startswith("exact")]
+    make = {"oracle": methods.Oracle, "raw_kv": methods.RawKV, "int4_kv": methods.Int4KV, "droidspeak": lambda: ds,
+            "reuse_only": lambda: methods.reuse_only(art), "scd": lambda: methods.SCDMethod(art, dtype=args.dtype),
+            "exact": lambda: methods.ExactEntry(found.first_adapted, found.num_layers),
+            "exact_int8": lambda: methods.ExactEntry(found.first_adapted, found.num_layers, bits=8)}
+    rows = Evaluator(producer, consumer, tok).run(held, [make[m]() for m in wanted], desc=f"eval {pair}")
     for r in rows:
         r["pair"], r["structure"] = pair, shared
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(table(rows, f"{pair}: {len(held)} held-out prefixes, plan {art.plan}, codes {args.dtype or art.code_dtype}"))
+        plan = f", plan {art.plan}, codes {args.dtype or art.code_dtype}" if art is not None else ""
+        print(table(rows, f"{pair}: {len(held)} held-out prefixes{plan}"))
         print(f"shared with the producer: {found.describe()}; verified on {len(val)} validation prefixes, max "
               f"|difference| {shared['verified_max_abs']:.2e}")
     return rows

@@ -65,3 +65,32 @@ def test_an_activated_lora_is_found_from_its_config_and_its_prefix_before_the_in
     with torch.no_grad():
         live = verify(base, alora, s, invoked, mask)
     assert live > 1e-3, f"the aLoRA must change the cache after its invocation, or this test proves nothing: {live}"
+
+
+def test_the_exact_plan_rebuilds_the_oracles_cache_up_to_the_wires_rounding():
+    """ExactEntry on a LoRA of the top layers: bf16 on the wire is the oracle's cache to bf16 rounding (its KL
+    far below raw KV reuse's), int8 costs little more KL at half the bytes; both pay only layers s..L-1."""
+    from scd.evaluation.evaluate import Evaluator, Sample
+    from scd.evaluation.methods import ExactEntry, RawKV
+    base = tiny_llama(0, layers=6)
+    top = _lora(base, [4, 5])
+    g = torch.Generator().manual_seed(5)
+    samples = [Sample(torch.randint(2, 97, (24,), generator=g), torch.randint(2, 97, (8,), generator=g))
+               for _ in range(3)]
+    ev = Evaluator(base, top)
+    refs = [ev.reference(s) for s in samples]
+    kl = {m.name: sum(ev.kl(s, m, r) for s, r in zip(samples, refs)) / len(samples)
+          for m in (RawKV(), ExactEntry(4, 6), ExactEntry(4, 6, bits=8))}
+    assert kl["exact"] < 1e-4 and kl["exact"] < 0.01 * kl["raw_kv"], kl
+    assert kl["exact_int8"] < 0.1 * kl["raw_kv"], kl
+    ids, mask, ptrace, oracle, _ = refs[0]
+    built = ExactEntry(4, 6).build(top, ids, mask, ptrace)
+    err = max(float((a - b).abs().max()) for (a, b), (c, d) in zip(built.kv, oracle.kv) for a, b in ((a, c), (b, d)))
+    assert err < 0.05, f"the exact plan's cache is the oracle's up to bf16 rounding; max |difference| {err:.3e}"
+    shared_bytes = 4 * 2 * ptrace.keys[0].numel() * 2 + ptrace.hidden[4].numel() * 2      # bf16 K, V of 0-3 + residual
+    assert built.payload_bytes == shared_bytes
+    kv_n, h_n = ptrace.keys[0].numel(), ptrace.hidden[4].numel()          # int8 + an fp16 scale per 64 values
+    int8_bytes = 4 * 2 * (kv_n + kv_n // min(64, ptrace.keys[0].shape[-1]) * 2) + h_n + h_n // 32 * 2
+    assert ExactEntry(4, 6, bits=8).build(top, ids, mask, ptrace).payload_bytes == int8_bytes < shared_bytes
+    with pytest.raises(ValueError, match="shared layers"):
+        ExactEntry(0, 6)
