@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> str:
         f"{art.info['structure']['verified_max_abs']:.2e}")
 
     def evaluate():
-        ms = [methods.Oracle(), methods.RawKV(), methods.reuse_only(art), methods.SCDMethod(art)]
+        ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV(), methods.reuse_only(art),
+              methods.SCDMethod(art)]
         return Evaluator(producer, consumer, tok).run(held, ms, desc=f"held-out {args.pair}")
     rows = checkpointed(cal.dir / "eval.json", evaluate, held)
     by = {r["method"]: r for r in rows}
@@ -255,6 +256,8 @@ def main(argv: list[str] | None = None) -> str:
                "top1": by["scd"]["top1"], "gate_vs_raw_kv": c.gate_vs_raw_kv, **{f"job_{k}": v for k, v in cost(t0).items()}}
     if by["scd"]["f1"] is not None:
         metrics.update(f1=by["scd"]["f1"], f1_oracle=by["oracle"]["f1"], f1_raw_kv=by["raw_kv"]["f1"])
+    if by["scd"].get("retained_gain") is not None:            # of the specialist's gain over the base alone
+        metrics["retained_gain"] = by["scd"]["retained_gain"]
     manifest = store.publish(
         art, Fingerprints.of(producer=producer, consumer=consumer, tokenizer=tok),
         CalibrationData(digest=calibration_digest(calib), n_prefixes=len(calib), rows=info["rows"]),

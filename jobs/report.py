@@ -33,7 +33,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 DPI = 110
-METHOD_ORDER = ["oracle", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd"]
+METHOD_ORDER = ["oracle", "base", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd", "exact", "exact_int8"]
 EVAL_KEYS = ["method", "payload_bytes", "payload_ratio", "kl", "tv", "top1", "greedy", "ppl", "f1", "em",
              "consumer_ms", "prefill_ratio", "samples"]
 POLICY_KEYS = ["base_kl", "sensitivity", "pool", "order", "curve", "k_star", "efficiency", "chosen"]
@@ -254,13 +254,14 @@ def _summary(pair: str, policy: dict, rows: list[dict], extra: dict, figures: li
     if rows:
         n = sorted({r["samples"] for r in rows})
         out += [f"Held-out samples: {', '.join(map(str, n))}. KL/TV against the oracle (consumer prefill).", ""]
-        out += ["| method | payload KB | ratio | KL | TV | top-1 | greedy | PPL | F1 | EM | consumer ms | /prefill |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        out += ["| method | payload KB | ratio | KL | TV | top-1 | greedy | PPL | F1 | EM | retained gain | "
+                "consumer ms | /prefill |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             kb = None if r["payload_bytes"] is None else r["payload_bytes"] / 1024
             cells = [r["method"], _fmt(kb, ".1f"), _fmt(r["payload_ratio"], ".3f"), _fmt(r["kl"]), _fmt(r["tv"]),
                      _fmt(r["top1"], ".3f"), _fmt(r["greedy"], ".3f"), _fmt(r["ppl"], ".3f"), _fmt(r["f1"], ".3f"),
-                     _fmt(r["em"], ".3f"), _fmt(r["consumer_ms"], ".1f"), _fmt(r["prefill_ratio"], ".2f")]
+                     _fmt(r["em"], ".3f"), _fmt(r.get("retained_gain"), ".3f"), _fmt(r["consumer_ms"], ".1f"),
+                     _fmt(r["prefill_ratio"], ".2f")]
             out.append("| " + " | ".join(cells) + " |")
     else:
         out.append("_No evaluation rows._")

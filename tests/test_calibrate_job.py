@@ -145,8 +145,9 @@ def test_eval_with_the_config_resumes_the_jobs_checkpoints_and_can_load_the_publ
     assert by["oracle"]["kl"] < 1e-9 and by["scd"]["payload_ratio"] < 1.0, by
     shared = by["scd"]["structure"]                       # the demo's qa fine-tuned every weight: nothing shared
     assert shared["first_adapted"] == 0 and shared["num_layers"] == 8 and shared["verified_on"] >= 1, shared
-    art, _ = ArtifactStore(tmp_path / "store").load(ref)
+    art, manifest = ArtifactStore(tmp_path / "store").load(ref)
     assert art.info["structure"]["first_adapted"] == 0, art.info.get("structure")
+    assert "retained_gain" in manifest.metrics, manifest.metrics           # scd's share of qa's gain over the base
     rows2 = evaluate(["--producer", str(DEMO / "base"), "--consumer", str(DEMO / "qa"), "--artifact", ref,
                       "--store", str(tmp_path / "store"), "--samples", "2", "--methods", "scd"])
     assert f"artifact {ref}" in capsys.readouterr().err

@@ -7,6 +7,7 @@ score F1/EM against the gold span.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -52,9 +53,10 @@ class Evaluator:
             i for t, i in tokenizer.get_vocab().items() if "\n" in tokenizer.convert_tokens_to_string([t])
         } | set(tokenizer.all_special_ids)
 
-    def _answer(self, built: Built, mask: torch.Tensor, question: torch.Tensor) -> str:
-        c = cache.assemble(self.consumer, built.kv)
-        out = decode.generate(self.consumer, c, mask, question[None], self.answer_tokens)[0].tolist()
+    def _answer(self, built: Built, mask: torch.Tensor, question: torch.Tensor, model=None) -> str:
+        model = model or self.consumer
+        c = cache.assemble(model, built.kv)
+        out = decode.generate(model, c, mask, question[None], self.answer_tokens)[0].tolist()
         cut = next((i for i, t in enumerate(out) if t in self.stop), len(out))
         return self.tok.decode(out[:cut])
 
@@ -68,8 +70,9 @@ class Evaluator:
         oracle = Oracle().build(self.consumer, ids, mask, ptrace)
         return ids, mask, ptrace, oracle, self._logits(oracle.kv, mask, s.cont)
 
-    def _logits(self, kv, mask: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
-        return cache.extend(self.consumer, cache.assemble(self.consumer, kv), mask, cont[None])[0]
+    def _logits(self, kv, mask: torch.Tensor, cont: torch.Tensor, model=None) -> torch.Tensor:
+        model = model or self.consumer
+        return cache.extend(model, cache.assemble(model, kv), mask, cont[None])[0]
 
     @torch.no_grad()
     def kl(self, s: Sample, method: Method, ref: tuple | None = None) -> float:
@@ -88,12 +91,13 @@ class Evaluator:
         out = []
         for m in methods:
             built = oracle if m.name == "oracle" else m.build(self.consumer, ids, mask, ptrace)
-            logits = self._logits(built.kv, mask, s.cont)
+            model = getattr(m, "model", None) or self.consumer          # base: the producer decodes
+            logits = self._logits(built.kv, mask, s.cont, model)
             kl, tv, top1 = metrics.kl_tv_top1(ref_logits, logits)
-            gen = decode.generate(self.consumer, cache.assemble(self.consumer, built.kv), mask, first, self.greedy_tokens)
+            gen = decode.generate(model, cache.assemble(model, built.kv), mask, first, self.greedy_tokens)
             f1 = em = None
             if s.answer is not None and self.tok is not None:
-                f1, em = metrics.f1_em(self._answer(built, mask, s.question), s.answer)
+                f1, em = metrics.f1_em(self._answer(built, mask, s.question, model), s.answer)
             out.append(SampleResult(m.name, kl, tv, top1, metrics.nll(logits[0, :-1], s.cont[1:]),
                                     metrics.greedy_agreement(ref_gen, gen), f1, em, built.payload_bytes,
                                     built.consumer_ms, oracle.consumer_ms, raw))
@@ -121,19 +125,39 @@ def summarize(results: list[SampleResult], order: list[str]) -> list[dict]:
             "f1": statistics.fmean(r.f1 for r in qa) if qa else None,
             "em": statistics.fmean(r.em for r in qa) if qa else None,
             "consumer_ms": consumer, "prefill_ratio": consumer / oracle, "samples": len(rs)})
+    return retained_gain(rows)
+
+
+def retained_gain(rows: list[dict]) -> list[dict]:
+    """Each row's share of what the specialist adds over the base model alone: (method - base) / (oracle -
+    base) of the task figure (F1 for QA, else the perplexity's log, lower is better). 1: the specialist's
+    full gain; 0: no better than serving the base. None without both an oracle and a base row, or when the
+    specialist adds nothing to measure (oracle == base)."""
+    by = {r["method"]: r for r in rows}
+    oracle, base = by.get("oracle"), by.get("base")
+    for r in rows:
+        r["retained_gain"] = None
+        if oracle is None or base is None:
+            continue
+        if oracle["f1"] is not None:
+            span, got = oracle["f1"] - base["f1"], r["f1"] - base["f1"]
+        else:
+            span, got = math.log(base["ppl"]) - math.log(oracle["ppl"]), math.log(base["ppl"]) - math.log(r["ppl"])
+        r["retained_gain"] = got / span if abs(span) > 1e-9 else None
     return rows
 
 
 def table(rows: list[dict], title: str = "") -> str:
     """Plain-text table shaped like the paper's Table 2."""
     head = f"{'method':<11} {'payload KB':>10} {'ratio':>6} {'KL':>7} {'TV':>6} {'top-1':>6} {'greedy':>6} " \
-           f"{'PPL':>7} {'F1':>6} {'EM':>6} {'cons ms':>8} {'/prefill':>8}"
+           f"{'PPL':>7} {'F1':>6} {'EM':>6} {'gain':>6} {'cons ms':>8} {'/prefill':>8}"
     lines = ([title] if title else []) + [head, "-" * len(head)]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
         lines.append(f"{r['method']:<11} {r['payload_bytes'] / 1024:>10.1f} {r['payload_ratio']:>6.3f} {r['kl']:>7.4f} "
                      f"{r['tv']:>6.3f} {r['top1']:>6.3f} {r['greedy']:>6.3f} {r['ppl']:>7.2f} {fmt(r['f1'], '>6.3f')} "
-                     f"{fmt(r['em'], '>6.3f')} {r['consumer_ms']:>8.2f} {r['prefill_ratio']:>8.3f}")
+                     f"{fmt(r['em'], '>6.3f')} {fmt(r.get('retained_gain'), '>6.3f')} {r['consumer_ms']:>8.2f} "
+                     f"{r['prefill_ratio']:>8.3f}")
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 A method turns a prefix (token ids + mask, and the producer's trace computed once and shared) into the
 consumer's per-layer (K, V), the bytes that had to cross the wire, and the consumer-side time:
   oracle      the consumer prefills the prefix itself (the reference; payload 0)
+  base        no specialist: the producer answers on its own cache (the floor that retained gain starts from)
   raw_kv      the producer's KV as is, bf16 on the wire
   int4_kv     the producer's KV, group-wise asymmetric int4
   droidspeak  producer KV except a contiguous block of layers the consumer recomputes from the producer's
@@ -27,7 +28,7 @@ from scd.online.rope import cos_sin
 from scd.online.trace import Trace, capture
 
 KV = tuple[torch.Tensor, torch.Tensor]
-METHODS = ("oracle", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd", "exact", "exact_int8")
+METHODS = ("oracle", "base", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd", "exact", "exact_int8")
 
 
 @dataclass
@@ -43,6 +44,18 @@ class Method:
 
     def build(self, consumer, ids: torch.Tensor, mask: torch.Tensor, producer_trace: Trace) -> Built:
         raise NotImplementedError
+
+
+class BaseAlone(Method):
+    """No specialist at all: the producer (the base model) answers on its own cache. Not a way to serve the
+    consumer, the floor of what a specialist adds: retained gain is measured from it (evaluate.summarize)."""
+    name = "base"
+
+    def __init__(self, producer):
+        self.model = producer                     # the Evaluator decodes this method with this model
+
+    def build(self, consumer, ids, mask, producer_trace):
+        return Built(list(zip(producer_trace.keys, producer_trace.values)), 0, 0.0)
 
 
 class Oracle(Method):

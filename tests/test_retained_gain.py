@@ -1,0 +1,39 @@
+"""Retained specialist gain: how much of what a specialist adds over its base model a method keeps."""
+import math
+
+import pytest
+import torch
+
+from scd.evaluation.evaluate import Evaluator, Sample, retained_gain
+from scd.evaluation.methods import BaseAlone, Oracle, RawKV
+from tests.conftest import perturbed, tiny_llama
+
+
+def test_retained_gain_is_the_share_of_the_task_gain_over_the_base():
+    qa = retained_gain([{"method": "oracle", "f1": 0.9, "ppl": 3.0}, {"method": "base", "f1": 0.3, "ppl": 9.0},
+                        {"method": "scd", "f1": 0.75, "ppl": 4.0}])
+    assert [r["retained_gain"] for r in qa] == pytest.approx([1.0, 0.0, 0.75])          # F1 decides for QA
+    lm = retained_gain([{"method": "oracle", "f1": None, "ppl": 4.0}, {"method": "base", "f1": None, "ppl": 16.0},
+                        {"method": "scd", "f1": None, "ppl": 8.0}])
+    assert lm[2]["retained_gain"] == pytest.approx(0.5), lm    # log-perplexity: 8 is half way from 16 to 4
+    none = retained_gain([{"method": "oracle", "f1": None, "ppl": 4.0}, {"method": "scd", "f1": None, "ppl": 5.0}])
+    assert none[1]["retained_gain"] is None                     # no base row: nothing to measure from
+
+
+def test_the_base_alone_is_the_producer_answering_and_scores_no_gain():
+    producer = tiny_llama(0)
+    consumer = perturbed(producer, 0.3)
+    g = torch.Generator().manual_seed(4)
+    samples = [Sample(torch.randint(2, 97, (20,), generator=g), torch.randint(2, 97, (10,), generator=g))
+               for _ in range(2)]
+    rows = {r["method"]: r for r in Evaluator(producer, consumer).run(samples, [Oracle(), BaseAlone(producer),
+                                                                                RawKV()])}
+    assert rows["oracle"]["retained_gain"] == pytest.approx(1.0) and rows["base"]["retained_gain"] == 0.0, rows
+    # the base row is the producer's own prediction: its perplexity is the producer's on the continuation
+    with torch.no_grad():
+        seq = torch.cat([samples[0].prefix, samples[0].cont])[None]
+        logits = producer(input_ids=seq).logits[0, len(samples[0].prefix):-1]
+        nll = torch.nn.functional.cross_entropy(logits, samples[0].cont[1:]).item()
+    one = Evaluator(producer, consumer).run(samples[:1], [BaseAlone(producer)])[0]
+    assert abs(math.log(one["ppl"]) - nll) < 1e-4, (math.log(one["ppl"]), nll)
+    assert rows["base"]["kl"] > 1e-3, "the base must differ from the specialist, or this test proves nothing"
