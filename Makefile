@@ -13,4 +13,5 @@ demo-real: install
 	$(PY) -m cli.main demo --config configs/smollm2.yaml
 
 test: install
+	$(PY) -m cli.main fetch-family smollm2
 	$(PY) -m pytest -q

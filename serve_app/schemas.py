@@ -92,11 +92,12 @@ class _Streamed(Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    @model_validator(mode="after")
-    def _options_need_a_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
-        return self
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, v, info):
+        if v is not None and not info.data.get("stream"):          # stream is validated first (field order)
+            raise ValueError("only allowed when stream is true")
+        return v
 
 
 NO_PROMPT_LOGPROBS = ("prompt logprobs are not served: the specialist rebuilds the prefix's cache from the "

@@ -79,13 +79,23 @@ def test_sampling_is_seeded_and_tiny_top_p_is_greedy():
 
 
 def test_eos_stops_rows_and_pads_them():
+    """Each row ends at its own first eos (kept) and is padded with eos; the others run on to max_new_tokens.
+    The eos token is taken from the rows' own greedy continuation: once as the first token of row 0, once in
+    the middle of row 1."""
     model = tiny_llama()
     ids, mask = left_padded_batch()
     tr = trace.capture(model, ids[:, :-1], mask[:, :-1])
     kv = list(zip(tr.keys, tr.values))
-    first = decode.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 1)[:, 0]
-    out = decode.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], 5, eos_id=int(first[0]))
-    assert out.shape[1] >= 1 and bool((out[0] == first[0]).all()), out.tolist()
+    n = 5
+    free = decode.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], n).tolist()   # no eos
+    for eos in (free[0][0], free[1][2]):
+        want = []
+        for row in free:
+            end = row.index(eos) + 1 if eos in row else n
+            want.append(row[:end] + [eos] * (n - end))
+        assert any(eos not in row for row in free) and any(eos in row for row in free), (eos, free)
+        out = decode.generate(model, cache.assemble(model, kv), mask[:, :-1], ids[:, -1:], n, eos_id=eos)
+        assert out.tolist() == want, f"eos {eos}: got {out.tolist()}, want {want} (without eos: {free})"
 
 
 def test_xnorm_errors_are_zero_for_the_oracle_and_start_after_a_corrupted_layer():

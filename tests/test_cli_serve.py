@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import yaml
 
@@ -26,18 +27,43 @@ def _scd(*args, **kw) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
 
 
+def _processes(name: str) -> set[int]:
+    """Ids of the running processes whose command name is `name`, read from /proc (no pgrep needed)."""
+    pids = set()
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "comm").read_text().strip() == name:
+                pids.add(int(d.name))
+        except OSError:                                          # gone while we looked
+            pass
+    return pids
+
+
 def _raylets() -> set[int]:
-    out = subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
+    me = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+    assert os.getpid() in _processes(me), "cannot list processes here: every raylet check would pass unseen"
+    return _processes("raylet")
+
+
+# `scd serve` with ray.init replaced by a refusal: a start that reaches Ray exits 1 saying so, even when it
+# would have shut its cluster down again before exiting (which no later look at the processes could see)
+NO_RAY = ("import sys, ray\n"
+          "def refused(*args, **kwargs):\n"
+          "    raise SystemExit('RAY WAS STARTED: ray.init called')\n"
+          "ray.init = refused\n"
+          "from cli.main import main\n"
+          "sys.exit(main(sys.argv[1:]))\n")
 
 
 def test_open_address_without_a_key_is_refused_before_anything_starts(tmp_path):
     cfg = _config(tmp_path, http={"host": "0.0.0.0", "port": free_port()})
     before = _raylets()
-    p = _scd("serve", "--config", cfg)
+    p = subprocess.Popen([sys.executable, "-c", NO_RAY, "serve", "--config", cfg], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
     out, err = p.communicate(timeout=120)
+    assert "RAY WAS STARTED" not in err, f"a refused start still started Ray: {err[-2000:]}"
     assert p.returncode == 2 and "no API key is set" in err, (p.returncode, err)
-    assert _raylets() <= before, "a refused start still started Ray"
+    assert _raylets() <= before, "a refused start left a raylet running"
 
 
 def test_serve_ready_refuses_a_taken_port_and_stops_everything_on_sigterm(tmp_path):

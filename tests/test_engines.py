@@ -85,22 +85,40 @@ def test_stop_strings_and_max_tokens(setup):
     producer, specialists, tok = setup
     payload = producer.encode(PREFIX, ["a:b"]).per_pair["a:b"].payload
     eng = specialists["b"]
-    full, _, finish = eng.complete(PREFIX, [11], payload, None, GenParams(max_tokens=8))
-    assert finish == "length" or len(full.split()) < 8
-    words = full.split()
-    if len(words) >= 3:
-        cut, _, finish = eng.complete(PREFIX, [11], payload, None, GenParams(max_tokens=8, stop=[words[2]]))
-        assert finish == "stop" and words[2] not in cut and cut.strip() == " ".join(words[:2])
-    streamed = [v for k, v in eng.stream(PREFIX, [11], payload, None, GenParams(max_tokens=8)) if k == "token"]
+    full, _, finish = eng.complete(PREFIX, [11], payload, None, GenParams(max_tokens=8, ignore_eos=True))
+    words = full.split()                                   # one word per token (the tiny tokenizer's words)
+    assert finish == "length" and len(words) == 8, (finish, full)
+    # the stop string: the first word from the third on that the text before it does not already hold
+    j = next((i for i in range(2, 8) if words[i] not in " ".join(words[:i])), None)
+    assert j is not None, f"no usable stop word in {full!r}"
+    cut, _, finish = eng.complete(PREFIX, [11], payload, None, GenParams(max_tokens=8, stop=[words[j]],
+                                                                         ignore_eos=True))
+    assert finish == "stop" and words[j] not in cut and cut.strip() == " ".join(words[:j]), (cut, words[j], full)
+    short, _, finish = eng.complete(PREFIX, [11], payload, None, GenParams(max_tokens=3, ignore_eos=True))
+    assert finish == "length" and short.split() == words[:3], (short, full)
+    streamed = [v for k, v in eng.stream(PREFIX, [11], payload, None, GenParams(max_tokens=8, ignore_eos=True))
+                if k == "token"]
     assert "".join(streamed) == full
     with pytest.raises(ValueError, match="suffix"):
         eng.complete(PREFIX, [], payload, None, GenParams())
 
 
 def test_empty_prefix_decodes_the_suffix_alone(setup):
-    _, specialists, _ = setup
-    text, info, _ = specialists["b"].complete([], [11, 12], None, "prefix_too_short", GenParams(max_tokens=3))
-    assert info.mode == "fallback" and info.reason == "prefix_too_short"
+    """No prefix: the specialist decodes its suffix as the whole input, which is the model's own greedy
+    continuation of those tokens (a plain loop over the full sequence, no cache), detokenized."""
+    _, specialists, tok = setup
+    suffix, n = [11, 12], 3
+    text, info, finish = specialists["b"].complete([], suffix, None, "prefix_too_short",
+                                                   GenParams(max_tokens=n, ignore_eos=True))
+    assert info.mode == "fallback" and info.reason == "prefix_too_short" and finish == "length"
+    model, seq = specialists["b"].model, torch.tensor([suffix])
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=seq).logits[0, -1]
+            logits[tok.eos_token_id] = float("-inf")          # as ignore_eos masks it
+            seq = torch.cat([seq, logits.argmax()[None, None]], 1)
+    oracle = tok.decode(seq[0, len(suffix):].tolist())
+    assert text == oracle, (text, oracle)
 
 
 def test_incremental_detokenizer_pieces_join_to_the_whole_decode_even_through_multibyte_characters():

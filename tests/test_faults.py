@@ -1,9 +1,12 @@
-"""Faults on a real local Ray + Serve: the producer killed mid-load, a specialist replica killed under its
-requests, a damaged artifact published while serving, gc while serving. Nothing a client sent is lost:
+"""Faults on a real local Ray + Serve: the producer killed under requests in flight at it (by the test, and by
+`scd loadtest --kill-producer-at`), a specialist replica killed under its requests, a damaged artifact
+published while serving, gc while serving. Nothing a client sent is lost:
 every request gets an answer, a fallback says why, and the service comes back to `scd` by itself."""
 import concurrent.futures
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,12 +15,15 @@ import yaml
 
 from artifacts_store import ArtifactStore
 from jobs.calibrate import main as calibrate
-from tests.conftest import DEMO, free_port, write_config
+from tests.conftest import DEMO, REPO, free_port, write_config
 from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, holding_qa, wait_for
 
 NS = "scd-test-faults"
 BACK_WITHIN_S = 240         # producer restart + model and artifact load, on a 2-core machine as busy as two
                             # CPU-bound processes beside the test (the test prints the time it took)
+PRODUCER_TIMEOUT_S = 30     # the router's wait for codes: far longer than a kill takes to reach the requests
+STALL_S = 300               # the producer drill's stall: requests wait at the producer until it dies
+HELD = 4                    # requests in flight at the producer when it is killed
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +35,12 @@ def served_faults(ray_cluster, tmp_path_factory):
     raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25,
                            "autoscaling": {"min_replicas": 1, "max_replicas": 1}}]
     raw["producer"]["num_cpus"] = 0.25
-    raw.update(ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=3,
+    raw.update(ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=PRODUCER_TIMEOUT_S,
                artifacts={"uri": str(tmp / "store"), "watch_s": 0},    # the tests ask the producer to refresh
                limits={"request_timeout_s": 300, "producer_retry_s": 0.5, "router_max_ongoing": 6,
                        "retry_after_s": 2})
     cfg, url = deploy_and_wait(cfg_path, raw)
-    yield url, cfg, tmp / "store"
+    yield url, cfg, tmp / "store", cfg_path
     from ray import serve
     serve.shutdown()
 
@@ -69,34 +75,109 @@ def _ask(url, i: int):
     return sent, status, out["scd"]["mode"] + (f":{out['scd']['reason']}" if out["scd"]["reason"] else "")
 
 
+def _fallbacks_counted(reason: str) -> dict[str, float]:
+    """The specialists' `scd_fallbacks_total` series for qa and `reason` as Prometheus exports them (every few
+    seconds): {labels: count}."""
+    import urllib.request
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("ray_scd_fallbacks_total{") and f'reason="{reason}"' in line
+            and 'specialist="qa"' in line}
+
+
+def _counted_since(before: dict[str, float], reason: str) -> float:
+    return sum(v - before.get(k, 0.0) for k, v in _fallbacks_counted(reason).items())
+
+
+def _stall_producer():
+    """The producer's drill: every encode waits STALL_S, so requests stay in flight at the producer. Returns
+    the incarnation it has now."""
+    producer = _producer()
+    ray.get(producer.inject.remote(f"delay:{STALL_S}"))
+    return ray.get(producer.stats.remote())["incarnation"]
+
+
+def _incarnation_now() -> str | None:
+    try:
+        return ray.get(_producer().stats.remote(), timeout=10)["incarnation"]
+    except (ray.exceptions.RayError, ValueError):
+        return None
+
+
+def _unstall():
+    """The drill off again (a no-op on a producer Ray restarted: it starts without it)."""
+    if _incarnation_now():
+        ray.get(_producer().inject.remote(None), timeout=60)
+
+
 def test_producer_killed_mid_load_every_request_answered_and_scd_again(served_faults):
-    url, _, _ = served_faults
-    n, kill_at = 60, 20
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(_ask, url, i) for i in range(kill_at)]
-        for f in futures:                                     # the first part finished: kill mid-load
-            f.result()
-        killed = time.time()
-        ray.kill(_producer(), no_restart=False)               # a crash: Ray restarts it
-        futures += [pool.submit(_ask, url, i) for i in range(kill_at, n)]
-        results = [f.result() for f in futures]
-    bad = [r for r in results if r[1] != 200]
-    assert not bad, f"{len(bad)} of {n} requests not answered 200: {bad[:3]}"
-    modes = {m for _, _, m in results}
-    assert modes <= {"scd", "fallback:producer_unavailable", "fallback:producer_timeout",
-                     "fallback:transport_error"}, modes
+    """HELD requests wait at a stalled producer; it is killed under them. Each is answered at once by its
+    specialist's own prefill (`producer_unavailable`, not a timeout) and counted in the fallback metrics; the
+    load sent while Ray restarts the producer is answered too, and `scd` comes back by itself."""
+    url, *_ = served_faults
+    before = _fallbacks_counted("producer_unavailable")
+    incarnation = _stall_producer()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(HELD) as pool:         # within router_max_ongoing
+            held = [pool.submit(_ask, url, i) for i in range(HELD)]
+            assert wait_for(lambda: _health(url)[1].get("inflight") == HELD, 120, every_s=0.1), _health(url)
+            time.sleep(1.0)                                       # past the tokenizer: all wait on the producer
+            assert not any(f.done() for f in held), [f.result() for f in held if f.done()]
+            killed = time.time()
+            ray.kill(_producer(), no_restart=False)               # a crash: Ray restarts it
+            results = [f.result() for f in held]
+            answered_s = time.time() - killed
+            later = [pool.submit(_ask, url, i) for i in range(HELD, HELD + 16)]   # while it restarts
+            results_later = [f.result() for f in later]
+    finally:
+        _unstall()
+    modes = [m for _, _, m in results]
+    assert [status for _, status, _ in results] == [200] * HELD, results
+    assert set(modes) == {"fallback:producer_unavailable"}, f"in flight at the kill: {results}"
+    assert answered_s < PRODUCER_TIMEOUT_S, f"answered {answered_s:.1f} s after the kill: by the timeout, not the kill"
+    bad = [r for r in results_later if r[1] != 200]
+    assert not bad, f"{len(bad)} of {len(results_later)} requests during the restart not answered 200: {bad[:3]}"
+    later_modes = {m for _, _, m in results_later}
+    assert later_modes <= {"scd", "fallback:producer_unavailable", "fallback:producer_timeout",
+                           "fallback:transport_error"}, later_modes
+    assert wait_for(lambda: _counted_since(before, "producer_unavailable") >= HELD, 60), \
+        f"the fallbacks under the kill were not counted: {_counted_since(before, 'producer_unavailable')} of {HELD}"
     assert wait_for(lambda: _ask(url, 999)[2] == "scd", BACK_WITHIN_S, every_s=0.5), \
         f"not serving scd again {BACK_WITHIN_S} s after the kill"
     back = time.time() - killed
-    print(f"\nproducer back to scd {back:.1f} s after the kill; modes under load: "
-          f"{ {m: sum(r[2] == m for r in results) for m in modes} }")
+    assert _incarnation_now() not in (None, incarnation), "the producer serving now is the one that was killed"
+    print(f"\nin-flight requests answered {answered_s:.1f} s after the kill, producer back to scd after {back:.1f} s; "
+          f"modes during the restart: { {m: sum(r[2] == m for r in results_later) for m in later_modes} }")
     health = _get(url + "/healthz")
     assert health["status"] == "ok", health
 
 
+def test_loadtests_kill_producer_at_kills_the_served_producer(served_faults):
+    """`scd loadtest --kill-producer-at` for real (its killer is mocked elsewhere): a subprocess joins the
+    session's cluster by its address and kills the served producer mid-load; every request is answered and
+    Ray restarts the producer (a new incarnation)."""
+    url, _, _, cfg_path = served_faults
+    assert wait_for(lambda: _ask(url, 700)[2] == "scd", BACK_WITHIN_S, every_s=0.5), "not serving scd before"
+    incarnation = _incarnation_now()
+    p = subprocess.run([sys.executable, "-m", "cli.main", "loadtest", "--url", url, "--requests", "12",
+                        "--concurrency", "2", "--mix", "completions=1", "--kill-producer-at", "3",
+                        "--config", str(cfg_path), "--ray-address", ray.get_runtime_context().gcs_address,
+                        "--timeout", "300"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (out["ok"], out["errors"], out["lost"]) == (12, 0, 0), out
+    assert out["producer_killed_at_s"] is not None and out["producer_killed_at_s"] >= 0, out
+    assert set(out["modes"]) <= {"scd", "fallback:producer_unavailable", "fallback:producer_timeout",
+                                 "fallback:transport_error"}, out["modes"]
+    assert wait_for(lambda: _incarnation_now() not in (None, incarnation), BACK_WITHIN_S), \
+        f"the producer was not restarted: the killer did not kill it (modes {out['modes']})"
+    assert wait_for(lambda: _ask(url, 701)[2] == "scd", BACK_WITHIN_S, every_s=0.5), "not serving scd again"
+
+
 def test_specialist_replica_killed_under_its_requests_loses_none(served_faults):
     from ray.util.state import list_actors
-    url, _, _ = served_faults
+    url, *_ = served_faults
     with holding_qa(NS) as gate, concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(_ask, url, 100 + i) for i in range(3)]
         assert wait_for(lambda: ray.get(gate.held.remote()) == 3, 300, every_s=0.2), "requests never held"
@@ -109,7 +190,7 @@ def test_specialist_replica_killed_under_its_requests_loses_none(served_faults):
 
 
 def test_damaged_publish_is_refused_and_a_good_one_is_picked_up_by_producer_and_replica(served_faults):
-    url, _, store_dir = served_faults
+    url, _, store_dir, _ = served_faults
     store = ArtifactStore(store_dir)
     art, manifest = store.load("base:qa@latest")
     served_version = manifest.version
@@ -132,7 +213,7 @@ def test_damaged_publish_is_refused_and_a_good_one_is_picked_up_by_producer_and_
 
 
 def test_gc_while_serving_keeps_the_version_the_producer_serves(served_faults):
-    url, _, store_dir = served_faults
+    url, _, store_dir, _ = served_faults
     store = ArtifactStore(store_dir)
     in_use = ray.get(_producer().refresh.remote())["base:qa"]          # renews the producer's lease
     art, manifest = store.load("base:qa@latest")
@@ -163,7 +244,7 @@ def test_overload_answers_503_with_retry_after_and_then_serves_again(served_faul
     once, is refused at once, each with the router's own OpenAI-shaped 503 and Retry-After (never Serve's
     plain-text backpressure answer), and once the six finish the next request is served."""
     from serve_app.app import wait_healthy
-    url, _, _ = served_faults
+    url, *_ = served_faults
     # the fault drills before this one kill replicas and the producer: start from a whole app again (while
     # Serve restarts them, /healthz may say "down" with a 503)
     assert wait_healthy(url, 300), "the app did not recover from the previous drills"

@@ -1,5 +1,6 @@
 """`scd fetch-family`: the GGUF is taken only with its pinned digest; the built folder loads like any checkpoint.
-The `real` tests run when `scd fetch-family smollm2` has built the family here and are skipped otherwise."""
+The `real` tests run when `scd fetch-family smollm2` has built the family here (`make test` builds it first)
+and are skipped otherwise."""
 import hashlib
 import json
 import zipfile

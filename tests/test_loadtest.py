@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -16,6 +17,7 @@ from cluster.runtime import use_token_auth
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["qa", "prose", "code"]
+SLOW_S = 0.5                  # a slow answer of the fake; its fast ones take a few milliseconds
 
 
 class FakeService:
@@ -29,6 +31,7 @@ class FakeService:
         self.health = (200, "ok")
         self.fallbacks = 0                                       # the next this many requests: producer gone
         self.bodies = []
+        self.delay_s = dict.fromkeys(self.faults, 0.0)           # each answer of that kind waits this long
 
     def answer(self, h: BaseHTTPRequestHandler, body: dict | None):
         with self.lock:
@@ -46,6 +49,7 @@ class FakeService:
             if body.get("oracle"):
                 scd = {"mode": "oracle"}
             self.fallbacks -= self.fallbacks > 0
+        time.sleep(self.delay_s[kind])
         if fault == "503":
             return self.json(h, 503, {"error": {"message": "overloaded", "type": "server_error"}})
         if fault == "error200":
@@ -117,6 +121,7 @@ def run(capsys, *argv) -> tuple[int, dict]:
 
 def test_all_served_counts_mix_and_modes_per_item(fake, capsys, monkeypatch):
     monkeypatch.delenv("SCD_API_KEY", raising=False)
+    fake.delay_s["completions"] = SLOW_S                         # 16 of 40 answers slow, the other 24 not
     rc, out = run(capsys, "--url", fake.url, "--requests", "40", "--concurrency", "4")
     assert rc == 0
     assert (out["ok"], out["errors"], out["lost"]) == (40, 0, 0)
@@ -126,7 +131,8 @@ def test_all_served_counts_mix_and_modes_per_item(fake, capsys, monkeypatch):
     # 16 completions + 12 streams + 12 fan-outs x (qa, prose scd; code fallback)
     assert out["modes"] == {"scd": 16 + 12 + 24, "fallback:no_artifact": 12}
     assert out["latency_ms"]["n"] == 40 and out["ttft_ms"]["n"] == 12
-    assert out["latency_ms"]["p50"] <= out["latency_ms"]["p99"]
+    # nearest rank: the 20th of 40 latencies is one of the 24 fast answers, the 40th one of the 16 slow
+    assert out["latency_ms"]["p50"] < 1000 * SLOW_S <= out["latency_ms"]["p99"], out["latency_ms"]
     assert [state for _, state in out["health"]] == ["ok"]      # one segment: ok throughout
     assert "producer_killed_at_s" not in out
     assert set(fake.auth) == {None}                              # no key, no header
@@ -184,7 +190,12 @@ def test_kill_producer_reports_when_scd_is_back(fake, capsys, monkeypatch, back)
 def test_plan_is_exact_and_seeded():
     mix = loadtest.parse_mix("completions=0.5,streams=0.25,fanouts=0.25")
     assert Counter(loadtest.plan(10, mix)) == {"completions": 5, "streams": 3, "fanouts": 2}   # remainder tie: order
-    assert loadtest.plan(100, mix) == loadtest.plan(100, mix)
+    assert loadtest.plan(100, mix) == loadtest.plan(100, mix, seed=0)          # the default seed: runs repeat
+    orders = {tuple(loadtest.plan(100, mix, seed=s)) for s in range(5)}
+    assert len(orders) == 5, "different seeds gave the same order"
+    assert all(Counter(o) == {"completions": 50, "streams": 25, "fanouts": 25} for o in orders)
+    grouped = sorted(loadtest.plan(100, mix), key=list(mix).index)
+    assert loadtest.plan(100, mix) != grouped, "not shuffled: the kinds come in blocks"
     assert Counter(loadtest.plan(7, loadtest.parse_mix("fanouts=1"))) == {"fanouts": 7}
 
 

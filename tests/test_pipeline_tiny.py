@@ -27,7 +27,15 @@ def test_calibrated_scd_beats_raw_kv_and_oracle_is_exact(tmp_path):
     art = calibrate(a, b, spec, "a:b", prefixes, _samples(6, 2), tmp_path, cfg, progress=False)
     assert art.plan[0] == "exact" and len(art.plan) == 3
     pol = art.info["policy"]
-    assert pol["curve"][0] == pol["base_kl"] and min(pol["curve"]) <= pol["base_kl"]
+    curve, order, eff, k = pol["curve"], pol["order"], pol["efficiency"], pol["k_star"]
+    # greedy over the pool: one more pool layer patched per step, each lowering the KL on this pair
+    assert sorted(order) == pol["pool"] and len(curve) == len(order) + 1 and curve[0] == pol["base_kl"], pol
+    assert all(x > y for x, y in zip(curve, curve[1:])), f"a patch did not lower the KL: {curve}"
+    # k*: the most KL removed per unit of consumer work; the plan patches exactly the layers it chose
+    assert eff == pytest.approx([(curve[0] - c) / (1 + cfg.patch_cost * i) for i, c in enumerate(curve)]), pol
+    assert k == max(range(len(eff)), key=eff.__getitem__) > 0, pol
+    patched = [layer for layer, kind in enumerate(art.plan) if kind == "patch"]
+    assert pol["chosen"] == sorted(order[:k]) == patched, (pol, art.plan)
 
     ms = [methods.Oracle(), methods.RawKV(), methods.Int4KV(), methods.DroidSpeak(1, start=1),
           methods.reuse_only(art), methods.SCDMethod(art)]

