@@ -75,6 +75,10 @@ class Router:
         self.tok = AutoTokenizer.from_pretrained(cfg.producer.path, local_files_only=True)
         self.context = int(AutoConfig.from_pretrained(cfg.producer.path, local_files_only=True).max_position_embeddings)
         self.max_input = min(cfg.limits.max_input_tokens or self.context, self.context)
+        # no token stands for more characters than the longest one: a text longer than max_input times that is
+        # over any token budget, and is refused before a tokenizer spends time on it (a 200 KB prompt)
+        self.max_chars = self.max_input * max(len(self.tok.convert_tokens_to_string([t]))
+                                              for t in self.tok.convert_ids_to_tokens(list(range(len(self.tok)))))
         self.inflight = 0
 
     # -- admission and limits ---------------------------------------------------------------------------
@@ -114,6 +118,11 @@ class Router:
             raise ApiError(400, f"{where}{n_prefix + n_suffix} input tokens + max_tokens {p.max_tokens} exceed the "
                                 f"model's context of {self.context} tokens", where + "max_tokens",
                            "context_length_exceeded")
+
+    def _check_chars(self, name: str, chars: int, where: str = "", param: str = "prompt") -> None:
+        if chars > self.max_chars:
+            raise ApiError(400, f"{where}the input is {chars} characters, more than {name}'s {self.max_input} tokens "
+                                "could hold", where + param, "context_length_exceeded")
 
     def _model(self, name: str, param: str) -> None:
         if name not in self.handles:
@@ -221,6 +230,7 @@ class Router:
         with self._admitted() as slot:
             # prefix: the explicit scd field, else the prompt minus its last character-run the specialist reads
             prefix, suffix = (body.prefix, body.text) if body.prefix else _split(body.text)
+            self._check_chars(body.model, len(prefix) + len(suffix))
             return await self._answer(body, await self._tokenize(prefix), await self._tokenize(suffix), slot, chat=False)
 
     @api.post("/v1/chat/completions")
@@ -231,6 +241,7 @@ class Router:
                            "messages", "chat_not_supported")
         with self._admitted() as slot:
             prefix, suffix = await asyncio.to_thread(self._render_chat, body.messages)
+            self._check_chars(body.model, len(prefix) + len(suffix), param="messages")
             return await self._answer(body, await self._tokenize(prefix), await self._tokenize(suffix), slot, chat=True)
 
     def _render_chat(self, messages) -> tuple[str, str]:
@@ -319,6 +330,8 @@ class Router:
         for i, r in enumerate(body.requests):
             self._model(r.specialist, f"requests.{i}.specialist")
         with self._admitted():
+            for i, r in enumerate(body.requests):
+                self._check_chars(r.specialist, len(body.prefix) + len(r.suffix), f"requests.{i}.", "suffix")
             prefix_ids = await self._tokenize(body.prefix)
             suffixes = [await self._tokenize(r.suffix) for r in body.requests]
             for i, (r, s) in enumerate(zip(body.requests, suffixes)):

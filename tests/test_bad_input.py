@@ -389,8 +389,6 @@ def _longest_token_chars(tok) -> int:
     return max(len(tok.convert_tokens_to_string([t])) for t in tok.convert_ids_to_tokens(list(range(len(tok)))))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 32: the router tokenizes before it checks the length; refusing on the "
-                                       "character count first is a change to serve_app/router.py")
 def test_a_prompt_longer_than_any_token_budget_is_refused_before_it_is_tokenized(router):
     prompt = "Tilda Vance lives in Hythe. " * (200 * 1024 // 28)
     bound = router.max_input * _longest_token_chars(router.tok)
