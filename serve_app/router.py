@@ -195,13 +195,18 @@ class Router:
     async def health(self):
         """The probe vLLM and SGLang serve (load balancers, Kubernetes, benchmark clients): 200 while answers
         come (ok or degraded), 503 when no specialist can answer; /healthz says why."""
-        state = json.loads((await self.healthz()).body)["status"]
+        state = (await self._health())["status"]
         return JSONResponse(status_code=503 if state == "down" else 200, content={"status": state})
 
     @api.get("/healthz")
     async def healthz(self):
-        """ok: producer and every specialist answer; degraded: answers still come (fallbacks while the
-        producer is down, or specialists too busy to report); down: no specialist can answer."""
+        report = await self._health()
+        return JSONResponse(status_code=503 if report["status"] == "down" else 200, content=report)
+
+    async def _health(self) -> dict:
+        """status ok: producer and every specialist answer; degraded: answers still come (fallbacks while the
+        producer is down, or specialists too busy to report); down: no specialist can answer. With what each
+        one said."""
         async def status(h):
             try:
                 return await within(h.status.remote(), self.limits.control_timeout_s)
@@ -215,9 +220,7 @@ class Router:
         busy = sum("busy" in s for s in specialists.values())
         state = ("down" if failed == len(specialists)
                  else "ok" if "error" not in stats and failed + busy == 0 else "degraded")
-        return JSONResponse(status_code=503 if state == "down" else 200,
-                            content={"status": state, "producer": stats, "specialists": specialists,
-                                     "inflight": self.inflight})
+        return {"status": state, "producer": stats, "specialists": specialists, "inflight": self.inflight}
 
     @api.get("/v1/models")
     async def models(self):
@@ -288,13 +291,14 @@ class Router:
         stream_options.include_usage a last chunk with no choices carries the usage, as OpenAI's does (and
         every chunk carries the usage so far with continuous_usage_stats)."""
         options, n_out = body.stream_options, 0
+        head = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": body.model}
 
         def chunk(ev: Output, i: int) -> str:
             nonlocal n_out
             n_out = max(n_out, ev.tokens)
-            out = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                   "model": body.model,
-                   "choices": [responses.choice(ev, chat, body.n_logprobs is not None, first=i == 0, delta=True)]}
+            out = {**head, "choices": [responses.choice(ev, chat, body.n_logprobs is not None, first=i == 0,
+                                                        delta=True)]}
             if options and (options.include_usage or options.continuous_usage_stats):
                 out["usage"] = responses.usage(n_in, n_out) if options.continuous_usage_stats else None
             if ev.scd is not None:
@@ -313,9 +317,7 @@ class Router:
                 yield chunk(ev, i)
                 i += 1
             if options and options.include_usage:
-                yield "data: " + json.dumps({"id": cid, "object": "chat.completion.chunk" if chat else
-                                             "text_completion", "created": created, "model": body.model,
-                                             "choices": [], "usage": responses.usage(n_in, n_out)}) + "\n\n"
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': responses.usage(n_in, n_out)})}\n\n"
         except Exception as e:
             yield f"data: {json.dumps(self._failure(body.model, e).body())}\n\n"
         finally:
