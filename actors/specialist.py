@@ -161,8 +161,8 @@ class SpecialistEngine:
               params: GenParams, put: Callable[[tuple], None], timings: dict | None = None) -> Callable[[], None]:
         """Build the request's own cache (codes or prefill) and run its suffix, in the calling thread; then its
         decode steps run in the engine's batch with every other running request (BatchDecoder). Events go to
-        put(), from the decode loop's thread: ("token", text piece, logprobs entry or None, tokens so far) per generated token, then ("done", info,
-        finish_reason) with finish_reason "stop" (stop string or EOS) or "length" (max_tokens), or ("error",
+        put(), from the decode loop's thread: ("token", text piece, logprobs entry or None, tokens so far) per
+        generated token, then ("done", info, finish_reason) with finish_reason "stop" (stop string or EOS) or "length" (max_tokens), or ("error",
         message). Returns cancel(): the request's row leaves at its next token (a client gone)."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token")

@@ -177,11 +177,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ds.start = profile_droidspeak(ds, producer, consumer, val)
     found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
                                        pb if is_adapter(pb) else None)
-    exact = 0 < found.first_adapted < found.num_layers and found.invocation_tokens is None
-    if not exact and {"exact", "exact_int8"} & set(wanted):
+    if not found.has_entry and {"exact", "exact_int8"} & set(wanted):
         print(f"no exact plan for {pair}: {found.describe()}", file=sys.stderr)
         wanted = [m for m in wanted if not m.startswith("exact")]
-    make = {"oracle": methods.Oracle, "base": lambda: methods.BaseAlone(producer), "raw_kv": methods.RawKV, "int4_kv": methods.Int4KV, "droidspeak": lambda: ds,
+    make = {"oracle": methods.Oracle, "base": lambda: methods.BaseAlone(producer), "raw_kv": methods.RawKV,
+            "int4_kv": methods.Int4KV, "droidspeak": lambda: ds,
             "reuse_only": lambda: methods.reuse_only(art), "scd": lambda: methods.SCDMethod(art, dtype=args.dtype),
             "exact": lambda: methods.ExactEntry(found.first_adapted, found.num_layers),
             "exact_int8": lambda: methods.ExactEntry(found.first_adapted, found.num_layers, bits=8)}

@@ -109,7 +109,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Answer:' }}{% endif %}")
 
 
-
 def instruct_chat(tok) -> bool:
     """Whether `tok`'s family is an instruction-tuned chat family (SmolLM2-Instruct): its template marks turns
     with tokens of its own, and its QA samples and demo prompts are chats. The demo family's template only

@@ -36,6 +36,12 @@ class SharedStructure:
     invocation_tokens: tuple[int, ...] | None = None
 
     @property
+    def has_entry(self) -> bool:
+        """Whether the consumer can enter at first_adapted from the producer's residual: some layers shared,
+        some adapted (an aLoRA's prefix needs no entry: all of it is shared)."""
+        return self.invocation_tokens is None and 0 < self.first_adapted < self.num_layers
+
+    @property
     def recompute_fraction(self) -> float:
         """The share of the layers the consumer runs itself when it enters at first_adapted: its cost over
         its own prefill, by layer count (an aLoRA's prefix costs none)."""

@@ -124,11 +124,16 @@ def is_adapter(path: str | Path) -> bool:
     return (p / "adapter_config.json").is_file() and not (p / "config.json").is_file()
 
 
+def named_base(path: str | Path) -> str | None:
+    """The base model an adapter's config names (base_model_name_or_path): a local folder or a hub id."""
+    return json.loads((Path(path).expanduser() / "adapter_config.json").read_text()).get("base_model_name_or_path")
+
+
 def adapter_base(path: str | Path, base: str | Path | None = None) -> Path:
     """The base model folder of an adapter: `base` if given, else the adapter config's base_model_name_or_path,
     which must then be a local folder (nothing is fetched)."""
     p = Path(path).expanduser()
-    named = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    named = named_base(p)
     b = Path(base if base is not None else (named or "")).expanduser()
     if not str(b) or not (b / "config.json").is_file():
         raise FileNotFoundError(f"the base model of adapter {p} is not a local model folder: {str(b) or '(none named)'}"
@@ -189,10 +194,8 @@ def load_pair(producer_path: str | Path, consumer_path: str | Path, dtype: torch
             adapter_base(consumer_path)
         except FileNotFoundError:
             consumer_base = producer_path
-            named = json.loads((Path(consumer_path).expanduser() / "adapter_config.json").read_text()).get(
-                "base_model_name_or_path")
-            log(f"adapter {consumer_path} names base {named!r}, not a local folder: merging it into the producer "
-                f"{producer_path} (--consumer-base picks another)")
+            log(f"adapter {consumer_path} names base {named_base(consumer_path)!r}, not a local folder: merging it "
+                f"into the producer {producer_path} (--consumer-base picks another)")
     try:
         b, tok_b, spec_b = load(consumer_path, dtype, base=consumer_base)
     except RuntimeError as e:                     # PEFT: the adapter's weights do not fit the base's shapes
