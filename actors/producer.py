@@ -105,7 +105,8 @@ class ProducerEngine:
             return res
         ids = torch.tensor([prefix_ids], device=self.device)
         t0 = time.perf_counter()
-        trace = capture(self.model, ids, torch.ones_like(ids))
+        trace = capture(self.model, ids, torch.ones_like(ids),   # residual streams when a plan enters from one
+                        want_hidden=any(art.needs_hidden for _, art, _, _ in todo))
         t1 = time.perf_counter()
         self.prefills += 1
         for uid, art, version, served in todo:

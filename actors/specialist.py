@@ -147,6 +147,8 @@ class SpecialistEngine:
                         timings["decode"] = (time.perf_counter() - t0) * 1e3
                         kv, ph = rebuild(self.model, art, codes)
                         timings["rebuild"], timings["patch"] = ph["rebuild_ms"], ph["patch_ms"]
+                        if art.blocks:                  # the consumer's own layers, run from the residual sent
+                            timings["recompute"] = ph["recompute_ms"]
                         return kv, ServedInfo("scd", None, version, len(payload), timings, level=codes.level,
                                               family=family)
         t0 = time.perf_counter()

@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     make = {"oracle": methods.Oracle, "base": lambda: methods.BaseAlone(producer), "raw_kv": methods.RawKV,
             "int4_kv": methods.Int4KV, "droidspeak": lambda: ds,
             "reuse_only": lambda: methods.reuse_only(art), "scd": lambda: methods.SCDMethod(art, dtype=args.dtype),
-            "exact": lambda: methods.ExactEntry(found.first_adapted, found.num_layers),
-            "exact_int8": lambda: methods.ExactEntry(found.first_adapted, found.num_layers, bits=8)}
+            "exact": lambda: methods.exact(pair, spec, found.first_adapted),
+            "exact_int8": lambda: methods.exact(pair, spec, found.first_adapted, "int8")}
     rows = Evaluator(producer, consumer, tok).run(held, [make[m]() for m in wanted], desc=f"eval {pair}")
     for r in rows:
         r["pair"], r["structure"] = pair, shared

@@ -11,7 +11,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from scd.settings import CalibConfig
+from scd.settings import CODE_DTYPES, CalibConfig
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -217,6 +217,18 @@ class CalibrationSettings(CalibConfig):
         "quality gate: publish only if held-out KL(scd) <= this x KL(raw KV reuse), which costs the consumer "
         "nothing either (0 = off)"))
     max_kl: float | None = Field(None, gt=0, description="quality gate: publish only if held-out KL(scd) <= this")
+    exact_plans: bool = Field(True, description=(
+        "when the consumer shares layers with the producer exactly (a LoRA on its top layers, a fine-tune with "
+        "frozen lower layers: scd.fitting.structure), serve it by an exact plan: the producer's K and V below "
+        "an entry layer and its residual there, the consumer's own layers above, chosen under max_kl_ratio and "
+        "max_consumer_prefill_ratio; no codes are fitted"))
+    exact_dtype: Literal[CODE_DTYPES] = Field("bf16", description=(
+        "precision of an exact plan's shared K, V and residual on the wire: bf16 is lossless but for its "
+        "rounding; int8 (a scale per 64 values) about halves the bytes"))
+    max_kl_ratio: float = Field(0.2, gt=0, description=(
+        "the quality bound a plan is chosen under: validation KL at most this x raw KV reuse's"))
+    max_consumer_prefill_ratio: float = Field(0.5, ge=0, le=1, description=(
+        "the ceiling on the consumer's compute over the prefix, as a share of its own prefill's layers"))
     family_vs_pair: float = Field(1.25, ge=0, description=(
         "a family's quality gate besides gate_vs_raw_kv: publish it only if each member's held-out KL under the "
         "family code is <= this x the KL its published pair artifact recorded (a fan-out to the family gets "

@@ -28,7 +28,7 @@ from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak
-from scd.fitting import structure
+from scd.fitting import exact, structure
 from scd.fitting.calibrate import CalibConfig, Calibration
 from scd.fitting.scoring import PlanScorer
 from scd.fitting.checkpoints import load_record, samples_digest, save_record
@@ -37,6 +37,8 @@ from scd.online.rebuild import encode, rebuild
 from scd.online.trace import capture
 
 PARETO_GRID = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 24), (16, 24), (24, 32)]
+STRUCTURE_NOISE = 1e-3          # the most a shared layer's K, V or residual may differ, run by both models
+DEFAULT_GBPS = 25.0             # the link an exact plan is chosen for when the config names none
 
 
 def log(msg: str) -> None:
@@ -104,7 +106,7 @@ def quality_gate(by: dict, c) -> dict:
     if c.max_kl is not None and kl > c.max_kl:
         reasons.append(f"held-out KL {kl:.4f} is above calibration.max_kl {c.max_kl:g}")
     return {"passed": not reasons, "reasons": reasons, "kl_scd": kl, "kl_raw_kv": raw,
-            "kl_reuse_only": by["reuse_only"]["kl"], "payload_ratio": by["scd"]["payload_ratio"],
+            "kl_reuse_only": by.get("reuse_only", {}).get("kl"), "payload_ratio": by["scd"]["payload_ratio"],
             "gate_vs_raw_kv": c.gate_vs_raw_kv, "max_kl": c.max_kl}
 
 
@@ -133,6 +135,80 @@ def xnorm_profile(cal: Calibration, art, samples_) -> dict[str, list[float]]:
             errs = torch.tensor(xnorm_errors(cal.consumer, kv, oracle, mask, s.cont[None]))
             sums[name] = errs if sums[name] is None else sums[name] + errs
     return {k: (v / len(samples_)).tolist() for k, v in sums.items()}
+
+
+def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None) -> dict | None:
+    """The exact plan chosen under the quality bound (scd.fitting.exact), from its curve measured on the
+    validation samples (checkpointed), or None when none meets the bound: then codes are fitted."""
+    bound = exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl)
+    gbps = gbps or DEFAULT_GBPS
+
+    def measure():
+        points, raw = exact.curve(cal.producer, cal.consumer, tok, cal.pair, cal.spec, found.first_adapted, val,
+                                  c.exact_dtype, desc=f"exact plans {cal.pair}")
+        return {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio", "consumer_ms")}}
+    rec = checkpointed(cal.trace_dir / f"exact-{c.exact_dtype}.json", measure, val)
+    log("exact plans (validation): " + ", ".join(
+        f"enter@{p['entry']} KL {p['kl']:.4f} payload {p['payload_ratio']:.3f} consumer {p['consumer_ratio']:.2f}"
+        for p in rec["points"]) + f"; raw KV {rec['raw_kv']['kl']:.4f}")
+    chosen = exact.choose(rec["points"], rec["raw_kv"]["kl"], bound, gbps)
+    if chosen is None:
+        log(f"no exact plan meets KL <= {c.max_kl_ratio:g} x raw KV with the consumer running at most "
+            f"{c.max_consumer_prefill_ratio:g} of its layers: fitting codes instead")
+        return None
+    log(f"exact plan: enter at layer {chosen['entry']} (validation KL {chosen['kl']:.2e}, payload "
+        f"{chosen['payload_ratio']:.3f}, consumer {chosen['consumer_ratio']:.2f} of a prefill, least modeled TTFT "
+        f"at {gbps:g} Gbps)")
+    return {**rec, "chosen": chosen, "gbps": gbps, "bound": vars(bound)}
+
+
+def publish_exact(args, cal: Calibration, tok, chosen: dict, shared: dict, held, val, store, store_uri: str, c,
+                  t0: float, published: Path) -> str:
+    """Evaluate the chosen exact plan on the held-out samples beside the oracle, the base alone, raw KV and
+    DroidSpeak at its best block; gate, report (with the quality-against-compute curve) and publish it."""
+    producer, consumer = cal.producer, cal.consumer
+    art = exact.artifact(args.pair, cal.spec, chosen["chosen"]["entry"], c.exact_dtype,
+                         {"structure": shared, "exact": chosen, "calibration": {
+                             "prefixes": len(val), "rows": 0, "data_digest": calibration_digest([v.prefix for v in val]),
+                             "config": c.model_dump()}})
+    log(f"plan {art.plan}")
+    ds = methods.DroidSpeak()
+
+    def evaluate():
+        ds.start = profile_droidspeak(ds, producer, consumer, val)
+        ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV(), ds, methods.SCDMethod(art)]
+        return Evaluator(producer, consumer, tok).run(held, ms, desc=f"held-out {args.pair}")
+    rows = checkpointed(cal.trace_dir / f"exact-{c.exact_dtype}-e{art.blocks[0][0]}-eval.json", evaluate, held)
+    by = {r["method"]: r for r in rows}
+    log("held-out: " + ", ".join(f"{m} kl={r['kl']:.4f} ratio={r['payload_ratio']:.3f}" for m, r in by.items()))
+    gate = quality_gate(by, c) | {"job": cost(t0)}
+    if not gate["passed"]:
+        store.refuse(args.pair, gate)
+        log(f"quality gate: NOT published ({'; '.join(gate['reasons'])})")
+        raise SystemExit(3)
+    extra = {"plan": f"exact: {shared['first_adapted']} shared layers; enter at layer {art.blocks[0][0]}, the "
+                     f"consumer runs {art.consumer_layers} of {cal.spec.num_layers} layers; {c.exact_dtype} on the wire",
+             "quality bound": f"KL <= {c.max_kl_ratio:g} x raw KV, consumer <= {c.max_consumer_prefill_ratio:g} of a "
+                              f"prefill; chosen at the least modeled TTFT at {chosen['gbps']:g} Gbps",
+             "quality gate": f"passed: KL {gate['kl_scd']:.2e} <= {c.gate_vs_raw_kv:g} x raw KV {gate['kl_raw_kv']:.4f}",
+             "shared with the producer": f"layers 0-{shared['first_adapted'] - 1} (verified: max |difference| "
+                                         f"{shared['verified_max_abs']:.2e})"}
+    files = report.build_report(args.pair, None, rows, extra=extra, compute=chosen)
+    metrics = {"kl": by["scd"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"], "payload_bytes": float(by["scd"]["payload_bytes"]),
+               "payload_ratio": by["scd"]["payload_ratio"], "top1": by["scd"]["top1"],
+               "consumer_prefill_ratio": by["scd"]["prefill_ratio"], "gate_vs_raw_kv": c.gate_vs_raw_kv,
+               **{f"job_{k}": v for k, v in cost(t0).items()}}
+    if by["scd"].get("retained_gain") is not None:
+        metrics["retained_gain"] = by["scd"]["retained_gain"]
+    if by["scd"]["f1"] is not None:
+        metrics.update(f1=by["scd"]["f1"], f1_oracle=by["oracle"]["f1"], f1_raw_kv=by["raw_kv"]["f1"])
+    manifest = store.publish(art, Fingerprints.of(producer=producer, consumer=consumer, tokenizer=tok),
+                             CalibrationData(digest=calibration_digest([v.prefix for v in val]),
+                                             n_prefixes=len(val), rows=0), metrics, {f"report/{k}": v for k, v in files.items()})
+    ref = f"{args.pair}@{manifest.version}"
+    save_record(published, {"ref": ref}, {"store": store_uri, "heldout": samples_digest(held)})
+    log(f"published {ref} (exact plan, {cost(t0)['wall_s']:.0f} s)")
+    return ref
 
 
 def cost(t0: float) -> dict:
@@ -198,14 +274,19 @@ def main(argv: list[str] | None = None) -> str:
         connect(cfg.ray)
         capture_pair = actor_capture(cfg.producer.path, spec_cfg.path, (cfg.producer.num_gpus, spec_cfg.num_gpus),
                                      spec_cfg.base)
+    found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
+                                       spec_cfg.path if is_adapter(spec_cfg.path) else None)
+    log(f"structure: {found.describe()}; verified on {len(val)} validation prefixes, max |difference| "
+        f"{shared['verified_max_abs']:.2e}")
+    if c.exact_plans and found.has_entry and shared["verified_max_abs"] <= STRUCTURE_NOISE:
+        chosen = exact_plan(cal, tok, found, val, c, cfg.link_gbps().get(args.pair))
+        if chosen is not None:
+            return publish_exact(args, cal, tok, chosen, shared, held, val, store, store_uri, c, t0, published)
     tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens, c.finetune_tokens,
                                 text_file=c.text_file)
     art = cal.run(val, capture_pair, tune)
     log(f"plan {art.plan}")
-    found, art.info["structure"] = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
-                                                      spec_cfg.path if is_adapter(spec_cfg.path) else None)
-    log(f"structure: {found.describe()}; verified on {len(val)} validation prefixes, max |difference| "
-        f"{art.info['structure']['verified_max_abs']:.2e}")
+    art.info["structure"] = shared
 
     def evaluate():
         ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV(), methods.reuse_only(art),
@@ -243,7 +324,7 @@ def main(argv: list[str] | None = None) -> str:
              + (f" and <= max_kl {c.max_kl:g}" if c.max_kl is not None else ""),
              "where the error lives (validation KL)": "; ".join(f"{k}: {v:.4f}" for k, v in split.items()),
              "shared with the producer": f"{found.describe()} (verified: max |difference| "
-                                         f"{art.info['structure']['verified_max_abs']:.2e})"}
+                                         f"{shared['verified_max_abs']:.2e})"}
     if "ranks" in art.info:
         extra["ranks tried"] = "; ".join(
             ", ".join(f"{k} {v}" for k, v in t.items() if k.startswith("r_")) + f": KL {t['kl']:.4f} @ "

@@ -14,6 +14,9 @@ The figures mirror the SCD paper's Figures 4-7:
 - `tradeoff.png` (optional, from the held-out rows): KL vs payload ratio of every evaluated method; SCD's code
   levels (`scd@...`, the nested codes one artifact serves, and `scd`, its full code) joined by a line, the
   full code circled, the baselines (raw KV, INT4 KV, DroidSpeak, Reuse-only) as labelled points.
+- `compute.png` (exact plans): validation KL against the consumer's compute over the prefix (the share of its
+  layers it runs), one point per entry layer of the exact plans, the chosen one circled, raw KV reuse and
+  DroidSpeak at its best block as labelled points, the quality bound as a dashed line.
 - `xnorm_error.png` (Fig. 7, optional): relative error of the consumer's pre-attention input x_norm per layer
   (list index = layer number), Reuse-only vs SCD; the patch layers are shaded, showing where SCD resets the error.
 
@@ -39,26 +42,31 @@ EVAL_KEYS = ["method", "payload_bytes", "payload_ratio", "kl", "tv", "top1", "gr
 POLICY_KEYS = ["base_kl", "sensitivity", "pool", "order", "curve", "k_star", "efficiency", "chosen"]
 
 
-def build_report(pair: str, policy: dict, eval_rows: list[dict], pareto: list[dict] | None = None,
-                 xnorm: dict[str, list[float]] | None = None, extra: dict | None = None) -> dict[str, bytes]:
-    """Render the report. Raises ValueError on malformed inputs; optional figures are skipped when absent."""
-    _check_policy(policy)
+def build_report(pair: str, policy: dict | None, eval_rows: list[dict], pareto: list[dict] | None = None,
+                 xnorm: dict[str, list[float]] | None = None, extra: dict | None = None,
+                 compute: dict | None = None) -> dict[str, bytes]:
+    """Render the report. Raises ValueError on malformed inputs; optional figures are skipped when absent.
+    policy: the layer policy's record (None for an exact plan, which has none); compute: an exact plan's
+    curve and choice (jobs.calibrate.exact_plan)."""
     _check_rows(eval_rows)
     extra = dict(extra or {})
-    files: dict[str, bytes] = {
-        "sensitivity.png": _png(_fig_sensitivity(pair, policy)),
-        "greedy.png": _png(_fig_greedy(pair, policy)),
-    }
+    files: dict[str, bytes] = {}
+    if policy is not None:
+        _check_policy(policy)
+        files["sensitivity.png"] = _png(_fig_sensitivity(pair, policy))
+        files["greedy.png"] = _png(_fig_greedy(pair, policy))
+    if compute is not None:
+        files["compute.png"] = _png(_fig_compute(pair, compute, eval_rows))
     if pareto:
         _check_pareto(pareto)
         files["pareto.png"] = _png(_fig_pareto(pair, pareto, extra))
     if any(r["method"].startswith("scd@") for r in eval_rows):
         files["tradeoff.png"] = _png(_fig_tradeoff(pair, eval_rows))
-    if xnorm:
+    if xnorm and policy is not None:
         _check_xnorm(xnorm)
         files["xnorm_error.png"] = _png(_fig_xnorm(pair, xnorm, policy["chosen"]))
-    figures = [n for n in ("sensitivity.png", "greedy.png", "pareto.png", "tradeoff.png", "xnorm_error.png")
-               if n in files]
+    figures = [n for n in ("compute.png", "sensitivity.png", "greedy.png", "pareto.png", "tradeoff.png",
+                           "xnorm_error.png") if n in files]
     return {"summary.md": _summary(pair, policy, eval_rows, extra, figures).encode()} | files
 
 
@@ -225,6 +233,37 @@ def _fig_tradeoff(pair: str, rows: list[dict]):
     return fig
 
 
+def _fig_compute(pair: str, compute: dict, rows: list[dict]):
+    """KL against the consumer's compute: the exact plans' curve (validation), the chosen plan, raw KV and
+    DroidSpeak (held-out rows, at their measured share of a prefill)."""
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    pts = sorted(compute["points"], key=lambda p: p["consumer_ratio"])
+    floor = 1e-7                                # a lossless plan's KL is 0 up to rounding: drawn at the floor
+    ax.plot([p["consumer_ratio"] for p in pts], [max(p["kl"], floor) for p in pts], "o-", color="tab:blue", ms=5,
+            label="exact plans, entering at layer e (validation)")
+    for p in pts:
+        ax.annotate(f"e={p['entry']}", (p["consumer_ratio"], max(p["kl"], floor)), textcoords="offset points",
+                    xytext=(4, 3), fontsize=7, color="tab:blue")
+    c = compute["chosen"]
+    ax.scatter([c["consumer_ratio"]], [max(c["kl"], floor)], s=160, facecolors="none", edgecolors="tab:red",
+               linewidths=2, label="chosen plan", zorder=5)
+    raw = compute["raw_kv"]["kl"]
+    ax.axhline(compute["bound"]["max_kl_ratio"] * raw, ls="--", color="tab:gray", lw=1,
+               label=f"bound: {compute['bound']['max_kl_ratio']:g} x raw KV")
+    ax.axvline(compute["bound"]["max_consumer_ratio"], ls=":", color="tab:gray", lw=1, label="compute ceiling")
+    ax.scatter([0.0], [raw], marker="s", color="tab:gray", s=40, label="raw KV (validation)", zorder=4)
+    for r in rows:
+        if r["method"] == "droidspeak":
+            ax.scatter([r["prefill_ratio"]], [max(r["kl"], floor)], marker="^", color="tab:purple", s=40,
+                       label="DroidSpeak, best block (held-out)", zorder=4)
+    ax.set_yscale("log")
+    ax.set(xlabel="consumer compute over the prefix (share of its own prefill)", ylabel="KL(oracle ‖ plan)",
+           title=f"Quality against consumer compute — {pair}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(frameon=False, fontsize=7)
+    return fig
+
+
 def _fig_xnorm(pair: str, xnorm: dict, chosen: list[int]):
     fig, ax = plt.subplots(figsize=(6.8, 3.8))
     layers = list(range(len(xnorm["reuse_only"])))
@@ -265,13 +304,14 @@ def _summary(pair: str, policy: dict, rows: list[dict], extra: dict, figures: li
             out.append("| " + " | ".join(cells) + " |")
     else:
         out.append("_No evaluation rows._")
-    chosen = sorted(policy["chosen"])
-    k_star = policy["k_star"]
-    out += ["", "## Layer plan", "",
-            f"- Patch layers: {', '.join(map(str, chosen)) if chosen else 'none'} (k* = {k_star})",
-            f"- Candidate pool: {', '.join(map(str, policy['pool'])) or 'none'}; "
-            f"greedy order: {', '.join(map(str, policy['order'])) or 'none'}",
-            f"- KL reuse-only {_fmt(policy['base_kl'])} -> with patches {_fmt(policy['curve'][k_star])}"]
+    if policy is not None:
+        chosen = sorted(policy["chosen"])
+        k_star = policy["k_star"]
+        out += ["", "## Layer plan", "",
+                f"- Patch layers: {', '.join(map(str, chosen)) if chosen else 'none'} (k* = {k_star})",
+                f"- Candidate pool: {', '.join(map(str, policy['pool'])) or 'none'}; "
+                f"greedy order: {', '.join(map(str, policy['order'])) or 'none'}",
+                f"- KL reuse-only {_fmt(policy['base_kl'])} -> with patches {_fmt(policy['curve'][k_star])}"]
     if extra:
         out += ["", "## Calibration", ""]
         for key, val in extra.items():

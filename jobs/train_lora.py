@@ -47,6 +47,9 @@ class Recipe:
     batch: int = 4
     seq_len: int = 256           # lm: window length; qa: cap on a conversation's length
     seed: int = 0
+    turns: int = 6               # qa: questions per conversation
+    alora: str | None = None     # an activated LoRA: the text whose tokens switch it on (PEFT's
+                                 # alora_invocation_tokens); the cache of everything before them is the base's
 
 
 RECIPES = {
@@ -61,10 +64,17 @@ RECIPES = {
     # the same domain shift confined to 6 of the 30 layers (18-23; the paper's setting of a fine-tune that
     # moves few layers): layers 0-17 keep the base's KV exactly, layers from 18 on drift
     "code_few": Recipe(task="lm", layers=tuple(range(18, 24)), lr=3e-3, steps=300, seq_len=256),
+    # qa's task made to share with its base (issue 33): every linear module of the top 8 layers only, so
+    # layers 0-21 and the residual entering 22 stay the base's exactly
+    "qa_top": Recipe(task="qa", layers=tuple(range(22, 30)), steps=150, seq_len=640),
+    # qa's task as an activated LoRA: on from the assistant turn's header, so the notes and the question are
+    # the base's cache; PEFT switches it on at the last invocation, so each conversation asks one question
+    "qa_alora": Recipe(task="qa", targets=("q_proj", "k_proj", "v_proj", "o_proj"), steps=150, seq_len=640,
+                       turns=1, alora="<|im_start|>assistant\n"),
 }
 
 
-def qa_conversation(tok, rng: random.Random, seq_len: int) -> tuple[list[int], list[int]]:
+def qa_conversation(tok, rng: random.Random, seq_len: int, turns: int = 6) -> tuple[list[int], list[int]]:
     """(input ids, labels) of one chat: the notes as the system turn, then several question/answer turns;
     only the assistant's answers are scored. Each turn's tokens are the difference between the rendered
     conversation before and after it, so any chat template that renders prefixes consistently works."""
@@ -73,7 +83,7 @@ def qa_conversation(tok, rng: random.Random, seq_len: int) -> tuple[list[int], l
     ids: list[int] = []
     labels: list[int] = []
     rendered = ""
-    for q, a in rng.sample(qas, min(len(qas), 6)):
+    for q, a in rng.sample(qas, min(len(qas), turns)):
         for role, content, scored in (("user", demo_data.bare_question(q), False), ("assistant", a, True)):
             msgs.append({"role": role, "content": content})
             text = tok.apply_chat_template(msgs, tokenize=False)
@@ -113,7 +123,7 @@ class Batches:
             starts = [rng.randrange(len(self.stream) - r.seq_len) for _ in range(r.batch)]
             x = torch.stack([self.stream[s:s + r.seq_len] for s in starts])
             return x, x.clone(), torch.ones_like(x)
-        rows = [qa_conversation(self.tok, rng, r.seq_len) for _ in range(r.batch)]
+        rows = [qa_conversation(self.tok, rng, r.seq_len, r.turns) for _ in range(r.batch)]
         t = max(len(i) for i, _ in rows)
         x = torch.zeros(len(rows), t, dtype=torch.long)
         y = torch.full((len(rows), t), -100, dtype=torch.long)
@@ -173,8 +183,10 @@ def train(name: str, base: str, out: Path, recipe: Recipe, work_root: Path, chec
     torch.manual_seed(recipe.seed)
     tok = AutoTokenizer.from_pretrained(base_p, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(base_p, dtype=torch.float32, local_files_only=True)
+    invocation = tok(recipe.alora, add_special_tokens=False)["input_ids"] if recipe.alora else None
     cfg = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0, target_modules=list(recipe.targets),
-                     layers_to_transform=list(recipe.layers) if recipe.layers else None, task_type="CAUSAL_LM")
+                     layers_to_transform=list(recipe.layers) if recipe.layers else None, task_type="CAUSAL_LM",
+                     alora_invocation_tokens=invocation)
     model = get_peft_model(model, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)

@@ -68,29 +68,57 @@ def test_an_activated_lora_is_found_from_its_config_and_its_prefix_before_the_in
 
 
 def test_the_exact_plan_rebuilds_the_oracles_cache_up_to_the_wires_rounding():
-    """ExactEntry on a LoRA of the top layers: bf16 on the wire is the oracle's cache to bf16 rounding (its KL
-    far below raw KV reuse's), int8 costs little more KL at half the bytes; both pay only layers s..L-1."""
+    """The exact plan of a LoRA of the top layers, through the wire format: bf16 is the oracle's cache to bf16
+    rounding (its KL far below raw KV reuse's), int8 costs little more KL in about half the bytes; the
+    consumer runs only layers s..L-1."""
     from scd.evaluation.evaluate import Evaluator, Sample
-    from scd.evaluation.methods import ExactEntry, RawKV
+    from scd.evaluation.methods import RawKV, exact
+    from scd.online.models import ModelSpec
     base = tiny_llama(0, layers=6)
     top = _lora(base, [4, 5])
+    spec = ModelSpec.from_config(base.config)
     g = torch.Generator().manual_seed(5)
     samples = [Sample(torch.randint(2, 97, (24,), generator=g), torch.randint(2, 97, (8,), generator=g))
                for _ in range(3)]
     ev = Evaluator(base, top)
     refs = [ev.reference(s) for s in samples]
-    kl = {m.name: sum(ev.kl(s, m, r) for s, r in zip(samples, refs)) / len(samples)
-          for m in (RawKV(), ExactEntry(4, 6), ExactEntry(4, 6, bits=8))}
+    bf16, int8 = exact("a:b", spec, 4), exact("a:b", spec, 4, "int8")
+    assert bf16.art.plan == ["exact", "shared", "shared", "shared", "entry", "recompute"]
+    assert bf16.art.consumer_layers == 2 and bf16.art.blocks == [(4, 6)]
+    kl = {m.name: sum(ev.kl(s, m, r) for s, r in zip(samples, refs)) / len(samples) for m in (RawKV(), bf16, int8)}
     assert kl["exact"] < 1e-4 and kl["exact"] < 0.01 * kl["raw_kv"], kl
     assert kl["exact_int8"] < 0.1 * kl["raw_kv"], kl
     ids, mask, ptrace, oracle, _ = refs[0]
-    built = ExactEntry(4, 6).build(top, ids, mask, ptrace)
+    built = bf16.build(top, ids, mask, ptrace)
     err = max(float((a - b).abs().max()) for (a, b), (c, d) in zip(built.kv, oracle.kv) for a, b in ((a, c), (b, d)))
     assert err < 0.05, f"the exact plan's cache is the oracle's up to bf16 rounding; max |difference| {err:.3e}"
-    shared_bytes = 4 * 2 * ptrace.keys[0].numel() * 2 + ptrace.hidden[4].numel() * 2      # bf16 K, V of 0-3 + residual
-    assert built.payload_bytes == shared_bytes
-    kv_n, h_n = ptrace.keys[0].numel(), ptrace.hidden[4].numel()          # int8 + an fp16 scale per 64 values
-    int8_bytes = 4 * 2 * (kv_n + kv_n // min(64, ptrace.keys[0].shape[-1]) * 2) + h_n + h_n // 32 * 2
-    assert ExactEntry(4, 6, bits=8).build(top, ids, mask, ptrace).payload_bytes == int8_bytes < shared_bytes
+    t = ids.shape[1]
+    codes = 3 * 2 * ptrace.keys[0].numel() * 2 + ptrace.hidden[4].numel() * 2     # bf16 K, V of 1-3 + residual
+    assert codes + 5 * t <= built.payload_bytes <= codes + 5 * t + 1024, (built.payload_bytes, codes)
+    assert int8.build(top, ids, mask, ptrace).payload_bytes < 0.75 * built.payload_bytes
     with pytest.raises(ValueError, match="shared layers"):
-        ExactEntry(0, 6)
+        exact("a:b", spec, 0)
+
+
+def test_an_exact_plans_payload_round_trips_the_producers_own_tensors():
+    """Shared K and V and the entry residual cross the codec as they are (fp16 here: bit for bit after the
+    cast); a plan whose recompute follows no entry is refused."""
+    from scd.online import codec
+    from scd.online.artifacts import PairArtifacts, exact_plan
+    from scd.online.models import ModelSpec
+    from scd.online.rebuild import encode
+    from scd.online.trace import capture
+    base = tiny_llama(0, layers=4)
+    spec = ModelSpec.from_config(base.config)
+    art = PairArtifacts.exact("a:b", spec, exact_plan(4, 2), "fp16")
+    ids, mask = left_padded_batch()
+    tr = capture(base, ids, mask, want_hidden=True)
+    payload = codec.encode(encode(art, tr, ids), "a:b", "v1", codec.artifact_dims(art), "fp16")
+    got = codec.decode(payload, "a:b", "v1", art.plan, codec.level_dims(art))
+    assert torch.equal(got.layers[1]["k"], tr.keys[1].half()) and torch.equal(got.layers[1]["v"], tr.values[1].half())
+    assert torch.equal(got.layers[2]["z_e"].reshape(tr.hidden[2].shape), tr.hidden[2].half())
+    assert set(got.layers) == {1, 2}, "layer 0 is regenerated from tokens and layer 3 recomputed: nothing sent"
+    with pytest.raises(ValueError, match="not run by the consumer"):
+        PairArtifacts.exact("a:b", spec, ["exact", "shared", "recompute", "recompute"])
+    with pytest.raises(ValueError, match="without want_hidden|want_hidden"):
+        encode(art, capture(base, ids, mask), ids)

@@ -11,7 +11,8 @@ consumer's per-layer (K, V), the bytes that had to cross the wire, and the consu
   reuse_only  SCD codes with every layer (but exact layer 0) rebuilt by Reuse
   scd         SCD codes: Reuse + Patch by the artifact's plan
   exact       a consumer that shares layers [0, s) with the producer: those layers' K, V and the residual
-              entering s as they are (bf16; exact_int8: int8), the consumer runs s..L-1 itself
+              entering s as they are (bf16; exact_int8: int8), the consumer runs s..L-1 itself: SCD on
+              the exact plan of its structure (scd.fitting.structure), through the same wire format
 """
 from __future__ import annotations
 
@@ -21,10 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from scd.online import codec
-from scd.online.artifacts import PairArtifacts, level_tag
-from scd.online.cache import cache_arg
+from scd.online.artifacts import PairArtifacts, exact_plan, level_tag
 from scd.online.rebuild import encode, rebuild
-from scd.online.rope import cos_sin
+from scd.online.recompute import run_layers
 from scd.online.trace import Trace, capture
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -118,23 +118,9 @@ class DroidSpeak(Method):
         self.n, self.start = n_layers, start
         self.profile: dict[int, float] = {}
 
-    @torch.no_grad()
     def recompute(self, consumer, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """Run the consumer's layers of the block over the prefix from the producer's hidden state."""
-        t = hidden.shape[1]
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        allowed = causal[None, None] & mask.bool()[:, None, None, :]              # (B, 1, T, T)
-        attn_mask = torch.zeros(allowed.shape, dtype=hidden.dtype).masked_fill(~allowed, torch.finfo(hidden.dtype).min)
-        emb = cos_sin(consumer, positions, hidden.dtype)
-        from transformers import DynamicCache
-        cache = DynamicCache(config=consumer.config)
-        x = hidden
-        for l in range(self.start, self.start + self.n):
-            layer = consumer.model.layers[l]
-            x = layer(x, attention_mask=attn_mask, position_ids=positions, use_cache=True, position_embeddings=emb,
-                      **cache_arg(layer, cache))
-            x = x[0] if isinstance(x, tuple) else x
-        return [(cache.layers[l].keys, cache.layers[l].values) for l in range(self.start, self.start + self.n)]
+        return run_layers(consumer, hidden, mask, positions, self.start, self.start + self.n)
 
     def build(self, consumer, ids, mask, producer_trace):
         if self.start is None:
@@ -149,44 +135,6 @@ class DroidSpeak(Method):
         b, _, tok, _ = tr.keys[0].shape
         payload = _bf16_bytes(tuple(tr.keys[0].shape), len(kv) - self.n) + b * tok * tr.hidden[s].shape[-1] * 2
         return Built(kv, payload, ms)
-
-
-def int8_roundtrip(x: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, int]:
-    """Symmetric int8 with an fp16 scale per `group` values of the last dim: (dequantized, bytes)."""
-    g = x.reshape(-1, min(group, x.shape[-1]))
-    scale = (g.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8).half().float()
-    return (torch.round(g / scale).clamp(-127, 127) * scale).reshape(x.shape), g.numel() + g.shape[0] * 2
-
-
-class ExactEntry(DroidSpeak):
-    """The exact plan of a consumer that shares layers [0, s) with its producer (scd.fitting.structure): their
-    K and V and the residual entering layer s are the producer's own, so they cross the wire as they are, and
-    the consumer runs layers s..L-1 itself from that residual (DroidSpeak's entry, where it is exact). bits 16:
-    bf16 on the wire, the wire's rounding is the only error; 8: int8 with a scale per 64 values."""
-
-    def __init__(self, first_adapted: int, num_layers: int, bits: int = 16):
-        if not 0 < first_adapted < num_layers:
-            raise ValueError(f"an exact entry needs shared layers below an adapted one, got layer {first_adapted} "
-                             f"of {num_layers}")
-        if bits not in (8, 16):
-            raise ValueError(f"bits must be 8 or 16, got {bits}")
-        super().__init__(num_layers - first_adapted, first_adapted)
-        self.bits, self.name = bits, "exact" if bits == 16 else "exact_int8"
-
-    def _wire(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return (x.bfloat16().float(), x.numel() * 2) if self.bits == 16 else int8_roundtrip(x)
-
-    def build(self, consumer, ids, mask, producer_trace):
-        tr, s = producer_trace, self.start
-        shared, nbytes = [], 0
-        for k, v in zip(tr.keys[:s], tr.values[:s]):
-            (kq, nk), (vq, nv) = self._wire(k), self._wire(v)
-            shared.append((kq, vq))
-            nbytes += nk + nv
-        hidden, nh = self._wire(tr.hidden[s])
-        t = time.perf_counter()
-        kv = shared + self.recompute(consumer, hidden.to(tr.hidden[s].dtype), mask, tr.positions)
-        return Built(kv, nbytes + nh, (time.perf_counter() - t) * 1e3)
 
 
 class SCDMethod(Method):
@@ -228,3 +176,10 @@ def at_levels(art: PairArtifacts) -> list[SCDMethod]:
 def reuse_only(art: PairArtifacts) -> SCDMethod:
     plan = ["exact" if k == "exact" else art.reuse_kind for k in art.plan]
     return SCDMethod(art.with_plan(plan), name="reuse_only")
+
+
+def exact(pair: str, spec, first_adapted: int, code_dtype: str = "bf16", whole_prefix: bool = False) -> SCDMethod:
+    """SCD on the exact plan of a consumer that shares layers [0, first_adapted) with its producer (or, with
+    whole_prefix, the whole prefix's cache: an activated LoRA): "exact" at bf16, "exact_int8" at int8."""
+    art = PairArtifacts.exact(pair, spec, exact_plan(spec.num_layers, first_adapted, whole_prefix), code_dtype)
+    return SCDMethod(art, "exact" if code_dtype == "bf16" else f"exact_{code_dtype}")

@@ -3,7 +3,10 @@
 This is the numeric content only; the registry (versions, fingerprints, checksums) wraps it. The layer
 plan says how each layer is rebuilt: "exact" (layer 0 from token ids, zero payload), "reuse" (per-head
 K and V codecs), "hidden" (Reuse from the producer's hidden state: one code per token decoded into the K and V
-of every head) or "patch".
+of every head) or "patch". A consumer that shares layers with its producer (scd.fitting.structure) has three
+more, which need no learned tensors: "shared" (the producer's own K and V, as they are), "entry" (a layer the
+consumer runs itself, from the producer's residual stream entering it, sent) and "recompute" (a layer the
+consumer runs itself after the one below it): `exact_plan`.
 
 Hidden-state codes may serve a group of adjacent layers (`x_groups`, xKV's shared cross-layer subspace): one
 code per token read from the producer's x_norm of every layer of the group side by side and decoded into the
@@ -27,7 +30,8 @@ from scd.online.reuse import LinearCodec
 from scd.settings import CODE_DTYPES
 
 FORMAT_VERSION = 2                  # 2: aligners with a causal window and token features
-KINDS = ("exact", "reuse", "hidden", "patch")
+KINDS = ("exact", "reuse", "hidden", "patch", "shared", "entry", "recompute")
+RUN_KINDS = ("entry", "recompute")          # layers the consumer runs itself over the prefix
 # the code sizes one artifact serves, as fractions of its Reuse ranks (nested codes: a shorter code is the
 # leading columns of a longer one); the producer picks one per request (scd.online.links)
 LEVELS = (0.25, 0.5, 0.75, 1.0)
@@ -46,6 +50,19 @@ def layer_groups(num_layers: int, size: int) -> list[list[int]]:
 def code_groups(num_layers: int, size: int) -> list[list[int]]:
     """The layers of each hidden-state code: runs of `size` (layer_groups), or every layer >= 1 alone."""
     return layer_groups(num_layers, size) or [[l] for l in range(1, num_layers)]
+
+
+def exact_plan(num_layers: int, first_adapted: int, whole_prefix: bool = False) -> list[str]:
+    """The plan of a consumer that shares layers [0, first_adapted) with its producer: layer 0 from token ids,
+    the producer's K and V up to first_adapted, then the consumer's own layers entered from the producer's
+    residual. whole_prefix: the whole prefix's cache is the producer's (an activated LoRA before its
+    invocation), every layer shared, layer 0 too (the consumer's own weights are the adapted ones)."""
+    if whole_prefix:
+        return ["shared"] * num_layers
+    if not 0 < first_adapted < num_layers:
+        raise ValueError(f"an exact entry needs shared layers below an adapted one, got layer {first_adapted} "
+                         f"of {num_layers}")
+    return ["exact"] + ["shared"] * (first_adapted - 1) + ["entry"] + ["recompute"] * (num_layers - first_adapted - 1)
 
 
 def level_tag(level: dict[str, int]) -> str:
@@ -99,10 +116,24 @@ class PairArtifacts:
                 raise ValueError(f"layer {l} is planned as hidden but has no hidden-state codec")
             if kind == "patch" and (l not in self.patch_enc or l not in self.aligners):
                 raise ValueError(f"layer {l} is planned as patch but has no encoder/aligner")
+            if kind == "entry" and l == 0:
+                raise ValueError("layer 0 cannot be entered from a residual stream: running it is a prefill")
+            if kind == "recompute" and (l == 0 or self.plan[l - 1] not in RUN_KINDS):
+                raise ValueError(f"layer {l} is planned as recompute but layer {l - 1} below it is not run by "
+                                 f"the consumer (a block starts with an entry)")
 
         covered = [l for g in self.x_groups for l in g]
         if len(covered) != len(set(covered)) or any(g != list(range(g[0], g[0] + len(g))) for g in self.x_groups):
             raise ValueError(f"x_groups must be disjoint runs of adjacent layers: {self.x_groups}")
+
+    @classmethod
+    def exact(cls, pair: str, spec: ModelSpec, plan: list[str], code_dtype: str = "bf16",
+              info: dict | None = None) -> "PairArtifacts":
+        """The artifact of an exact plan (`exact_plan`): nothing learned, only how the shared layers and the
+        residual travel (code_dtype: bf16, the wire's rounding the only error; int8 with a scale per row)."""
+        if any(k not in ("exact", "shared", "entry", "recompute") for k in plan):
+            raise ValueError(f"an exact plan shares, enters and recomputes layers, nothing else: {plan}")
+        return cls(pair, spec, 0, 0, 0, 0, list(plan), {}, {}, info=info or {}, code_dtype=code_dtype)
 
     def group(self, layer: int) -> list[int]:
         """The layers that share a layer's hidden-state code (itself alone without x_groups)."""
@@ -124,6 +155,28 @@ class PairArtifacts:
     @property
     def patch_layers(self) -> list[int]:
         return [l for l, k in enumerate(self.plan) if k == "patch"]
+
+    @property
+    def blocks(self) -> list[tuple[int, int]]:
+        """The layers the consumer runs itself, as [start, stop) blocks, each starting at an entry."""
+        starts = [l for l, k in enumerate(self.plan) if k == "entry"]
+        out = []
+        for s in starts:
+            e = s + 1
+            while e < len(self.plan) and self.plan[e] == "recompute":
+                e += 1
+            out.append((s, e))
+        return out
+
+    @property
+    def consumer_layers(self) -> int:
+        """How many layers the consumer runs over the prefix: its cost, by layer count, over its own prefill."""
+        return sum(e - s for s, e in self.blocks)
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether its payloads carry a residual stream (the producer's trace must hold them)."""
+        return "entry" in self.payload_plan
 
     def reuse_decoders(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Decoders of the given Reuse layers stacked for one batched matmul, made once:
@@ -191,6 +244,8 @@ class PairArtifacts:
     @property
     def reuse_ranks(self) -> dict[str, int]:
         """The ranks of its Reuse codes: {"r_x": ...} for hidden-state codes, else {"r_k": ..., "r_v": ...}."""
+        if not (self.reuse_x or self.reuse_k):
+            return {}                               # an exact plan: nothing learned, one level
         return {"r_x": self.r_x} if self.reuse_x else {"r_k": self.r_k, "r_v": self.r_v}
 
     @property

@@ -44,16 +44,21 @@ ZSTD_LEVEL = 3          # code_few's payloads: level 1 0.868 of the body in 3.0 
 _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # code tensor names per layer kind, and which dims of the artifact give their last axis
 FIELDS = {"reuse": (("z_k", "r_k"), ("z_v", "r_v")), "hidden": (("z_x", "r_x"),), "patch": (("z_h", "r_h"),),
-          "exact": ()}
+          "exact": (), "shared": (("k", "d_kv"), ("v", "d_kv")), "entry": (("z_e", "d_e"),), "recompute": ()}
 PER_TOKEN = ("z_h", "z_x")          # one code per token (B, T, r); the others one per KV head (B, n_kv, T, r)
+# a residual stream entering a layer (B, T, H) travels as (B, T, e_groups, d_e): rows of d_e values, each
+# with its own scale when quantised (one scale per 576-wide row lets the stream's few large channels set
+# every step)
 
 
 class PayloadError(ValueError):
     """A payload that cannot be decoded for this pair: truncated, corrupted, or for something else."""
 
 
-def _shape(kind_field: str, b: int, t: int, n_kv: int, r: int) -> tuple[int, ...]:
-    return (b, t, r) if kind_field in PER_TOKEN else (b, n_kv, t, r)
+def _shape(kind_field: str, b: int, t: int, dims: dict[str, int], r: int) -> tuple[int, ...]:
+    if kind_field == "z_e":
+        return (b, t, dims["e_groups"], r)
+    return (b, t, r) if kind_field in PER_TOKEN else (b, dims["n_kv"], t, r)
 
 
 _QMAX = {"int8": 127, "int4": 7}
@@ -191,7 +196,7 @@ def _layout(plan: list[str], dims: dict[str, int], b: int, t: int,
     """(layer, field, shape) of every code tensor of a payload, in wire order. x_codes: the layers carrying
     a hidden-state code (default: every hidden layer)."""
     carriers = set(_hidden_layers(plan) if x_codes is None else x_codes)
-    return [(l, name, _shape(name, b, t, dims["n_kv"], dims[dim])) for l, kind in enumerate(plan)
+    return [(l, name, _shape(name, b, t, dims, dims[dim])) for l, kind in enumerate(plan)
             for name, dim in FIELDS[kind] + (FIELDS["hidden"] if l in carriers and kind != "hidden" else ())
             if name != "z_x" or l in carriers]
 
@@ -325,10 +330,20 @@ def _decompress(frame: memoryview, size: int) -> bytearray:
         raise PayloadError(f"compressed body is not a valid zstd frame: {e}") from None
 
 
+def entry_groups(hidden_size: int, head_dim: int) -> tuple[int, int]:
+    """(e_groups, d_e): how a residual stream's H values per token are cut into rows on the wire, one row per
+    head_dim values where H allows it, else one row."""
+    return (hidden_size // head_dim, head_dim) if hidden_size % head_dim == 0 else (1, hidden_size)
+
+
 def artifact_dims(art, level: dict[str, int] | None = None) -> dict[str, int]:
-    """The dims a payload of `art` carries at `level` (Reuse ranks; default the full ones)."""
-    return {"n_kv": art.spec.num_kv_heads, "r_k": art.r_k, "r_v": art.r_v, "r_h": art.r_h, "r_x": art.r_x,
-            **(level or {})}
+    """The dims a payload of `art` carries at `level` (Reuse ranks; default the full ones); with shared or
+    entered layers in its plan, their widths too."""
+    dims = {"n_kv": art.spec.num_kv_heads, "r_k": art.r_k, "r_v": art.r_v, "r_h": art.r_h, "r_x": art.r_x}
+    if {"shared", "entry"} & set(art.payload_plan):
+        e_groups, d_e = entry_groups(art.spec.hidden_size, art.spec.head_dim)
+        dims.update(d_kv=art.spec.head_dim, e_groups=e_groups, d_e=d_e)
+    return {**dims, **(level or {})}
 
 
 def level_dims(art) -> list[dict[str, int]]:

@@ -6,6 +6,9 @@ Codes for one request (batch B, prefix length T), per layer by the artifact's pl
   hidden: z_x (B, T, r_x)   (from the producer's x_norm; decoded into K and V of every head; a code shared by
                              a group of layers travels at the group's first layer, art.x_codes)
   patch: z_h (B, T, r_h)
+  shared: k (post-RoPE), v (B, n_kv, T, d_h): the producer's own, for a layer the consumer shares exactly
+  entry: z_e (B, T, e_groups, d_e): the producer's residual stream entering the layer, from which the consumer
+         runs its own layers up to the next that is not "recompute" (scd.online.recompute)
 plus token ids and the left-padding mask, both (B, T).
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from scd.online.artifacts import PairArtifacts
 from scd.online.patch import regenerate_kv
+from scd.online.recompute import run_layers
 from scd.online.rope import apply_rope, positions_from_mask
 from scd.online.reuse import bigram_keys
 from scd.online.tables import consumer_tables, layer0_input
@@ -108,6 +112,15 @@ def encode(art: PairArtifacts, trace: Trace, token_ids: torch.Tensor, level: dic
                                "z_v": art.reuse_v[l].encode(trace.values[l], rank("r_v"))}
         elif kind == "patch":
             codes.layers[l] = {"z_h": art.patch_enc[l].encode(trace.xnorm[l])}
+        elif kind == "shared":
+            codes.layers[l] = {"k": trace.keys[l], "v": trace.values[l]}
+        elif kind == "entry":
+            if trace.hidden is None:
+                raise ValueError(f"{art.pair}: layer {l} is entered from the producer's residual stream; capture "
+                                 f"the trace with want_hidden=True")
+            b, t, h = trace.hidden[l].shape
+            e_groups = h // art.spec.head_dim if h % art.spec.head_dim == 0 else 1
+            codes.layers[l] = {"z_e": trace.hidden[l].reshape(b, t, e_groups, h // e_groups)}
     for l in (art.x_codes if art.x_codes is not None else [l for l, k in enumerate(plan) if k == "hidden"]):
         group = art.group(l)                            # x_norm of every layer of the group side by side
         x = trace.xnorm[l] if len(group) == 1 else torch.cat([trace.xnorm[j] for j in group], -1)
@@ -195,15 +208,24 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
                 bias_v.add_(bigrams[1][i].index_select(0, pair_rows))
             k = torch.addmm(bias_k, z, dec_k[i, :r]).view(b, t, -1)
             kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(bias_v, z, dec_v[i, :r]).view(b, t, -1)))
+    for l in (l for l, k in enumerate(art.plan) if k == "shared"):    # the producer's own K and V, as sent
+        kv[l] = (dense(codes.layers[l]["k"], dtype), dense(codes.layers[l]["v"], dtype))
     t_patch = time.perf_counter()
     if patch := by_kind["patch"]:                       # all Patch layers at once
         x0 = tables.x0(codes.token_ids) if art.aligner_tokens and not tables.vocab_kept else None
         k, v = tables.patches(art, patch)([dense(codes.layers[l]["z_h"]) for l in patch], codes.mask, codes.token_ids, x0)
         k = apply_rope(heads(k), cos, sin)                                      # (P, B, n_kv, T, d)
         kv.update({l: (k[i], heads(v[i])) for i, l in enumerate(patch)})
+    t_run = time.perf_counter()
+    if art.blocks:
+        positions = positions_from_mask(codes.mask)
+        for s, e in art.blocks:                         # the consumer's own layers, from the residual sent
+            x = dense(codes.layers[s]["z_e"], dtype).reshape(b, t, -1)
+            kv.update(zip(range(s, e), run_layers(model, x, codes.mask, positions, s, e)))
     t_end = time.perf_counter()
     return [kv[l] for l in range(len(art.plan))], {"rebuild_ms": (t_patch - t0) * 1e3,
-                                                      "patch_ms": (t_end - t_patch) * 1e3}
+                                                      "patch_ms": (t_run - t_patch) * 1e3,
+                                                      "recompute_ms": (t_end - t_run) * 1e3}
 
 
 def _decode_stacked(dec: torch.Tensor, mu: torch.Tensor, zs: list[torch.Tensor]) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 def cos_sin(model, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
     """(cos, sin), each (B, T, d_h), for integer positions (B, T)."""
-    dummy = torch.empty(1, dtype=dtype)
+    dummy = torch.empty(1, dtype=dtype, device=positions.device)
     return model.model.rotary_emb(dummy, positions)
 
 

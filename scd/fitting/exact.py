@@ -1,0 +1,71 @@
+"""Exact plans of a consumer that shares layers with its producer, and the one chosen under a loss bound.
+
+A consumer whose layers [0, s) are the producer's (scd.fitting.structure) has a family of plans, one per
+entry layer e in [s, L]: the producer's K and V at layers [1, e) (exact below s, the producer's own, not the
+consumer's, from s on), the producer's residual entering e, and the consumer's own layers e..L-1. Entering at s
+is lossless; entering higher costs the consumer less compute (L - e layers of a prefill) and sends more shared
+layers, at the error of the layers [s, e) it takes from the producer. `curve` measures every such plan on
+validation samples; `choose` takes the one that meets the quality bound at the least modeled time to first
+token, under a ceiling on consumer compute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scd.evaluation import methods
+from scd.evaluation.evaluate import Evaluator
+from scd.online.artifacts import PairArtifacts, exact_plan
+from scd.online.links import transfer_ms
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What a chosen plan must meet: KL at most max_kl_ratio x raw KV reuse's (and max_kl, when set), with the
+    consumer running at most max_consumer_ratio of its layers over the prefix."""
+    max_kl_ratio: float
+    max_consumer_ratio: float
+    max_kl: float | None = None
+
+    def meets(self, point: dict, raw_kl: float) -> bool:
+        return (point["kl"] <= self.max_kl_ratio * raw_kl and (self.max_kl is None or point["kl"] <= self.max_kl)
+                and point["consumer_ratio"] <= self.max_consumer_ratio + 1e-9)
+
+
+def entries(first_adapted: int, num_layers: int, points: int = 5) -> list[int]:
+    """Entry layers to measure: first_adapted (lossless), num_layers (every layer the producer's: raw KV but
+    layer 0) and evenly spaced ones between."""
+    span = num_layers - first_adapted
+    return sorted({first_adapted + round(i * span / (points - 1)) for i in range(points)})
+
+
+def artifact(pair: str, spec, entry: int, code_dtype: str, info: dict | None = None) -> PairArtifacts:
+    """The exact plan entering at `entry` (num_layers: no entry, every layer shared)."""
+    plan = exact_plan(spec.num_layers, entry, whole_prefix=entry == spec.num_layers)
+    if entry == spec.num_layers:
+        plan[0] = "exact"                               # layer 0 from token ids, as every other plan
+    return PairArtifacts.exact(pair, spec, plan, code_dtype, info)
+
+
+def curve(producer, consumer, tok, pair: str, spec, first_adapted: int, samples, code_dtype: str,
+          points: int = 5, desc: str = "exact plans") -> tuple[list[dict], dict]:
+    """(one point per entry layer: {entry, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms}, the
+    raw-KV row measured beside them on `samples`)."""
+    es = entries(first_adapted, spec.num_layers, points)
+    ms = [methods.RawKV()] + [methods.SCDMethod(artifact(pair, spec, e, code_dtype), f"enter@{e}") for e in es]
+    rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc)}
+    out = [{"entry": e, "consumer_ratio": (spec.num_layers - e) / spec.num_layers,
+            **{k: rows[f"enter@{e}"][k] for k in ("kl", "payload_ratio", "payload_bytes", "consumer_ms", "greedy")}}
+           for e in es]
+    return out, rows["raw_kv"]
+
+
+def modeled_ttft_ms(point: dict, gbps: float) -> float:
+    """The consumer's time to its cache: the payload over the link, plus its measured compute."""
+    return transfer_ms(point["payload_bytes"], gbps) + point["consumer_ms"]
+
+
+def choose(points: list[dict], raw_kl: float, bound: Bound, gbps: float) -> dict | None:
+    """The point that meets `bound` at the least modeled TTFT over a `gbps` link (ties: the lower KL); None
+    when none does."""
+    ok = [p for p in points if bound.meets(p, raw_kl)]
+    return min(ok, key=lambda p: (modeled_ttft_ms(p, gbps), p["kl"])) if ok else None

@@ -1,0 +1,100 @@
+"""Exact plans served: a consumer that shares its lower layers with the producer gets the producer's K and V
+there and its residual at the entry layer, and runs its own layers above (scd.fitting.exact). Through the
+engines it answers as the oracle does; calibration chooses the entry under the quality bound and publishes it
+without fitting a code."""
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from actors.messages import GenParams
+from actors.producer import ProducerEngine
+from actors.specialist import SpecialistEngine
+from scd.fitting import exact
+from scd.online.models import ModelSpec
+from tests.conftest import DEMO, tiny_llama, write_config
+from tests.test_models import _tokenizer
+
+
+def _top_adapted(base, first: int, scale: float = 0.5, seed: int = 1):
+    """base with every weight of layers >= first moved by relative noise: layers below are the base's."""
+    other = type(base)(base.config).eval()
+    other.load_state_dict(base.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for l in range(first, base.config.num_hidden_layers):
+            for p in other.model.layers[l].parameters():
+                p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp(min=1e-3))
+    return other
+
+
+def test_the_engines_serve_an_exact_plan_as_the_oracle_answers():
+    base = tiny_llama(0, layers=6)
+    top = _top_adapted(base, 4)
+    spec = ModelSpec.from_config(base.config)
+    tok = _tokenizer(97)
+    art = exact.artifact("a:top", spec, 4, "bf16")
+    producer = ProducerEngine(base, tok, {"a:top": (art, "v1")}, cache_bytes=1 << 20)
+    served = SpecialistEngine("top", top, tok, art, "v1")
+    oracle = SpecialistEngine("top", top, tok)
+    params = GenParams(max_tokens=12)
+    g = torch.Generator().manual_seed(3)
+    same = 0
+    for i in range(6):
+        prefix = torch.randint(2, 97, (int(10 + 5 * i),), generator=g).tolist()
+        payload = producer.encode(prefix, ["a:top"]).per_pair["a:top"].payload
+        text, info, _ = served.complete(prefix, [11], payload, None, params)
+        assert info.mode == "scd" and "recompute" in info.timings, info
+        same += text == oracle.complete(prefix, [11], None, "oracle", params)[0]
+    assert same == 6, f"an exact plan in bf16 should answer as the oracle: {same} of 6 greedy answers equal"
+
+
+def test_the_entry_chosen_is_the_cheapest_modeled_ttft_that_meets_the_bound():
+    pts = [{"entry": 4, "consumer_ratio": 0.5, "kl": 1e-6, "payload_bytes": 1000, "consumer_ms": 50.0},
+           {"entry": 6, "consumer_ratio": 0.25, "kl": 0.01, "payload_bytes": 1400, "consumer_ms": 25.0},
+           {"entry": 8, "consumer_ratio": 0.0, "kl": 0.09, "payload_bytes": 1800, "consumer_ms": 1.0}]
+    raw = 0.1
+    lossless = exact.Bound(max_kl_ratio=0.001, max_consumer_ratio=1.0)
+    assert exact.choose(pts, raw, lossless, gbps=25)["entry"] == 4        # only the lossless plan is within it
+    loose = exact.Bound(max_kl_ratio=0.2, max_consumer_ratio=1.0)
+    assert exact.choose(pts, raw, loose, gbps=25)["entry"] == 6           # cheaper, and KL 0.1 x raw
+    slow_link = 1e-4                                                      # bytes dominate: the fewest of them
+    assert exact.choose(pts, raw, loose, gbps=slow_link)["entry"] == 4
+    assert exact.choose(pts, raw, exact.Bound(0.001, max_consumer_ratio=0.3), gbps=25) is None
+    assert exact.entries(18, 30) == [18, 21, 24, 27, 30] and exact.entries(4, 6) == [4, 5, 6]
+
+
+@pytest.fixture(scope="module")
+def top_folder(tmp_path_factory):
+    """The demo base with its top two layers fine-tuned (moved), saved with the base's tokenizer."""
+    from transformers import AutoModelForCausalLM
+    out = tmp_path_factory.mktemp("top") / "top"
+    base = AutoModelForCausalLM.from_pretrained(DEMO / "base").eval()
+    first = base.config.num_hidden_layers - 2
+    _top_adapted(base, first, scale=0.3).save_pretrained(out)
+    for f in DEMO.joinpath("base").iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, out / f.name)
+    return out, first
+
+
+def test_calibration_publishes_the_exact_plan_of_a_top_layer_fine_tune(top_folder, tmp_path, capsys):
+    from artifacts_store import ArtifactStore
+    from jobs.calibrate import main as calibrate
+    folder, first = top_folder
+    cfg = write_config(tmp_path, heldout=3, val=3, gate_vs_raw_kv=1.0)
+    doc = yaml.safe_load(cfg.read_text())
+    doc["specialists"].append({"name": "top", "path": str(folder)})
+    cfg.write_text(yaml.safe_dump(doc))
+    ref = calibrate(["--pair", "base:top", "--config", str(cfg), "--no-actors"])
+    out = capsys.readouterr().out
+    assert f"layers 0-{first - 1} of {first + 2} are the producer's exactly" in out, out
+    assert "stage traces" not in out, "an exact plan fits nothing: no traces"
+    store = ArtifactStore(tmp_path / "store")
+    art, _ = store.load(ref)
+    assert art.plan == ["exact"] + ["shared"] * (first - 1) + ["entry", "recompute"], art.plan
+    m = store.show(ref)
+    assert m.metrics["kl"] < 1e-3 and m.metrics["kl"] < 0.05 * m.metrics["kl_raw_kv"], m.metrics
+    assert {"report/summary.md", "report/compute.png"} <= set(m.files), sorted(m.files)
+    assert art.info["exact"]["chosen"]["entry"] == first and art.info["structure"]["verified_max_abs"] == 0.0
