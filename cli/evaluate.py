@@ -18,7 +18,7 @@ from cluster.config import CalibrationSettings
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak, table
-from scd.fitting import structure
+from scd.fitting import exact, structure
 from scd.fitting.calibrate import Calibration
 from scd.online import codec
 from scd.online.artifacts import PairArtifacts
@@ -169,14 +169,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
     pair = f"{na}:{nb}"
-    art = calibrated(args, producer, consumer, spec, tok, pair) if {"reuse_only", "scd"} & set(wanted) else None
     _, val, held = samples.pair_data(nb, tok, 0, args.val, args.samples, args.prefix_tokens, text_file=args.text,
                                      seed=args.seed)
+    found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
+                                       pb if is_adapter(pb) else None)
+    bound = exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio)
+    art = None
+    if "scd" in wanted and args.exact_plans and found.has_entry and not args.artifact:
+        note = lambda line: print(line, file=sys.stderr)  # noqa: E731
+        chosen = exact.select(producer, consumer, tok, pair, spec, found.first_adapted, val, args.exact_dtype, bound,
+                              25.0, note)["chosen"]
+        if chosen is not None:                   # the pair's calibration would publish this plan: no codes fitted
+            art = exact.artifact(pair, spec, chosen["entry"], args.exact_dtype)
+            wanted = [m for m in wanted if m != "reuse_only"]
+    if art is None and {"reuse_only", "scd"} & set(wanted):
+        art = calibrated(args, producer, consumer, spec, tok, pair)
     ds = methods.DroidSpeak(args.droidspeak_layers)
     if "droidspeak" in wanted:                   # its profile runs every start over the validation samples
         ds.start = profile_droidspeak(ds, producer, consumer, val)
-    found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
-                                       pb if is_adapter(pb) else None)
     if not found.has_entry and {"exact", "exact_int8"} & set(wanted):
         print(f"no exact plan for {pair}: {found.describe()}", file=sys.stderr)
         wanted = [m for m in wanted if not m.startswith("exact")]
@@ -185,9 +195,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "reuse_only": lambda: methods.reuse_only(art), "scd": lambda: methods.SCDMethod(art, dtype=args.dtype),
             "exact": lambda: methods.exact(pair, spec, found.first_adapted),
             "exact_int8": lambda: methods.exact(pair, spec, found.first_adapted, "int8")}
-    rows = Evaluator(producer, consumer, tok).run(held, [make[m]() for m in wanted], desc=f"eval {pair}")
+    ms = [make[m]() for m in wanted]
+    rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}")
+    # the consumer's compute the bound's ceiling counts: the share of its layers it runs over the prefix (a
+    # count, not a timing: the same on a busy machine as on a quiet one)
+    layers_run = {m.name: (m.art.consumer_layers if isinstance(m, methods.SCDMethod) else
+                           m.n if isinstance(m, methods.DroidSpeak) else 0) / spec.num_layers for m in ms}
+    raw = next((r["kl"] for r in rows if r["method"] == "raw_kv"), None)
     for r in rows:
         r["pair"], r["structure"] = pair, shared
+        r["meets_bound"] = None if raw is None or r["method"] in ("oracle", "base") else bound.meets(
+            {"kl": r["kl"], "consumer_ratio": layers_run[r["method"]]}, raw)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -195,6 +213,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(table(rows, f"{pair}: {len(held)} held-out prefixes{plan}"))
         print(f"shared with the producer: {found.describe()}; verified on {len(val)} validation prefixes, max "
               f"|difference| {shared['verified_max_abs']:.2e}")
+        failing = [r["method"] for r in rows if r["meets_bound"] is False]
+        if failing:
+            print(f"outside the quality bound (KL <= {bound.max_kl_ratio:g} x raw KV {raw:.4f}, consumer <= "
+                  f"{bound.max_consumer_ratio:g} of a prefill): {', '.join(failing)}")
     return rows
 
 

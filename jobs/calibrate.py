@@ -140,26 +140,12 @@ def xnorm_profile(cal: Calibration, art, samples_) -> dict[str, list[float]]:
 def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None) -> dict | None:
     """The exact plan chosen under the quality bound (scd.fitting.exact), from its curve measured on the
     validation samples (checkpointed), or None when none meets the bound: then codes are fitted."""
-    bound = exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl)
-    gbps = gbps or DEFAULT_GBPS
-
-    def measure():
-        points, raw = exact.curve(cal.producer, cal.consumer, tok, cal.pair, cal.spec, found.first_adapted, val,
-                                  c.exact_dtype, desc=f"exact plans {cal.pair}")
-        return {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio", "consumer_ms")}}
-    rec = checkpointed(cal.trace_dir / f"exact-{c.exact_dtype}.json", measure, val)
-    log("exact plans (validation): " + ", ".join(
-        f"enter@{p['entry']} KL {p['kl']:.4f} payload {p['payload_ratio']:.3f} consumer {p['consumer_ratio']:.2f}"
-        for p in rec["points"]) + f"; raw KV {rec['raw_kv']['kl']:.4f}")
-    chosen = exact.choose(rec["points"], rec["raw_kv"]["kl"], bound, gbps)
-    if chosen is None:
-        log(f"no exact plan meets KL <= {c.max_kl_ratio:g} x raw KV with the consumer running at most "
-            f"{c.max_consumer_prefill_ratio:g} of its layers: fitting codes instead")
-        return None
-    log(f"exact plan: enter at layer {chosen['entry']} (validation KL {chosen['kl']:.2e}, payload "
-        f"{chosen['payload_ratio']:.3f}, consumer {chosen['consumer_ratio']:.2f} of a prefill, least modeled TTFT "
-        f"at {gbps:g} Gbps)")
-    return {**rec, "chosen": chosen, "gbps": gbps, "bound": vars(bound)}
+    path, inputs = cal.trace_dir / f"exact-curve-{c.exact_dtype}.json", {"samples": samples_digest(val)}
+    rec = exact.select(cal.producer, cal.consumer, tok, cal.pair, cal.spec, found.first_adapted, val, c.exact_dtype,
+                       exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl), gbps or DEFAULT_GBPS,
+                       log, load_record(path, inputs, log))
+    save_record(path, {k: rec[k] for k in ("points", "raw_kv")}, inputs)
+    return rec if rec["chosen"] is not None else None
 
 
 def publish_exact(args, cal: Calibration, tok, chosen: dict, shared: dict, held, val, store, store_uri: str, c,
@@ -280,7 +266,9 @@ def main(argv: list[str] | None = None) -> str:
         f"{shared['verified_max_abs']:.2e}")
     if c.exact_plans and found.has_entry and shared["verified_max_abs"] <= STRUCTURE_NOISE:
         chosen = exact_plan(cal, tok, found, val, c, cfg.link_gbps().get(args.pair))
-        if chosen is not None:
+        if chosen is None:
+            log("fitting codes instead")
+        else:
             return publish_exact(args, cal, tok, chosen, shared, held, val, store, store_uri, c, t0, published)
     tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens, c.finetune_tokens,
                                 text_file=c.text_file)

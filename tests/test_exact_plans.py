@@ -98,3 +98,16 @@ def test_calibration_publishes_the_exact_plan_of_a_top_layer_fine_tune(top_folde
     assert m.metrics["kl"] < 1e-3 and m.metrics["kl"] < 0.05 * m.metrics["kl_raw_kv"], m.metrics
     assert {"report/summary.md", "report/compute.png"} <= set(m.files), sorted(m.files)
     assert art.info["exact"]["chosen"]["entry"] == first and art.info["structure"]["verified_max_abs"] == 0.0
+
+
+def test_scd_eval_takes_the_exact_plan_and_marks_what_fails_the_bound(top_folder, tmp_path, capsys):
+    from cli.evaluate import main as evaluate
+    folder, first = top_folder
+    rows = {r["method"]: r for r in evaluate([
+        "--producer", str(DEMO / "base"), "--consumer", str(folder), "--samples", "2", "--val", "3",
+        "--prefix-tokens", "64", "--methods", "raw_kv,int4_kv,scd", "--work-dir", str(tmp_path), "--json"])}
+    err = capsys.readouterr().err
+    assert "exact plan: enter at layer" in err and "stage traces" not in err, err
+    assert rows["scd"]["kl"] < 0.05 * rows["raw_kv"]["kl"] and rows["scd"]["meets_bound"] is True, rows["scd"]
+    assert rows["raw_kv"]["meets_bound"] is False, "raw KV is 1 x itself, outside a bound of 0.2 x"
+    assert not any(tmp_path.iterdir()), "an exact plan fits nothing: the work folder stays empty"

@@ -69,3 +69,30 @@ def choose(points: list[dict], raw_kl: float, bound: Bound, gbps: float) -> dict
     when none does."""
     ok = [p for p in points if bound.meets(p, raw_kl)]
     return min(ok, key=lambda p: (modeled_ttft_ms(p, gbps), p["kl"])) if ok else None
+
+
+def describe(points: list[dict], raw_kl: float) -> str:
+    """One line of a curve: each entry's KL, payload and consumer compute, and raw KV's KL."""
+    return ", ".join(f"enter@{p['entry']} KL {p['kl']:.4f} payload {p['payload_ratio']:.3f} consumer "
+                     f"{p['consumer_ratio']:.2f}" for p in points) + f"; raw KV {raw_kl:.4f}"
+
+
+def select(producer, consumer, tok, pair: str, spec, first_adapted: int, samples, code_dtype: str, bound: Bound,
+           gbps: float, log, measured: dict | None = None) -> dict:
+    """Measure the curve on `samples` (or take `measured`, a record of an earlier measurement) and choose
+    under `bound`: {"points", "raw_kv", "chosen" (None when no plan meets the bound), "gbps", "bound"}."""
+    if measured is None:
+        points, raw = curve(producer, consumer, tok, pair, spec, first_adapted, samples, code_dtype,
+                            desc=f"exact plans {pair}")
+        measured = {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio", "consumer_ms")}}
+    raw_kl = measured["raw_kv"]["kl"]
+    log(f"exact plans (validation): {describe(measured['points'], raw_kl)}")
+    chosen = choose(measured["points"], raw_kl, bound, gbps)
+    if chosen is None:
+        log(f"no exact plan meets KL <= {bound.max_kl_ratio:g} x raw KV with the consumer running at most "
+            f"{bound.max_consumer_ratio:g} of its layers")
+    else:
+        log(f"exact plan: enter at layer {chosen['entry']} (validation KL {chosen['kl']:.2e}, payload "
+            f"{chosen['payload_ratio']:.3f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the least "
+            f"modeled TTFT at {gbps:g} Gbps within the bound)")
+    return {**measured, "chosen": chosen, "gbps": gbps, "bound": vars(bound)}
