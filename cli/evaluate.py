@@ -187,14 +187,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ds = methods.DroidSpeak(args.droidspeak_layers)
     if "droidspeak" in wanted:                   # its profile runs every start over the validation samples
         ds.start = profile_droidspeak(ds, producer, consumer, val)
-    if not found.has_entry and {"exact", "exact_int8"} & set(wanted):
+    if not found.has_entry and {"exact", "exact_int8", "exact_kivi4"} & set(wanted):
         print(f"no exact plan for {pair}: {found.describe()}", file=sys.stderr)
         wanted = [m for m in wanted if not m.startswith("exact")]
     make = {"oracle": methods.Oracle, "base": lambda: methods.BaseAlone(producer), "raw_kv": methods.RawKV,
             "int4_kv": methods.Int4KV, "droidspeak": lambda: ds,
             "reuse_only": lambda: methods.reuse_only(art), "scd": lambda: methods.SCDMethod(art, dtype=args.dtype),
             "exact": lambda: methods.exact(pair, spec, found.first_adapted),
-            "exact_int8": lambda: methods.exact(pair, spec, found.first_adapted, "int8")}
+            "exact_int8": lambda: methods.exact(pair, spec, found.first_adapted, "int8"),
+            "exact_kivi4": lambda: methods.exact(pair, spec, found.first_adapted, "kivi4")}
     ms = [make[m]() for m in wanted]
     rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}")
     # the consumer's compute the bound's ceiling counts: the share of its layers it runs over the prefix (a

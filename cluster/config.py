@@ -11,7 +11,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from scd.settings import CODE_DTYPES, CalibConfig
+from scd.settings import EXACT_DTYPES, CalibConfig
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -222,9 +222,10 @@ class CalibrationSettings(CalibConfig):
         "frozen lower layers: scd.fitting.structure), serve it by an exact plan: the producer's K and V below "
         "an entry layer and its residual there, the consumer's own layers above, chosen under max_kl_ratio and "
         "max_consumer_prefill_ratio; no codes are fitted"))
-    exact_dtype: Literal[CODE_DTYPES] = Field("bf16", description=(
+    exact_dtype: Literal[EXACT_DTYPES] = Field("bf16", description=(
         "precision of an exact plan's shared K, V and residual on the wire: bf16 is lossless but for its "
-        "rounding; int8 (a scale per 64 values) about halves the bytes"))
+        "rounding; int8 (a scale per head_dim values) about halves the bytes; kivi4 (keys in int4 per channel "
+        "over 32 tokens, values in int4 per 32 values, the residual in bf16) takes about a third of bf16's"))
     max_kl_ratio: float = Field(0.2, gt=0, description=(
         "the quality bound a plan is chosen under: validation KL at most this x raw KV reuse's"))
     max_consumer_prefill_ratio: float = Field(0.5, ge=0, le=1, description=(

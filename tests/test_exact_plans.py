@@ -111,3 +111,30 @@ def test_scd_eval_takes_the_exact_plan_and_marks_what_fails_the_bound(top_folder
     assert rows["scd"]["kl"] < 0.05 * rows["raw_kv"]["kl"] and rows["scd"]["meets_bound"] is True, rows["scd"]
     assert rows["raw_kv"]["meets_bound"] is False, "raw KV is 1 x itself, outside a bound of 0.2 x"
     assert not any(tmp_path.iterdir()), "an exact plan fits nothing: the work folder stays empty"
+
+
+def test_kivi4_carries_keys_per_channel_and_values_per_group_within_half_a_step():
+    """kivi4 on the wire: keys in int4 per channel over 32 tokens, values in int4 per group, the residual in
+    bf16; each value decodes within half its group's step, and the payload is what the layout says."""
+    from scd.online import codec
+    from scd.online.rebuild import encode
+    from scd.online.trace import capture
+    base = tiny_llama(0, layers=4)
+    spec = ModelSpec.from_config(base.config)
+    art = exact.artifact("a:b", spec, 2, "kivi4")
+    ids = torch.randint(2, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    tr = capture(base, ids, torch.ones_like(ids), want_hidden=True)
+    payload = codec.encode(encode(art, tr, ids), "a:b", "v1", codec.artifact_dims(art), "kivi4", compress="none")
+    got = codec.decode(payload, "a:b", "v1", art.plan, codec.level_dims(art))
+    k, v = tr.keys[1], tr.values[1]                                      # (1, n_kv, 40, 8)
+    kg = torch.cat([k, k[..., -1:, :].expand(1, 2, 24, 8)], -2).unflatten(-2, (2, 32))   # tokens padded to 64
+    k_step = (kg.amax(-2) - kg.amin(-2)) / 15                            # per channel per 32 tokens
+    k_err = (got.layers[1]["k"] - k).abs().unflatten(-2, (-1, 20))
+    assert float(k_err.max()) <= 0.5 * float(k_step.max()) * 1.02, (float(k_err.max()), float(k_step.max()))
+    v_step = (v.amax(-1) - v.amin(-1)) / 15                              # head_dim 8 < 32: one group per row
+    assert bool(((got.layers[1]["v"] - v).abs() <= 0.5 * v_step[..., None] * 1.02 + 1e-3).all())
+    assert torch.equal(got.layers[2]["z_e"].reshape(tr.hidden[2].shape), tr.hidden[2].bfloat16())
+    body = 5 * 40 + (2 * 8 * 2 * 4 + 2 * 64 * 4) + (2 * 40 * (4 + 4)) + 40 * 32 * 2   # ids+mask, K, V, residual
+    assert codec.body_bytes(payload) == body, (codec.body_bytes(payload), body)
+    with pytest.raises(ValueError, match="kivi4 carries"):
+        codec.field_dtype("z_x", "kivi4")

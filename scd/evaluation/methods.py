@@ -11,7 +11,8 @@ consumer's per-layer (K, V), the bytes that had to cross the wire, and the consu
   reuse_only  SCD codes with every layer (but exact layer 0) rebuilt by Reuse
   scd         SCD codes: Reuse + Patch by the artifact's plan
   exact       a consumer that shares layers [0, s) with the producer: those layers' K, V and the residual
-              entering s as they are (bf16; exact_int8: int8), the consumer runs s..L-1 itself: SCD on
+              entering s as they are (bf16; exact_int8: int8; exact_kivi4: keys int4 per channel, values
+              int4, the residual bf16), the consumer runs s..L-1 itself: SCD on
               the exact plan of its structure (scd.fitting.structure), through the same wire format
 """
 from __future__ import annotations
@@ -28,7 +29,8 @@ from scd.online.recompute import run_layers
 from scd.online.trace import Trace, capture
 
 KV = tuple[torch.Tensor, torch.Tensor]
-METHODS = ("oracle", "base", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd", "exact", "exact_int8")
+METHODS = ("oracle", "base", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd", "exact", "exact_int8",
+           "exact_kivi4")
 
 
 @dataclass
@@ -180,6 +182,6 @@ def reuse_only(art: PairArtifacts) -> SCDMethod:
 
 def exact(pair: str, spec, first_adapted: int, code_dtype: str = "bf16", whole_prefix: bool = False) -> SCDMethod:
     """SCD on the exact plan of a consumer that shares layers [0, first_adapted) with its producer (or, with
-    whole_prefix, the whole prefix's cache: an activated LoRA): "exact" at bf16, "exact_int8" at int8."""
+    whole_prefix, the whole prefix's cache: an activated LoRA): "exact" at bf16, else "exact_<dtype>"."""
     art = PairArtifacts.exact(pair, spec, exact_plan(spec.num_layers, first_adapted, whole_prefix), code_dtype)
     return SCDMethod(art, "exact" if code_dtype == "bf16" else f"exact_{code_dtype}")

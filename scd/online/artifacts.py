@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from scd.online.models import ModelSpec
 from scd.online.patch import Aligner
 from scd.online.reuse import LinearCodec
-from scd.settings import CODE_DTYPES
+from scd.settings import CODE_DTYPES, EXACT_DTYPES
 
 FORMAT_VERSION = 2                  # 2: aligners with a causal window and token features
 KINDS = ("exact", "reuse", "hidden", "patch", "shared", "entry", "recompute")
@@ -103,8 +103,11 @@ class PairArtifacts:
     derived: dict = field(default_factory=dict, repr=False, compare=False)  # per-use tensors made on first use
 
     def __post_init__(self):
-        if self.code_dtype not in CODE_DTYPES:
-            raise ValueError(f"code_dtype must be one of {CODE_DTYPES}, got {self.code_dtype!r}")
+        exact_only = all(k in ("exact", "shared", "entry", "recompute") for k in self.plan)
+        allowed = EXACT_DTYPES if exact_only else CODE_DTYPES
+        if self.code_dtype not in allowed:
+            raise ValueError(f"code_dtype must be one of {allowed} for plan kinds {sorted(set(self.plan))}, got "
+                             f"{self.code_dtype!r}")
         if len(self.plan) != self.spec.num_layers or any(k not in KINDS for k in self.plan):
             raise ValueError(f"plan must name one of {KINDS} for each of {self.spec.num_layers} layers: {self.plan}")
         for l, kind in enumerate(self.plan):

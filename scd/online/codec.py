@@ -35,7 +35,7 @@ import torch
 import zstandard
 
 from scd.online.rebuild import Codes, MixedCode, QuantCode
-from scd.settings import CODE_DTYPES as DTYPES
+from scd.settings import EXACT_DTYPES as DTYPES
 
 MAGIC = b"SCDC"
 VERSION = 1
@@ -96,10 +96,103 @@ def _columns(x: torch.Tensor, dtype: str) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+KIVI_GROUP = 32          # kivi4: tokens per key scale (per channel), values per value scale
+# kivi4 is a scheme for an exact plan's fields, each in its own format: keys per channel, values per group,
+# the residual as it is
+KIVI_FIELDS = {"k": "kivi_k", "v": "asym4", "z_e": "bf16"}
+
+
+def field_dtype(name: str, dtype: str) -> str:
+    """The precision of code field `name` in a payload of `dtype` (kivi4 names one per field)."""
+    if dtype != "kivi4":
+        return dtype
+    if name not in KIVI_FIELDS:
+        raise ValueError(f"kivi4 carries an exact plan's K, V and residual only, not {name!r}")
+    return KIVI_FIELDS[name]
+
+
+def _asym4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 over groups of `group` values of the last dim: (fp16 scales, fp16 minima (..., r // group),
+    values packed two to a byte (..., r // 2), low nibble first)."""
+    g = x.reshape(*x.shape[:-1], -1, group)
+    lo = g.amin(-1).half()
+    scale = ((g.amax(-1) - lo.float()) / 15).half()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((g - lo.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
+    q = q.reshape(*x.shape)
+    return scale, lo, q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def _unasym4(scale: torch.Tensor, lo: torch.Tensor, packed: torch.Tensor, r: int) -> torch.Tensor:
+    q = torch.stack([packed & 0xF, packed >> 4], -1).reshape(*packed.shape[:-1], r).float()
+    g = q.reshape(*q.shape[:-1], -1, r // scale.shape[-1])
+    return (g * scale.float()[..., None] + lo.float()[..., None]).reshape(q.shape)
+
+
+def _group(r: int) -> int:
+    return KIVI_GROUP if r % KIVI_GROUP == 0 else r
+
+
+def _kivi_tensors(x: torch.Tensor, fd: str) -> tuple[torch.Tensor, ...]:
+    """kivi_k: keys (B, n_kv, T, d) in asymmetric int4 per channel over groups of KIVI_GROUP tokens (the last
+    group padded by repeating the last token); asym4: per group of KIVI_GROUP values of the last dim."""
+    if fd == "asym4":
+        return _asym4(x, _group(x.shape[-1]))
+    t = x.shape[-2]
+    pad = (-t) % KIVI_GROUP
+    x = torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], pad, x.shape[-1])], -2) if pad else x
+    scale, lo, _ = _asym4(x.transpose(-1, -2), KIVI_GROUP)            # (B, n_kv, d, Tp / G)
+    q = torch.round((x - lo.float().transpose(-1, -2).repeat_interleave(KIVI_GROUP, -2)) /
+                    scale.float().transpose(-1, -2).repeat_interleave(KIVI_GROUP, -2)).clamp(0, 15).to(torch.uint8)
+    return scale, lo, q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def _kivi_bytes(shape: tuple[int, ...], fd: str) -> int:
+    if fd == "asym4":
+        rows = 1
+        for s in shape[:-1]:
+            rows *= s
+        return rows * (shape[-1] // _group(shape[-1]) * 4 + (shape[-1] + 1) // 2)
+    *lead, t, d = shape
+    n = 1
+    for s in lead:
+        n *= s
+    tp = t + (-t) % KIVI_GROUP
+    return n * (tp // KIVI_GROUP * d * 4 + tp * ((d + 1) // 2))
+
+
+def _kivi_from(body: torch.Tensor, off: int, shape: tuple[int, ...], fd: str) -> torch.Tensor:
+    """The float32 tensor of `shape` that a kivi_k or asym4 field at `off` stands for."""
+    *lead, t, d = shape
+    if fd == "asym4":
+        lead = list(shape[:-1])
+        n = 1
+        for s in lead:
+            n *= s
+        groups = d // _group(d)
+        scale = _field(body, off, 2 * n * groups, torch.float16).view(*lead, groups)
+        lo = _field(body, off + 2 * n * groups, 2 * n * groups, torch.float16).view(*lead, groups)
+        packed = _field(body, off + 4 * n * groups, n * ((d + 1) // 2), torch.uint8).view(*lead, (d + 1) // 2)
+        return _unasym4(scale, lo, packed, d)
+    n = 1
+    for s in lead:
+        n *= s
+    tp = t + (-t) % KIVI_GROUP
+    m = n * d * (tp // KIVI_GROUP)
+    scale = _field(body, off, 2 * m, torch.float16).view(*lead, d, tp // KIVI_GROUP)
+    lo = _field(body, off + 2 * m, 2 * m, torch.float16).view(*lead, d, tp // KIVI_GROUP)
+    packed = _field(body, off + 4 * m, n * tp * ((d + 1) // 2), torch.uint8).view(*lead, tp, (d + 1) // 2)
+    q = torch.stack([packed & 0xF, packed >> 4], -1).reshape(*lead, tp, d).float()
+    rep = lambda a: a.float().transpose(-1, -2).repeat_interleave(KIVI_GROUP, -2)  # noqa: E731
+    return (q * rep(scale) + rep(lo))[..., :t, :]
+
+
 def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
     """One code tensor's wire bytes: its wire_tensors one after the other (each part's scales, then values)."""
     out = []
-    for t in wire_tensors(x.cpu(), dtype):
+    tensors = _kivi_tensors(x.detach().float().cpu(), dtype) if dtype in ("kivi_k", "asym4") else \
+        wire_tensors(x.cpu(), dtype)
+    for t in tensors:
         t = t.contiguous()
         out.append((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())   # numpy has no bf16
     return b"".join(out)
@@ -150,6 +243,8 @@ def code_bytes_per_row(r: int, dtype: str) -> int:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    if dtype in ("kivi_k", "asym4"):
+        return _kivi_bytes(shape, dtype)
     rows = 1
     for s in shape[:-1]:
         rows *= s
@@ -168,6 +263,8 @@ def _field(body: torch.Tensor, off: int, n: int, dtype: torch.dtype) -> torch.Te
 def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str) -> "torch.Tensor | QuantCode | MixedCode":
     """A code tensor in its wire dtype (fp16/bf16), or a QuantCode (MixedCode) that rebuild() dequantises where
     it uses it."""
+    if dtype in ("kivi_k", "asym4"):
+        return _kivi_from(body, off, shape, dtype)
     if dtype == "mixed":
         codes = []
         for d, w in parts(shape[-1], dtype):
@@ -203,12 +300,12 @@ def _layout(plan: list[str], dims: dict[str, int], b: int, t: int,
 
 def _body_bytes(layout, b: int, t: int, dtype: str) -> int:
     """Bytes between header and checksum: token ids, mask and the code tensors of `layout`."""
-    return 5 * b * t + sum(_nbytes(shape, dtype) for _, _, shape in layout)
+    return 5 * b * t + sum(_nbytes(shape, field_dtype(name, dtype)) for _, name, shape in layout)
 
 
 def default_compress(dtype: str) -> str:
     """zstd for quantised codes (their bytes shrink by about a seventh), none for fp16/bf16 ones."""
-    return "zstd" if dtype in _QMAX or dtype == "mixed" else "none"
+    return "zstd" if dtype in _QMAX or dtype in ("mixed", "kivi4") else "none"
 
 
 def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: str = "fp16",
@@ -232,7 +329,7 @@ def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: 
         x = codes.layers[l][name]
         if tuple(x.shape) != want:
             raise ValueError(f"layer {l} {name} has shape {tuple(x.shape)}, expected {want}")
-        parts.append(_to_bytes(x, dtype))
+        parts.append(_to_bytes(x, field_dtype(name, dtype)))
     body = b"".join(parts)
     hb = json.dumps(header, sort_keys=True).encode()
     if compress == "zstd":
@@ -313,8 +410,8 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dic
     codes = Codes(ids, mask, list(plan), level={dim: dims[dim] for kind in ("reuse", "hidden") if kind in plan
                                                 for _, dim in FIELDS[kind]})
     for l, name, shape in layout:
-        codes.layers.setdefault(l, {})[name] = _from_bytes(body, off, shape, dtype)
-        off += _nbytes(shape, dtype)
+        codes.layers.setdefault(l, {})[name] = _from_bytes(body, off, shape, field_dtype(name, dtype))
+        off += _nbytes(shape, field_dtype(name, dtype))
     return codes
 
 
