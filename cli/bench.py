@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 
 from scd.data import demo_data, samples
-from cli.evaluate import add_pair_args, calibrated, parse, resolve_pair
+from cli.evaluate import add_pair_args, calibrated, exact_artifact, parse, resolve_pair
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.online import codec, links
 from scd.online.artifacts import level_tag
-from scd.online.models import load_pair
+from scd.fitting import structure
+from scd.online.models import is_adapter, load_pair
 from scd.online.trace import capture
 
 
@@ -68,8 +69,10 @@ def measure(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str
     chosen = [scd]
     if every_method:
         # DroidSpeak's block position changes its quality, not its cost: any block of the same size will do
-        chosen = [methods.RawKV(), methods.Int4KV(), methods.DroidSpeak(start=1), methods.reuse_only(art), scd,
-                  *methods.at_levels(art)]
+        chosen = [methods.RawKV(), methods.Int4KV(), methods.DroidSpeak(start=1), scd]
+        if art.reuse_ranks:                      # fitted codes (an exact plan has neither Reuse nor levels)
+            chosen[3:3] = [methods.reuse_only(art)]
+            chosen += methods.at_levels(art)
     rounds = []
     for _ in range(repeats + 1):                                 # the first round warms every path up
         # the consumer's own prefill as its fallback path runs it, and the producer's as the producer actor does
@@ -97,7 +100,8 @@ def consumer_side(m: dict) -> dict:
     return {"tokens": m["tokens"], "repeats": m["repeats"], "prefill_ms": m["prefill_ms"],
             "consumer_ms": s["consumer_ms"], "ratio": s["consumer_ms"] / m["prefill_ms"],
             "payload_bytes": s["payload_bytes"], "plan": m["plan"], "decode_ms": s.get("decode_ms", 0.0),
-            "rebuild_ms": s.get("rebuild_ms", 0.0), "patch_ms": s.get("patch_ms", 0.0)}
+            "rebuild_ms": s.get("rebuild_ms", 0.0), "patch_ms": s.get("patch_ms", 0.0),
+            "recompute_ms": s.get("recompute_ms", 0.0)}
 
 
 def fanout(m: dict, ns: list[int]) -> list[dict]:
@@ -189,7 +193,7 @@ def _print_default(pair: str, r: dict) -> None:
     print(f"{pair} at {r['tokens']} tokens, median of {r['repeats']} interleaved runs, plan {r['plan']}:\n"
           f"  consumer prefill            {r['prefill_ms']:8.2f} ms\n"
           f"  SCD decode+rebuild+patch    {r['consumer_ms']:8.2f} ms  (codec {r['decode_ms']:.2f}, "
-          f"rebuild {r['rebuild_ms']:.2f}, patch {r['patch_ms']:.2f})\n"
+          f"rebuild {r['rebuild_ms']:.2f}, patch {r['patch_ms']:.2f}, own layers {r['recompute_ms']:.2f})\n"
           f"  ratio                       {r['ratio']:8.3f}\n"
           f"  payload                     {r['payload_bytes'] / 1024:8.1f} KB", flush=True)
 
@@ -266,7 +270,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
     pair = f"{na}:{nb}"
-    art = calibrated(args, producer, consumer, spec, tok, pair)
+    _, val, _ = samples.pair_data(nb, tok, 0, args.val, 0, args.prefix_tokens, text_file=args.text, seed=args.seed)
+    found = structure.find(producer, consumer, pb if is_adapter(pb) else None)
+    art = exact_artifact(args, producer, consumer, spec, tok, pair, found, val) or \
+        calibrated(args, producer, consumer, spec, tok, pair)
     text = "\n\n".join(demo_data.prose_texts("heldout"))
     all_ids = tok(text, add_special_tokens=False)["input_ids"]
     if len(all_ids) < max(sizes):

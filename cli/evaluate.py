@@ -124,6 +124,18 @@ def _from_config(args) -> tuple[str, str, str, str]:
     return cfg.producer.path, cfg.specialist(b).path, a, b
 
 
+def exact_artifact(args, producer, consumer, spec, tok, pair: str, found, val) -> PairArtifacts | None:
+    """The exact plan the pair's calibration would publish (scd.fitting.exact, chosen on `val` under the
+    settings' bound for a 25 Gbps link), when the consumer shares layers with the producer, --exact-plans is on
+    and no --artifact is given; else None."""
+    if not (args.exact_plans and found.has_entry and not args.artifact):
+        return None
+    chosen = exact.select(producer, consumer, tok, pair, spec, found.first_adapted, val, args.exact_dtype,
+                          exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio), 25.0,
+                          lambda line: print(line, file=sys.stderr))["chosen"]
+    return None if chosen is None else exact.artifact(pair, spec, chosen["entry"], args.exact_dtype)
+
+
 def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
     """Calibrate the pair under --work-dir; a finished (or partly finished) calibration is resumed. With
     --artifact, load that published artifact instead (refused if it was fitted for other models)."""
@@ -175,12 +187,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                        pb if is_adapter(pb) else None)
     bound = exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio)
     art = None
-    if "scd" in wanted and args.exact_plans and found.has_entry and not args.artifact:
-        note = lambda line: print(line, file=sys.stderr)  # noqa: E731
-        chosen = exact.select(producer, consumer, tok, pair, spec, found.first_adapted, val, args.exact_dtype, bound,
-                              25.0, note)["chosen"]
-        if chosen is not None:                   # the pair's calibration would publish this plan: no codes fitted
-            art = exact.artifact(pair, spec, chosen["entry"], args.exact_dtype)
+    if "scd" in wanted:
+        art = exact_artifact(args, producer, consumer, spec, tok, pair, found, val)
+        if art is not None:                      # no codes fitted: nothing for reuse_only to use
             wanted = [m for m in wanted if m != "reuse_only"]
     if art is None and {"reuse_only", "scd"} & set(wanted):
         art = calibrated(args, producer, consumer, spec, tok, pair)

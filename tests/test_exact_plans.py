@@ -138,3 +138,16 @@ def test_kivi4_carries_keys_per_channel_and_values_per_group_within_half_a_step(
     assert codec.body_bytes(payload) == body, (codec.body_bytes(payload), body)
     with pytest.raises(ValueError, match="kivi4 carries"):
         codec.field_dtype("z_x", "kivi4")
+
+
+def test_scd_bench_times_the_exact_plan_beside_the_baselines(top_folder, tmp_path, capsys):
+    from cli.bench import main as bench
+    folder, first = top_folder
+    (r,) = bench(["--producer", str(DEMO / "base"), "--consumer", str(folder), "--tokens", "96", "--repeats", "1",
+                  "--bandwidth", "10,100", "--plot-dir", str(tmp_path), "--val", "2", "--prefix-tokens", "48",
+                  "--work-dir", str(tmp_path / "work"), "--json"])
+    assert r["plan"][first] == "entry" and r["recompute_ms"] > 0, r
+    phases = r["bandwidth"]["phases"]
+    assert {"oracle", "raw_kv", "int4_kv", "droidspeak", "scd"} == set(phases), sorted(phases)
+    assert phases["scd"]["payload_bytes"] < phases["raw_kv"]["payload_bytes"], phases
+    assert not (tmp_path / "work").exists(), "an exact plan fits nothing"
