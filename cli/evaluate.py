@@ -130,7 +130,7 @@ def exact_artifact(args, producer, consumer, spec, tok, pair: str, found, val) -
     and no --artifact is given; else None."""
     if not (args.exact_plans and found.has_entry and not args.artifact):
         return None
-    chosen = exact.select(producer, consumer, tok, pair, spec, found.first_adapted, val, args.exact_dtype,
+    chosen = exact.select(producer, consumer, tok, pair, spec, found, val, args.exact_dtype,
                           exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio), 25.0,
                           lambda line: print(line, file=sys.stderr))["chosen"]
     return None if chosen is None else exact.artifact(pair, spec, chosen["entry"], args.exact_dtype)

@@ -141,7 +141,7 @@ def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None) -> dict
     """The exact plan chosen under the quality bound (scd.fitting.exact), from its curve measured on the
     validation samples (checkpointed), or None when none meets the bound: then codes are fitted."""
     path, inputs = cal.trace_dir / f"exact-curve-{c.exact_dtype}.json", {"samples": samples_digest(val)}
-    rec = exact.select(cal.producer, cal.consumer, tok, cal.pair, cal.spec, found.first_adapted, val, c.exact_dtype,
+    rec = exact.select(cal.producer, cal.consumer, tok, cal.pair, cal.spec, found, val, c.exact_dtype,
                        exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl), gbps or DEFAULT_GBPS,
                        log, load_record(path, inputs, log))
     save_record(path, {k: rec[k] for k in ("points", "raw_kv")}, inputs)

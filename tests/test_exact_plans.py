@@ -63,6 +63,7 @@ def test_the_entry_chosen_is_the_cheapest_modeled_ttft_that_meets_the_bound():
     assert exact.choose(pts, raw, loose, gbps=slow_link)["entry"] == 4
     assert exact.choose(pts, raw, exact.Bound(0.001, max_consumer_ratio=0.3), gbps=25) is None
     assert exact.entries(18, 30) == [18, 21, 24, 27, 30] and exact.entries(4, 6) == [4, 5, 6]
+    assert exact.entries(18, 30, adapted_until=24) == [18, 20, 21, 22, 30], "above layer 23 it is raw KV again"
 
 
 @pytest.fixture(scope="module")

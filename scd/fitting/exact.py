@@ -31,11 +31,14 @@ class Bound:
                 and point["consumer_ratio"] <= self.max_consumer_ratio + 1e-9)
 
 
-def entries(first_adapted: int, num_layers: int, points: int = 5) -> list[int]:
+def entries(first_adapted: int, num_layers: int, points: int = 5, adapted_until: int | None = None) -> list[int]:
     """Entry layers to measure: first_adapted (lossless), num_layers (every layer the producer's: raw KV but
-    layer 0) and evenly spaced ones between."""
-    span = num_layers - first_adapted
-    return sorted({first_adapted + round(i * span / (points - 1)) for i in range(points)})
+    layer 0) and evenly spaced ones between; below adapted_until when the adapted layers end there (entering
+    above them gives the producer's own K and V back, raw KV's quality, at a cost)."""
+    top = adapted_until if adapted_until is not None else num_layers
+    span = top - first_adapted
+    inner = {first_adapted + round(i * span / (points - 1)) for i in range(points - 1)}
+    return sorted({e for e in inner if e < top} | {num_layers})
 
 
 def artifact(pair: str, spec, entry: int, code_dtype: str, info: dict | None = None) -> PairArtifacts:
@@ -47,10 +50,10 @@ def artifact(pair: str, spec, entry: int, code_dtype: str, info: dict | None = N
 
 
 def curve(producer, consumer, tok, pair: str, spec, first_adapted: int, samples, code_dtype: str,
-          points: int = 5, desc: str = "exact plans") -> tuple[list[dict], dict]:
+          points: int = 5, desc: str = "exact plans", adapted_until: int | None = None) -> tuple[list[dict], dict]:
     """(one point per entry layer: {entry, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms}, the
     raw-KV row measured beside them on `samples`)."""
-    es = entries(first_adapted, spec.num_layers, points)
+    es = entries(first_adapted, spec.num_layers, points, adapted_until)
     ms = [methods.RawKV()] + [methods.SCDMethod(artifact(pair, spec, e, code_dtype), f"enter@{e}") for e in es]
     rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc)}
     out = [{"entry": e, "consumer_ratio": (spec.num_layers - e) / spec.num_layers,
@@ -77,13 +80,14 @@ def describe(points: list[dict], raw_kl: float) -> str:
                      f"{p['consumer_ratio']:.2f}" for p in points) + f"; raw KV {raw_kl:.4f}"
 
 
-def select(producer, consumer, tok, pair: str, spec, first_adapted: int, samples, code_dtype: str, bound: Bound,
+def select(producer, consumer, tok, pair: str, spec, found, samples, code_dtype: str, bound: Bound,
            gbps: float, log, measured: dict | None = None) -> dict:
-    """Measure the curve on `samples` (or take `measured`, a record of an earlier measurement) and choose
+    """Measure the curve of a consumer whose structure is `found` (scd.fitting.structure) on `samples` (or take
+    `measured`, a record of an earlier measurement) and choose
     under `bound`: {"points", "raw_kv", "chosen" (None when no plan meets the bound), "gbps", "bound"}."""
     if measured is None:
-        points, raw = curve(producer, consumer, tok, pair, spec, first_adapted, samples, code_dtype,
-                            desc=f"exact plans {pair}")
+        points, raw = curve(producer, consumer, tok, pair, spec, found.first_adapted, samples, code_dtype,
+                            desc=f"exact plans {pair}", adapted_until=found.adapted_until)
         measured = {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio", "consumer_ms")}}
     raw_kl = measured["raw_kv"]["kl"]
     log(f"exact plans (validation): {describe(measured['points'], raw_kl)}")

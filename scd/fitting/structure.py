@@ -34,6 +34,8 @@ class SharedStructure:
     num_layers: int
     source: str                                   # how it was found: "weights", "adapter_config"
     invocation_tokens: tuple[int, ...] | None = None
+    adapted_until: int | None = None              # layers [adapted_until, L) are the producer's weights again
+                                                  # (None: not known, or the adapted block reaches the top)
 
     @property
     def has_entry(self) -> bool:
@@ -60,7 +62,8 @@ class SharedStructure:
                 f"{self.first_adapted} costs {self.recompute_fraction:.2f} of a prefill")
 
     def as_dict(self) -> dict:
-        return {"first_adapted": self.first_adapted, "num_layers": self.num_layers, "source": self.source,
+        return {"first_adapted": self.first_adapted, "adapted_until": self.adapted_until,
+                "num_layers": self.num_layers, "source": self.source,
                 "invocation_tokens": list(self.invocation_tokens) if self.invocation_tokens is not None else None,
                 "recompute_fraction": self.recompute_fraction}
 
@@ -75,12 +78,14 @@ def _layer_tensors(model, l: int) -> dict[str, torch.Tensor]:
 
 def from_weights(producer, consumer) -> SharedStructure:
     """The first layer of the consumer whose tensors differ from the producer's (0 when the token embeddings
-    do). Rotary tables are buffers computed from the config, which the pair shares (scd.online.models.check_pair)."""
+    do), and the layer above the last that differs. Rotary tables are buffers computed from the config, which the pair shares (scd.online.models.check_pair)."""
     n = consumer.config.num_hidden_layers
     if not _same(dict(producer.model.embed_tokens.state_dict()), dict(consumer.model.embed_tokens.state_dict())):
         return SharedStructure(0, n, "weights")
-    first = next((l for l in range(n) if not _same(_layer_tensors(producer, l), _layer_tensors(consumer, l))), n)
-    return SharedStructure(first, n, "weights")
+    differ = [l for l in range(n) if not _same(_layer_tensors(producer, l), _layer_tensors(consumer, l))]
+    first = differ[0] if differ else n
+    until = differ[-1] + 1 if differ and differ[-1] + 1 < n else None
+    return SharedStructure(first, n, "weights", adapted_until=until)
 
 
 def invocation_tokens(adapter_dir: str | Path | None) -> tuple[int, ...] | None:
@@ -100,7 +105,7 @@ def find(producer, consumer, adapter_dir: str | Path | None = None) -> SharedStr
     found = from_weights(producer, consumer)
     tokens = invocation_tokens(adapter_dir)
     if tokens is not None:
-        return SharedStructure(found.first_adapted, found.num_layers, "adapter_config", tokens)
+        return SharedStructure(found.first_adapted, found.num_layers, "adapter_config", tokens, found.adapted_until)
     return found
 
 
