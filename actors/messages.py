@@ -35,6 +35,7 @@ class FallbackReason(StrEnum):
     CODEC_ERROR = "codec_error"                     # the payload did not parse or did not match the request
     PREFIX_TOO_SHORT = "prefix_too_short"           # nothing shared to rebuild
     QUALITY_GATE = "quality_gate"                   # calibration refused to publish an artifact for the pair
+    INVOCATION_IN_PREFIX = "invocation_in_prefix"   # an activated LoRA switched on inside the shared prefix
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 
 from actors.batching import BatchDecoder
 from actors.messages import FallbackReason
-from scd.online import cache, codec
+from scd.online import activated, cache, codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.decode import GenParams, Row, TokenLogprobs
 from scd.online.rebuild import prepare, rebuild
@@ -125,6 +125,9 @@ class SpecialistEngine:
         ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
         if reason == FallbackReason.NO_ARTIFACT and self.art is None:   # the producer has none; this side may know why
             reason = self.unavailable_reason
+        if payload is not None and reason is None and activated.of(self.model) is not None and \
+                activated.switch(self.model, ids) < len(prefix_ids):
+            reason = FallbackReason.INVOCATION_IN_PREFIX    # the codes hold the base's cache: not past that point
         if payload is not None and reason is None:
             art, version, family = self._artifact_for(payload)
             if art is None:

@@ -6,6 +6,7 @@ import torch
 
 from cluster.runtime import cpu_threads, device
 from scd.fitting.traces import trace_rows
+from scd.online import activated
 from scd.online.models import load
 from scd.online.trace import capture
 
@@ -16,7 +17,7 @@ class TraceActor:
         torch.set_num_threads(cpu_threads())
         self.device = device()
         self.model, _, self.spec = load(model_path, base=base)
-        self.model.to(self.device)
+        activated.to(self.model, self.device)
         self.side = side                      # "a" producer, "b" consumer: the chunk's key prefix
 
     def rows(self, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:

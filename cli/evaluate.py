@@ -128,12 +128,13 @@ def exact_artifact(args, producer, consumer, spec, tok, pair: str, found, val) -
     """The exact plan the pair's calibration would publish (scd.fitting.exact, chosen on `val` under the
     settings' bound for a 25 Gbps link), when the consumer shares layers with the producer, --exact-plans is on
     and no --artifact is given; else None."""
-    if not (args.exact_plans and found.has_entry and not args.artifact):
+    if not (args.exact_plans and found.exact_plan and not args.artifact):
         return None
     chosen = exact.select(producer, consumer, tok, pair, spec, found, val, args.exact_dtype,
                           exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio), 25.0,
                           lambda line: print(line, file=sys.stderr))["chosen"]
-    return None if chosen is None else exact.artifact(pair, spec, chosen["entry"], args.exact_dtype)
+    return None if chosen is None else exact.artifact(pair, spec, chosen["entry"], args.exact_dtype,
+                                                      whole_prefix=found.invocation_tokens is not None)
 
 
 def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
@@ -196,15 +197,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ds = methods.DroidSpeak(args.droidspeak_layers)
     if "droidspeak" in wanted:                   # its profile runs every start over the validation samples
         ds.start = profile_droidspeak(ds, producer, consumer, val)
-    if not found.has_entry and {"exact", "exact_int8", "exact_kivi4"} & set(wanted):
+    if not found.exact_plan and {"exact", "exact_int8", "exact_kivi4"} & set(wanted):
         print(f"no exact plan for {pair}: {found.describe()}", file=sys.stderr)
         wanted = [m for m in wanted if not m.startswith("exact")]
     make = {"oracle": methods.Oracle, "base": lambda: methods.BaseAlone(producer), "raw_kv": methods.RawKV,
             "int4_kv": methods.Int4KV, "droidspeak": lambda: ds,
             "reuse_only": lambda: methods.reuse_only(art), "scd": lambda: methods.SCDMethod(art, dtype=args.dtype),
-            "exact": lambda: methods.exact(pair, spec, found.first_adapted),
-            "exact_int8": lambda: methods.exact(pair, spec, found.first_adapted, "int8"),
-            "exact_kivi4": lambda: methods.exact(pair, spec, found.first_adapted, "kivi4")}
+            **{name: lambda d=dtype: methods.exact(pair, spec, found.first_adapted, d, found.invocation_tokens is not None)
+               for name, dtype in (("exact", "bf16"), ("exact_int8", "int8"), ("exact_kivi4", "kivi4"))}}
     ms = [make[m]() for m in wanted]
     rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}")
     # the consumer's compute the bound's ceiling counts: the share of its layers it runs over the prefix (a

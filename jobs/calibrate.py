@@ -148,15 +148,15 @@ def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None) -> dict
     return rec if rec["chosen"] is not None else None
 
 
-def publish_exact(args, cal: Calibration, tok, chosen: dict, shared: dict, held, val, store, store_uri: str, c,
-                  t0: float, published: Path) -> str:
+def publish_exact(args, cal: Calibration, tok, chosen: dict, found, shared: dict, held, val, store, store_uri: str,
+                  c, t0: float, published: Path) -> str:
     """Evaluate the chosen exact plan on the held-out samples beside the oracle, the base alone, raw KV and
     DroidSpeak at its best block; gate, report (with the quality-against-compute curve) and publish it."""
     producer, consumer = cal.producer, cal.consumer
     art = exact.artifact(args.pair, cal.spec, chosen["chosen"]["entry"], c.exact_dtype,
                          {"structure": shared, "exact": chosen, "calibration": {
                              "prefixes": len(val), "rows": 0, "data_digest": calibration_digest([v.prefix for v in val]),
-                             "config": c.model_dump()}})
+                             "config": c.model_dump()}}, whole_prefix=shared["invocation_tokens"] is not None)
     log(f"plan {art.plan}")
     ds = methods.DroidSpeak()
 
@@ -164,7 +164,8 @@ def publish_exact(args, cal: Calibration, tok, chosen: dict, shared: dict, held,
         ds.start = profile_droidspeak(ds, producer, consumer, val)
         ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV(), ds, methods.SCDMethod(art)]
         return Evaluator(producer, consumer, tok).run(held, ms, desc=f"held-out {args.pair}")
-    rows = checkpointed(cal.trace_dir / f"exact-{c.exact_dtype}-e{art.blocks[0][0]}-eval.json", evaluate, held)
+    entry = chosen["chosen"]["entry"]
+    rows = checkpointed(cal.trace_dir / f"exact-{c.exact_dtype}-e{entry}-eval.json", evaluate, held)
     by = {r["method"]: r for r in rows}
     log("held-out: " + ", ".join(f"{m} kl={r['kl']:.4f} ratio={r['payload_ratio']:.3f}" for m, r in by.items()))
     gate = quality_gate(by, c) | {"job": cost(t0)}
@@ -172,12 +173,14 @@ def publish_exact(args, cal: Calibration, tok, chosen: dict, shared: dict, held,
         store.refuse(args.pair, gate)
         log(f"quality gate: NOT published ({'; '.join(gate['reasons'])})")
         raise SystemExit(3)
-    extra = {"plan": f"exact: {shared['first_adapted']} shared layers; enter at layer {art.blocks[0][0]}, the "
-                     f"consumer runs {art.consumer_layers} of {cal.spec.num_layers} layers; {c.exact_dtype} on the wire",
+    extra = {"plan": f"exact: the producer's K and V below layer {entry}" + (
+                         f", entering at layer {entry}: the consumer runs {art.consumer_layers} of "
+                         f"{cal.spec.num_layers} layers" if art.blocks else ", no consumer compute") +
+                     f"; {c.exact_dtype} on the wire",
              "quality bound": f"KL <= {c.max_kl_ratio:g} x raw KV, consumer <= {c.max_consumer_prefill_ratio:g} of a "
                               f"prefill; chosen at the least modeled TTFT at {chosen['gbps']:g} Gbps",
              "quality gate": f"passed: KL {gate['kl_scd']:.2e} <= {c.gate_vs_raw_kv:g} x raw KV {gate['kl_raw_kv']:.4f}",
-             "shared with the producer": f"layers 0-{shared['first_adapted'] - 1} (verified: max |difference| "
+             "shared with the producer": f"{found.describe()} (verified: max |difference| "
                                          f"{shared['verified_max_abs']:.2e})"}
     files = report.build_report(args.pair, None, rows, extra=extra, compute=chosen)
     metrics = {"kl": by["scd"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"], "payload_bytes": float(by["scd"]["payload_bytes"]),
@@ -264,12 +267,12 @@ def main(argv: list[str] | None = None) -> str:
                                        spec_cfg.path if is_adapter(spec_cfg.path) else None)
     log(f"structure: {found.describe()}; verified on {len(val)} validation prefixes, max |difference| "
         f"{shared['verified_max_abs']:.2e}")
-    if c.exact_plans and found.has_entry and shared["verified_max_abs"] <= STRUCTURE_NOISE:
+    if c.exact_plans and found.exact_plan and shared["verified_max_abs"] <= STRUCTURE_NOISE:
         chosen = exact_plan(cal, tok, found, val, c, cfg.link_gbps().get(args.pair))
         if chosen is None:
             log("fitting codes instead")
         else:
-            return publish_exact(args, cal, tok, chosen, shared, held, val, store, store_uri, c, t0, published)
+            return publish_exact(args, cal, tok, chosen, found, shared, held, val, store, store_uri, c, t0, published)
     tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens, c.finetune_tokens,
                                 text_file=c.text_file)
     art = cal.run(val, capture_pair, tune)

@@ -33,6 +33,7 @@ from actors.producer_actor import PRODUCER_NAME
 from actors.transport import TransportError, make_transport
 from artifacts_store import ArtifactNotFound, ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
+from scd.online import activated
 from scd.online.models import load
 from serve_app import telemetry
 
@@ -48,7 +49,7 @@ class SpecialistServer:
         telemetry.setup(**(telemetry_settings or {}), service=f"specialist-{name}")
         dev = device()
         model, tok, _ = load(model_path, base=model_base)
-        self.engine = SpecialistEngine(name, model.to(dev), tok, device=dev, max_batch=max_batch)
+        self.engine = SpecialistEngine(name, activated.to(model, dev), tok, device=dev, max_batch=max_batch)
         self.name, self.pair = name, pair
         self.registry, self.store_uri = registry(store_uri, namespace), store_uri
         self.expect = Fingerprints.of(consumer=model, tokenizer=tok)

@@ -41,20 +41,25 @@ def entries(first_adapted: int, num_layers: int, points: int = 5, adapted_until:
     return sorted({e for e in inner if e < top} | {num_layers})
 
 
-def artifact(pair: str, spec, entry: int, code_dtype: str, info: dict | None = None) -> PairArtifacts:
-    """The exact plan entering at `entry` (num_layers: no entry, every layer shared)."""
+def artifact(pair: str, spec, entry: int, code_dtype: str, info: dict | None = None,
+             whole_prefix: bool = False) -> PairArtifacts:
+    """The exact plan entering at `entry` (num_layers: no entry, every layer shared; whole_prefix: an aLoRA's,
+    layer 0 sent too, since the consumer's own layer 0 is adapted)."""
     plan = exact_plan(spec.num_layers, entry, whole_prefix=entry == spec.num_layers)
-    if entry == spec.num_layers:
+    if entry == spec.num_layers and not whole_prefix:
         plan[0] = "exact"                               # layer 0 from token ids, as every other plan
     return PairArtifacts.exact(pair, spec, plan, code_dtype, info)
 
 
-def curve(producer, consumer, tok, pair: str, spec, first_adapted: int, samples, code_dtype: str,
-          points: int = 5, desc: str = "exact plans", adapted_until: int | None = None) -> tuple[list[dict], dict]:
+def curve(producer, consumer, tok, pair: str, spec, found, samples, code_dtype: str, points: int = 5,
+          desc: str = "exact plans") -> tuple[list[dict], dict]:
     """(one point per entry layer: {entry, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms}, the
-    raw-KV row measured beside them on `samples`)."""
-    es = entries(first_adapted, spec.num_layers, points, adapted_until)
-    ms = [methods.RawKV()] + [methods.SCDMethod(artifact(pair, spec, e, code_dtype), f"enter@{e}") for e in es]
+    raw-KV row measured beside them on `samples`). An aLoRA (found.invocation_tokens) has one plan: its whole
+    prefix shared (entry num_layers)."""
+    whole = found.invocation_tokens is not None
+    es = [spec.num_layers] if whole else entries(found.first_adapted, spec.num_layers, points, found.adapted_until)
+    ms = [methods.RawKV()] + [methods.SCDMethod(artifact(pair, spec, e, code_dtype, whole_prefix=whole), f"enter@{e}")
+                              for e in es]
     rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc)}
     out = [{"entry": e, "consumer_ratio": (spec.num_layers - e) / spec.num_layers,
             **{k: rows[f"enter@{e}"][k] for k in ("kl", "payload_ratio", "payload_bytes", "consumer_ms", "greedy")}}
@@ -86,8 +91,7 @@ def select(producer, consumer, tok, pair: str, spec, found, samples, code_dtype:
     `measured`, a record of an earlier measurement) and choose
     under `bound`: {"points", "raw_kv", "chosen" (None when no plan meets the bound), "gbps", "bound"}."""
     if measured is None:
-        points, raw = curve(producer, consumer, tok, pair, spec, found.first_adapted, samples, code_dtype,
-                            desc=f"exact plans {pair}", adapted_until=found.adapted_until)
+        points, raw = curve(producer, consumer, tok, pair, spec, found, samples, code_dtype, desc=f"exact plans {pair}")
         measured = {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio", "consumer_ms")}}
     raw_kl = measured["raw_kv"]["kl"]
     log(f"exact plans (validation): {describe(measured['points'], raw_kl)}")

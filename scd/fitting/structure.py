@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from scd.fitting.traces import pad
+from scd.online import activated
 from scd.online.trace import capture
 
 
@@ -36,6 +37,11 @@ class SharedStructure:
     invocation_tokens: tuple[int, ...] | None = None
     adapted_until: int | None = None              # layers [adapted_until, L) are the producer's weights again
                                                   # (None: not known, or the adapted block reaches the top)
+
+    @property
+    def exact_plan(self) -> bool:
+        """Whether it has an exact plan: an entry above shared layers, or an aLoRA's whole prefix."""
+        return self.has_entry or self.invocation_tokens is not None
 
     @property
     def has_entry(self) -> bool:
@@ -103,7 +109,8 @@ def find(producer, consumer, adapter_dir: str | Path | None = None) -> SharedStr
     """What the consumer shares with the producer: an aLoRA's invocation (from its adapter config), else the
     layers below the first adapted one (from the weights)."""
     found = from_weights(producer, consumer)
-    tokens = invocation_tokens(adapter_dir)
+    act = activated.of(consumer)                 # loaded as an aLoRA (scd.online.models.load), else its config's
+    tokens = act.invocation if act is not None else invocation_tokens(adapter_dir)
     if tokens is not None:
         return SharedStructure(found.first_adapted, found.num_layers, "adapter_config", tokens, found.adapted_until)
     return found

@@ -12,6 +12,8 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from scd.online import activated
+
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -52,4 +54,17 @@ def forward_on_cache(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor,
     return out.logits, full
 
 
-extend = torch.no_grad()(forward_on_cache)
+@torch.no_grad()
+def extend(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor, ids_mask: torch.Tensor | None = None):
+    """forward_on_cache without gradients, for serving and evaluation. An activated LoRA (scd.online.activated)
+    runs the ids before its invocation on its base weights and the rest on the adapted ones."""
+    at = activated.switch(model, ids)
+    if at == 0:
+        return forward_on_cache(model, cache, prefix_mask, ids, ids_mask)
+    base = activated.of(model).base
+    if at == ids.shape[1]:
+        return forward_on_cache(base, cache, prefix_mask, ids, ids_mask)
+    ids_mask = torch.ones_like(ids) if ids_mask is None else ids_mask
+    head, mask = forward_on_cache(base, cache, prefix_mask, ids[:, :at], ids_mask[:, :at])
+    tail, mask = forward_on_cache(model, cache, mask, ids[:, at:], ids_mask[:, at:])
+    return torch.cat([head, tail], 1), mask

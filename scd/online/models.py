@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from scd.online import activated
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -170,9 +172,19 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)
     if adapter:
         from peft import PeftModel
-        model = PeftModel.from_pretrained(model, str(p), is_trainable=False).merge_and_unload()
+        invocation = json.loads((p / "adapter_config.json").read_text()).get("alora_invocation_tokens")
+        base_weights = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True).eval() \
+            if invocation else None
+        config = None
+        if invocation:                           # PEFT cannot merge an aLoRA: merged as the LoRA it is once on
+            from peft import PeftConfig
+            config = PeftConfig.from_pretrained(str(p))
+            config.alora_invocation_tokens = None
+        model = PeftModel.from_pretrained(model, str(p), config=config, is_trainable=False).merge_and_unload()
         both = f"{folder_digest(src)}+{adapter_digest(p)}"
         model.scd_weights_digest = hashlib.sha256(both.encode()).hexdigest()[:32]
+        if invocation:                           # an activated LoRA: merged for the tokens it adapts only
+            model.scd_activation = activated.Activation(base_weights, tuple(int(t) for t in invocation))
     model.eval()
     tok_dir = p if adapter and (p / "tokenizer_config.json").is_file() else src
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)

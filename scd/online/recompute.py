@@ -21,10 +21,12 @@ def run_layers(model, hidden: torch.Tensor, mask: torch.Tensor, positions: torch
     """The consumer's (K post-RoPE, V) of layers [start, stop), each (B, n_kv, T, d_h), from the residual
     stream `hidden` (B, T, H) entering layer `start`, over a left-padded prefix (mask, positions (B, T))."""
     t = hidden.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
-    allowed = causal[None, None] & mask.bool()[:, None, None, :]              # (B, 1, T, T)
-    attn_mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
-        ~allowed, torch.finfo(hidden.dtype).min)
+    attn_mask = None                            # no padding: the attention's own causal path, as a prefill takes
+    if not bool(mask.bool().all()):
+        causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
+        allowed = causal[None, None] & mask.bool()[:, None, None, :]          # (B, 1, T, T)
+        attn_mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+            ~allowed, torch.finfo(hidden.dtype).min)
     emb = cos_sin(model, positions, hidden.dtype)
     cache = DynamicCache(config=model.config)
     x = hidden

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from scd.online import activated
 from scd.online.cache import cache_of
 from scd.online.rope import cos_sin, positions_from_mask, remove_rope
 
@@ -36,6 +37,11 @@ def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, wa
     as itself, and its base model's layers and rotary tables are read."""
     if mask is None:
         mask = torch.ones_like(input_ids)
+    at = activated.switch(model, input_ids)
+    if at == input_ids.shape[1]:                 # an activated LoRA not invoked in the prompt: its base's trace
+        return capture(activated.of(model).base, input_ids, mask, want_xnorm, want_hidden)
+    if at > 0:                                   # invoked inside the prompt: base up to there, adapted after
+        return _capture_switched(model, input_ids, mask, at, want_xnorm, want_hidden)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     positions = positions_from_mask(mask)
     xnorm: list[torch.Tensor] = []
@@ -56,3 +62,21 @@ def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, wa
     content = [remove_rope(k, cos, sin) for k in keys]
     hidden = list(out.hidden_states[:-1]) if want_hidden else None
     return Trace(keys, content, values, xnorm, mask, positions, hidden)
+
+
+def _capture_switched(model, input_ids, mask, at: int, want_xnorm: bool, want_hidden: bool) -> Trace:
+    """The K and V of a prompt that invokes an activated LoRA at `at`: the base's trace of the tokens before,
+    then the adapted model's forward over the rest on that cache (K, V and content only)."""
+    if want_xnorm or want_hidden:
+        raise ValueError("an activated LoRA invoked inside the prefix has no single trace of x_norm or hidden "
+                         "states; capture with want_xnorm=False, want_hidden=False")
+    from scd.online.cache import assemble, forward_on_cache
+    head = capture(activated.of(model).base, input_ids[:, :at], mask[:, :at], False, False)
+    cache = assemble(model, list(zip(head.keys, head.values)))
+    with torch.no_grad():
+        forward_on_cache(model, cache, mask[:, :at], input_ids[:, at:], mask[:, at:])
+    positions = positions_from_mask(mask)
+    cos, sin = cos_sin(model, positions)
+    keys = [layer.keys for layer in cache.layers]
+    return Trace(keys, [remove_rope(k, cos, sin) for k in keys], [layer.values for layer in cache.layers], [], mask,
+                 positions)
