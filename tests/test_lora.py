@@ -186,8 +186,11 @@ def test_demo_prompts_of_a_chat_family_share_the_system_turn(base):
 def test_the_committed_adapters_are_small_and_name_the_fetched_base():
     total = sum(f.stat().st_size for f in SMOLLM2_ADAPTERS.rglob("*") if f.is_file())
     assert total <= 25 * 2**20, f"adapters take {total / 2**20:.1f} MB, the budget is 25 MB together"
-    for name in ("qa", "code", "code_few"):
+    layers = {"code_few": list(range(18, 24)), "qa_top": list(range(22, 30))}
+    for name in ("qa", "code", "code_few", "qa_top", "qa_alora"):
         cfg = json.loads((SMOLLM2_ADAPTERS / name / "adapter_config.json").read_text())
         assert cfg["base_model_name_or_path"] == "~/.scd/models/SmolLM2-135M-Instruct"
         assert json.loads((SMOLLM2_ADAPTERS / name / "scd_train.json").read_text())["specialist"] == name
-        assert cfg["layers_to_transform"] == (list(range(18, 24)) if name == "code_few" else None), cfg
+        assert cfg["layers_to_transform"] == layers.get(name), cfg
+        # the aLoRA is switched on by the assistant header of SmolLM2's chat template: <|im_start|>assistant\n
+        assert cfg.get("alora_invocation_tokens") == ([1, 520, 9531, 198] if name == "qa_alora" else None), cfg
