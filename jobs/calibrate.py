@@ -29,6 +29,7 @@ from scd.evaluation import methods
 from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak
 from scd.fitting import exact, structure
+from scd.fitting.exact import LOSSLESS_KL
 from scd.fitting.calibrate import CalibConfig, Calibration
 from scd.fitting.scoring import PlanScorer
 from scd.fitting.checkpoints import load_record, samples_digest, save_record
@@ -96,11 +97,12 @@ def tradeoff(cal: Calibration, art, tok, val, held) -> list[dict]:
 
 def quality_gate(by: dict, c) -> dict:
     """The publish decision from the held-out rows: SCD's KL against raw KV reuse (which costs the consumer
-    nothing either, at a payload at least SCD's) times calibration.gate_vs_raw_kv, and against the absolute
-    calibration.max_kl. Returns the figures, `passed` and the reasons it failed."""
+    nothing either, at a payload at least SCD's) times calibration.gate_vs_raw_kv unless it is lossless
+    (LOSSLESS_KL), and against the absolute calibration.max_kl. Returns the figures, `passed` and the reasons it failed."""
     kl, raw = by["scd"]["kl"], by["raw_kv"]["kl"]
     reasons = []
-    if c.gate_vs_raw_kv and kl > c.gate_vs_raw_kv * raw:
+    # a lossless cache passes whatever raw KV scores (an aLoRA's prefix: raw KV is exact too)
+    if kl > LOSSLESS_KL and c.gate_vs_raw_kv and kl > c.gate_vs_raw_kv * raw:
         reasons.append(f"held-out KL {kl:.4f} is worse than {c.gate_vs_raw_kv:g} x raw KV reuse's {raw:.4f} "
                        f"(payload {by['scd']['payload_ratio']:.3f} vs {by['raw_kv']['payload_ratio']:.3f})")
     if c.max_kl is not None and kl > c.max_kl:

@@ -132,6 +132,9 @@ def test_quality_gate_compares_with_raw_kv_and_the_absolute_bound():
     assert quality_gate(by, SimpleNamespace(gate_vs_raw_kv=2.5, max_kl=None))["passed"]
     assert quality_gate(by, SimpleNamespace(gate_vs_raw_kv=0, max_kl=None))["passed"]       # gate off
     assert not quality_gate(by, SimpleNamespace(gate_vs_raw_kv=0, max_kl=0.15))["passed"]
+    exact = {"scd": {"kl": 3e-6, "payload_ratio": 1.0}, "raw_kv": {"kl": 0.0, "payload_ratio": 1.0}}
+    assert quality_gate(exact, SimpleNamespace(gate_vs_raw_kv=1.0, max_kl=None))["passed"], \
+        "a lossless cache passes where raw KV is exact too (an aLoRA's prefix)"
 
 
 def test_eval_with_the_config_resumes_the_jobs_checkpoints_and_can_load_the_published_artifact(job, capsys):

@@ -62,6 +62,8 @@ def test_the_entry_chosen_is_the_cheapest_modeled_ttft_that_meets_the_bound():
     slow_link = 1e-4                                                      # bytes dominate: the fewest of them
     assert exact.choose(pts, raw, loose, gbps=slow_link)["entry"] == 4
     assert exact.choose(pts, raw, exact.Bound(0.001, max_consumer_ratio=0.3), gbps=25) is None
+    whole = [{"entry": 8, "consumer_ratio": 0.0, "kl": 3e-6, "payload_bytes": 1800, "consumer_ms": 1.0}]
+    assert exact.choose(whole, 0.0, loose, gbps=25) == whole[0], "lossless passes where raw KV is exact too"
     assert exact.entries(18, 30) == [18, 21, 24, 27, 30] and exact.entries(4, 6) == [4, 5, 6]
     assert exact.entries(18, 30, adapted_until=24) == [18, 20, 21, 22, 30], "above layer 23 it is raw KV again"
 

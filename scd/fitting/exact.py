@@ -18,17 +18,22 @@ from scd.online.artifacts import PairArtifacts, exact_plan
 from scd.online.links import transfer_ms
 
 
+LOSSLESS_KL = 1e-4          # nats per token: a cache this close to the oracle's is lossless, whatever raw KV scores
+
+
 @dataclass(frozen=True)
 class Bound:
-    """What a chosen plan must meet: KL at most max_kl_ratio x raw KV reuse's (and max_kl, when set), with the
+    """What a chosen plan must meet: KL at most max_kl_ratio x raw KV reuse's (and max_kl, when set), or
+    lossless (LOSSLESS_KL: where raw KV is itself exact, an aLoRA's prefix, no ratio to it can be met), with the
     consumer running at most max_consumer_ratio of its layers over the prefix."""
     max_kl_ratio: float
     max_consumer_ratio: float
     max_kl: float | None = None
 
     def meets(self, point: dict, raw_kl: float) -> bool:
-        return (point["kl"] <= self.max_kl_ratio * raw_kl and (self.max_kl is None or point["kl"] <= self.max_kl)
-                and point["consumer_ratio"] <= self.max_consumer_ratio + 1e-9)
+        quality = point["kl"] <= LOSSLESS_KL or (
+            point["kl"] <= self.max_kl_ratio * raw_kl and (self.max_kl is None or point["kl"] <= self.max_kl))
+        return quality and point["consumer_ratio"] <= self.max_consumer_ratio + 1e-9
 
 
 def entries(first_adapted: int, num_layers: int, points: int = 5, adapted_until: int | None = None) -> list[int]:
