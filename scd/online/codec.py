@@ -28,13 +28,14 @@ body at level 3, 2 ms for 1.8 MB).
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 
 import torch
 import zstandard
 
-from scd.online.rebuild import Codes, MixedCode, QuantCode
+from scd.online.rebuild import Codes, MixedCode, QuantCode, entry_groups
 from scd.settings import EXACT_DTYPES as DTYPES
 
 MAGIC = b"SCDC"
@@ -123,68 +124,45 @@ def _asym4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return scale, lo, q[..., 0::2] | (q[..., 1::2] << 4)
 
 
-def _unasym4(scale: torch.Tensor, lo: torch.Tensor, packed: torch.Tensor, r: int) -> torch.Tensor:
-    q = torch.stack([packed & 0xF, packed >> 4], -1).reshape(*packed.shape[:-1], r).float()
-    g = q.reshape(*q.shape[:-1], -1, r // scale.shape[-1])
-    return (g * scale.float()[..., None] + lo.float()[..., None]).reshape(q.shape)
-
-
 def _group(r: int) -> int:
     return KIVI_GROUP if r % KIVI_GROUP == 0 else r
 
 
-def _kivi_tensors(x: torch.Tensor, fd: str) -> tuple[torch.Tensor, ...]:
-    """kivi_k: keys (B, n_kv, T, d) in asymmetric int4 per channel over groups of KIVI_GROUP tokens (the last
-    group padded by repeating the last token); asym4: per group of KIVI_GROUP values of the last dim."""
+def _asym4_shape(shape: tuple[int, ...], fd: str) -> tuple[tuple[int, ...], int]:
+    """(the shape quantised by _asym4, its group) of a kivi_k or asym4 field of `shape`: keys (..., T, d) as
+    (..., d, T') per channel over groups of KIVI_GROUP tokens (T' = T padded to whole groups); values along
+    their last dim."""
     if fd == "asym4":
-        return _asym4(x, _group(x.shape[-1]))
-    t = x.shape[-2]
-    pad = (-t) % KIVI_GROUP
-    x = torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], pad, x.shape[-1])], -2) if pad else x
-    scale, lo, _ = _asym4(x.transpose(-1, -2), KIVI_GROUP)            # (B, n_kv, d, Tp / G)
-    q = torch.round((x - lo.float().transpose(-1, -2).repeat_interleave(KIVI_GROUP, -2)) /
-                    scale.float().transpose(-1, -2).repeat_interleave(KIVI_GROUP, -2)).clamp(0, 15).to(torch.uint8)
-    return scale, lo, q[..., 0::2] | (q[..., 1::2] << 4)
+        return shape, _group(shape[-1])
+    *lead, t, d = shape
+    return (*lead, d, t + (-t) % KIVI_GROUP), KIVI_GROUP
+
+
+def _kivi_tensors(x: torch.Tensor, fd: str) -> tuple[torch.Tensor, ...]:
+    """A kivi_k or asym4 field's wire tensors: _asym4 of the field as _asym4_shape lays it out (keys transposed
+    to channels first, the last group of tokens padded by repeating the last token)."""
+    shape, group = _asym4_shape(tuple(x.shape), fd)
+    if fd == "kivi_k":
+        pad = shape[-1] - x.shape[-2]
+        x = torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], pad, x.shape[-1])], -2).transpose(-1, -2)
+    return _asym4(x, group)
 
 
 def _kivi_bytes(shape: tuple[int, ...], fd: str) -> int:
-    if fd == "asym4":
-        rows = 1
-        for s in shape[:-1]:
-            rows *= s
-        return rows * (shape[-1] // _group(shape[-1]) * 4 + (shape[-1] + 1) // 2)
-    *lead, t, d = shape
-    n = 1
-    for s in lead:
-        n *= s
-    tp = t + (-t) % KIVI_GROUP
-    return n * (tp // KIVI_GROUP * d * 4 + tp * ((d + 1) // 2))
+    (*lead, r), group = _asym4_shape(shape, fd)
+    return math.prod(lead) * (r // group * 4 + (r + 1) // 2)
 
 
 def _kivi_from(body: torch.Tensor, off: int, shape: tuple[int, ...], fd: str) -> torch.Tensor:
     """The float32 tensor of `shape` that a kivi_k or asym4 field at `off` stands for."""
-    *lead, t, d = shape
-    if fd == "asym4":
-        lead = list(shape[:-1])
-        n = 1
-        for s in lead:
-            n *= s
-        groups = d // _group(d)
-        scale = _field(body, off, 2 * n * groups, torch.float16).view(*lead, groups)
-        lo = _field(body, off + 2 * n * groups, 2 * n * groups, torch.float16).view(*lead, groups)
-        packed = _field(body, off + 4 * n * groups, n * ((d + 1) // 2), torch.uint8).view(*lead, (d + 1) // 2)
-        return _unasym4(scale, lo, packed, d)
-    n = 1
-    for s in lead:
-        n *= s
-    tp = t + (-t) % KIVI_GROUP
-    m = n * d * (tp // KIVI_GROUP)
-    scale = _field(body, off, 2 * m, torch.float16).view(*lead, d, tp // KIVI_GROUP)
-    lo = _field(body, off + 2 * m, 2 * m, torch.float16).view(*lead, d, tp // KIVI_GROUP)
-    packed = _field(body, off + 4 * m, n * tp * ((d + 1) // 2), torch.uint8).view(*lead, tp, (d + 1) // 2)
-    q = torch.stack([packed & 0xF, packed >> 4], -1).reshape(*lead, tp, d).float()
-    rep = lambda a: a.float().transpose(-1, -2).repeat_interleave(KIVI_GROUP, -2)  # noqa: E731
-    return (q * rep(scale) + rep(lo))[..., :t, :]
+    (*lead, r), group = _asym4_shape(shape, fd)
+    n, groups = math.prod(lead), r // group
+    scale = _field(body, off, 2 * n * groups, torch.float16).view(*lead, groups)
+    lo = _field(body, off + 2 * n * groups, 2 * n * groups, torch.float16).view(*lead, groups)
+    packed = _field(body, off + 4 * n * groups, n * ((r + 1) // 2), torch.uint8).view(*lead, (r + 1) // 2)
+    q = torch.stack([packed & 0xF, packed >> 4], -1).reshape(*lead, groups, group).float()
+    x = (q * scale.float()[..., None] + lo.float()[..., None]).reshape(*lead, r)
+    return x if fd == "asym4" else x.transpose(-1, -2)[..., :shape[-2], :]
 
 
 def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
@@ -425,12 +403,6 @@ def _decompress(frame: memoryview, size: int) -> bytearray:
         return bytearray(zstandard.ZstdDecompressor().decompress(frame))
     except zstandard.ZstdError as e:
         raise PayloadError(f"compressed body is not a valid zstd frame: {e}") from None
-
-
-def entry_groups(hidden_size: int, head_dim: int) -> tuple[int, int]:
-    """(e_groups, d_e): how a residual stream's H values per token are cut into rows on the wire, one row per
-    head_dim values where H allows it, else one row."""
-    return (hidden_size // head_dim, head_dim) if hidden_size % head_dim == 0 else (1, hidden_size)
 
 
 def artifact_dims(art, level: dict[str, int] | None = None) -> dict[str, int]:

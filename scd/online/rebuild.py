@@ -97,6 +97,12 @@ class Codes:
     level: dict[str, int] | None = None                 # the Reuse ranks these codes were sent at (None: full)
 
 
+def entry_groups(hidden_size: int, head_dim: int) -> tuple[int, int]:
+    """(e_groups, d_e): how a residual stream's H values per token are cut into rows on the wire, one row per
+    head_dim values where H allows it, else one row."""
+    return (hidden_size // head_dim, head_dim) if hidden_size % head_dim == 0 else (1, hidden_size)
+
+
 @torch.no_grad()
 def encode(art: PairArtifacts, trace: Trace, token_ids: torch.Tensor, level: dict[str, int] | None = None) -> Codes:
     """Producer side: codes for every non-exact layer from the producer's own trace. `level`: Reuse ranks
@@ -119,8 +125,7 @@ def encode(art: PairArtifacts, trace: Trace, token_ids: torch.Tensor, level: dic
                 raise ValueError(f"{art.pair}: layer {l} is entered from the producer's residual stream; capture "
                                  f"the trace with want_hidden=True")
             b, t, h = trace.hidden[l].shape
-            e_groups = h // art.spec.head_dim if h % art.spec.head_dim == 0 else 1
-            codes.layers[l] = {"z_e": trace.hidden[l].reshape(b, t, e_groups, h // e_groups)}
+            codes.layers[l] = {"z_e": trace.hidden[l].reshape(b, t, *entry_groups(h, art.spec.head_dim))}
     for l in (art.x_codes if art.x_codes is not None else [l for l, k in enumerate(plan) if k == "hidden"]):
         group = art.group(l)                            # x_norm of every layer of the group side by side
         x = trace.xnorm[l] if len(group) == 1 else torch.cat([trace.xnorm[j] for j in group], -1)
