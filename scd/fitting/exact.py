@@ -50,10 +50,7 @@ def artifact(pair: str, spec, entry: int, code_dtype: str, info: dict | None = N
              whole_prefix: bool = False) -> PairArtifacts:
     """The exact plan entering at `entry` (num_layers: no entry, every layer shared; whole_prefix: an aLoRA's,
     layer 0 sent too, since the consumer's own layer 0 is adapted)."""
-    plan = exact_plan(spec.num_layers, entry, whole_prefix=entry == spec.num_layers)
-    if entry == spec.num_layers and not whole_prefix:
-        plan[0] = "exact"                               # layer 0 from token ids, as every other plan
-    return PairArtifacts.exact(pair, spec, plan, code_dtype, info)
+    return PairArtifacts.exact(pair, spec, exact_plan(spec.num_layers, entry, whole_prefix), code_dtype, info)
 
 
 def curve(producer, consumer, tok, pair: str, spec, found, samples, code_dtype: str, points: int = 5,

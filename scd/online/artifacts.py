@@ -32,6 +32,7 @@ from scd.settings import CODE_DTYPES, EXACT_DTYPES
 FORMAT_VERSION = 2                  # 2: aligners with a causal window and token features
 KINDS = ("exact", "reuse", "hidden", "patch", "shared", "entry", "recompute")
 RUN_KINDS = ("entry", "recompute")          # layers the consumer runs itself over the prefix
+EXACT_KINDS = ("exact", "shared") + RUN_KINDS  # an exact plan's: nothing learned
 # the code sizes one artifact serves, as fractions of its Reuse ranks (nested codes: a shorter code is the
 # leading columns of a longer one); the producer picks one per request (scd.online.links)
 LEVELS = (0.25, 0.5, 0.75, 1.0)
@@ -55,14 +56,16 @@ def code_groups(num_layers: int, size: int) -> list[list[int]]:
 def exact_plan(num_layers: int, first_adapted: int, whole_prefix: bool = False) -> list[str]:
     """The plan of a consumer that shares layers [0, first_adapted) with its producer: layer 0 from token ids,
     the producer's K and V up to first_adapted, then the consumer's own layers entered from the producer's
-    residual. whole_prefix: the whole prefix's cache is the producer's (an activated LoRA before its
-    invocation), every layer shared, layer 0 too (the consumer's own weights are the adapted ones)."""
+    residual (first_adapted == num_layers: every layer but 0 shared, no entry). whole_prefix: the whole
+    prefix's cache is the producer's (an activated LoRA before its invocation), every layer shared, layer 0 too
+    (the consumer's own weights are the adapted ones)."""
     if whole_prefix:
         return ["shared"] * num_layers
-    if not 0 < first_adapted < num_layers:
+    if not 0 < first_adapted <= num_layers:
         raise ValueError(f"an exact entry needs shared layers below an adapted one, got layer {first_adapted} "
                          f"of {num_layers}")
-    return ["exact"] + ["shared"] * (first_adapted - 1) + ["entry"] + ["recompute"] * (num_layers - first_adapted - 1)
+    run = ["entry"] + ["recompute"] * (num_layers - first_adapted - 1) if first_adapted < num_layers else []
+    return ["exact"] + ["shared"] * (first_adapted - 1) + run
 
 
 def level_tag(level: dict[str, int]) -> str:
@@ -103,7 +106,7 @@ class PairArtifacts:
     derived: dict = field(default_factory=dict, repr=False, compare=False)  # per-use tensors made on first use
 
     def __post_init__(self):
-        exact_only = all(k in ("exact", "shared", "entry", "recompute") for k in self.plan)
+        exact_only = all(k in EXACT_KINDS for k in self.plan)
         allowed = EXACT_DTYPES if exact_only else CODE_DTYPES
         if self.code_dtype not in allowed:
             raise ValueError(f"code_dtype must be one of {allowed} for plan kinds {sorted(set(self.plan))}, got "
@@ -134,7 +137,7 @@ class PairArtifacts:
               info: dict | None = None) -> "PairArtifacts":
         """The artifact of an exact plan (`exact_plan`): nothing learned, only how the shared layers and the
         residual travel (code_dtype: bf16, the wire's rounding the only error; int8 with a scale per row)."""
-        if any(k not in ("exact", "shared", "entry", "recompute") for k in plan):
+        if any(k not in EXACT_KINDS for k in plan):
             raise ValueError(f"an exact plan shares, enters and recomputes layers, nothing else: {plan}")
         return cls(pair, spec, 0, 0, 0, 0, list(plan), {}, {}, info=info or {}, code_dtype=code_dtype)
 
