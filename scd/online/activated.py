@@ -40,10 +40,11 @@ def switch(model, ids: torch.Tensor) -> int:
         return 0
     inv = torch.tensor(act.invocation, device=ids.device)
     n, s = len(inv), ids.shape[1]
-    found = set()
-    for row in ids:
-        starts = [i for i in range(s - n, -1, -1) if torch.equal(row[i:i + n], inv)][:1]
-        found.add(starts[0] if starts else s)
+    if s < n:
+        return s
+    hits = (ids.unfold(1, n, 1) == inv).all(-1)                 # (B, S - n + 1): an invocation starts here
+    last = torch.where(hits.any(-1), s - n - hits.flip(-1).int().argmax(-1), s)
+    found = set(last.tolist())
     if len(found) > 1:
         raise ValueError("rows of one batch switch the activated LoRA on at different places; run them apart")
     return found.pop()
