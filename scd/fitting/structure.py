@@ -14,7 +14,6 @@ Two sources, and a check:
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 from scd.fitting.traces import pad
 from scd.online import activated
+from scd.online.models import invocation_tokens
 from scd.online.trace import capture
 
 
@@ -84,7 +84,8 @@ def _layer_tensors(model, l: int) -> dict[str, torch.Tensor]:
 
 def from_weights(producer, consumer) -> SharedStructure:
     """The first layer of the consumer whose tensors differ from the producer's (0 when the token embeddings
-    do), and the layer above the last that differs. Rotary tables are buffers computed from the config, which the pair shares (scd.online.models.check_pair)."""
+    do), and the layer above the last that differs. Rotary tables are buffers computed from the config, which
+    the pair shares (scd.online.models.check_pair)."""
     n = consumer.config.num_hidden_layers
     if not _same(dict(producer.model.embed_tokens.state_dict()), dict(consumer.model.embed_tokens.state_dict())):
         return SharedStructure(0, n, "weights")
@@ -92,17 +93,6 @@ def from_weights(producer, consumer) -> SharedStructure:
     first = differ[0] if differ else n
     until = differ[-1] + 1 if differ and differ[-1] + 1 < n else None
     return SharedStructure(first, n, "weights", adapted_until=until)
-
-
-def invocation_tokens(adapter_dir: str | Path | None) -> tuple[int, ...] | None:
-    """An aLoRA adapter's invocation token ids, from its adapter_config.json (None: not an aLoRA, or no adapter)."""
-    if adapter_dir is None:
-        return None
-    path = Path(adapter_dir).expanduser() / "adapter_config.json"
-    if not path.is_file():
-        return None
-    tokens = json.loads(path.read_text()).get("alora_invocation_tokens")
-    return tuple(int(t) for t in tokens) if tokens else None
 
 
 def find(producer, consumer, adapter_dir: str | Path | None = None) -> SharedStructure:

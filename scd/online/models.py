@@ -126,9 +126,21 @@ def is_adapter(path: str | Path) -> bool:
     return (p / "adapter_config.json").is_file() and not (p / "config.json").is_file()
 
 
+def _adapter_config(path: str | Path) -> dict:
+    return json.loads((Path(path).expanduser() / "adapter_config.json").read_text())
+
+
 def named_base(path: str | Path) -> str | None:
     """The base model an adapter's config names (base_model_name_or_path): a local folder or a hub id."""
-    return json.loads((Path(path).expanduser() / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    return _adapter_config(path).get("base_model_name_or_path")
+
+
+def invocation_tokens(adapter_dir: str | Path | None) -> tuple[int, ...] | None:
+    """An aLoRA adapter's invocation token ids, from its adapter_config.json (None: not an aLoRA, or no adapter)."""
+    if adapter_dir is None or not (Path(adapter_dir).expanduser() / "adapter_config.json").is_file():
+        return None
+    tokens = _adapter_config(adapter_dir).get("alora_invocation_tokens")
+    return tuple(int(t) for t in tokens) if tokens else None
 
 
 def adapter_base(path: str | Path, base: str | Path | None = None) -> Path:
@@ -172,7 +184,7 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)
     if adapter:
         from peft import PeftModel
-        invocation = json.loads((p / "adapter_config.json").read_text()).get("alora_invocation_tokens")
+        invocation = invocation_tokens(p)
         base_weights = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True).eval() \
             if invocation else None
         config = None
@@ -184,7 +196,7 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path 
         both = f"{folder_digest(src)}+{adapter_digest(p)}"
         model.scd_weights_digest = hashlib.sha256(both.encode()).hexdigest()[:32]
         if invocation:                           # an activated LoRA: merged for the tokens it adapts only
-            model.scd_activation = activated.Activation(base_weights, tuple(int(t) for t in invocation))
+            model.scd_activation = activated.Activation(base_weights, invocation)
     model.eval()
     tok_dir = p if adapter and (p / "tokenizer_config.json").is_file() else src
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
