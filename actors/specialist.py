@@ -167,8 +167,9 @@ class SpecialistEngine:
         """Build the request's own cache (codes or prefill) and run its suffix, in the calling thread; then its
         decode steps run in the engine's batch with every other running request (BatchDecoder). Events go to
         put(), from the decode loop's thread: ("token", text piece, logprobs entry or None, tokens so far) per
-        generated token, then ("done", info, finish_reason) with finish_reason "stop" (stop string or EOS) or "length" (max_tokens), or ("error",
-        message). Returns cancel(): the request's row leaves at its next token (a client gone)."""
+        generated token, then ("done", info, finish_reason) with finish_reason "stop" (stop string or EOS) or
+        "length" (max_tokens), or ("error", message). Returns cancel(): the request's row leaves at its next
+        token (a client gone)."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token")
         t_start = time.perf_counter()

@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     make = {"oracle": methods.Oracle, "base": lambda: methods.BaseAlone(producer), "raw_kv": methods.RawKV,
             "int4_kv": methods.Int4KV, "droidspeak": lambda: ds,
             "reuse_only": lambda: methods.reuse_only(art), "scd": lambda: methods.SCDMethod(art, dtype=args.dtype),
-            **{name: lambda d=dtype: methods.exact(pair, spec, found.first_adapted, d, found.invocation_tokens is not None)
+            **{name: lambda d=dtype: methods.exact(pair, spec, found.first_adapted, d,
+                                                   found.invocation_tokens is not None)
                for name, dtype in (("exact", "bf16"), ("exact_int8", "int8"), ("exact_kivi4", "kivi4"))}}
     ms = [make[m]() for m in wanted]
     rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}")

@@ -98,7 +98,8 @@ def tradeoff(cal: Calibration, art, tok, val, held) -> list[dict]:
 def quality_gate(by: dict, c) -> dict:
     """The publish decision from the held-out rows: SCD's KL against raw KV reuse (which costs the consumer
     nothing either, at a payload at least SCD's) times calibration.gate_vs_raw_kv unless it is lossless
-    (LOSSLESS_KL), and against the absolute calibration.max_kl. Returns the figures, `passed` and the reasons it failed."""
+    (LOSSLESS_KL), and against the absolute calibration.max_kl. Returns the figures, `passed` and the reasons
+    it failed."""
     kl, raw = by["scd"]["kl"], by["raw_kv"]["kl"]
     reasons = []
     # a lossless cache passes whatever raw KV scores (an aLoRA's prefix: raw KV is exact too)
@@ -155,10 +156,11 @@ def publish_exact(args, cal: Calibration, tok, chosen: dict, found, shared: dict
     """Evaluate the chosen exact plan on the held-out samples beside the oracle, the base alone, raw KV and
     DroidSpeak at its best block; gate, report (with the quality-against-compute curve) and publish it."""
     producer, consumer = cal.producer, cal.consumer
+    digest = calibration_digest([v.prefix for v in val])           # what the plan was chosen on
     art = exact.artifact(args.pair, cal.spec, chosen["chosen"]["entry"], c.exact_dtype,
                          {"structure": shared, "exact": chosen, "calibration": {
-                             "prefixes": len(val), "rows": 0, "data_digest": calibration_digest([v.prefix for v in val]),
-                             "config": c.model_dump()}}, whole_prefix=shared["invocation_tokens"] is not None)
+                             "prefixes": len(val), "rows": 0, "data_digest": digest, "config": c.model_dump()}},
+                         whole_prefix=shared["invocation_tokens"] is not None)
     log(f"plan {art.plan}")
     ds = methods.DroidSpeak()
 
@@ -181,21 +183,22 @@ def publish_exact(args, cal: Calibration, tok, chosen: dict, found, shared: dict
                      f"; {c.exact_dtype} on the wire",
              "quality bound": f"KL <= {c.max_kl_ratio:g} x raw KV, consumer <= {c.max_consumer_prefill_ratio:g} of a "
                               f"prefill; chosen at the least modeled TTFT at {chosen['gbps']:g} Gbps",
-             "quality gate": f"passed: KL {gate['kl_scd']:.2e} <= {c.gate_vs_raw_kv:g} x raw KV {gate['kl_raw_kv']:.4f}",
+             "quality gate": f"passed: KL {gate['kl_scd']:.2e} <= {c.gate_vs_raw_kv:g} x raw KV "
+                             f"{gate['kl_raw_kv']:.4f}",
              "shared with the producer": f"{found.describe()} (verified: max |difference| "
                                          f"{shared['verified_max_abs']:.2e})"}
     files = report.build_report(args.pair, None, rows, extra=extra, compute=chosen)
-    metrics = {"kl": by["scd"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"], "payload_bytes": float(by["scd"]["payload_bytes"]),
-               "payload_ratio": by["scd"]["payload_ratio"], "top1": by["scd"]["top1"],
-               "consumer_prefill_ratio": by["scd"]["prefill_ratio"], "gate_vs_raw_kv": c.gate_vs_raw_kv,
-               **{f"job_{k}": v for k, v in cost(t0).items()}}
+    metrics = {"kl": by["scd"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"],
+               "payload_bytes": float(by["scd"]["payload_bytes"]), "payload_ratio": by["scd"]["payload_ratio"],
+               "top1": by["scd"]["top1"], "consumer_prefill_ratio": by["scd"]["prefill_ratio"],
+               "gate_vs_raw_kv": c.gate_vs_raw_kv, **{f"job_{k}": v for k, v in cost(t0).items()}}
     if by["scd"].get("retained_gain") is not None:
         metrics["retained_gain"] = by["scd"]["retained_gain"]
     if by["scd"]["f1"] is not None:
         metrics.update(f1=by["scd"]["f1"], f1_oracle=by["oracle"]["f1"], f1_raw_kv=by["raw_kv"]["f1"])
     manifest = store.publish(art, Fingerprints.of(producer=producer, consumer=consumer, tokenizer=tok),
-                             CalibrationData(digest=calibration_digest([v.prefix for v in val]),
-                                             n_prefixes=len(val), rows=0), metrics, {f"report/{k}": v for k, v in files.items()})
+                             CalibrationData(digest=digest, n_prefixes=len(val), rows=0), metrics,
+                             {f"report/{k}": v for k, v in files.items()})
     ref = f"{args.pair}@{manifest.version}"
     save_record(published, {"ref": ref}, {"store": store_uri, "heldout": samples_digest(held)})
     log(f"published {ref} (exact plan, {cost(t0)['wall_s']:.0f} s)")

@@ -36,7 +36,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 DPI = 110
-METHOD_ORDER = ["oracle", "base", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd", "exact", "exact_int8", "exact_kivi4"]
+METHOD_ORDER = ["oracle", "base", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd", "exact", "exact_int8",
+                "exact_kivi4"]
 EVAL_KEYS = ["method", "payload_bytes", "payload_ratio", "kl", "tv", "top1", "greedy", "ppl", "f1", "em",
              "consumer_ms", "prefill_ratio", "samples"]
 POLICY_KEYS = ["base_kl", "sensitivity", "pool", "order", "curve", "k_star", "efficiency", "chosen"]
