@@ -31,6 +31,7 @@ KL of the member's published pair artifact); a `families:` entry then serves it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -229,7 +230,7 @@ def fanout_cost(producer, fam: FamilyArtifacts, pairs: list[PairArtifacts], ids:
                 repeats: int) -> dict:
     """Wire bytes and producer encode ms (median of interleaved rounds, after a warm-up) of a fan-out to every
     member: one family payload against one payload per pair (of `pairs`' artifacts)."""
-    trace = capture(producer, ids, torch.ones_like(ids))
+    trace = capture(producer, ids, torch.ones_like(ids), want_hidden=fam.encoder.needs_hidden)
 
     def payloads(arts):
         return [codec.encode(encode(a, trace, ids), a.pair, "v", codec.artifact_dims(a), a.code_dtype) for a in arts]
@@ -347,6 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
     every = [p for mine in calib for p in mine]
     store = ArtifactStore(args.store or cfg.artifacts.uri)
     served = served_pairs(store, pairs, producer, consumers, tok)
+    if all(e["art"] is not None and e["art"].exact_only for e in served):
+        return exact_family(args, cfg, family_id, names, served, producer, consumers, tok, held, store, every)
     plans = patch_plan(args.patch_layers, served, spec.num_layers, hidden)
     given = {"r_k": c.r_k, "r_v": c.r_v, "r_x": c.r_x, "x_group": c.x_group, "r_h": c.r_h}
     n_patched = len({l for p in plans for l in p})
@@ -403,36 +406,80 @@ def main(argv: list[str] | None = None) -> dict:
                      "payload_ratio": by["family"]["payload_ratio"],
                      "served_payload_ratio": by["served_pair"]["payload_ratio"] if measured else None,
                      "greedy_pair": by["pair"]["greedy"], "greedy_family": by["family"]["greedy"]})
-    ids = torch.tensor([sum((s.prefix.tolist() for s in held[names[0]]), [])[:c.prefix_tokens]])
     published_pairs = all(e["art"] is not None for e in served)
-    cost = fanout_cost(producer, fam, [e["art"] for e in served] if published_pairs else own, ids, args.repeats)
+    cost = fanout_cost(producer, fam, [e["art"] for e in served] if published_pairs else own,
+                       fanout_prefix(held[names[0]], c.prefix_tokens), args.repeats)
     cost["pairs_are"] = "published pair artifacts" if published_pairs else "Reuse-only pair fits"
-
-    out = Path(args.out).expanduser() / cfg.producer.name / args.name
     result = {"family": family_id, "members": pairs, "ranks": ranks, "code_dtype": c.code_dtype, "wire_factor": wire,
               "patch_layers": dict(zip(names, plans)),
               "prefixes": len(every), "heldout": n_held, "kl": rows, "fanout": cost}
+    rows_fitted = next(g for gs in grams.values() for g in gs if g is not None).n
+    return finish(args, cfg, fam, result, f"{c.reuse_source} {ranks}, {c.code_dtype}",
+                  f"{ranks} codes in {c.code_dtype}, Patch layers {dict(zip(names, plans))}", producer, consumers,
+                  tok, store, every, rows_fitted)
+
+
+def fanout_prefix(held: list, tokens: int) -> torch.Tensor:
+    """(1, tokens): a fan-out's prefix for the cost measurement, from one member's held-out prefixes end to end."""
+    return torch.tensor([sum((s.prefix.tolist() for s in held), [])[:tokens]])
+
+
+def finish(args, cfg, fam: FamilyArtifacts, result: dict, what: str, codes: str, producer, consumers: list, tok,
+           store: ArtifactStore, every: list, rows_fitted: int) -> dict:
+    """Write the family artifact, its figures and plot under --out, print the report, and publish with --publish."""
+    out = Path(args.out).expanduser() / cfg.producer.name / args.name
+    rows = result["kl"]
     fam.info = result
     fam.save(out)
     (out / "figures.json").write_text(json.dumps(result, indent=1))
-    plot(rows, out / "family.png", f"{cfg.producer.name}: one code for {len(names)} specialists vs one per pair "
-                                    f"({c.reuse_source} {ranks}, {c.code_dtype})")
-    report(rows, cost, ranks, dict(zip(names, plans)), c.code_dtype)
+    plot(rows, out / "family.png", f"{cfg.producer.name}: one payload for {len(rows)} specialists vs one per pair "
+                                    f"({what})")
+    report(rows, result["fanout"], codes)
     print(f"written: {out}")
     if args.publish:
-        result["published"] = publish(store, fam, producer, consumers, tok, rows, c, every, grams, out)
+        result["published"] = publish(store, fam, producer, consumers, tok, rows, cfg.calibration, every,
+                                      rows_fitted, out)
     return result
 
 
-def report(rows: list[dict], cost: dict, ranks: dict, plans: dict[str, list[int]], dtype: str) -> None:
-    print(f"\nheld-out KL, {ranks} codes in {dtype}, Patch layers {plans} (family payload "
-          f"{rows[0]['payload_ratio']:.3f} of raw KV):")
+def exact_family(args, cfg, family_id: str, names: list[str], served: list[dict], producer, consumers: list, tok,
+                 held: dict, store: ArtifactStore, every: list) -> dict:
+    """A family whose members are all served by exact plans (scd.fitting.exact): nothing is fitted. The family
+    payload carries the producer's K and V once for every layer a member shares, and a residual at each
+    member's entry (FamilyArtifacts); each member's held-out KL from it is scored beside its own payload's."""
+    c = cfg.calibration
+    pairs = [f"{cfg.producer.name}:{n}" for n in names]
+    fam = FamilyArtifacts(family_id, {p: dataclasses.replace(e["art"], pair=family_id, info={}, derived={})
+                                      for p, e in zip(pairs, served)})
+    log(f"members {names} are served by exact plans: one payload of {fam.encoder.plan}")
+    rows = []
+    for j, (name, consumer) in enumerate(zip(names, consumers)):
+        ways = [methods.RawKV(), methods.SCDMethod(served[j]["art"], "served_pair"),
+                methods.SCDMethod(fam.members[pairs[j]], "family", encoder=fam.encoder)]
+        by = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(held[name], ways, desc=f"held-out {name}")}
+        rows.append({"member": name, "raw_kv": by["raw_kv"]["kl"], "pair": None, "family_reuse": None,
+                     "family": by["family"]["kl"], "served_pair": by["served_pair"]["kl"],
+                     "served_pair_source": "measured", "payload_ratio": by["family"]["payload_ratio"],
+                     "served_payload_ratio": by["served_pair"]["payload_ratio"],
+                     "greedy_pair": by["served_pair"]["greedy"], "greedy_family": by["family"]["greedy"]})
+    cost = fanout_cost(producer, fam, [e["art"] for e in served], fanout_prefix(held[names[0]], c.prefix_tokens),
+                       args.repeats)
+    cost["pairs_are"] = "published pair artifacts"
+    result = {"family": family_id, "members": pairs, "plan": fam.encoder.plan, "code_dtype": fam.encoder.code_dtype,
+              "heldout": len(held[names[0]]), "kl": rows, "fanout": cost}
+    return finish(args, cfg, fam, result, f"exact plans, {fam.encoder.code_dtype}",
+                  f"exact plans in {fam.encoder.code_dtype}", producer, consumers, tok, store, every, 0)
+
+
+def report(rows: list[dict], cost: dict, codes: str) -> None:
+    print(f"\nheld-out KL, {codes} (family payload {rows[0]['payload_ratio']:.3f} of raw KV):")
     print(f"  {'member':<10}{'raw_kv':>9}{'pair':>9}{'fam-reuse':>10}{'family':>9}{'published':>11}"
           f"{'greedy pair/family':>21}")
     for r in rows:
         pub = f"{r['served_pair']:.4f}" + ("*" if r["served_pair_source"] == "recorded" else " ") \
             if r["served_pair"] is not None else "-"
-        print(f"  {r['member']:<10}{r['raw_kv']:9.4f}{r['pair']:9.4f}{r['family_reuse']:10.4f}{r['family']:9.4f}"
+        kl = lambda key, w: f"{r[key]:{w}.4f}" if r[key] is not None else f"{'-':>{w}}"   # noqa: E731
+        print(f"  {r['member']:<10}{r['raw_kv']:9.4f}{kl('pair', 9)}{kl('family_reuse', 10)}{r['family']:9.4f}"
               f"{pub:>11}{r['greedy_pair']:11.3f} / {r['greedy_family']:.3f}")
     print("  (pair, fam-reuse: Reuse-only codes of one pair / of the family; family: as served; published: the "
           "member's published pair artifact, * its recorded KL)")
@@ -443,7 +490,7 @@ def report(rows: list[dict], cost: dict, ranks: dict, plans: dict[str, list[int]
 
 
 def publish(store: ArtifactStore, fam: FamilyArtifacts, producer, consumers: list, tok, rows: list[dict], c,
-            calib: list, grams: dict, out: Path) -> str | None:
+            calib: list, rows_fitted: int, out: Path) -> str | None:
     """Publish `fam` when every member's held-out family KL is within calibration.gate_vs_raw_kv of raw KV
     reuse's (as a pair's calibration is gated) and within calibration.family_vs_pair of its published pair
     artifact's (scored on the same samples, else as recorded), if it has one: serving swaps that pair code for
@@ -463,7 +510,6 @@ def publish(store: ArtifactStore, fam: FamilyArtifacts, producer, consumers: lis
                for key in ("family", "family_reuse", "pair", "raw_kv", "served_pair") if r[key] is not None}
     metrics.update(payload_ratio=rows[0]["payload_ratio"],
                    **{k: float(v) for k, v in fam.info["fanout"].items() if k != "pairs_are"})
-    rows_fitted = next(g for gs in grams.values() for g in gs if g is not None).n
     manifest = store.publish_family(
         fam, prints, CalibrationData(digest=data_digest(calib), n_prefixes=len(calib), rows=rows_fitted),
         metrics, {f"report/{name}": (out / name).read_bytes() for name in ("figures.json", "family.png")})

@@ -237,3 +237,97 @@ def test_an_activated_loras_whole_prefix_is_served_from_the_producers_cache(alor
     payload = producer.encode(invoked, ["base:alora"]).per_pair["base:alora"].payload
     _, info, _ = served.complete(invoked, [30, 31], payload, None, params)
     assert info.mode == "fallback" and info.reason == "invocation_in_prefix", info
+
+
+def test_one_family_payload_serves_members_entering_at_different_layers_as_their_own_payloads_do(tmp_path):
+    """Two consumers that share layers [0, 2) and [0, 4) with the producer, and one that shares every layer (an
+    activated LoRA's prefix): the family payload carries the producer's K and V once for every layer some member
+    shares and a residual at each member's entry. Each member rebuilds from it exactly the cache its own payload
+    gives, the family payload is smaller than the three, and it survives a save and load."""
+    import dataclasses
+    from scd.online import codec
+    from scd.online.artifacts import FamilyArtifacts, union_kind
+    from scd.online.rebuild import encode, rebuild
+    from scd.online.trace import capture
+    base = tiny_llama(0, layers=6)
+    spec = ModelSpec.from_config(base.config)
+    consumers = {"a:low": _top_adapted(base, 2), "a:high": _top_adapted(base, 4, seed=2), "a:all": base}
+    arts = {"a:low": exact.artifact("a:low", spec, 2, "bf16"), "a:high": exact.artifact("a:high", spec, 4, "bf16"),
+            "a:all": exact.artifact("a:all", spec, 6, "bf16", whole_prefix=True)}
+    fam = FamilyArtifacts("a:fam", {p: dataclasses.replace(a, pair="a:fam") for p, a in arts.items()})
+    assert fam.encoder.plan == ["shared", "shared", "shared_entry", "shared", "shared_entry", "shared"], fam.encoder.plan
+    assert union_kind(["recompute", "entry"]) == "entry" and union_kind(["recompute", "recompute"]) == "recompute"
+    fam.save(tmp_path / "fam")
+    fam = FamilyArtifacts.load(tmp_path / "fam")
+    ids = torch.randint(2, 97, (1, 19), generator=torch.Generator().manual_seed(5))
+    trace = capture(base, ids, torch.ones_like(ids), want_hidden=True)
+    one = codec.encode(encode(fam.encoder, trace, ids), "a:fam", "v1", codec.artifact_dims(fam.encoder), "bf16")
+    own_bytes = 0
+    for pair, consumer in consumers.items():
+        own = codec.encode(encode(arts[pair], trace, ids), pair, "v1", codec.artifact_dims(arts[pair]), "bf16")
+        own_bytes += len(own)
+        want, _ = rebuild(consumer, arts[pair], codec.decode(own, pair, "v1", arts[pair].plan,
+                                                             codec.artifact_dims(arts[pair])))
+        member = fam.members[pair]
+        got, _ = rebuild(consumer, member, codec.decode(one, "a:fam", "v1", member.payload_plan,
+                                                        codec.artifact_dims(member)))
+        err = max((x - y).abs().max().item() for g, w in zip(got, want) for x, y in zip(g, w))
+        assert err == 0.0, f"{pair}: the family payload rebuilt a cache {err:.2e} away from its own payload's"
+    assert len(one) < 0.75 * own_bytes, f"family payload {len(one)} bytes against {own_bytes} for the three"
+
+
+def test_the_family_job_publishes_exact_members_as_one_payload_and_the_engines_serve_it(top_folder, tmp_path,
+                                                                                         capsys):
+    """Two fine-tunes of the demo base's top two and top three layers, each calibrated to its exact plan:
+    `jobs.family` fits nothing, scores each member's held-out KL from the one family payload as its own
+    payload's, and publishes; a fan-out to both then gets one payload, and each answers as its oracle."""
+    from transformers import AutoModelForCausalLM
+    from artifacts_store import ArtifactStore
+    from jobs.calibrate import main as calibrate
+    from jobs.family import main as family_job
+    folder, first = top_folder
+    three = tmp_path / "top3"
+    base = AutoModelForCausalLM.from_pretrained(DEMO / "base").eval()
+    _top_adapted(base, first - 1, scale=0.3, seed=4).save_pretrained(three)
+    for f in folder.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, three / f.name)
+    cfg = write_config(tmp_path, heldout=2, val=2, gate_vs_raw_kv=1.0)
+    doc = yaml.safe_load(cfg.read_text())
+    doc["specialists"] += [{"name": "top", "path": str(folder)}, {"name": "top3", "path": str(three)}]
+    cfg.write_text(yaml.safe_dump(doc))
+    for pair in ("base:top", "base:top3"):
+        calibrate(["--pair", pair, "--config", str(cfg), "--no-actors"])
+    result = family_job(["--config", str(cfg), "--members", "top,top3", "--name", "share", "--publish",
+                         "--repeats", "1", "--out", str(tmp_path / "family")])
+    out = capsys.readouterr().out
+    assert "stage" not in out and result["published"], out
+    assert result["plan"][first - 1:] == ["shared_entry", "entry", "recompute"], result["plan"]
+    for row in result["kl"]:
+        assert row["family"] == row["served_pair"] < 1e-3, f"{row['member']}: family {row['family']}, own {row['served_pair']}"
+    cost = result["fanout"]
+    assert cost["family_bytes"] < 0.75 * cost["pairs_bytes"], cost
+    store = ArtifactStore(tmp_path / "store")
+    fam, manifest = store.load_family("base:share@latest")
+    tok = _tokenizer_of(folder)
+    producer = ProducerEngine(base, tok, {}, cache_bytes=1 << 20)
+    producer.set_family(fam, manifest.version)
+    models = {"base:top": AutoModelForCausalLM.from_pretrained(folder).eval(),
+              "base:top3": AutoModelForCausalLM.from_pretrained(three).eval()}
+    prefix = tok("Notes: Clara Petrov lives in Galen Cross. Tilda Vance lives in Orrin Vale.")["input_ids"]
+    res = producer.encode(prefix, list(models))
+    assert {e.family for e in res.per_pair.values()} == {"base:share"}
+    assert res.per_pair["base:top"].payload is res.per_pair["base:top3"].payload, "one payload for the fan-out"
+    params = GenParams(max_tokens=8)
+    suffix = tok(" Question: Where does Clara Petrov live? Answer:")["input_ids"]
+    for pair, model in models.items():
+        served = SpecialistEngine(pair, model, tok)
+        served.set_family(fam.members[pair], manifest.version)
+        text, info, _ = served.complete(prefix, suffix, res.per_pair[pair].payload, None, params)
+        assert info.mode == "scd", info
+        assert text == SpecialistEngine(pair, model, tok).complete(prefix, suffix, None, "oracle", params)[0]
+
+
+def _tokenizer_of(folder):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder)

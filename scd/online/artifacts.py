@@ -6,7 +6,9 @@ K and V codecs), "hidden" (Reuse from the producer's hidden state: one code per 
 of every head) or "patch". A consumer that shares layers with its producer (scd.fitting.structure) has three
 more, which need no learned tensors: "shared" (the producer's own K and V, as they are), "entry" (a layer the
 consumer runs itself, from the producer's residual stream entering it, sent) and "recompute" (a layer the
-consumer runs itself after the one below it): `exact_plan`.
+consumer runs itself after the one below it): `exact_plan`. A family of such consumers sends one payload laid
+out by the union of their plans, where a layer may carry both the producer's K and V and its residual
+("shared_entry": a wire kind only, one member shares the layer while another enters there).
 
 Hidden-state codes may serve a group of adjacent layers (`x_groups`, xKV's shared cross-layer subspace): one
 code per token read from the producer's x_norm of every layer of the group side by side and decoded into the
@@ -30,9 +32,10 @@ from scd.online.reuse import LinearCodec
 from scd.settings import CODE_DTYPES, EXACT_DTYPES
 
 FORMAT_VERSION = 2                  # 2: aligners with a causal window and token features
-KINDS = ("exact", "reuse", "hidden", "patch", "shared", "entry", "recompute")
+KINDS = ("exact", "reuse", "hidden", "patch", "shared", "entry", "recompute", "shared_entry")
 RUN_KINDS = ("entry", "recompute")          # layers the consumer runs itself over the prefix
 EXACT_KINDS = ("exact", "shared") + RUN_KINDS  # an exact plan's: nothing learned
+ENTERED = ("entry", "shared_entry")         # wire kinds that carry a residual stream
 # the code sizes one artifact serves, as fractions of its Reuse ranks (nested codes: a shorter code is the
 # leading columns of a longer one); the producer picks one per request (scd.online.links)
 LEVELS = (0.25, 0.5, 0.75, 1.0)
@@ -106,7 +109,7 @@ class PairArtifacts:
     derived: dict = field(default_factory=dict, repr=False, compare=False)  # per-use tensors made on first use
 
     def __post_init__(self):
-        exact_only = all(k in EXACT_KINDS for k in self.plan)
+        exact_only = all(k in EXACT_KINDS + ("shared_entry",) for k in self.plan)
         allowed = EXACT_DTYPES if exact_only else CODE_DTYPES
         if self.code_dtype not in allowed:
             raise ValueError(f"code_dtype must be one of {allowed} for plan kinds {sorted(set(self.plan))}, got "
@@ -122,9 +125,9 @@ class PairArtifacts:
                 raise ValueError(f"layer {l} is planned as hidden but has no hidden-state codec")
             if kind == "patch" and (l not in self.patch_enc or l not in self.aligners):
                 raise ValueError(f"layer {l} is planned as patch but has no encoder/aligner")
-            if kind == "entry" and l == 0:
+            if kind in ENTERED and l == 0:
                 raise ValueError("layer 0 cannot be entered from a residual stream: running it is a prefill")
-            if kind == "recompute" and (l == 0 or self.plan[l - 1] not in RUN_KINDS):
+            if kind == "recompute" and (l == 0 or self.plan[l - 1] not in RUN_KINDS + ("shared_entry",)):
                 raise ValueError(f"layer {l} is planned as recompute but layer {l - 1} below it is not run by "
                                  f"the consumer (a block starts with an entry)")
 
@@ -137,13 +140,18 @@ class PairArtifacts:
               info: dict | None = None) -> "PairArtifacts":
         """The artifact of an exact plan (`exact_plan`): nothing learned, only how the shared layers and the
         residual travel (code_dtype: bf16, the wire's rounding the only error; int8 with a scale per row)."""
-        if any(k not in EXACT_KINDS for k in plan):
+        if any(k not in EXACT_KINDS + ("shared_entry",) for k in plan):
             raise ValueError(f"an exact plan shares, enters and recomputes layers, nothing else: {plan}")
         return cls(pair, spec, 0, 0, 0, 0, list(plan), {}, {}, info=info or {}, code_dtype=code_dtype)
 
     def group(self, layer: int) -> list[int]:
         """The layers that share a layer's hidden-state code (itself alone without x_groups)."""
         return next((g for g in self.x_groups if layer in g), [layer])
+
+    @property
+    def exact_only(self) -> bool:
+        """Whether its plan is an exact plan's (`exact_plan`): nothing learned."""
+        return all(k in EXACT_KINDS for k in self.plan)
 
     @property
     def payload_plan(self) -> list[str]:
@@ -182,7 +190,7 @@ class PairArtifacts:
     @property
     def needs_hidden(self) -> bool:
         """Whether its payloads carry a residual stream (the producer's trace must hold them)."""
-        return "entry" in self.payload_plan
+        return bool(set(ENTERED) & set(self.payload_plan))
 
     def reuse_decoders(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Decoders of the given Reuse layers stacked for one batched matmul, made once:
@@ -373,10 +381,14 @@ class FamilyArtifacts:
         if len(self.members) < 2:
             raise ValueError(f"a family needs two or more members, got {sorted(self.members)}")
         first = next(iter(self.members.values()))
-        encoders: dict[str, torch.Tensor] = {}
         for name, art in self.members.items():
             if art.pair != self.family:
                 raise ValueError(f"member {name} carries pair {art.pair!r}, not the family's {self.family!r}")
+        if all(k in EXACT_KINDS for art in self.members.values() for k in art.plan):
+            self._exact(first)
+            return
+        encoders: dict[str, torch.Tensor] = {}
+        for name, art in self.members.items():
             same = (art.spec, art.reuse_ranks, art.code_dtype, art.x_groups) == \
                 (first.spec, first.reuse_ranks, first.code_dtype, first.x_groups)
             other_kinds = [(a, b) for a, b in zip(art.plan, first.plan) if a != b and "patch" not in (a, b)]
@@ -396,6 +408,17 @@ class FamilyArtifacts:
         self.encoder = dataclasses.replace(
             first, plan=plan, patch_enc={l: a.patch_enc[l] for l, a in patched.items()},
             aligners={l: a.aligners[l] for l, a in patched.items()}, wire_plan=[], wire_x_codes=x_codes, derived={})
+
+    def _exact(self, first: PairArtifacts) -> None:
+        """Members on exact plans (nothing learned): the payload is the union of their plans, the producer's K and V
+        of every layer a member shares and its residual at every layer a member enters (`union_kind`), sent
+        once; each member takes what lies below its own entry."""
+        other = [name for name, a in self.members.items() if (a.spec, a.code_dtype) != (first.spec, first.code_dtype)]
+        if other:
+            raise ValueError(f"members {other} do not share the family's model shape and wire precision")
+        plan = [union_kind([a.plan[l] for a in self.members.values()]) for l in range(first.spec.num_layers)]
+        self.members = {name: dataclasses.replace(art, wire_plan=plan, derived={}) for name, art in self.members.items()}
+        self.encoder = PairArtifacts.exact(self.family, first.spec, plan, first.code_dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The shared encoders once ("shared.*": every member's, the family's encoder), then each member's own
@@ -436,6 +459,16 @@ class FamilyArtifacts:
     def load(cls, directory: str | Path) -> "FamilyArtifacts":
         d = Path(directory)
         return cls.from_parts(json.loads((d / "family.json").read_text()), load_file(str(d / "tensors.safetensors")))
+
+
+def union_kind(kinds: list[str]) -> str:
+    """What one layer of an exact family's payload carries, given each member's plan kind there: the producer's K
+    and V if a member shares the layer, its residual if a member enters there (both: "shared_entry"), nothing if
+    every member runs it or regenerates it (layer 0)."""
+    shared, entered = "shared" in kinds, "entry" in kinds
+    if shared or entered:
+        return "shared_entry" if shared and entered else "shared" if shared else "entry"
+    return "recompute" if "recompute" in kinds else "exact"
 
 
 def _shared(art: PairArtifacts) -> dict[str, torch.Tensor]:

@@ -45,7 +45,8 @@ ZSTD_LEVEL = 3          # code_few's payloads: level 1 0.868 of the body in 3.0 
 _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # code tensor names per layer kind, and which dims of the artifact give their last axis
 FIELDS = {"reuse": (("z_k", "r_k"), ("z_v", "r_v")), "hidden": (("z_x", "r_x"),), "patch": (("z_h", "r_h"),),
-          "exact": (), "shared": (("k", "d_kv"), ("v", "d_kv")), "entry": (("z_e", "d_e"),), "recompute": ()}
+          "exact": (), "shared": (("k", "d_kv"), ("v", "d_kv")), "entry": (("z_e", "d_e"),), "recompute": (),
+          "shared_entry": (("k", "d_kv"), ("v", "d_kv"), ("z_e", "d_e"))}
 PER_TOKEN = ("z_h", "z_x")          # one code per token (B, T, r); the others one per KV head (B, n_kv, T, r)
 # a residual stream entering a layer (B, T, H) travels as (B, T, e_groups, d_e): rows of d_e values, each
 # with its own scale when quantised (one scale per 576-wide row lets the stream's few large channels set
@@ -409,7 +410,7 @@ def artifact_dims(art, level: dict[str, int] | None = None) -> dict[str, int]:
     """The dims a payload of `art` carries at `level` (Reuse ranks; default the full ones); with shared or
     entered layers in its plan, their widths too."""
     dims = {"n_kv": art.spec.num_kv_heads, "r_k": art.r_k, "r_v": art.r_v, "r_h": art.r_h, "r_x": art.r_x}
-    if {"shared", "entry"} & set(art.payload_plan):
+    if {"shared", "entry", "shared_entry"} & set(art.payload_plan):
         e_groups, d_e = entry_groups(art.spec.hidden_size, art.spec.head_dim)
         dims.update(d_kv=art.spec.head_dim, e_groups=e_groups, d_e=d_e)
     return {**dims, **(level or {})}

@@ -9,6 +9,7 @@ Codes for one request (batch B, prefix length T), per layer by the artifact's pl
   shared: k (post-RoPE), v (B, n_kv, T, d_h): the producer's own, for a layer the consumer shares exactly
   entry: z_e (B, T, e_groups, d_e): the producer's residual stream entering the layer, from which the consumer
          runs its own layers up to the next that is not "recompute" (scd.online.recompute)
+  shared_entry: k, v and z_e (a family's payload: one member shares the layer, another enters there)
 plus token ids and the left-padding mask, both (B, T).
 """
 from __future__ import annotations
@@ -118,14 +119,14 @@ def encode(art: PairArtifacts, trace: Trace, token_ids: torch.Tensor, level: dic
                                "z_v": art.reuse_v[l].encode(trace.values[l], rank("r_v"))}
         elif kind == "patch":
             codes.layers[l] = {"z_h": art.patch_enc[l].encode(trace.xnorm[l])}
-        elif kind == "shared":
+        if kind in ("shared", "shared_entry"):
             codes.layers[l] = {"k": trace.keys[l], "v": trace.values[l]}
-        elif kind == "entry":
+        if kind in ("entry", "shared_entry"):
             if trace.hidden is None:
                 raise ValueError(f"{art.pair}: layer {l} is entered from the producer's residual stream; capture "
                                  f"the trace with want_hidden=True")
             b, t, h = trace.hidden[l].shape
-            codes.layers[l] = {"z_e": trace.hidden[l].reshape(b, t, *entry_groups(h, art.spec.head_dim))}
+            codes.layers.setdefault(l, {})["z_e"] = trace.hidden[l].reshape(b, t, *entry_groups(h, art.spec.head_dim))
     for l in (art.x_codes if art.x_codes is not None else [l for l, k in enumerate(plan) if k == "hidden"]):
         group = art.group(l)                            # x_norm of every layer of the group side by side
         x = trace.xnorm[l] if len(group) == 1 else torch.cat([trace.xnorm[j] for j in group], -1)

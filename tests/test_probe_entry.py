@@ -1,0 +1,43 @@
+"""The recompute-block probe (tools.probe_entry): its plain entry is DroidSpeak's block, and a fitted aligned
+entry brings the producer's residual closer to the consumer's on prefixes it was not fitted on."""
+import torch
+
+from scd.evaluation.methods import DroidSpeak
+from scd.fitting.gram import JointGram
+from scd.online.trace import capture
+from tests.conftest import perturbed, tiny_llama
+from tests.test_pipeline_tiny import _samples
+from tools.probe_entry import Entry
+
+
+def _pair():
+    a = tiny_llama(0, layers=4)
+    return a, perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
+
+
+def test_a_plain_entry_is_droidspeaks_block_from_there_to_the_top():
+    a, b = _pair()
+    ids = _samples(1, 5)[0].prefix[None]
+    mask = torch.ones_like(ids)
+    tr = capture(a, ids, mask, want_hidden=True)
+    got = Entry(2, 4, None, None).build(b, ids, mask, tr).kv
+    want = DroidSpeak(2, start=2).build(b, ids, mask, tr).kv
+    err = max((x - y).abs().max().item() for g, w in zip(got, want) for x, y in zip(g, w))
+    assert err == 0.0, f"the probe's entry at 2 and DroidSpeak's block [2, 4) differ by {err:.2e}"
+
+
+def test_an_aligned_entry_fitted_on_calibration_prefixes_is_closer_to_the_consumers_residual_held_out():
+    a, b = _pair()
+    h = a.config.hidden_size
+    gram = JointGram(h, h)
+    for s in _samples(24, 2):
+        ta, tb = (capture(m, s.prefix[None], want_hidden=True) for m in (a, b))
+        gram.update(ta.hidden[2][0], tb.hidden[2][0] - ta.hidden[2][0])
+    align = gram.fit_regression(h, 1e-2)
+    raw = fitted = 0.0
+    for s in _samples(6, 11):
+        ta, tb = (capture(m, s.prefix[None], want_hidden=True) for m in (a, b))
+        x, want = ta.hidden[2][0], tb.hidden[2][0]
+        raw += (x - want).pow(2).sum().item()
+        fitted += (x + align.decode(align.encode(x)) - want).pow(2).sum().item()
+    assert fitted < 0.9 * raw, f"aligned entry's squared error {fitted:.3g}, the producer's residual's {raw:.3g}"

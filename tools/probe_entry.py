@@ -1,0 +1,130 @@
+"""What a recompute block can reach on a specialist adapted on every layer: a probe, not a serving path.
+
+    python -m tools.probe_entry --config configs/smollm2.yaml --pair smollm2:code --entries 8,12,16,20
+
+For each entry layer e the consumer runs its own layers e..L-1 over the prefix (a cost of (L - e) / L of a
+prefill) from a residual stream entering e, and takes layers 1..e-1 from the producer. Four ways, each
+scored by held-out KL against raw KV reuse's:
+
+  e<e>        the producer's residual as it is, the producer's K and V below: DroidSpeak's entry
+  e<e>+align  the residual through a linear map fitted to the consumer's residual at e (a Patch-style
+              aligned entry; closed form, ridge, as a correction to the producer's residual)
+  e<e>+below  the producer's residual, and below e the consumer's K and V predicted from the producer's
+              x_norm by a full-rank linear map per layer (the best a per-token hidden-state code can send)
+  e<e>+both   both
+
+plus `below` alone (no block: every layer 1..L-1 predicted). Layer 0 is always exact. No rounding on the
+wire: the figures are what the maps can do, not a payload. The maps are fitted on --prefixes calibration
+prefixes.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+
+from cluster.config import load_config
+from scd.data import samples
+from scd.evaluation import methods
+from scd.evaluation.evaluate import Evaluator
+from scd.fitting.gram import JointGram
+from scd.online.models import load
+from scd.online.recompute import run_layers
+from scd.online.reuse import LinearCodec
+from scd.online.rope import apply_rope, cos_sin
+from scd.online.trace import capture
+
+
+def kv_rows(trace, layer: int) -> torch.Tensor:
+    """(T, 2 n_kv d): a one-sequence trace's K before RoPE and V of one layer, side by side."""
+    rows = lambda t: t[0].transpose(0, 1).flatten(1).float()       # noqa: E731  (1, n_kv, T, d) -> (T, n_kv d)
+    return torch.cat([rows(trace.content[layer]), rows(trace.values[layer])], 1)
+
+
+class Entry(methods.Method):
+    """The producer's K and V (or `below`'s predictions) at layers 1..e-1, the consumer's own from e, entered
+    from the producer's residual (through `align` when given)."""
+
+    def __init__(self, entry: int, num_layers: int, align: LinearCodec | None, below: dict[int, LinearCodec] | None):
+        self.entry, self.num_layers, self.align, self.below = entry, num_layers, align, below
+        self.name = ("below" if entry == num_layers else f"e{entry}") + (
+            "+both" if align and below and entry < num_layers else "+align" if align else
+            "+below" if below and entry < num_layers else "")
+
+    def build(self, consumer, ids, mask, tr):
+        t0 = time.perf_counter()
+        kv = list(zip(tr.keys, tr.values))
+        _, n_kv, t, d = tr.keys[0].shape
+        if self.below:
+            cos, sin = cos_sin(consumer, tr.positions)
+            for l in range(1, self.entry):
+                y = self.below[l].decode(self.below[l].encode(tr.xnorm[l][0].float()))
+                k, v = (y[:, i * n_kv * d:(i + 1) * n_kv * d].view(t, n_kv, d).transpose(0, 1)[None] for i in (0, 1))
+                kv[l] = (apply_rope(k, cos, sin), v)
+        if self.entry < self.num_layers:
+            h = tr.hidden[self.entry]
+            if self.align is not None:
+                h = h + self.align.decode(self.align.encode(h.float()))
+            kv[self.entry:] = run_layers(consumer, h, mask, tr.positions, self.entry, self.num_layers)
+        return methods.Built(kv, 0, (time.perf_counter() - t0) * 1e3)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="tools.probe_entry", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/smollm2.yaml")
+    p.add_argument("--pair", required=True, help="producer:specialist of the config")
+    p.add_argument("--entries", default="8,12,16,20", help="entry layers, comma-separated")
+    p.add_argument("--prefixes", type=int, default=48, help="calibration prefixes the maps are fitted on")
+    p.add_argument("--samples", type=int, default=8, help="held-out samples")
+    p.add_argument("--ridge", type=float, default=1e-2, help="the aligned entry's ridge, relative to the "
+                                                             "residual's mean variance")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config)
+    name = args.pair.split(":", 1)[-1]
+    try:
+        s = cfg.specialist(name)
+    except KeyError as e:
+        raise SystemExit(str(e.args[0])) from None
+    torch.manual_seed(cfg.calibration.seed)
+    producer, tok, spec = load(cfg.producer.path)
+    consumer, _, _ = load(s.path, base=s.base)
+    L, hsize = spec.num_layers, spec.hidden_size
+    try:
+        entries = sorted({int(e) for e in args.entries.split(",")})
+    except ValueError:
+        raise SystemExit(f"--entries must be layer numbers, comma-separated: {args.entries!r}") from None
+    if not all(1 <= e < L for e in entries):
+        raise SystemExit(f"--entries must be within 1..{L - 1}")
+    calib, _, held = samples.pair_data(name, tok, args.prefixes, 0, args.samples, cfg.calibration.prefix_tokens)
+    kv_width = 2 * spec.num_kv_heads * spec.head_dim
+    entry_grams = {e: JointGram(hsize, hsize) for e in entries}
+    below_grams = {l: JointGram(hsize, kv_width) for l in range(1, L)}
+    for ids in tqdm(calib, desc="paired traces"):
+        ids = torch.as_tensor(ids)[None]
+        a = capture(producer, ids, want_hidden=True)
+        b = capture(consumer, ids, want_xnorm=False, want_hidden=True)
+        for e, g in entry_grams.items():
+            g.update(a.hidden[e][0].float(), (b.hidden[e][0] - a.hidden[e][0]).float())
+        for l, g in below_grams.items():
+            g.update(a.xnorm[l][0].float(), kv_rows(b, l))
+    align = {e: g.fit_regression(hsize, args.ridge) for e, g in entry_grams.items()}
+    below = {l: g.fit_regression(kv_width, cfg.calibration.ridge) for l, g in below_grams.items()}
+    ways = [methods.RawKV(), Entry(L, L, None, below)] + [
+        Entry(e, L, al, bl) for e in entries for al in (None, align[e]) for bl in (None, below)]
+    rows = Evaluator(producer, consumer, tok).run(held, ways, desc=f"held-out {args.pair}")
+    raw = rows[0]["kl"]
+    print(f"\n{args.pair}: recompute blocks entered at {entries}; maps fitted on {len(calib)} calibration prefixes, "
+          f"{len(held)} held-out")
+    for r, w in zip(rows, ways):
+        cost = (L - w.entry) / L if isinstance(w, Entry) else 0.0
+        f1 = f"  F1 {r['f1']:.3f}" if r["f1"] is not None else ""
+        print(f"  {r['method']:<12} consumer {cost:.2f}  KL {r['kl']:.4f} = {r['kl'] / raw:.3f} x raw KV  "
+              f"greedy {r['greedy']:.3f}{f1}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
