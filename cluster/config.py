@@ -230,6 +230,12 @@ class CalibrationSettings(CalibConfig):
         "the quality bound a plan is chosen under: validation KL at most this x raw KV reuse's"))
     max_consumer_prefill_ratio: float = Field(0.5, ge=0, le=1, description=(
         "the ceiling on the consumer's compute over the prefix, as a share of its own prefill's layers"))
+    min_retained_gain: float | None = Field(None, ge=0, le=1, description=(
+        "the quality bound's task figure: a chosen plan keeps at least this share of the specialist's gain over "
+        "the base alone on the validation samples (F1 for QA, perplexity for text; unset: KL alone)"))
+    recompute_blocks: bool = Field(True, description=(
+        "where the fitted codes miss the quality bound, try plans in which the consumer runs its own top layers "
+        "from an aligned residual over the codes below (scd.fitting.blocks), within max_consumer_prefill_ratio"))
     family_vs_pair: float = Field(1.25, ge=0, description=(
         "a family's quality gate besides gate_vs_raw_kv: publish it only if each member's held-out KL under the "
         "family code is <= this x the KL its published pair artifact recorded (a fan-out to the family gets "

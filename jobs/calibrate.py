@@ -19,6 +19,7 @@ from pathlib import Path
 
 import ray
 import torch
+from safetensors.torch import load_file, save_file
 
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints, calibration_digest
 from cluster.config import load_config
@@ -28,13 +29,14 @@ from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak
-from scd.fitting import exact, structure
+from scd.fitting import blocks, exact, structure
 from scd.fitting.exact import LOSSLESS_KL
 from scd.fitting.calibrate import CalibConfig, Calibration
 from scd.fitting.scoring import PlanScorer
 from scd.fitting.checkpoints import load_record, samples_digest, save_record
 from scd.online.models import is_adapter, load_pair
 from scd.online.rebuild import encode, rebuild
+from scd.online.reuse import LinearCodec
 from scd.online.trace import capture
 
 PARETO_GRID = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 24), (16, 24), (24, 32)]
@@ -117,7 +119,7 @@ def error_split(cal: Calibration, art, val) -> dict[str, float]:
     """Where the published plan's error lives: its validation KL as built, and with the consumer's own keys
     (or values) put back at every layer, or its own K and V in one half of the layers."""
     n, mid = cal.spec.num_layers, cal.spec.num_layers // 2
-    scorer = PlanScorer(cal.producer, cal.consumer, val, lambda plan: art.with_plan(plan))
+    scorer = PlanScorer(cal.producer, cal.consumer, val, lambda plan: art.with_plan(plan), hidden=art.needs_hidden)
     cases = {"as built": ((), "kv"), "own K at every layer": (range(n), "k"), "own V at every layer": (range(n), "v"),
              f"own K, V at layers 0-{mid - 1}": (range(mid), "kv"), f"own K, V at layers {mid}-{n - 1}": (range(mid, n), "kv")}
     return {name: scorer.kl(art.plan, layers, streams) for name, (layers, streams) in cases.items()}
@@ -130,7 +132,7 @@ def xnorm_profile(cal: Calibration, art, samples_) -> dict[str, list[float]]:
     for s in samples_:
         ids = s.prefix[None]
         mask = torch.ones_like(ids)
-        ptrace = capture(cal.producer, ids, mask)
+        ptrace = capture(cal.producer, ids, mask, want_hidden=art.needs_hidden)
         o = capture(cal.consumer, ids, mask, want_xnorm=False)
         oracle = list(zip(o.keys, o.values))
         for name, a in plans.items():
@@ -149,6 +151,39 @@ def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None) -> dict
                        log, load_record(path, inputs, log))
     save_record(path, {k: rec[k] for k in ("points", "raw_kv")}, inputs)
     return rec if rec["chosen"] is not None else None
+
+
+def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None):
+    """The fitted codes where they meet the quality bound on the validation samples; else the recompute block
+    over them (scd.fitting.blocks) that meets it at the least modeled TTFT, when one does (else the codes, and
+    the quality gate decides). The curve is checkpointed and recorded in art.info["blocks"]."""
+    bound = exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl, c.min_retained_gain)
+    es = blocks.entries(cal.spec.num_layers, c.max_consumer_prefill_ratio)
+    path, inputs = cal.dir / "blocks.json", {"samples": samples_digest(val), "entries": es}
+    tensors = cal.dir / "entry-aligners.safetensors"
+    rec = load_record(path, inputs, log)
+    if rec is None:
+        points, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}")
+        if not bound.meets(points[0], raw["kl"]) and es:
+            aligners = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], es)
+            save_file({k: v for e, a in aligners.items() for k, v in a.tensors(f"entry.{e}").items()}, str(tensors))
+            more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,
+                                   desc=f"recompute blocks {cal.pair}")
+            points += more
+        rec = save_record(path, {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio")}}, inputs)
+    raw_kl = rec["raw_kv"]["kl"]
+    log(f"plans (validation): {blocks.describe(rec['points'], raw_kl)}")
+    chosen = exact.choose(rec["points"], raw_kl, bound, gbps or DEFAULT_GBPS)
+    art.info["blocks"] = {**rec, "chosen": chosen, "bound": vars(bound), "gbps": gbps or DEFAULT_GBPS}
+    if chosen is None or chosen["entry"] == cal.spec.num_layers:
+        log("codes alone" + (" (within the quality bound)" if chosen else ": no plan meets the quality bound"))
+        return art
+    t = load_file(str(tensors))
+    out = blocks.block_artifact(art, chosen["entry"], LinearCodec.from_tensors(t, f"entry.{chosen['entry']}"))
+    out.info = art.info
+    log(f"recompute block: the consumer runs layers {chosen['entry']}-{cal.spec.num_layers - 1} from the aligned "
+        f"residual (validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill)")
+    return out
 
 
 def publish_exact(args, cal: Calibration, tok, chosen: dict, found, shared: dict, held, val, store, store_uri: str,
@@ -281,14 +316,17 @@ def main(argv: list[str] | None = None) -> str:
     tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens, c.finetune_tokens,
                                 text_file=c.text_file)
     art = cal.run(val, capture_pair, tune)
-    log(f"plan {art.plan}")
     art.info["structure"] = shared
+    if c.recompute_blocks:
+        art = block_plan(cal, art, tok, calib, val, c, cfg.link_gbps().get(args.pair))
+    log(f"plan {art.plan}")
+    tag = "".join(f"-e{s}" for s, _ in art.blocks)     # the held-out checkpoints of a plan with a block
 
     def evaluate():
         ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV(), methods.reuse_only(art),
               methods.SCDMethod(art)]
         return Evaluator(producer, consumer, tok).run(held, ms, desc=f"held-out {args.pair}")
-    rows = checkpointed(cal.dir / "eval.json", evaluate, held)
+    rows = checkpointed(cal.dir / f"eval{tag}.json", evaluate, held)
     by = {r["method"]: r for r in rows}
     log("held-out: " + ", ".join(f"{m} kl={r['kl']:.4f} ratio={r['payload_ratio']:.3f}"
                                  + (f" f1={r['f1']:.3f}" if r["f1"] is not None else "") for m, r in by.items()))
@@ -300,7 +338,7 @@ def main(argv: list[str] | None = None) -> str:
             f"quality_gate. Figures in {cal.dir / 'gate.json'}")
         raise SystemExit(3)
     log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
-    rows += checkpointed(cal.dir / "tradeoff.json", lambda: tradeoff(cal, art, tok, val, held), held)
+    rows += checkpointed(cal.dir / f"tradeoff{tag}.json", lambda: tradeoff(cal, art, tok, val, held), held)
     # every level's held-out figures, and whether it passes the same quality gate (a link never gets a level
     # known to be worse than raw KV reuse; the full code passed it to be published)
     by.update((r["method"], r) for r in rows)
@@ -308,8 +346,8 @@ def main(argv: list[str] | None = None) -> str:
                            "servable": quality_gate({**by, "scd": r}, c)["passed"]}
                           for level, r in ((lv, by[methods.level_name(art, lv)]) for lv in art.levels)]
     grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val), val)
-    xn = checkpointed(cal.dir / "xnorm.json", lambda: xnorm_profile(cal, art, held[:8]), held[:8])
-    split = checkpointed(cal.dir / "split.json", lambda: error_split(cal, art, val), val)
+    xn = checkpointed(cal.dir / f"xnorm{tag}.json", lambda: xnorm_profile(cal, art, held[:8]), held[:8])
+    split = checkpointed(cal.dir / f"split{tag}.json", lambda: error_split(cal, art, val), val)
 
     info = art.info["calibration"]
     ranks = {"r_x": art.r_x} if art.reuse_x else {"r_k": art.r_k, "r_v": art.r_v}
@@ -327,7 +365,11 @@ def main(argv: list[str] | None = None) -> str:
             f"{t['payload_ratio']:.3f}" for t in art.info["ranks"]["tried"])
         if "wire_factor" in art.info["ranks"]:
             extra["wire"] = f"sends {art.info['ranks']['wire_factor']:.3f} of the code bytes (zstd), counted in the budget"
-    files = report.build_report(args.pair, art.info["policy"], rows, grid, xn, extra)
+    if art.blocks:
+        s, _ = art.blocks[0]
+        extra["plan"] = (f"codes below layer {s}, the consumer's own layers {s}-{cal.spec.num_layers - 1} from the "
+                         f"producer's residual through an aligner (a recompute block)")
+    files = report.build_report(args.pair, art.info["policy"], rows, grid, xn, extra, compute=art.info.get("blocks"))
     metrics = {"kl": by["scd"]["kl"], "kl_reuse_only": by["reuse_only"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"],
                "payload_bytes": float(by["scd"]["payload_bytes"]), "payload_ratio": by["scd"]["payload_ratio"],
                "top1": by["scd"]["top1"], "gate_vs_raw_kv": c.gate_vs_raw_kv, **{f"job_{k}": v for k, v in cost(t0).items()}}

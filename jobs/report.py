@@ -14,8 +14,8 @@ The figures mirror the SCD paper's Figures 4-7:
 - `tradeoff.png` (optional, from the held-out rows): KL vs payload ratio of every evaluated method; SCD's code
   levels (`scd@...`, the nested codes one artifact serves, and `scd`, its full code) joined by a line, the
   full code circled, the baselines (raw KV, INT4 KV, DroidSpeak, Reuse-only) as labelled points.
-- `compute.png` (exact plans): validation KL against the consumer's compute over the prefix (the share of its
-  layers it runs), one point per entry layer of the exact plans, the chosen one circled, raw KV reuse and
+- `compute.png` (exact plans, and codes with recompute blocks tried): validation KL against the consumer's
+  compute over the prefix (the share of its layers it runs), one point per entry layer, the chosen one circled, raw KV reuse and
   DroidSpeak at its best block as labelled points, the quality bound as a dashed line.
 - `xnorm_error.png` (Fig. 7, optional): relative error of the consumer's pre-attention input x_norm per layer
   (list index = layer number), Reuse-only vs SCD; the patch layers are shaded, showing where SCD resets the error.
@@ -241,13 +241,14 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     pts = sorted(compute["points"], key=lambda p: p["consumer_ratio"])
     floor = 1e-7                                # a lossless plan's KL is 0 up to rounding: drawn at the floor
     ax.plot([p["consumer_ratio"] for p in pts], [max(p["kl"], floor) for p in pts], "o-", color="tab:blue", ms=5,
-            label="exact plans, entering at layer e (validation)")
+            label="plans entering at layer e (validation; e = L: none)")
     for p in pts:
         ax.annotate(f"e={p['entry']}", (p["consumer_ratio"], max(p["kl"], floor)), textcoords="offset points",
                     xytext=(4, 3), fontsize=7, color="tab:blue")
     c = compute["chosen"]
-    ax.scatter([c["consumer_ratio"]], [max(c["kl"], floor)], s=160, facecolors="none", edgecolors="tab:red",
-               linewidths=2, label="chosen plan", zorder=5)
+    if c is not None:
+        ax.scatter([c["consumer_ratio"]], [max(c["kl"], floor)], s=160, facecolors="none", edgecolors="tab:red",
+                   linewidths=2, label="chosen plan", zorder=5)
     raw = compute["raw_kv"]["kl"]
     ax.axhline(compute["bound"]["max_kl_ratio"] * raw, ls="--", color="tab:gray", lw=1,
                label=f"bound: {compute['bound']['max_kl_ratio']:g} x raw KV")

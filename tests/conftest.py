@@ -76,12 +76,13 @@ def demo_work_dir(tmp_path_factory) -> str:
 
 def write_config(tmp_path, **calibration) -> Path:
     """A ray_config.yaml for the demo family with a reduced calibration budget and stores under tmp_path.
-    The quality gates are off: a budget this small fits artifacts that may well lose to raw KV reuse, and
-    these tests are about the mechanics (the gates have their own tests)."""
+    The quality gates are off, and so is the recompute-block stage: a budget this small fits artifacts that may
+    well lose to raw KV reuse, and these tests are about the mechanics (the gates and the blocks have their
+    own tests)."""
     import yaml
     cal = {"prefixes": 16, "val": 3, "heldout": 2, "aligner_epochs": 3, "pool": 2, "prefix_tokens": 96,
            "finetune_samples": 8, "finetune_epochs": 1, "gate_vs_raw_kv": 0, "family_vs_pair": 0,
-           "work_dir": str(tmp_path / "work"), **calibration}
+           "recompute_blocks": False, "work_dir": str(tmp_path / "work"), **calibration}
     cfg = {"producer": {"name": "base", "path": str(DEMO / "base")},
            "specialists": [{"name": n, "path": str(DEMO / n)} for n in ("qa", "prose", "code")],
            "artifacts": {"uri": str(tmp_path / "store")}, "calibration": cal}

@@ -23,16 +23,20 @@ LOSSLESS_KL = 1e-4          # nats per token: a cache this close to the oracle's
 
 @dataclass(frozen=True)
 class Bound:
-    """What a chosen plan must meet: KL at most max_kl_ratio x raw KV reuse's (and max_kl, when set), or
-    lossless (LOSSLESS_KL: where raw KV is itself exact, an aLoRA's prefix, no ratio to it can be met), with the
-    consumer running at most max_consumer_ratio of its layers over the prefix."""
+    """What a chosen plan must meet: KL at most max_kl_ratio x raw KV reuse's (and max_kl, when set; and a
+    retained gain of at least min_retained_gain, when set and the point has one), or lossless (LOSSLESS_KL:
+    where raw KV is itself exact, an aLoRA's prefix, no ratio to it can be met), with the consumer running at
+    most max_consumer_ratio of its layers over the prefix."""
     max_kl_ratio: float
     max_consumer_ratio: float
     max_kl: float | None = None
+    min_retained_gain: float | None = None    # of the specialist's gain over the base alone, where measured
 
     def meets(self, point: dict, raw_kl: float) -> bool:
+        gain = point.get("retained_gain")
         quality = point["kl"] <= LOSSLESS_KL or (
-            point["kl"] <= self.max_kl_ratio * raw_kl and (self.max_kl is None or point["kl"] <= self.max_kl))
+            point["kl"] <= self.max_kl_ratio * raw_kl and (self.max_kl is None or point["kl"] <= self.max_kl)
+            and (self.min_retained_gain is None or gain is None or gain >= self.min_retained_gain))
         return quality and point["consumer_ratio"] <= self.max_consumer_ratio + 1e-9
 
 

@@ -42,7 +42,9 @@ def cheapest_within_noise(tried: list[dict]) -> dict:
 class PlanScorer:
     """Mean KL(oracle || rebuilt) over validation samples for a plan, with oracle traces computed once."""
 
-    def __init__(self, producer, consumer, samples, art_for: Callable[[list[str]], PairArtifacts]):
+    def __init__(self, producer, consumer, samples, art_for: Callable[[list[str]], PairArtifacts],
+                 hidden: bool = False):
+        """hidden: keep the producer's residual streams too (plans with a recompute block enter from one)."""
         self.consumer, self.art_for = consumer, art_for
         self.items = []
         for s in samples:
@@ -51,7 +53,8 @@ class PlanScorer:
             o = capture(consumer, ids, mask, want_xnorm=False)
             oracle_kv = list(zip(o.keys, o.values))
             ref, _ = cache.extend(consumer, cache.assemble(consumer, oracle_kv), mask, s.cont[None])
-            self.items.append((ids, mask, capture(producer, ids, mask), oracle_kv, s.cont[None], ref))
+            self.items.append((ids, mask, capture(producer, ids, mask, want_hidden=hidden), oracle_kv, s.cont[None],
+                               ref))
 
     def kl(self, plan: list[str], restore: "int | Iterable[int] | None" = None, streams: str = "kv") -> float:
         """Mean KL of the plan's rebuilt caches; `restore`: layer(s) whose keys and/or values (`streams`: "k",

@@ -107,6 +107,9 @@ class PairArtifacts:
     wire_plan: list[str] = field(default_factory=list)
     wire_x_codes: list[int] | None = None
     derived: dict = field(default_factory=dict, repr=False, compare=False)  # per-use tensors made on first use
+    # an entry layer's aligner (a recompute block over codes, scd.fitting.blocks): the consumer adds
+    # decode(encode(x)) to the residual x it receives before running its own layers from there
+    entry_align: dict[int, LinearCodec] = field(default_factory=dict)
 
     def __post_init__(self):
         exact_only = all(k in EXACT_KINDS + ("shared_entry",) for k in self.plan)
@@ -127,6 +130,8 @@ class PairArtifacts:
                 raise ValueError(f"layer {l} is planned as patch but has no encoder/aligner")
             if kind in ENTERED and l == 0:
                 raise ValueError("layer 0 cannot be entered from a residual stream: running it is a prefill")
+            if l in self.entry_align and kind != "entry":
+                raise ValueError(f"layer {l} has an entry aligner but is planned as {kind}, not entry")
             if kind == "recompute" and (l == 0 or self.plan[l - 1] not in RUN_KINDS + ("shared_entry",)):
                 raise ValueError(f"layer {l} is planned as recompute but layer {l - 1} below it is not run by "
                                  f"the consumer (a block starts with an entry)")
@@ -286,12 +291,15 @@ class PairArtifacts:
         """What a Reuse-only plan of this artifact uses: "hidden" if it has hidden-state codecs, else "reuse"."""
         return "hidden" if self.reuse_x else "reuse"
 
-    def with_plan(self, plan: list[str]) -> "PairArtifacts":
-        """The same learned tensors under another layer plan (e.g. Reuse-only)."""
+    def with_plan(self, plan: list[str], entry_align: dict[int, LinearCodec] | None = None) -> "PairArtifacts":
+        """The same learned tensors under another layer plan (e.g. Reuse-only), with `entry_align` (default: those
+        of its own entries that the new plan enters too)."""
+        if entry_align is None:
+            entry_align = {l: a for l, a in self.entry_align.items() if plan[l] == "entry"}
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(plan),
                              self.reuse_k, self.reuse_v, self.patch_enc, self.aligners, self.info, self.aligner_context,
                              self.aligner_tokens, self.aligner_window, self.r_x, self.reuse_x, self.code_dtype,
-                             self.x_groups)
+                             self.x_groups, entry_align=dict(entry_align))
 
     def to(self, device) -> "PairArtifacts":
         """A copy whose tensors live on `device` (where the model that uses them runs)."""
@@ -300,7 +308,8 @@ class PairArtifacts:
                              move(self.reuse_k), move(self.reuse_v), move(self.patch_enc),
                              {l: g.to(device) for l, g in self.aligners.items()}, self.info, self.aligner_context,
                              self.aligner_tokens, self.aligner_window, self.r_x, move(self.reuse_x),
-                             self.code_dtype, self.x_groups, self.wire_plan, self.wire_x_codes)
+                             self.code_dtype, self.x_groups, self.wire_plan, self.wire_x_codes,
+                             entry_align=move(self.entry_align))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -314,6 +323,8 @@ class PairArtifacts:
             out.update(c.tensors(f"patch.{l}.enc"))
         for l, g in self.aligners.items():
             out.update({f"patch.{l}.aligner.{k}": v for k, v in g.state_dict().items()})
+        for l, c in self.entry_align.items():
+            out.update(c.tensors(f"entry.{l}"))
         return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
     def description(self) -> dict:
@@ -349,10 +360,12 @@ class PairArtifacts:
             pre = f"patch.{l}.aligner."
             g.load_state_dict({k[len(pre):]: v for k, v in t.items() if k.startswith(pre)})
             aligners[l] = g.eval()
+        entry_align = {l: LinearCodec.from_tensors(t, f"entry.{l}") for l in layers("entry.")}
         return cls(desc["pair"], spec, desc["r_k"], desc["r_v"], desc["r_h"], desc["aligner_width"], desc["plan"],
                    reuse_k, reuse_v, patch_enc, aligners, desc.get("info", {}), desc.get("aligner_context", 1),
                    desc.get("aligner_tokens", 0), desc.get("aligner_window", 8), desc.get("r_x", 0), reuse_x,
-                   desc.get("code_dtype", "fp16"), [list(g) for g in desc.get("x_groups", [])])
+                   desc.get("code_dtype", "fp16"), [list(g) for g in desc.get("x_groups", [])],
+                   entry_align=entry_align)
 
     @classmethod
     def load(cls, directory: str | Path) -> "PairArtifacts":

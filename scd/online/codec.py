@@ -105,7 +105,10 @@ KIVI_FIELDS = {"k": "kivi_k", "v": "asym4", "z_e": "bf16"}
 
 
 def field_dtype(name: str, dtype: str) -> str:
-    """The precision of code field `name` in a payload of `dtype` (kivi4 names one per field)."""
+    """The precision of code field `name` in a payload of `dtype` (kivi4 names one per field; a residual stream
+    beside int4 or mixed codes travels in bf16: a few large channels leave int4 steps too coarse for it)."""
+    if name == "z_e" and dtype in ("int4", "mixed"):
+        return "bf16"
     if dtype != "kivi4":
         return dtype
     if name not in KIVI_FIELDS:

@@ -227,6 +227,8 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         positions = positions_from_mask(codes.mask)
         for s, e in art.blocks:                         # the consumer's own layers, from the residual sent
             x = dense(codes.layers[s]["z_e"], dtype).reshape(b, t, -1)
+            if (align := art.entry_align.get(s)) is not None:     # towards the consumer's own residual there
+                x = x + align.decode(align.encode(x)).to(dtype)
             kv.update(zip(range(s, e), run_layers(model, x, codes.mask, positions, s, e)))
     t_end = time.perf_counter()
     return [kv[l] for l in range(len(art.plan))], {"rebuild_ms": (t_patch - t0) * 1e3,

@@ -1,0 +1,84 @@
+"""Recompute blocks over codes: plans for a consumer adapted on every layer, chosen under the quality bound.
+
+A consumer that shares nothing exactly with its producer (an adapter on every layer) is served by codes
+(Reuse + Patch). Where those miss the quality bound, the consumer may spend compute: it runs its own layers
+e..L-1 over the prefix, entered from the producer's residual stream at e, and takes the codes' K and V below
+e. The producer's residual is not the consumer's (every adapted layer below moved it), so it enters through
+an aligner: a linear map fitted in closed form (ridge) from the producer's residual at e to the difference
+between the two models' residuals there, on the calibration prefixes. On `smollm2:qa` (`tools.probe_entry`),
+entering at 20 through the aligner, with full-rank hidden-state translation below, scores 0.19 x raw KV
+reuse's KL where the producer's own residual scores 0.50 x.
+
+`curve` scores the codes alone and each entry on the validation samples beside the oracle, the base alone and
+raw KV (retained gain needs the first two); `choose` (scd.fitting.exact's) keeps the point that meets the
+bound at the least modeled time to first token.
+"""
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from scd.evaluation import methods
+from scd.evaluation.evaluate import Evaluator
+from scd.fitting.gram import JointGram
+from scd.online.artifacts import PairArtifacts
+from scd.online.reuse import LinearCodec
+from scd.online.trace import capture
+
+ENTRY_RIDGE = 1e-2          # relative to the residual's mean variance: 1e-2 and 1e-3 score alike on smollm2:qa
+
+
+def entries(num_layers: int, ceiling: float, points: int = 4) -> list[int]:
+    """Entry layers whose blocks cost the consumer up to `ceiling` of its layers, evenly spaced from one layer
+    to the ceiling."""
+    most = int(ceiling * num_layers + 1e-9)
+    if most < 1:
+        return []
+    return sorted({num_layers - max(1, round(most * (i + 1) / points)) for i in range(points)} - {0})
+
+
+def fit_aligners(producer, consumer, prefixes: list[torch.Tensor], layers: list[int],
+                 ridge: float = ENTRY_RIDGE) -> dict[int, LinearCodec]:
+    """Per entry layer, the full-rank linear map from the producer's residual entering it to (the consumer's
+    residual - the producer's), fitted on `prefixes` (one at a time: no padding)."""
+    h = producer.config.hidden_size
+    grams = {l: JointGram(h, h) for l in layers}
+    for ids in tqdm(prefixes, desc="entry aligners"):
+        ids = torch.as_tensor(ids)[None]
+        a = capture(producer, ids, want_xnorm=False, want_hidden=True)
+        b = capture(consumer, ids, want_xnorm=False, want_hidden=True)
+        for l, g in grams.items():
+            g.update(a.hidden[l][0].float(), (b.hidden[l][0] - a.hidden[l][0]).float())
+    return {l: g.fit_regression(h, ridge) for l, g in grams.items()}
+
+
+def block_artifact(art: PairArtifacts, entry: int, align: LinearCodec | None) -> PairArtifacts:
+    """`art`'s codes below `entry`, the consumer's own layers from there, entered through `align`."""
+    n = art.spec.num_layers
+    plan = art.plan[:entry] + ["entry"] + ["recompute"] * (n - entry - 1)
+    return art.with_plan(plan, {entry: align} if align is not None else {})
+
+
+def curve(producer, consumer, tok, art: PairArtifacts, aligners: dict[int, LinearCodec], samples,
+          with_codes: bool = True, desc: str = "recompute blocks") -> tuple[list[dict], dict]:
+    """(one point per plan: the codes alone (entry num_layers; with_codes) and each entry of `aligners`, each
+    {entry, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms, greedy, f1, retained_gain}; the
+    raw-KV row), measured on `samples` beside the oracle and the base alone."""
+    n = art.spec.num_layers
+    plans = {**({n: art} if with_codes else {}), **{e: block_artifact(art, e, a) for e, a in sorted(aligners.items())}}
+    ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV()] + [
+        methods.SCDMethod(a, f"enter@{e}") for e, a in plans.items()]
+    rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc)}
+    keys = ("kl", "payload_ratio", "payload_bytes", "consumer_ms", "greedy", "f1", "retained_gain")
+    points = [{"entry": e, "consumer_ratio": (n - e) / n, **{k: rows[f"enter@{e}"].get(k) for k in keys}}
+              for e in plans]
+    return points, rows["raw_kv"]
+
+
+def describe(points: list[dict], raw_kl: float) -> str:
+    """One line of a curve: each plan's KL, retained gain and consumer compute, and raw KV's KL."""
+    def gain(p):
+        return "" if p.get("retained_gain") is None else f" gain {p['retained_gain']:.2f}"
+    return ", ".join(("codes" if p["consumer_ratio"] == 0 else f"enter@{p['entry']}") +
+                     f" KL {p['kl']:.4f}{gain(p)} consumer {p['consumer_ratio']:.2f}" for p in points) + \
+        f"; raw KV {raw_kl:.4f}"

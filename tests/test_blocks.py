@@ -1,0 +1,74 @@
+"""Recompute blocks over codes (scd.fitting.blocks): an entry aligner moves the residual the consumer runs its
+own top layers from; it survives a save and load; and the calibration job publishes a block where the codes
+alone miss the quality bound."""
+import torch
+
+from scd.evaluation.methods import DroidSpeak
+from scd.fitting import blocks, exact
+from scd.fitting.gram import JointGram
+from scd.online import codec
+from scd.online.artifacts import PairArtifacts
+from scd.online.models import ModelSpec
+from scd.online.rebuild import encode, rebuild
+from scd.online.recompute import run_layers
+from scd.online.trace import capture
+from tests.conftest import perturbed, tiny_llama, write_config
+from tests.test_pipeline_tiny import _samples
+
+
+def test_entries_span_the_ceiling_and_never_enter_at_layer_0():
+    assert blocks.entries(30, 0.5) == [15, 19, 22, 26]
+    assert blocks.entries(8, 1.0) == [2, 4, 6] and blocks.entries(8, 0.1) == []
+
+
+def test_a_block_enters_through_its_aligner_and_survives_a_save_and_load(tmp_path):
+    """The rebuilt block equals the consumer's layers run from (the producer's residual + the aligner's
+    correction), to float precision; with the aligner the block is nearer the consumer's own K and V than
+    DroidSpeak's block from the producer's residual as it is."""
+    a = tiny_llama(0, layers=4)
+    b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
+    spec = ModelSpec.from_config(a.config)
+    h = a.config.hidden_size
+    align = blocks.fit_aligners(a, b, [s.prefix for s in _samples(16, 2)], [2])[2]
+    art = PairArtifacts.exact("a:b", spec, ["exact", "shared", "entry", "recompute"], "bf16")
+    art = art.with_plan(art.plan, {2: align})
+    art.save(tmp_path / "art")
+    loaded = PairArtifacts.load(tmp_path / "art")
+    assert torch.equal(loaded.entry_align[2].enc, align.enc)
+    ids = _samples(1, 7)[0].prefix[None]
+    mask = torch.ones_like(ids)
+    tr = capture(a, ids, mask, want_hidden=True)
+    kv, _ = rebuild(b, loaded, codec.as_received(encode(loaded, tr, ids), "bf16"))
+    x = tr.hidden[2].to(torch.bfloat16).float()
+    want = run_layers(b, x + align.decode(align.encode(x)), mask, tr.positions, 2, 4)
+    err = max((g - w).abs().max().item() for (gk, gv), (wk, wv) in zip(kv[2:], want) for g, w in ((gk, wk), (gv, wv)))
+    assert err < 1e-4, f"the block rebuilt from the aligned residual differs by {err:.2e}"
+    own = capture(b, ids, mask)
+    plain = DroidSpeak(2, start=2).build(b, ids, mask, tr).kv
+    dist = lambda kvs: sum((k - ok).pow(2).sum().item() for (k, _), ok in zip(kvs[2:], own.keys[2:]))  # noqa: E731
+    assert dist(kv) < dist(plain), f"aligned block keys {dist(kv):.3g} from the consumer's, plain {dist(plain):.3g}"
+    assert h == align.enc.shape[0]
+
+
+def test_the_job_publishes_a_recompute_block_where_codes_miss_the_bound(tmp_path, capsys):
+    """A bound the demo's small-budget codes cannot meet (KL <= 0.45 x raw KV on these small budgets) with a ceiling of 7 of 8 layers:
+    the job fits entry aligners, measures each entry beside the codes, and publishes the cheapest entry that
+    meets the bound, its aligner inside the artifact; the report draws the curve."""
+    from artifacts_store import ArtifactStore
+    from jobs.calibrate import main as calibrate
+    cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.45, max_consumer_prefill_ratio=0.875)
+    ref = calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
+    out = capsys.readouterr().out
+    assert "plans (validation): codes KL" in out, out
+    art, _ = ArtifactStore(tmp_path / "store").load(ref)
+    rec = art.info["blocks"]
+    codes, raw = rec["points"][0], rec["raw_kv"]["kl"]
+    assert codes["consumer_ratio"] == 0 and codes["kl"] > 0.45 * raw, rec["points"]
+    chosen = rec["chosen"]
+    assert chosen is not None and chosen["kl"] <= 0.45 * raw, rec
+    s = chosen["entry"]
+    assert art.blocks == [(s, 8)] and set(art.entry_align) == {s}, (art.plan, sorted(art.entry_align))
+    cheaper = [p for p in rec["points"] if p["consumer_ratio"] < chosen["consumer_ratio"]]
+    assert all(not exact.Bound(0.45, 0.875).meets(p, raw) for p in cheaper), "a cheaper plan met the bound"
+    m = ArtifactStore(tmp_path / "store").show(ref)
+    assert "report/compute.png" in m.files, sorted(m.files)
