@@ -22,18 +22,18 @@ import argparse
 import torch
 from tqdm import tqdm
 
-from cluster.config import load_config
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting.traces import pad
 from scd.fitting.gram import JointGram, TokenStats
 from scd.online.artifacts import code_groups
-from scd.online.models import ModelSpec, load
+from scd.online.models import ModelSpec
 from scd.online.reuse import LinearCodec, bigram_keys
 from scd.online.rope import apply_rope, positions_from_mask
 from scd.online.tables import consumer_tables
 from scd.online.trace import Trace, capture
+from tools.pairs import config_pair
 
 
 def producer_rows(trace: Trace, keep: torch.Tensor, layers: list[int], window: int = 1) -> torch.Tensor:
@@ -98,15 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "frequent, on top of the token's row (backoff); printed as a second method at each rank"))
     p.add_argument("--bigram-shrink", type=float, default=16.0, help="the bigram rows' shrink towards the token's row")
     args = p.parse_args(argv)
-    cfg = load_config(args.config)
-    name = args.pair.split(":", 1)[-1]
-    try:
-        s = cfg.specialist(name)
-    except KeyError as e:
-        raise SystemExit(str(e.args[0])) from None
-    torch.manual_seed(cfg.calibration.seed)
-    producer, tok, spec = load(cfg.producer.path)
-    consumer, _, _ = load(s.path, base=s.base)
+    cfg, name, producer, consumer, tok, spec = config_pair(args.config, args.pair)
     if args.group < 0:
         raise SystemExit(f"--group must be >= 0, got {args.group}")
     if args.token_table < 0 or args.token_shrink <= 0:

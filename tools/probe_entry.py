@@ -25,16 +25,15 @@ import time
 import torch
 from tqdm import tqdm
 
-from cluster.config import load_config
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting.gram import JointGram
-from scd.online.models import load
 from scd.online.recompute import run_layers
 from scd.online.reuse import LinearCodec
 from scd.online.rope import apply_rope, cos_sin
 from scd.online.trace import capture
+from tools.pairs import config_pair
 
 
 def kv_rows(trace, layer: int) -> torch.Tensor:
@@ -82,15 +81,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--ridge", type=float, default=1e-2, help="the aligned entry's ridge, relative to the "
                                                              "residual's mean variance")
     args = p.parse_args(argv)
-    cfg = load_config(args.config)
-    name = args.pair.split(":", 1)[-1]
-    try:
-        s = cfg.specialist(name)
-    except KeyError as e:
-        raise SystemExit(str(e.args[0])) from None
-    torch.manual_seed(cfg.calibration.seed)
-    producer, tok, spec = load(cfg.producer.path)
-    consumer, _, _ = load(s.path, base=s.base)
+    cfg, name, producer, consumer, tok, spec = config_pair(args.config, args.pair)
     L, hsize = spec.num_layers, spec.hidden_size
     try:
         entries = sorted({int(e) for e in args.entries.split(",")})
