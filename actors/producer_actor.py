@@ -181,6 +181,11 @@ class ProducerActor:
         """A replica stops: its channel is torn down."""
         self.transport.detach(replica_id)
 
+    @ray.method(concurrency_group="control", tensor_transport="nixl")
+    def pull(self, key: str) -> torch.Tensor:
+        """nixl: a staged payload as a tensor, moved to the calling replica by Ray Direct Transport."""
+        return self.transport.take(key)
+
     @ray.method(concurrency_group="control")
     def push(self, key: str, replica_id: str) -> Ticket:
         """Send an offered payload to the replica serving its request; the replica receives with the ticket."""

@@ -8,6 +8,9 @@ returns the payload's bytes (any number of receives at once) and `close()` leave
 
   object_store  `offer` puts the payload in Ray's object store; the ticket carries the reference, and
                 whichever replica Serve picks fetches it. No channels. CPU and GPU.
+  nixl          `offer` stages the payload as a tensor in the producer; the serving replica pulls it with its
+                own call through Ray Direct Transport (NIXL: one-sided, no group to join; UCX on CPU, device
+                memory on GPUs). CPU and GPU.
   nccl          the payload goes GPU to GPU over a two-rank NCCL communicator per (producer, replica),
                 opened when the replica starts (`attach`) and torn down when it stops (so autoscaling
                 works). The router cannot know which replica Serve will pick, so `offer` *stages* the
@@ -33,16 +36,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import ray
+import torch
 
 
 @dataclass(frozen=True)
 class Ticket:
-    kind: str                      # "object_store" | "nccl"
+    kind: str                      # "object_store" | "nixl" | "nccl"
     nbytes: int
     ref: list | None = None        # object_store: [ObjectRef] (in a list so Ray does not resolve it in transit)
     replica: str | None = None     # nccl: which communicator
     seq: int = 0                   # nccl: the frame's sequence number on that communicator
-    key: str | None = None         # nccl: the staged payload a replica asks the producer to push
+    key: str | None = None         # nccl, nixl: the staged payload a replica asks for
 
 
 class TransportError(RuntimeError):
@@ -127,6 +131,82 @@ class ObjectStoreReceiver:
         pass
 
 
+class NixlTransport:
+    """Payloads stay in the producer, as tensors, until the replica serving the request pulls its copy through
+    Ray Direct Transport with NIXL (`ray.method(tensor_transport="nixl")` on the producer's `pull`): one-sided,
+    so there is no collective group to join, and replicas come and go as Serve scales them. UCX moves the
+    bytes CPU to CPU here, and device memory (NVLink, RDMA) on GPUs. The replica's own call gets the tensor:
+    an RDT reference cannot be handed on through another process, so the router forwards the key only."""
+    name = "nixl"
+
+    def __init__(self, stage_bytes: int = 256 << 20):
+        self.stage = Staging(stage_bytes)
+
+    def offer(self, payload: bytes, receivers: int = 1) -> Ticket:
+        """Stage a payload until each of the `receivers` replicas that serve the request has pulled it."""
+        tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return Ticket("nixl", len(payload), key=self.stage.put(tensor, len(payload), receivers))
+
+    def take(self, key: str) -> "torch.Tensor":
+        """The producer's side of a pull: the staged tensor (released with its last receiver's pull)."""
+        return self.stage.take(key)
+
+    def attach(self, replica_id: str) -> None:
+        return None                                  # nothing to open: the replica pulls when it needs to
+
+    def detach(self, replica_id: str) -> None:
+        pass
+
+    def push(self, key: str, replica_id: str) -> Ticket:
+        raise TransportError("the nixl transport has nothing to push: replicas pull their payloads")
+
+    def channels(self) -> list[str]:
+        return []
+
+    def staged(self) -> int:
+        return len(self.stage)
+
+    def receiver(self, replica_id: str, producer: Callable[[], Any], timeout_s: float = 30.0) -> "NixlReceiver":
+        return NixlReceiver(producer, timeout_s)
+
+
+def rdt_handle(handle):
+    """`handle` able to call the producer's RDT method. Ray 2.60 carries an actor's enable_tensor_transport in
+    a handle it creates or serializes (ray-project/ray#56485), but not in one looked up by name
+    (ray.get_actor), whose calls to a tensor_transport method are refused; the actor itself was created with
+    it (its class declares `pull` with tensor_transport="nixl"), so the lookup's handle is marked as such."""
+    if not getattr(handle, "_ray_enable_tensor_transport", True):
+        handle._ray_enable_tensor_transport = True
+    return handle
+
+
+class NixlReceiver:
+    """A replica's end: pulls a ticket's payload from the producer with its own call (the RDT transfer)."""
+
+    def __init__(self, producer: Callable[[], Any], timeout_s: float = 30.0):
+        self.producer, self.timeout_s = producer, timeout_s
+
+    def open(self) -> bool:
+        return True
+
+    def receive(self, ticket: Ticket, incarnation: str | None = None) -> bytes:
+        if ticket.kind != "nixl" or not ticket.key:
+            raise TransportError(f"the nixl transport cannot read a {ticket.kind!r} ticket")
+        try:
+            tensor = ray.get(rdt_handle(self.producer()).pull.remote(ticket.key), timeout=self.timeout_s)
+        except ray.exceptions.RayTaskError as e:
+            raise TransportError(f"pull failed: {e.cause if e.cause else e}") from None
+        except Exception as e:                                     # timeout, producer gone, transfer failed
+            raise TransportError(f"pull failed: {type(e).__name__}: {e}") from None
+        data = tensor.numpy().tobytes()
+        if len(data) != ticket.nbytes:
+            raise TransportError(f"nixl pull returned {len(data)} bytes, ticket says {ticket.nbytes}")
+        return data
+
+    def close(self) -> None:
+        pass
+
+
 class Communicator(Protocol):
     """Two ranks, point to point, in order. Real: cupy NCCL on CUDA buffers; tests: FakeCommunicator.
     recv may raise TimeoutError when nothing arrived within its wait; the caller then asks again."""
@@ -141,6 +221,46 @@ class Communicator(Protocol):
 FRAME = struct.Struct("<QQ")        # (sequence number, payload bytes) ahead of every payload
 
 
+class Staging:
+    """Payloads the producer holds until each replica they were offered for has taken its copy: key -> [payload,
+    takes still owed]. The oldest are dropped past `stage_bytes`; taking a dropped key fails (the replica
+    falls back)."""
+
+    def __init__(self, stage_bytes: int):
+        self.items: OrderedDict[str, list] = OrderedDict()
+        self.stage_bytes, self.nbytes = stage_bytes, 0
+        self.lock = threading.Lock()
+
+    def put(self, payload, size: int, receivers: int) -> str:
+        if receivers < 1:
+            raise ValueError(f"receivers must be >= 1, got {receivers}")
+        key = uuid.uuid4().hex
+        with self.lock:
+            self.items[key] = [payload, receivers, size]
+            self.nbytes += size
+            while self.nbytes > self.stage_bytes and len(self.items) > 1:
+                self.nbytes -= self.items.popitem(last=False)[1][2]
+        return key
+
+    def take(self, key: str):
+        """The payload staged under `key`; its copy is released with the last take it was offered for."""
+        with self.lock:
+            entry = self.items.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self.items[key]
+                    self.nbytes -= entry[2]
+        if entry is None:
+            raise TransportError(f"no staged payload {key!r} (already taken by every receiver, dropped for space, "
+                                 f"or staged by an earlier producer)")
+        return entry[0]
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self.items)
+
+
 class NcclTransport:
     """The producer's side of the per-replica communicators (rank 0 of each), and the factory of the
     replicas' ends (rank 1). make_comm(uid, rank) builds a Communicator, blocking until both ranks joined;
@@ -153,8 +273,7 @@ class NcclTransport:
         self.seq: dict[str, int] = {}
         self.joining: dict[str, threading.Thread] = {}
         self.senders: dict[str, ThreadPoolExecutor] = {}
-        self.stage: OrderedDict[str, list] = OrderedDict()     # key -> [payload, pushes still owed]
-        self.stage_bytes, self.staged_bytes = stage_bytes, 0
+        self.stage = Staging(stage_bytes)
         self.join_timeout_s = join_timeout_s
         self.lock = threading.Lock()
 
@@ -178,29 +297,12 @@ class NcclTransport:
         """Stage a payload until each of the `receivers` replicas that serve the request asks for it (push; a
         family's one payload serves several specialists from one staged copy). The oldest staged payloads are
         dropped past `stage_bytes`; pushing a dropped key fails (the replica falls back)."""
-        if receivers < 1:
-            raise ValueError(f"receivers must be >= 1, got {receivers}")
-        key = uuid.uuid4().hex
-        with self.lock:
-            self.stage[key] = [payload, receivers]
-            self.staged_bytes += len(payload)
-            while self.staged_bytes > self.stage_bytes and len(self.stage) > 1:
-                self.staged_bytes -= len(self.stage.popitem(last=False)[1][0])
-        return Ticket("nccl", len(payload), key=key)
+        return Ticket("nccl", len(payload), key=self.stage.put(payload, len(payload), receivers))
 
     def push(self, key: str, replica_id: str) -> Ticket:
         """Send a staged payload to a replica; returns at once with the ticket it receives with. The copy is
         released with the last push it was offered for."""
-        with self.lock:
-            entry = self.stage.get(key)
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self.stage[key]
-                    self.staged_bytes -= len(entry[0])
-        if entry is None:
-            raise TransportError(f"no staged payload {key!r} (already pushed to every receiver, or dropped for space)")
-        return self.send(entry[0], replica_id)
+        return self.send(self.stage.take(key), replica_id)
 
     def send(self, payload: bytes, replica_id: str) -> Ticket:
         """Queue one frame on the replica's communicator; returns at once with its ticket."""
@@ -237,8 +339,7 @@ class NcclTransport:
 
     def staged(self) -> int:
         """Payloads offered and not yet pushed to every receiver they were offered for."""
-        with self.lock:
-            return len(self.stage)
+        return len(self.stage)
 
     def receiver(self, replica_id: str, producer: Callable[[], Any], timeout_s: float = 30.0) -> "NcclReceiver":
         return NcclReceiver(self.make_comm, replica_id, producer, timeout_s)
@@ -468,7 +569,7 @@ def cupy_nccl() -> tuple:
     return CupyCommunicator, nccl.get_unique_id
 
 
-TRANSPORTS = ("object_store", "nccl", "nccl_fake")
+TRANSPORTS = ("object_store", "nixl", "nccl", "nccl_fake")
 FAKE_HUB_NAME = "scd-fake-nccl"
 
 
@@ -476,6 +577,8 @@ def make_transport(kind: str, namespace: str | None = None):
     """The transport object for one side (producer or replica) of a deployment."""
     if kind == "object_store":
         return ObjectStoreTransport()
+    if kind == "nixl":
+        return NixlTransport()
     if kind == "nccl":
         return NcclTransport(*cupy_nccl())
     if kind == "nccl_fake":

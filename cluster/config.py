@@ -268,10 +268,11 @@ class DeploymentConfig(_Strict):
     families: list[FamilySettings] = Field(default_factory=list, description=(
         "families of specialists that share one code (python -m jobs.family --publish); a fan-out to members "
         "of one family sends one payload, any other request each pair's own"))
-    transport: Literal["auto", "object_store", "nccl", "nccl_fake"] = Field(
+    transport: Literal["auto", "object_store", "nixl", "nccl", "nccl_fake"] = Field(
         "auto", description="how codes travel: auto (nccl when every model has a GPU and cupy is installed, "
-                            "else object_store) | object_store | nccl | nccl_fake (the NCCL protocol over a "
-                            "CPU stand-in communicator: tests and drills)")
+                            "else object_store) | object_store | nixl (Ray Direct Transport: each replica "
+                            "pulls its payload from the producer, CPU or GPU) | nccl | nccl_fake (the NCCL "
+                            "protocol over a CPU stand-in communicator: tests and drills)")
     producer_timeout_s: float = Field(10.0, gt=0, description="router waits this long for codes, then the "
                                                                 "specialists prefill themselves (fallback)")
     http: HttpSettings = Field(default_factory=HttpSettings)

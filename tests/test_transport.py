@@ -1,12 +1,17 @@
 """Transports on a real local Ray, through the one interface the producer and the replicas call: object
-store, and the NCCL protocol over a fake communicator (registration, framing, concurrent receives, leave)."""
+store, NIXL through Ray Direct Transport (on CPU, over UCX), and the NCCL protocol over a fake communicator
+(registration, framing, concurrent receives, leave)."""
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
 
-from actors.transport import (FakeNcclHub, NcclTransport, ObjectStoreTransport, Ticket, TransportError,
-                              fake_nccl)
+from actors.transport import (FakeNcclHub, NcclTransport, NixlTransport, ObjectStoreTransport, Ticket,
+                              TransportError, fake_nccl)
+
+
+def _transport(kind, hub):
+    return {"object_store": ObjectStoreTransport, "nixl": NixlTransport}.get(kind, lambda: NcclTransport(*fake_nccl(hub)))()
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -14,14 +19,14 @@ class Producer:
     """The producer actor's transport calls (register / unregister / push / stats), around any Transport."""
 
     def __init__(self, kind, hub=None):
-        self.t = ObjectStoreTransport() if kind == "object_store" else NcclTransport(*fake_nccl(hub))
+        self.t = _transport(kind, hub)
         self.incarnation = "p1"
 
     def offer(self, payload, receivers=1):
         return self.t.offer(payload, receivers)
 
     def staged(self):
-        return self.t.staged(), self.t.staged_bytes
+        return self.t.staged(), self.t.stage.nbytes
 
     def register(self, rid):
         return self.t.attach(rid)
@@ -32,6 +37,10 @@ class Producer:
     def push(self, key, rid):
         return self.t.push(key, rid)
 
+    @ray.method(tensor_transport="nixl")
+    def pull(self, key):
+        return self.t.take(key)
+
     def stats(self):
         return {"incarnation": self.incarnation, "channels": self.t.channels()}
 
@@ -41,8 +50,7 @@ class Replica:
     """A specialist replica's end of the transport, in its own process, not told which transport it is."""
 
     def __init__(self, kind, hub, rid, producer, timeout_s=120.0):    # only a failure waits this long
-        t = ObjectStoreTransport() if kind == "object_store" else NcclTransport(*fake_nccl(hub))
-        self.r = t.receiver(rid, lambda: producer, timeout_s)
+        self.r = _transport(kind, hub).receiver(rid, lambda: producer, timeout_s)
 
     def open(self):
         return self.r.open()
@@ -109,7 +117,7 @@ def test_nccl_stages_a_family_payload_once_for_every_member_replica(ray_cluster)
     assert ray.get(producer.staged.remote()) == (1, len(payload))        # one receiver still owed
     assert ray.get(replicas[2].receive.remote(ticket)) == payload
     assert ray.get(producer.staged.remote()) == (0, 0)
-    with pytest.raises(ray.exceptions.RayTaskError, match="already pushed to every receiver"):
+    with pytest.raises(ray.exceptions.RayTaskError, match="already taken by every receiver"):
         ray.get(replicas[0].receive.remote(ticket))
     with pytest.raises(ray.exceptions.RayTaskError, match="receivers must be >= 1"):
         ray.get(producer.offer.remote(payload, 0))
@@ -147,3 +155,25 @@ def test_nccl_receive_that_gives_up_does_not_put_the_stream_out_of_step(ray_clus
         inbox.frames[3] = b"third"
         inbox.take(Ticket("nccl", 7, replica="r", seq=3), timeout_s=1)
     inbox.close()
+
+
+def test_nixl_replicas_pull_their_payloads_and_a_family_payload_is_staged_once(ray_cluster):
+    """Two replicas, each in its own process, pull payloads through Ray Direct Transport (NIXL on CPU): bytes
+    intact, concurrently; a payload offered for three receivers stays staged until the third pull; a key
+    no longer staged is a TransportError (the request falls back), not a hang."""
+    p = Producer.remote("nixl")
+    a, b = (Replica.remote("nixl", None, rid, p) for rid in ("qa#1", "prose#1"))
+    payloads = [bytes([i]) * (1000 + 37 * i) for i in range(4)]
+    tickets = [ray.get(p.offer.remote(x)) for x in payloads]
+    assert {t.kind for t in tickets} == {"nixl"} and ray.get(p.staged.remote()) == (4, sum(map(len, payloads)))
+    got = ray.get([a.receive_many.remote(tickets[:2]), b.receive_many.remote(tickets[2:])])
+    assert got[0] + got[1] == payloads
+    assert ray.get(p.staged.remote()) == (0, 0), "every pulled payload is released"
+    family = ray.get(p.offer.remote(b"f" * 5000, 3))
+    assert ray.get(a.receive.remote(family)) == b"f" * 5000 and ray.get(b.receive.remote(family)) == b"f" * 5000
+    assert ray.get(p.staged.remote()) == (1, 5000), "staged until its third receiver pulls"
+    assert ray.get(a.receive.remote(family)) == b"f" * 5000 and ray.get(p.staged.remote()) == (0, 0)
+    with pytest.raises(TransportError, match="no staged payload"):
+        ray.get(a.receive.remote(family))
+    with pytest.raises(TransportError, match="cannot read"):
+        ray.get(a.receive.remote(Ticket("object_store", 3)))
