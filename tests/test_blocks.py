@@ -48,6 +48,16 @@ def test_a_block_enters_through_its_aligner_and_survives_a_save_and_load(tmp_pat
     dist = lambda kvs: sum((k - ok).pow(2).sum().item() for (k, _), ok in zip(kvs[2:], own.keys[2:]))  # noqa: E731
     assert dist(kv) < dist(plain), f"aligned block keys {dist(kv):.3g} from the consumer's, plain {dist(plain):.3g}"
     assert h == align.enc.shape[0]
+    from actors.messages import GenParams
+    from actors.producer import ProducerEngine
+    from actors.specialist import SpecialistEngine
+    from tests.test_models import _tokenizer
+    tok = _tokenizer(97)
+    payload = ProducerEngine(a, tok, {"a:b": (loaded, "v1")}, cache_bytes=1 << 20).encode(
+        ids[0].tolist(), ["a:b"]).per_pair["a:b"].payload
+    _, info, _ = SpecialistEngine("b", b, tok, loaded, "v1").complete(ids[0].tolist(), [11], payload, None,
+                                                                        GenParams(max_tokens=4))
+    assert info.mode == "scd" and "recompute" in info.timings, info
 
 
 def test_the_job_publishes_a_recompute_block_where_codes_miss_the_bound(tmp_path, capsys):
