@@ -61,9 +61,9 @@ def test_a_block_enters_through_its_aligner_and_survives_a_save_and_load(tmp_pat
 
 
 def test_the_job_publishes_a_recompute_block_where_codes_miss_the_bound(tmp_path, capsys):
-    """A bound the demo's small-budget codes cannot meet (KL <= 0.45 x raw KV on these small budgets) with a ceiling of 7 of 8 layers:
-    the job fits entry aligners, measures each entry beside the codes, and publishes the cheapest entry that
-    meets the bound, its aligner inside the artifact; the report draws the curve."""
+    """A bound the demo's small-budget codes cannot meet (KL <= 0.45 x raw KV) with a ceiling of 7 of 8 layers:
+    the job fits entry aligners, measures each entry beside the codes, and publishes the entry that meets the
+    bound at the least modeled TTFT, its aligner inside the artifact; the report draws the curve."""
     from artifacts_store import ArtifactStore
     from jobs.calibrate import main as calibrate
     cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.45, max_consumer_prefill_ratio=0.875)
@@ -78,7 +78,10 @@ def test_the_job_publishes_a_recompute_block_where_codes_miss_the_bound(tmp_path
     assert chosen is not None and chosen["kl"] <= 0.45 * raw, rec
     s = chosen["entry"]
     assert art.blocks == [(s, 8)] and set(art.entry_align) == {s}, (art.plan, sorted(art.entry_align))
-    cheaper = [p for p in rec["points"] if p["consumer_ratio"] < chosen["consumer_ratio"]]
-    assert all(not exact.Bound(0.45, 0.875).meets(p, raw) for p in cheaper), "a cheaper plan met the bound"
+    # the least modeled TTFT (payload over the link + the consumer's compute measured in the same run) among
+    # the plans within the bound: which one that is depends on the measured times, not asserted here
+    within = [p for p in rec["points"] if exact.Bound(0.45, 0.875).meets(p, raw)]
+    ttft = lambda p: exact.modeled_ttft_ms(p, rec["gbps"])                  # noqa: E731
+    assert chosen in within and all(ttft(chosen) <= ttft(p) for p in within), (chosen, within)
     m = ArtifactStore(tmp_path / "store").show(ref)
     assert "report/compute.png" in m.files, sorted(m.files)
