@@ -13,28 +13,49 @@ from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, scale_up_with
 NS = "scd-test-nccl"
 
 
-@pytest.fixture(scope="module")
-def served_nccl(ray_cluster, tmp_path_factory, demo_work_dir):
+def serve_family(tmp_path_factory, demo_work_dir, transport: str, namespace: str, qa: dict | None = None):
+    """qa and prose (calibrated, and published as the family "fam") served with `transport` in `namespace`;
+    `qa`: more settings of the qa specialist. Yields (url, the producer's handle); Serve stops after."""
     from actors.producer_actor import PRODUCER_NAME
-    tmp = tmp_path_factory.mktemp("serve-nccl")
+    tmp = tmp_path_factory.mktemp(f"serve-{transport}")
     cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1, work_dir=demo_work_dir)
     for pair in ("base:qa", "base:prose"):
         calibrate(["--pair", pair, "--config", str(cfg_path), "--no-actors"])
     family_job(["--config", str(cfg_path), "--members", "qa,prose", "--name", "fam", "--publish", "--repeats", "1",
                 "--out", str(tmp / "family")])
     raw = yaml.safe_load(cfg_path.read_text())
-    raw["specialists"] = [
-        {"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25,
-         "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                         "upscale_delay_s": 0.5, "downscale_delay_s": 2}},
-        {"name": "prose", "path": str(DEMO / "prose"), "num_cpus": 0.25}]
-    raw.update(transport="nccl_fake", ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=5,
+    raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25, **(qa or {})},
+                          {"name": "prose", "path": str(DEMO / "prose"), "num_cpus": 0.25}]
+    raw.update(transport=transport, ray={"namespace": namespace}, http={"port": free_port()}, producer_timeout_s=5,
                limits={"request_timeout_s": 600, "specialist_max_ongoing": 8}, families=[{"name": "fam"}])
     raw["producer"]["num_cpus"] = 0.25
     cfg, url = deploy_and_wait(cfg_path, raw)
-    yield url, ray.get_actor(PRODUCER_NAME, namespace=NS)
+    yield url, ray.get_actor(PRODUCER_NAME, namespace=namespace)
     from ray import serve
     serve.shutdown()
+
+
+def codes_again_after_a_producer_crash(url: str, producer) -> list:
+    """Kill the producer (Ray restarts it) and wait until prose answers from codes again; while it is down every
+    answer is a stated fallback, never an error. Returns the fallback reasons seen; fails after 120 s."""
+    ray.kill(producer, no_restart=False)
+    reasons = []
+
+    def scd_again():
+        status, out = _post(url + "/v1/completions", {"model": "prose", "prompt": PREFIX + "After restart. The",
+                                                      "max_tokens": 2})
+        assert status == 200, out
+        reasons.append(out["scd"].get("reason"))
+        return out["scd"]["mode"] == "scd"
+    assert wait_for(scd_again, 120, every_s=0.5), f"prose never served from codes again: {reasons[-3:]}"
+    return reasons
+
+
+@pytest.fixture(scope="module")
+def served_nccl(ray_cluster, tmp_path_factory, demo_work_dir):
+    yield from serve_family(tmp_path_factory, demo_work_dir, "nccl_fake", NS, {"autoscaling": {
+        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
+        "downscale_delay_s": 2}})
 
 
 def _replicas(producer):
@@ -79,13 +100,6 @@ def test_replicas_register_when_scaled_up_and_unregister_when_scaled_down(served
 def test_replicas_register_again_with_a_restarted_producer(served_nccl):
     url, producer = served_nccl
     before = ray.get(producer.stats.remote())["incarnation"]
-    ray.kill(producer, no_restart=False)                      # a crash: Ray restarts it, communicators are gone
-
-    def scd_again():
-        status, out = _post(url + "/v1/completions", {"model": "prose", "prompt": PREFIX + "After restart. The",
-                                                      "max_tokens": 2})
-        assert status == 200, out                             # while it is down: a stated fallback, never an error
-        return out["scd"]["mode"] == "scd"
-    assert wait_for(scd_again, 120, every_s=0.5), "prose never served from codes again after the producer restart"
+    codes_again_after_a_producer_crash(url, producer)         # communicators are gone with the old process
     stats = ray.get(producer.stats.remote())
     assert stats["incarnation"] != before and any(r.startswith("prose#") for r in stats["channels"]), stats
