@@ -44,8 +44,11 @@ class ProducerEngine:
 
     def __init__(self, model, tokenizer, artifacts: dict[str, tuple[PairArtifacts, str]],
                  cache_bytes: int = 64 << 20, device: str = "cpu", link_gbps: dict[str, float] | None = None,
-                 ttft_target_ms: float | None = None):
+                 ttft_target_ms: float | None = None, device_payloads: bool = False):
         self.model, self.tok, self.device = model, tokenizer, device
+        # payloads as `codec.Wire` (the body a tensor on this device, for a transport that moves tensors) instead
+        # of bytes: on a GPU the codes then stay in device memory from encode to the consumer's rebuild
+        self.device_payloads = device_payloads
         self.artifacts = dict(artifacts)          # pair -> (artifacts, version)
         self.cache = PrefixCodeCache(cache_bytes)
         self.prefills = 0
@@ -111,8 +114,12 @@ class ProducerEngine:
         self.prefills += 1
         for uid, art, version, served in todo:
             level = self._level(art, served, len(prefix_ids), (time.perf_counter() - t0) * 1e3)
-            payload = codec.encode(encode(art, trace, ids.cpu(), level), uid, version,
-                                   codec.artifact_dims(art, level), art.code_dtype)
+            if self.device_payloads:
+                payload = codec.encode_wire(encode(art, trace, ids, level), uid, version,
+                                            codec.artifact_dims(art, level), art.code_dtype)
+            else:
+                payload = codec.encode(encode(art, trace, ids.cpu(), level), uid, version,
+                                       codec.artifact_dims(art, level), art.code_dtype)
             self.cache.put(key(uid, version, level), payload)
             for p in served:
                 res.per_pair[p] = Encoded(payload, version, level=level, family=fid)

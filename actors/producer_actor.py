@@ -24,9 +24,10 @@ import torch
 from actors.messages import Codes, FallbackReason, PairCodes
 from actors.producer import ProducerEngine
 from actors.registry import fetch, fetch_family, registry
-from actors.transport import Ticket, TransportError, make_transport
+from actors.transport import RDT_TRANSPORTS, Ticket, TransportError, make_transport
 from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device
+from scd.online import codec
 from scd.online.models import load
 
 PRODUCER_NAME = "scd-producer"
@@ -41,7 +42,9 @@ class ProducerActor:
         torch.set_num_threads(cpu_threads())
         dev = device()
         model, tok, _ = load(model_path)
-        self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dev, link_gbps, ttft_target_ms)
+        # a transport that moves tensors (Ray Direct Transport) takes payloads as tensors where they are encoded
+        self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dev, link_gbps, ttft_target_ms,
+                                     device_payloads=transport in RDT_TRANSPORTS)
         self.registry = registry(store_uri, namespace)
         self.store_uri, self.store = store_uri, None       # the store itself only for leases (registry reads)
         self.expect = Fingerprints.of(producer=model, tokenizer=tok)
@@ -160,7 +163,7 @@ class ProducerActor:
             return PairCodes(e.version, reason=e.error, cache_hit=e.cache_hit)
         payload = e.payload
         if self.fault == "corrupt":
-            payload = payload[:-1] + bytes([payload[-1] ^ 0xFF])
+            payload = codec.corrupted(payload)
         try:
             ticket = self.transport.offer(payload, receivers)
         except TransportError:
@@ -182,8 +185,14 @@ class ProducerActor:
         self.transport.detach(replica_id)
 
     @ray.method(concurrency_group="control", tensor_transport="nixl")
-    def pull(self, key: str) -> torch.Tensor:
-        """nixl: a staged payload as a tensor, moved to the calling replica by Ray Direct Transport."""
+    def pull(self, key: str):
+        """nixl: a staged payload (a tensor, or a device payload's head and body), moved to the calling replica
+        by Ray Direct Transport."""
+        return self.transport.take(key)
+
+    @ray.method(concurrency_group="control", tensor_transport="cuda_ipc")
+    def pull_ipc(self, key: str):
+        """cuda_ipc: as `pull`, for a replica on this actor's GPU (it maps the staged body and copies it)."""
         return self.transport.take(key)
 
     @ray.method(concurrency_group="control")

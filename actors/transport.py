@@ -10,7 +10,9 @@ returns the payload's bytes (any number of receives at once) and `close()` leave
                 whichever replica Serve picks fetches it. No channels. CPU and GPU.
   nixl          `offer` stages the payload as a tensor in the producer; the serving replica pulls it with its
                 own call through Ray Direct Transport (NIXL: one-sided, no group to join; UCX on CPU, device
-                memory on GPUs). CPU and GPU.
+                memory on GPUs). CPU and GPU. A payload encoded on a GPU (`codec.Wire`) stays in device
+                memory from the producer's encode to the replica's rebuild.
+  cuda_ipc      the same pulls over CUDA IPC, for a producer and replicas on one GPU.
   nccl          the payload goes GPU to GPU over a two-rank NCCL communicator per (producer, replica),
                 opened when the replica starts (`attach`) and torn down when it stops (so autoscaling
                 works). The router cannot know which replica Serve will pick, so `offer` *stages* the
@@ -37,6 +39,8 @@ from typing import Any, Callable, Protocol
 
 import ray
 import torch
+
+from scd.online import codec
 
 
 @dataclass(frozen=True)
@@ -136,19 +140,28 @@ class NixlTransport:
     Ray Direct Transport with NIXL (`ray.method(tensor_transport="nixl")` on the producer's `pull`): one-sided,
     so there is no collective group to join, and replicas come and go as Serve scales them. UCX moves the
     bytes CPU to CPU here, and device memory (NVLink, RDMA) on GPUs. The replica's own call gets the tensor:
-    an RDT reference cannot be handed on through another process, so the router forwards the key only."""
+    an RDT reference cannot be handed on through another process, so the router forwards the key only.
+
+    A bytes payload is staged as a host tensor of its bytes; a device payload (`codec.Wire`, encoded on the
+    producer's GPU) as its header bytes beside its body tensor, which RDT moves device to device: the
+    replica decodes and rebuilds from its own device memory, and the codes never touch a host."""
     name = "nixl"
+    method = "pull"                      # the producer's method declared with this tensor_transport
 
     def __init__(self, stage_bytes: int = 256 << 20):
         self.stage = Staging(stage_bytes)
 
-    def offer(self, payload: bytes, receivers: int = 1) -> Ticket:
+    def offer(self, payload: "bytes | codec.Wire", receivers: int = 1) -> Ticket:
         """Stage a payload until each of the `receivers` replicas that serve the request has pulled it."""
-        tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return Ticket("nixl", len(payload), key=self.stage.put(tensor, len(payload), receivers))
+        if isinstance(payload, codec.Wire):
+            staged = {"head": payload.head, "body": payload.body}
+        else:
+            staged = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return Ticket(self.name, len(payload), key=self.stage.put(staged, len(payload), receivers))
 
-    def take(self, key: str) -> "torch.Tensor":
-        """The producer's side of a pull: the staged tensor (released with its last receiver's pull)."""
+    def take(self, key: str):
+        """The producer's side of a pull: the staged tensor, or a device payload's {"head", "body"} (released
+        with its last receiver's pull)."""
         return self.stage.take(key)
 
     def attach(self, replica_id: str) -> None:
@@ -158,7 +171,7 @@ class NixlTransport:
         pass
 
     def push(self, key: str, replica_id: str) -> Ticket:
-        raise TransportError("the nixl transport has nothing to push: replicas pull their payloads")
+        raise TransportError(f"the {self.name} transport has nothing to push: replicas pull their payloads")
 
     def channels(self) -> list[str]:
         return []
@@ -166,8 +179,21 @@ class NixlTransport:
     def staged(self) -> int:
         return len(self.stage)
 
-    def receiver(self, replica_id: str, producer: Callable[[], Any], timeout_s: float = 30.0) -> "NixlReceiver":
-        return NixlReceiver(producer, timeout_s)
+    def receiver(self, replica_id: str, producer: Callable[[], Any], timeout_s: float = 30.0) -> "RdtReceiver":
+        return RdtReceiver(producer, self.name, self.method, timeout_s)
+
+
+class CudaIpcTransport(NixlTransport):
+    """The nixl transport's staging and pulls over CUDA IPC (`tensor_transport="cuda_ipc"` on the producer's
+    `pull_ipc`), for a producer and replicas that share one GPU: the replica maps the producer's device
+    memory and copies it once, device to device. Device payloads only (CUDA IPC moves CUDA tensors)."""
+    name = "cuda_ipc"
+    method = "pull_ipc"
+
+    def offer(self, payload: "bytes | codec.Wire", receivers: int = 1) -> Ticket:
+        if not isinstance(payload, codec.Wire) or payload.body.device.type != "cuda":
+            raise TransportError("the cuda_ipc transport carries payloads encoded on a GPU only")
+        return super().offer(payload, receivers)
 
 
 def rdt_handle(handle):
@@ -180,27 +206,33 @@ def rdt_handle(handle):
     return handle
 
 
-class NixlReceiver:
-    """A replica's end: pulls a ticket's payload from the producer with its own call (the RDT transfer)."""
+class RdtReceiver:
+    """A replica's end of nixl or cuda_ipc: pulls a ticket's payload from the producer with its own call (the
+    RDT transfer). A device payload comes back as a `codec.Wire` whose body is on this replica's device."""
 
-    def __init__(self, producer: Callable[[], Any], timeout_s: float = 30.0):
-        self.producer, self.timeout_s = producer, timeout_s
+    def __init__(self, producer: Callable[[], Any], kind: str = "nixl", method: str = "pull", timeout_s: float = 30.0):
+        self.producer, self.kind, self.method, self.timeout_s = producer, kind, method, timeout_s
 
     def open(self) -> bool:
         return True
 
-    def receive(self, ticket: Ticket, incarnation: str | None = None) -> bytes:
-        if ticket.kind != "nixl" or not ticket.key:
-            raise TransportError(f"the nixl transport cannot read a {ticket.kind!r} ticket")
+    def receive(self, ticket: Ticket, incarnation: str | None = None) -> "bytes | codec.Wire":
+        if ticket.kind != self.kind or not ticket.key:
+            raise TransportError(f"the {self.kind} transport cannot read a {ticket.kind!r} ticket")
         try:
-            tensor = ray.get(rdt_handle(self.producer()).pull.remote(ticket.key), timeout=self.timeout_s)
+            pulled = ray.get(getattr(rdt_handle(self.producer()), self.method).remote(ticket.key), timeout=self.timeout_s)
         except ray.exceptions.RayTaskError as e:
             raise TransportError(f"pull failed: {e.cause if e.cause else e}") from None
         except Exception as e:                                     # timeout, producer gone, transfer failed
             raise TransportError(f"pull failed: {type(e).__name__}: {e}") from None
-        data = tensor.numpy().tobytes()
+        if isinstance(pulled, dict):
+            # cuda_ipc hands out a view of the producer's memory, freed when it drops the staged copy: take ours
+            body = pulled["body"].clone() if self.kind == "cuda_ipc" else pulled["body"]
+            data = codec.Wire(pulled["head"], body)
+        else:
+            data = pulled.numpy().tobytes()
         if len(data) != ticket.nbytes:
-            raise TransportError(f"nixl pull returned {len(data)} bytes, ticket says {ticket.nbytes}")
+            raise TransportError(f"{self.kind} pull returned {len(data)} bytes, ticket says {ticket.nbytes}")
         return data
 
     def close(self) -> None:
@@ -569,7 +601,8 @@ def cupy_nccl() -> tuple:
     return CupyCommunicator, nccl.get_unique_id
 
 
-TRANSPORTS = ("object_store", "nixl", "nccl", "nccl_fake")
+TRANSPORTS = ("object_store", "nixl", "cuda_ipc", "nccl", "nccl_fake")
+RDT_TRANSPORTS = ("nixl", "cuda_ipc")     # Ray Direct Transport: replicas pull tensors from the producer
 FAKE_HUB_NAME = "scd-fake-nccl"
 
 
@@ -579,6 +612,8 @@ def make_transport(kind: str, namespace: str | None = None):
         return ObjectStoreTransport()
     if kind == "nixl":
         return NixlTransport()
+    if kind == "cuda_ipc":
+        return CudaIpcTransport()
     if kind == "nccl":
         return NcclTransport(*cupy_nccl())
     if kind == "nccl_fake":

@@ -268,10 +268,11 @@ class DeploymentConfig(_Strict):
     families: list[FamilySettings] = Field(default_factory=list, description=(
         "families of specialists that share one code (python -m jobs.family --publish); a fan-out to members "
         "of one family sends one payload, any other request each pair's own"))
-    transport: Literal["auto", "object_store", "nixl", "nccl", "nccl_fake"] = Field(
+    transport: Literal["auto", "object_store", "nixl", "cuda_ipc", "nccl", "nccl_fake"] = Field(
         "auto", description="how codes travel: auto (nccl when every model has a GPU and cupy is installed, "
                             "else object_store) | object_store | nixl (Ray Direct Transport: each replica "
-                            "pulls its payload from the producer, CPU or GPU) | nccl | nccl_fake (the NCCL "
+                            "pulls its payload from the producer, CPU or GPU) | cuda_ipc (the same pulls "
+                            "for models on one GPU) | nccl | nccl_fake (the NCCL "
                             "protocol over a CPU stand-in communicator: tests and drills)")
     producer_timeout_s: float = Field(10.0, gt=0, description="router waits this long for codes, then the "
                                                                 "specialists prefill themselves (fallback)")
@@ -314,12 +315,12 @@ class DeploymentConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _nccl_needs_gpus(self):
-        if self.transport == "nccl":
+    def _gpu_transports_need_gpus(self):
+        if self.transport in ("nccl", "cuda_ipc"):
             cpu = [m.name for m in (self.producer, *self.specialists) if m.num_gpus <= 0]
             if cpu:
-                raise ValueError(f"transport 'nccl' needs num_gpus > 0 for the producer and every specialist; "
-                                 f"on CPU: {cpu} (use 'auto' or 'object_store')")
+                raise ValueError(f"transport {self.transport!r} needs num_gpus > 0 for the producer and every "
+                                 f"specialist; on CPU: {cpu} (use 'nixl' or 'object_store')")
         return self
 
     def resolved_transport(self) -> str:

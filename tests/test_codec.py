@@ -163,3 +163,55 @@ def test_mixed_codes_send_their_first_third_in_int8_and_the_rest_in_int4():
         buf = torch.full((10 * r,), float("nan"))
         assert torch.equal(dense(got, torch.float32, buf), back) and torch.equal(buf.view(2, 5, r), back)
         assert torch.equal(dense(got.to("cpu")), back)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "int8", "int4", "mixed"])
+def test_a_wire_body_is_the_uncompressed_payload_body_byte_for_byte(dtype):
+    """encode_wire keeps the body a tensor where the codes are; its bytes are the bytes payload's, so one
+    decoder reads both, and gives the same codes."""
+    c = _codes()
+    blob = codec.encode(c, "base:qa", "v3", DIMS, dtype, compress="none")
+    wire = codec.encode_wire(c, "base:qa", "v3", DIMS, dtype)
+    assert wire.body.dtype == torch.uint8 and wire.body.numel() == codec.body_bytes(blob)
+    hlen = struct.unpack("<I", blob[6:10])[0]
+    assert wire.body.numpy().tobytes() == blob[10 + hlen:-4], "wire body differs from the bytes payload's body"
+    assert codec.header(wire)["check"][0] == "crc32"                 # a host body: crc32, as bytes payloads
+    a, b = codec.decode(blob, "base:qa", "v3", PLAN, DIMS), codec.decode(wire, "base:qa", "v3", PLAN, DIMS)
+    assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.mask, b.mask)
+    for l, fields in a.layers.items():
+        for k, x in fields.items():
+            err = (dense(x) - dense(b.layers[l][k])).abs().max().item()
+            assert err == 0, f"{dtype} layer {l} {k}: wire decode differs from bytes decode by {err:.2e}"
+
+
+def test_a_damaged_or_foreign_wire_is_refused():
+    wire = codec.encode_wire(_codes(), "base:qa", "v3", DIMS, "int8")
+    with pytest.raises(codec.PayloadError, match="checksum"):
+        codec.decode(codec.corrupted(wire), "base:qa", "v3", PLAN, DIMS)
+    with pytest.raises(codec.PayloadError, match="layout implies"):
+        codec.decode(codec.Wire(wire.head, wire.body[:-1]), "base:qa", "v3", PLAN, DIMS)
+    with pytest.raises(codec.PayloadError, match="artifact"):
+        codec.decode(wire, "base:qa", "v4", PLAN, DIMS)
+    head = bytearray(wire.head)
+    head[12] ^= 0x01                                                  # inside the header JSON: its crc32 fails
+    with pytest.raises(codec.PayloadError, match="checksum"):
+        codec.decode(codec.Wire(bytes(head), wire.body), "base:qa", "v3", PLAN, DIMS)
+
+
+def test_sum64_sees_a_flipped_byte_and_swapped_bytes_in_any_chunk(monkeypatch):
+    """The device checksum (here on the host, over small chunks): a changed byte and two swapped bytes change it,
+    in the first and in a later chunk."""
+    monkeypatch.setattr(codec, "CHUNK", 64)
+    monkeypatch.setattr(codec, "_WEIGHTS", {})
+    body = torch.randint(0, 256, (300,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    ref = codec.checksum(body, "sum64")
+    for i in (3, 130, 299):
+        flipped = body.clone()
+        flipped[i] ^= 0x10
+        assert codec.checksum(flipped, "sum64") != ref, f"a flip at byte {i} went unseen"
+    for i, j in ((0, 1), (140, 150)):
+        if body[i] == body[j]:
+            continue
+        swapped = body.clone()
+        swapped[i], swapped[j] = body[j], body[i]
+        assert codec.checksum(swapped, "sum64") != ref, f"swapping bytes {i} and {j} went unseen"

@@ -32,13 +32,14 @@ def test_a_bad_file_gets_one_error_listing_every_problem_with_its_path(tmp_path)
     assert msg.startswith("6 problem(s)"), msg
 
 
-def test_nccl_needs_every_model_on_a_gpu_and_auto_stays_on_the_object_store_without():
+@pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
+def test_gpu_transports_need_every_model_on_a_gpu_and_auto_stays_on_the_object_store_without(transport):
     with pytest.raises(ConfigError) as e:
-        parse({**GOOD, "transport": "nccl"})
+        parse({**GOOD, "transport": transport})
     assert "num_gpus > 0" in str(e.value) and "base" in str(e.value) and "qa" in str(e.value)
-    gpus = {"producer": {**GOOD["producer"], "num_gpus": 1},
-            "specialists": [{**GOOD["specialists"][0], "num_gpus": 1}]}
-    assert parse({**gpus, "transport": "nccl"}).resolved_transport() == "nccl"
+    gpus = {"producer": {**GOOD["producer"], "num_gpus": 0.5},
+            "specialists": [{**GOOD["specialists"][0], "num_gpus": 0.5}]}
+    assert parse({**gpus, "transport": transport}).resolved_transport() == transport
     assert parse({**GOOD, "transport": "nccl_fake"}).resolved_transport() == "nccl_fake"
     assert parse(GOOD).resolved_transport() == "object_store"
 

@@ -37,3 +37,65 @@ def test_cupy_nccl_communicator_available():
     from actors.transport import cupy_nccl
     make_comm, new_uid = cupy_nccl()
     assert new_uid() and cupy.cuda.runtime.getDeviceCount() >= 1
+
+
+@cuda
+def test_a_device_payload_is_encoded_checked_and_decoded_in_device_memory():
+    """encode_wire on the GPU: the body is a CUDA tensor with a device checksum (sum64), decode reads it without
+    a host copy (its codes are CUDA tensors), a flipped byte is refused, and the codes match the host path's
+    within one int8 step."""
+    from scd.online import codec
+    from scd.online.rebuild import dense
+    from tests.test_codec import DIMS, PLAN, _codes
+    c = _codes()
+    g = _codes()
+    g.token_ids, g.mask = g.token_ids.cuda(), g.mask.cuda()
+    g.layers = {l: {k: x.cuda() for k, x in f.items()} for l, f in g.layers.items()}
+    wire = codec.encode_wire(g, "base:qa", "v3", DIMS, "int8")
+    assert wire.body.is_cuda and codec.header(wire)["check"][0] == "sum64"
+    host = codec.decode(codec.encode(c, "base:qa", "v3", DIMS, "int8"), "base:qa", "v3", PLAN, DIMS)
+    dev = codec.decode(wire, "base:qa", "v3", PLAN, DIMS)
+    assert dev.token_ids.is_cuda and torch.equal(dev.token_ids.cpu(), c.token_ids)
+    for l, fields in host.layers.items():
+        for k, x in fields.items():
+            d = dense(dev.layers[l][k])
+            assert d.is_cuda, f"layer {l} {k} decoded to {d.device}"
+            step = c.layers[l][k].abs().amax(-1, keepdim=True) / 127
+            err = ((d.cpu() - dense(x)).abs() / step).max().item()
+            assert err <= 1.01, f"layer {l} {k}: device and host decodes differ by {err:.2f} int8 steps"
+    with pytest.raises(codec.PayloadError, match="checksum"):
+        codec.decode(codec.corrupted(wire), "base:qa", "v3", PLAN, DIMS)
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["nixl", "cuda_ipc"])
+def test_rdt_moves_a_device_payload_device_to_device(ray_cluster, kind):
+    """A payload encoded on the producer's GPU, pulled by two replicas through Ray Direct Transport: it arrives
+    in device memory, intact, and decodes there."""
+    from tests.test_transport import pull_device_payloads
+    arrived = pull_device_payloads(kind, "cuda")
+    assert all(a.startswith("cuda") for a in arrived), f"{kind}: bodies arrived on {arrived}"
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["cuda_ipc", "nixl"])
+def test_a_fanout_on_one_gpu_is_served_from_device_payloads(ray_cluster, tmp_path_factory, demo_work_dir, kind):
+    """The demo family on one GPU (producer and replicas a quarter of it each), codes over `kind`: a fan-out
+    answers from codes (cuda_ipc refuses anything but a payload encoded on the GPU, so `scd` there means the
+    codes stayed in device memory)."""
+    import ray
+    from tests.test_serve import PREFIX, _post
+    from tests.test_serve_nccl import serve_family
+    served = serve_family(tmp_path_factory, demo_work_dir, kind, f"scd-test-gpu-{kind}", gpus=0.25)
+    url, producer = next(served)
+    try:
+        for i in range(2):
+            status, out = _post(url + "/v1/fanout", {"prefix": PREFIX + f"Round {i}. ", "requests": [
+                {"specialist": "qa", "suffix": "Question: Where does Tilda Vance live?\nAnswer:", "max_tokens": 4},
+                {"specialist": "prose", "suffix": "The", "max_tokens": 4}]})
+            assert status == 200, out
+            assert [r["scd"]["mode"] for r in out["results"]] == ["scd", "scd"], [r["scd"] for r in out["results"]]
+        stats = ray.get(producer.stats.remote())
+        assert stats["transport"] == kind and stats["staged"] == 0, stats
+    finally:
+        next(served, None)

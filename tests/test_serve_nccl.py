@@ -13,9 +13,11 @@ from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, scale_up_with
 NS = "scd-test-nccl"
 
 
-def serve_family(tmp_path_factory, demo_work_dir, transport: str, namespace: str, qa: dict | None = None):
+def serve_family(tmp_path_factory, demo_work_dir, transport: str, namespace: str, qa: dict | None = None,
+                 gpus: float = 0):
     """qa and prose (calibrated, and published as the family "fam") served with `transport` in `namespace`;
-    `qa`: more settings of the qa specialist. Yields (url, the producer's handle); Serve stops after."""
+    `qa`: more settings of the qa specialist; `gpus`: each model's share of a GPU (0: on CPU). Yields (url,
+    the producer's handle); Serve stops after."""
     from actors.producer_actor import PRODUCER_NAME
     tmp = tmp_path_factory.mktemp(f"serve-{transport}")
     cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1, work_dir=demo_work_dir)
@@ -24,11 +26,12 @@ def serve_family(tmp_path_factory, demo_work_dir, transport: str, namespace: str
     family_job(["--config", str(cfg_path), "--members", "qa,prose", "--name", "fam", "--publish", "--repeats", "1",
                 "--out", str(tmp / "family")])
     raw = yaml.safe_load(cfg_path.read_text())
-    raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25, **(qa or {})},
-                          {"name": "prose", "path": str(DEMO / "prose"), "num_cpus": 0.25}]
+    place = {"num_cpus": 0.25, "num_gpus": gpus}
+    raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), **place, **(qa or {})},
+                          {"name": "prose", "path": str(DEMO / "prose"), **place}]
     raw.update(transport=transport, ray={"namespace": namespace}, http={"port": free_port()}, producer_timeout_s=5,
                limits={"request_timeout_s": 600, "specialist_max_ongoing": 8}, families=[{"name": "fam"}])
-    raw["producer"]["num_cpus"] = 0.25
+    raw["producer"].update(place)
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, ray.get_actor(PRODUCER_NAME, namespace=namespace)
     from ray import serve

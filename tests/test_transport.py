@@ -5,13 +5,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
+import torch
 
-from actors.transport import (FakeNcclHub, NcclTransport, NixlTransport, ObjectStoreTransport, Ticket,
-                              TransportError, fake_nccl)
+from actors.transport import (CudaIpcTransport, FakeNcclHub, NcclTransport, NixlTransport, ObjectStoreTransport,
+                              Ticket, TransportError, fake_nccl)
+from scd.online import codec
+from tests.test_codec import DIMS, PLAN, _codes
 
 
 def _transport(kind, hub):
-    return {"object_store": ObjectStoreTransport, "nixl": NixlTransport}.get(kind, lambda: NcclTransport(*fake_nccl(hub)))()
+    return {"object_store": ObjectStoreTransport, "nixl": NixlTransport, "cuda_ipc": CudaIpcTransport}.get(
+        kind, lambda: NcclTransport(*fake_nccl(hub)))()
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -37,8 +41,21 @@ class Producer:
     def push(self, key, rid):
         return self.t.push(key, rid)
 
+    def offer_codes(self, receivers=1, device="cpu"):
+        """A device payload of a small set of codes, encoded here (on `device`); returns (ticket, its bytes)."""
+        c = _codes()
+        c.token_ids, c.mask = c.token_ids.to(device), c.mask.to(device)
+        c.layers = {l: {k: x.to(device) for k, x in fields.items()} for l, fields in c.layers.items()}
+        wire = codec.encode_wire(c, "base:qa", "v3", DIMS, "int8")
+        assert wire.body.device.type == device
+        return self.t.offer(wire, receivers), wire.head, wire.body.cpu().numpy().tobytes()
+
     @ray.method(tensor_transport="nixl")
     def pull(self, key):
+        return self.t.take(key)
+
+    @ray.method(tensor_transport="cuda_ipc")
+    def pull_ipc(self, key):
         return self.t.take(key)
 
     def stats(self):
@@ -57,6 +74,12 @@ class Replica:
 
     def receive(self, ticket, incarnation="p1"):
         return self.r.receive(ticket, incarnation)
+
+    def decode(self, ticket):
+        """Receive a device payload and decode it where it arrived: (its body's device, head, body bytes, ids)."""
+        wire = self.r.receive(ticket)
+        codes = codec.decode(wire, "base:qa", "v3", PLAN, DIMS)
+        return str(wire.body.device), wire.head, wire.body.cpu().numpy().tobytes(), codes.token_ids.cpu()
 
     def receive_many(self, tickets):
         with ThreadPoolExecutor(len(tickets)) as pool:
@@ -177,3 +200,34 @@ def test_nixl_replicas_pull_their_payloads_and_a_family_payload_is_staged_once(r
         ray.get(a.receive.remote(family))
     with pytest.raises(TransportError, match="cannot read"):
         ray.get(a.receive.remote(Ticket("object_store", 3)))
+
+
+def pull_device_payloads(kind: str, device: str) -> list:
+    """A device payload encoded in the producer on `device`, pulled by two replicas (a family's one payload for
+    both) and decoded where it arrived; returns where each body arrived. Shared with the GPU tests."""
+    gpus = 0.25 if device == "cuda" else 0                 # all on one GPU (cuda_ipc needs that; nixl does not)
+    p = Producer.options(num_gpus=gpus).remote(kind)
+    a, b = (Replica.options(num_gpus=gpus).remote(kind, None, rid, p) for rid in ("qa#1", "prose#1"))
+    ticket, head, body = ray.get(p.offer_codes.remote(2, device))
+    assert ticket.kind == kind and ticket.nbytes == len(head) + len(body)
+    arrived = []
+    for r in (a, b):
+        where, got_head, got_body, ids = ray.get(r.decode.remote(ticket))
+        assert got_head == head and got_body == body, f"{kind}: the payload changed on its way ({where})"
+        assert torch.equal(ids, _codes().token_ids), "decoded token ids differ from the encoded ones"
+        arrived.append(where)
+    assert ray.get(p.staged.remote()) == (0, 0), "released after its second receiver's pull"
+    return arrived
+
+
+def test_nixl_moves_a_device_payload_as_a_tensor_and_the_replica_decodes_it(ray_cluster):
+    """A `codec.Wire` (the body a tensor where it was encoded) over nixl: its header and body arrive intact, the
+    replica decodes it where it landed (here the host; on a GPU, device memory: tests/test_gpu.py)."""
+    assert pull_device_payloads("nixl", "cpu") == ["cpu", "cpu"]
+
+
+def test_cuda_ipc_refuses_a_host_payload():
+    with pytest.raises(TransportError, match="encoded on a GPU"):
+        CudaIpcTransport().offer(b"bytes")
+    with pytest.raises(TransportError, match="encoded on a GPU"):
+        CudaIpcTransport().offer(codec.encode_wire(_codes(), "base:qa", "v3", DIMS, "int8"))

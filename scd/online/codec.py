@@ -20,6 +20,13 @@ int4 values are offset by 8 and packed two to a byte, low nibble first, a row pa
 The decoder checks magic, version, lengths, crc, and that pair/artifact/plan match what it expects and dims
 are among the ones it accepts (one per level of the artifact).
 
+Device payloads (`Wire`, from `encode_wire`): on a GPU the codes never leave device memory. The body is the same
+bytes as above (uncompressed), as one flat uint8 tensor on the encoding device, and travels as a tensor (Ray
+Direct Transport); the header travels beside it as bytes: magic, version, header JSON (with "body_bytes" and
+"check", the body's checksum), crc32 of those. The checksum is crc32 for a body in host memory, and on a device
+"sum64": per 16 MiB chunk the sum of its bytes and their sum weighted by position (computed where the body is;
+only 16 bytes per chunk reach the host). `decode` reads both kinds and checks the same things.
+
 Quantised codes (int8, int4, mixed) are compressed with zstd by default: lossless, so the consumer rebuilds
 from exactly the same codes, and their values are far from uniform over their range (a row's scale is set by
 its largest value), so the bytes shrink by about a seventh (`smollm2:code_few`, mixed r_X 1024: 0.859 of the
@@ -31,6 +38,7 @@ import json
 import math
 import struct
 import zlib
+from dataclasses import dataclass
 
 import torch
 import zstandard
@@ -169,15 +177,21 @@ def _kivi_from(body: torch.Tensor, off: int, shape: tuple[int, ...], fd: str) ->
     return x if fd == "asym4" else x.transpose(-1, -2)[..., :shape[-2], :]
 
 
+def _field_u8(x: torch.Tensor, dtype: str) -> list[torch.Tensor]:
+    """One code tensor's wire bytes as flat uint8 tensors where x is: its wire_tensors one after the other (each
+    part's scales, then values)."""
+    tensors = _kivi_tensors(x.detach().float(), dtype) if dtype in ("kivi_k", "asym4") else wire_tensors(x, dtype)
+    return [_u8(t) for t in tensors]
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, as a flat uint8 view (a copy only when it is not contiguous)."""
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
 def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
-    """One code tensor's wire bytes: its wire_tensors one after the other (each part's scales, then values)."""
-    out = []
-    tensors = _kivi_tensors(x.detach().float().cpu(), dtype) if dtype in ("kivi_k", "asym4") else \
-        wire_tensors(x.cpu(), dtype)
-    for t in tensors:
-        t = t.contiguous()
-        out.append((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())   # numpy has no bf16
-    return b"".join(out)
+    """One code tensor's wire bytes (quantised on the host)."""
+    return b"".join(t.numpy().tobytes() for t in _field_u8(x.cpu(), dtype))
 
 
 def wire_tensors(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ...]:
@@ -290,49 +304,120 @@ def default_compress(dtype: str) -> str:
     return "zstd" if dtype in _QMAX or dtype in ("mixed", "kivi4") else "none"
 
 
-def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: str = "fp16",
-           compress: str | None = None) -> bytes:
-    """Serialise codes. dims = {"n_kv", "r_k", "r_v", "r_h"} of the artifact that produced them; compress: the
-    lossless stage over the body, one of COMPRESS (default: `default_compress(dtype)`), used when it makes the
-    body smaller (the header says so)."""
+def _start(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: str) -> tuple[dict, list]:
+    """(the header, [(code tensor, its field dtype)] in wire order) of a payload of `codes`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    compress = default_compress(dtype) if compress is None else compress
-    if compress not in COMPRESS:
-        raise ValueError(f"compress must be one of {COMPRESS}, got {compress!r}")
     b, t = codes.token_ids.shape
     header = {"pair": pair, "artifact": artifact, "dtype": dtype, "batch": b, "tokens": t, "plan": codes.plan,
               "dims": dims}
     x_codes = sorted(l for l, fields in codes.layers.items() if "z_x" in fields)
     if x_codes != _hidden_layers(codes.plan):              # codes shared by groups of layers
         header["x_codes"] = x_codes
-    parts = [codes.token_ids.to(torch.int32).cpu().numpy().tobytes(), codes.mask.to(torch.uint8).cpu().numpy().tobytes()]
+    fields = []
     for l, name, want in _layout(codes.plan, dims, b, t, x_codes):
         x = codes.layers[l][name]
         if tuple(x.shape) != want:
             raise ValueError(f"layer {l} {name} has shape {tuple(x.shape)}, expected {want}")
-        parts.append(_to_bytes(x, field_dtype(name, dtype)))
-    body = b"".join(parts)
+        fields.append((x, field_dtype(name, dtype)))
+    return header, fields
+
+
+def _head(header: dict) -> bytes:
+    """magic, version, header length and header JSON: what a payload's bytes start with."""
     hb = json.dumps(header, sort_keys=True).encode()
+    return b"".join([MAGIC, struct.pack("<HI", VERSION, len(hb)), hb])
+
+
+def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: str = "fp16",
+           compress: str | None = None) -> bytes:
+    """Serialise codes. dims = {"n_kv", "r_k", "r_v", "r_h"} of the artifact that produced them; compress: the
+    lossless stage over the body, one of COMPRESS (default: `default_compress(dtype)`), used when it makes the
+    body smaller (the header says so)."""
+    compress = default_compress(dtype) if compress is None else compress
+    if compress not in COMPRESS:
+        raise ValueError(f"compress must be one of {COMPRESS}, got {compress!r}")
+    header, fields = _start(codes, pair, artifact, dims, dtype)
+    parts = [codes.token_ids.to(torch.int32).cpu().numpy().tobytes(), codes.mask.to(torch.uint8).cpu().numpy().tobytes()]
+    parts += [_to_bytes(x, fd) for x, fd in fields]
+    body = b"".join(parts)
+    head = _head(header)
     if compress == "zstd":
         packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(body)
-        hz = json.dumps({**header, "compress": compress}, sort_keys=True).encode()
-        if len(hz) + len(packed) < len(hb) + len(body):     # (a few tokens' codes may not shrink: sent as they are)
-            hb, body = hz, packed
-    blob = b"".join([MAGIC, struct.pack("<HI", VERSION, len(hb)), hb, body])
+        hz = _head({**header, "compress": compress})
+        if len(hz) + len(packed) < len(head) + len(body):     # (a few tokens' codes may not shrink: sent as they are)
+            head, body = hz, packed
+    blob = head + body
     return blob + struct.pack("<I", zlib.crc32(blob))
 
 
-def body_bytes(payload: bytes) -> int:
+@dataclass(frozen=True)
+class Wire:
+    """A payload whose body stays where it was encoded (a device's memory): `head` is the bytes of a payload's
+    header with its own crc32 (magic, version, header JSON carrying "body_bytes" and "check"), `body` the flat
+    uint8 tensor of the body's bytes (uncompressed). Moves between processes as a tensor (Ray Direct Transport)."""
+    head: bytes
+    body: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.head) + self.body.numel()
+
+
+CHUNK = 1 << 24            # sum64's chunk: int64 copies of one chunk are what the checksum holds at a time
+_WEIGHTS: dict[str, torch.Tensor] = {}
+
+
+def checksum(body: torch.Tensor, kind: str) -> int:
+    """A flat uint8 body's checksum, computed where it is: "crc32" (host bytes; a device body is copied to the
+    host first) or "sum64" (per CHUNK bytes the sum and the position-weighted sum, gathered in one small copy)."""
+    if kind == "crc32":
+        return zlib.crc32(body.cpu().numpy())
+    if kind != "sum64":
+        raise PayloadError(f"unknown checksum {kind!r}")
+    key = str(body.device)
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = torch.arange(1, CHUNK + 1, dtype=torch.int64, device=body.device)
+    w = _WEIGHTS[key]
+    sums = []
+    for o in range(0, body.numel(), CHUNK):
+        c = body[o:o + CHUNK].to(torch.int64)
+        sums.append(torch.stack([c.sum(), (c * w[:c.numel()]).sum()]))
+    return zlib.crc32(torch.stack(sums).cpu().numpy().tobytes()) if sums else 0
+
+
+def encode_wire(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: str = "fp16") -> Wire:
+    """`encode` without leaving the codes' device: quantised there, the body one uint8 tensor there (the bytes of
+    an uncompressed payload's body), checksummed there ("sum64" on a device, "crc32" on the host)."""
+    header, fields = _start(codes, pair, artifact, dims, dtype)
+    parts = [_u8(codes.token_ids.to(torch.int32)), _u8(codes.mask.to(torch.uint8))]
+    parts += [t for x, fd in fields for t in _field_u8(x, fd)]
+    body = torch.cat(parts)
+    kind = "crc32" if body.device.type == "cpu" else "sum64"
+    head = _head({**header, "body_bytes": body.numel(), "check": [kind, checksum(body, kind)]})
+    return Wire(head + struct.pack("<I", zlib.crc32(head)), body)
+
+
+def corrupted(payload: "bytes | Wire") -> "bytes | Wire":
+    """A copy of `payload` with one byte of its body flipped (the fault drills' damage): decode refuses it."""
+    if isinstance(payload, Wire):
+        body = payload.body.clone()
+        body[-1] ^= 0xFF
+        return Wire(payload.head, body)
+    return payload[:-1] + bytes([payload[-1] ^ 0xFF])
+
+
+def body_bytes(payload: "bytes | Wire") -> int:
     """Bytes of a payload's body as sent (compressed or not): the payload without its header and checksum."""
+    if isinstance(payload, Wire):
+        return payload.body.numel()
     return len(payload) - 14 - struct.unpack("<I", payload[6:10])[0]
 
 
-def header(payload: bytes, checksum: bool = True) -> dict:
+def header(payload: "bytes | Wire", checksum: bool = True) -> dict:
     """The payload's JSON header after checking magic, version, lengths and (unless `checksum` is False: a
     peek at which artifact decodes it, before `decode` checks everything) the checksum; PayloadError if any
-    is wrong."""
-    return _header(memoryview(payload), checksum)[0]
+    is wrong. (A Wire's checksum here is its header's; `decode` checks its body's.)"""
+    return _header(memoryview(payload.head if isinstance(payload, Wire) else payload), checksum)[0]
 
 
 def _header(mv: memoryview, checksum: bool = True) -> tuple[dict, int]:
@@ -357,13 +442,14 @@ def _header(mv: memoryview, checksum: bool = True) -> tuple[dict, int]:
     return h, hlen
 
 
-def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dict[str, int] | list[dict[str, int]]",
-           x_codes: list[int] | None = None) -> Codes:
+def decode(payload: "bytes | Wire", pair: str, artifact: str, plan: list[str],
+           dims: "dict[str, int] | list[dict[str, int]]", x_codes: list[int] | None = None) -> Codes:
     """Parse and validate a payload against the consumer's expectation; raise PayloadError on any mismatch.
     `dims`: the dims it must have, or a list of those it may have (an artifact's levels, `level_dims`);
-    `x_codes`: the layers carrying a hidden-state code (an artifact's x_codes; None: every hidden layer)."""
+    `x_codes`: the layers carrying a hidden-state code (an artifact's x_codes; None: every hidden layer).
+    A Wire's codes are views of its body, on its device."""
     accepted = dims if isinstance(dims, list) else [dims]
-    mv = memoryview(payload)
+    mv = memoryview(payload.head if isinstance(payload, Wire) else payload)
     h, hlen = _header(mv)
     b, t, dtype = int(h["batch"]), int(h["tokens"]), h["dtype"]
     wrong = [f"{k}: payload={h.get(k)!r} expected={v!r}" for k, v in
@@ -382,10 +468,13 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dic
     dims = h["dims"]
     layout = _layout(plan, dims, b, t, x_codes)
     size = _body_bytes(layout, b, t, dtype)
-    raw = _decompress(mv[10 + hlen:-4], size) if compress == "zstd" else bytearray(mv[10 + hlen:-4])
-    if len(raw) != size:
-        raise PayloadError(f"payload is {len(mv)} bytes, its header implies {10 + hlen + size + 4}")
-    body = torch.frombuffer(raw, dtype=torch.uint8)       # one copy; fields are views
+    if isinstance(payload, Wire):
+        body = _wire_body(payload, h, size)
+    else:
+        raw = _decompress(mv[10 + hlen:-4], size) if compress == "zstd" else bytearray(mv[10 + hlen:-4])
+        if len(raw) != size:
+            raise PayloadError(f"payload is {len(mv)} bytes, its header implies {10 + hlen + size + 4}")
+        body = torch.frombuffer(raw, dtype=torch.uint8)       # one copy; fields are views
     ids = _field(body, 0, 4 * b * t, torch.int32).long().reshape(b, t)
     mask = body[4 * b * t:5 * b * t].long().reshape(b, t)
     off = 5 * b * t
@@ -395,6 +484,23 @@ def decode(payload: bytes, pair: str, artifact: str, plan: list[str], dims: "dic
         codes.layers.setdefault(l, {})[name] = _from_bytes(body, off, shape, field_dtype(name, dtype))
         off += _nbytes(shape, field_dtype(name, dtype))
     return codes
+
+
+def _wire_body(wire: Wire, h: dict, size: int) -> torch.Tensor:
+    """A Wire's body after checking its size and checksum against its header."""
+    body = wire.body
+    if body.dtype != torch.uint8 or body.dim() != 1:
+        raise PayloadError(f"a wire body is a flat uint8 tensor, got {body.dtype} of shape {tuple(body.shape)}")
+    if h.get("body_bytes") != size or body.numel() != size:
+        raise PayloadError(f"wire body is {body.numel()} bytes (header says {h.get('body_bytes')}), "
+                           f"its layout implies {size}")
+    try:
+        kind, value = h["check"]
+    except (KeyError, TypeError, ValueError):
+        raise PayloadError("wire header carries no body checksum") from None
+    if checksum(body, kind) != value:
+        raise PayloadError("payload checksum mismatch (corrupted or truncated in transit)")
+    return body
 
 
 def _decompress(frame: memoryview, size: int) -> bytearray:
