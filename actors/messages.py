@@ -55,7 +55,7 @@ class Codes:
     """The producer's answer to one encode: one PairCodes per pair asked for, from at most one prefill."""
     per_pair: dict[str, PairCodes]
     prefilled: bool
-    incarnation: str                            # the producer's start; a replica's NCCL channel belongs to one
+    incarnation: str                            # the producer's start (a restart is a new one)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -68,7 +68,6 @@ class SpecialistRequest:
     params: GenParams
     codes: PairCodes | None = None
     reason: str | None = None                   # a fallback reason, or "oracle": prefill on purpose
-    incarnation: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     trace: dict = field(default_factory=dict)   # telemetry context carrier
 

@@ -3,13 +3,12 @@
 It loads each pair's artifact, and each configured family's (one code for several pairs), through the
 registry actor (verified, fingerprints checked against the base model it holds), prefills a prefix once per
 request, and puts every payload on the transport once (`Transport.offer`: in Ray's object store at once, or
-staged until each serving replica asks for a push over its NCCL communicator). Replicas register here when
-they start and unregister when they stop.
+staged until each serving replica pulls it through Ray Direct Transport: `pull` for nixl, `pull_ipc` for
+cuda_ipc).
 
-Encodes run one at a time; stats, fault drills and the NCCL control calls run in a small "control" group
-of threads beside them, so health checks and pushes never wait behind a long prefill. Each start of the
-actor (first start or a restart by Ray) gets a new `incarnation`: a replica whose communicator belongs to an
-earlier incarnation registers again.
+Encodes run one at a time; stats, fault drills and the pulls run in a small "control" group of threads beside
+them, so health checks and transfers never wait behind a long prefill. Each start of the actor (first start or
+a restart by Ray) gets a new `incarnation` (what the fault drills tell restarts by).
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import torch
 from actors.messages import Codes, FallbackReason, PairCodes
 from actors.producer import ProducerEngine
 from actors.registry import fetch, fetch_family, registry
-from actors.transport import RDT_TRANSPORTS, Ticket, TransportError, make_transport
+from actors.transport import RDT_TRANSPORTS, TransportError, make_transport
 from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device
 from scd.online import codec
@@ -49,7 +48,7 @@ class ProducerActor:
         self.store_uri, self.store = store_uri, None       # the store itself only for leases (registry reads)
         self.expect = Fingerprints.of(producer=model, tokenizer=tok)
         self.transport_kind = transport
-        self.transport = make_transport(transport, namespace)
+        self.transport = make_transport(transport)
         self.wanted = dict(pairs)                      # pair -> "latest" or a pinned version
         self.wanted_families = dict(families or {})    # family id -> "latest" or a pinned version
         self.problems: dict[str, str] = {}
@@ -173,17 +172,7 @@ class ProducerActor:
             ticket = dataclasses.replace(ticket, nbytes=ticket.nbytes + 1)
         return PairCodes(e.version, ticket, len(payload), e.cache_hit, family=e.family)
 
-    # -- replicas' channels (NCCL: a communicator each; the object store has none) -----------------------
-    @ray.method(concurrency_group="control")
-    def register(self, replica_id: str):
-        """A replica starts: its channel begins opening; returns what the replica joins it with."""
-        return self.transport.attach(replica_id)
-
-    @ray.method(concurrency_group="control")
-    def unregister(self, replica_id: str) -> None:
-        """A replica stops: its channel is torn down."""
-        self.transport.detach(replica_id)
-
+    # -- replicas' pulls (Ray Direct Transport) ---------------------------------------------------------
     @ray.method(concurrency_group="control", tensor_transport="nixl")
     def pull(self, key: str):
         """nixl: a staged payload (a tensor, or a device payload's head and body), moved to the calling replica
@@ -196,11 +185,6 @@ class ProducerActor:
         return self.transport.take(key)
 
     @ray.method(concurrency_group="control")
-    def push(self, key: str, replica_id: str) -> Ticket:
-        """Send an offered payload to the replica serving its request; the replica receives with the ticket."""
-        return self.transport.push(key, replica_id)
-
-    @ray.method(concurrency_group="control")
     def stats(self) -> dict:
         return {**self.engine.stats(), "problems": dict(self.problems), "transport": self.transport_kind,
                 "link": {"gbps": self.engine.link_gbps, "ttft_target_ms": self.engine.ttft_target_ms},
@@ -209,4 +193,4 @@ class ProducerActor:
                "versions": {pair: v for pair, (_, v) in self.engine.artifacts.items()},
                "family_versions": {fid: {"version": v, "members": sorted(fam.members)}
                                    for fid, (fam, v) in self.engine.families.items()},
-               "channels": self.transport.channels(), "staged": self.transport.staged()}
+               "staged": self.transport.staged()}

@@ -268,12 +268,11 @@ class DeploymentConfig(_Strict):
     families: list[FamilySettings] = Field(default_factory=list, description=(
         "families of specialists that share one code (python -m jobs.family --publish); a fan-out to members "
         "of one family sends one payload, any other request each pair's own"))
-    transport: Literal["auto", "object_store", "nixl", "cuda_ipc", "nccl", "nccl_fake"] = Field(
-        "auto", description="how codes travel: auto (nccl when every model has a GPU and cupy is installed, "
-                            "else object_store) | object_store | nixl (Ray Direct Transport: each replica "
-                            "pulls its payload from the producer, CPU or GPU) | cuda_ipc (the same pulls "
-                            "for models on one GPU) | nccl | nccl_fake (the NCCL "
-                            "protocol over a CPU stand-in communicator: tests and drills)")
+    transport: Literal["auto", "object_store", "nixl", "cuda_ipc"] = Field(
+        "auto", description="how codes travel: auto (nixl when every model has a GPU, else object_store) | "
+                            "object_store | nixl (Ray Direct Transport: each replica pulls its payload from the "
+                            "producer, CPU or GPU; on GPUs the codes stay in device memory) | cuda_ipc (the "
+                            "same pulls for models that share one GPU)")
     producer_timeout_s: float = Field(10.0, gt=0, description="router waits this long for codes, then the "
                                                                 "specialists prefill themselves (fallback)")
     http: HttpSettings = Field(default_factory=HttpSettings)
@@ -316,7 +315,7 @@ class DeploymentConfig(_Strict):
 
     @model_validator(mode="after")
     def _gpu_transports_need_gpus(self):
-        if self.transport in ("nccl", "cuda_ipc"):
+        if self.transport == "cuda_ipc":
             cpu = [m.name for m in (self.producer, *self.specialists) if m.num_gpus <= 0]
             if cpu:
                 raise ValueError(f"transport {self.transport!r} needs num_gpus > 0 for the producer and every "
@@ -324,12 +323,11 @@ class DeploymentConfig(_Strict):
         return self
 
     def resolved_transport(self) -> str:
-        """`auto` made concrete: nccl when every model has a GPU and cupy can be imported, else object_store."""
+        """`auto` made concrete: nixl when every model has a GPU (the codes then never leave device memory),
+        else object_store (on one CPU node the fastest for payloads of a few MB: docs/results.md)."""
         if self.transport != "auto":
             return self.transport
-        import importlib.util
-        on_gpus = all(m.num_gpus > 0 for m in (self.producer, *self.specialists))
-        return "nccl" if on_gpus and importlib.util.find_spec("cupy") is not None else "object_store"
+        return "nixl" if all(m.num_gpus > 0 for m in (self.producer, *self.specialists)) else "object_store"
 
     def specialist(self, name: str) -> SpecialistSettings:
         for s in self.specialists:

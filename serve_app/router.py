@@ -139,7 +139,7 @@ class Router:
         return SpecialistRequest(
             prefix_ids, suffix_ids, GenParams(p.max_tokens, p.temperature, p.top_p, tuple(p.stops()), p.seed,
                                               p.min_tokens, p.ignore_eos, p.n_logprobs),
-            codes, reason or (codes and codes.reason), enc and enc.incarnation,
+            codes, reason or (codes and codes.reason),
             {**(enc.timings if enc else {}), "producer_call": producer_ms}, trace)
 
     def _failure(self, name: str, e: BaseException) -> ApiError:

@@ -2,10 +2,9 @@
 
 The replica loads its model once, its pair artifact through the registry actor (fingerprints checked against
 its own weights), takes a new artifact version on `reconfigure` (Serve user_config) without a restart,
-receives payloads through its end of the transport (`Transport.receiver`: opened when the replica starts,
-closed in `__del__`, which Serve calls when the replica stops) and reports every phase and every fallback in
-metrics and spans. Which transport it is does not matter here: over NCCL the receiver registers with the
-producer (again when the codes come from a new producer incarnation) and receives concurrently.
+receives payloads through its end of the transport (`Transport.receiver`: a fetch from the object store, or a
+pull from the producer through Ray Direct Transport) and reports every phase and every fallback in metrics and
+spans. Which transport it is does not matter here.
 
 The replica decodes codes with the artifact version the producer encoded them with: when a publish reaches
 the producer first, the replica loads that version (fingerprints checked) instead of falling back. It also
@@ -18,7 +17,6 @@ import asyncio
 import dataclasses
 import threading
 import time
-import uuid
 from typing import AsyncIterator
 
 import ray
@@ -55,9 +53,7 @@ class SpecialistServer:
         self.expect = Fingerprints.of(consumer=model, tokenizer=tok)
         self.namespace, self.timeout_s = namespace, control_timeout_s
         self.transport_kind = transport
-        self.transport = make_transport(transport, namespace)
-        self.replica_id = self._replica_id(name)
-        self.receiver = self.transport.receiver(self.replica_id, self._producer, control_timeout_s)
+        self.receiver = make_transport(transport).receiver(self._producer, control_timeout_s)
         self.artifact_lock = threading.Lock()
         self.refused: dict[str, str | None] = {}          # version -> why it could not be used
         self.family_notes: dict[str, str] = {}             # family id -> why this replica does not use it
@@ -69,24 +65,9 @@ class SpecialistServer:
         self.m_phase = Histogram("scd_phase_ms", "phase latency (ms)", boundaries=PHASE_BOUNDS,
                                  tag_keys=tags + ("phase",))
         self.reconfigure({"artifact": "latest"})
-        self.receiver.open()                     # a producer not reachable yet: the first receive tries again
-
-    @staticmethod
-    def _replica_id(name: str) -> str:
-        try:
-            from ray import serve
-            return f"{name}#{serve.get_replica_context().replica_id.unique_id}"
-        except Exception:                                    # outside Serve (tests of the class itself)
-            return f"{name}#{uuid.uuid4().hex[:8]}"
 
     def _producer(self):
         return ray.get_actor(PRODUCER_NAME, namespace=self.namespace)
-
-    def __del__(self):
-        """Serve calls this when the replica stops: leave the transport (the producer frees our channel)."""
-        receiver = getattr(self, "receiver", None)
-        if receiver is not None:
-            receiver.close()
 
     # -- artifacts ----------------------------------------------------------------------------------
     def _load(self, version: str) -> str | None:
@@ -171,7 +152,7 @@ class SpecialistServer:
             return None, req.reason or FallbackReason.TRANSPORT_ERROR, 0.0
         t0 = time.perf_counter()
         try:
-            payload = self.receiver.receive(req.codes.ticket, req.incarnation)
+            payload = self.receiver.receive(req.codes.ticket)
         except (TransportError, ray.exceptions.RayError, ValueError):
             return None, FallbackReason.TRANSPORT_ERROR, (time.perf_counter() - t0) * 1e3
         return payload, None, (time.perf_counter() - t0) * 1e3

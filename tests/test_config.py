@@ -32,16 +32,18 @@ def test_a_bad_file_gets_one_error_listing_every_problem_with_its_path(tmp_path)
     assert msg.startswith("6 problem(s)"), msg
 
 
-@pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
-def test_gpu_transports_need_every_model_on_a_gpu_and_auto_stays_on_the_object_store_without(transport):
+def test_cuda_ipc_needs_every_model_on_a_gpu_and_auto_picks_nixl_on_gpus_only():
     with pytest.raises(ConfigError) as e:
-        parse({**GOOD, "transport": transport})
+        parse({**GOOD, "transport": "cuda_ipc"})
     assert "num_gpus > 0" in str(e.value) and "base" in str(e.value) and "qa" in str(e.value)
     gpus = {"producer": {**GOOD["producer"], "num_gpus": 0.5},
             "specialists": [{**GOOD["specialists"][0], "num_gpus": 0.5}]}
-    assert parse({**gpus, "transport": transport}).resolved_transport() == transport
-    assert parse({**GOOD, "transport": "nccl_fake"}).resolved_transport() == "nccl_fake"
+    assert parse({**gpus, "transport": "cuda_ipc"}).resolved_transport() == "cuda_ipc"
+    assert parse(gpus).resolved_transport() == "nixl"
+    assert parse({**GOOD, "transport": "nixl"}).resolved_transport() == "nixl"
     assert parse(GOOD).resolved_transport() == "object_store"
+    with pytest.raises(ConfigError, match="transport"):
+        parse({**GOOD, "transport": "nccl"})
 
 
 def test_serve_deploy_config_carries_autoscaling_and_placement():

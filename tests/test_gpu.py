@@ -32,14 +32,6 @@ def test_rebuild_on_cuda_matches_cpu(tmp_path):
 
 
 @cuda
-def test_cupy_nccl_communicator_available():
-    cupy = pytest.importorskip("cupy")
-    from actors.transport import cupy_nccl
-    make_comm, new_uid = cupy_nccl()
-    assert new_uid() and cupy.cuda.runtime.getDeviceCount() >= 1
-
-
-@cuda
 def test_a_device_payload_is_encoded_checked_and_decoded_in_device_memory():
     """encode_wire on the GPU: the body is a CUDA tensor with a device checksum (sum64), decode reads it without
     a host copy (its codes are CUDA tensors), a flipped byte is refused, and the codes match the host path's
@@ -85,7 +77,7 @@ def test_a_fanout_on_one_gpu_is_served_from_device_payloads(ray_cluster, tmp_pat
     codes stayed in device memory)."""
     import ray
     from tests.test_serve import PREFIX, _post
-    from tests.test_serve_nccl import serve_family
+    from tests.test_serve_nixl import serve_family
     served = serve_family(tmp_path_factory, demo_work_dir, kind, f"scd-test-gpu-{kind}", gpus=0.25)
     url, producer = next(served)
     try:
