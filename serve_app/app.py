@@ -29,9 +29,10 @@ def telemetry_settings(cfg: DeploymentConfig) -> dict:
 def specialist_options(cfg: DeploymentConfig, name: str) -> dict:
     s = cfg.specialist(name)
     a = s.autoscaling
+    # the replica is a thin shim: it needs no CPU of its own, and goes where the labels say its engine may go
+    replica = {"num_cpus": 0, **({"label_selector": dict(s.node_labels)} if s.node_labels else {})}
     return {"name": f"specialist-{s.name}",
-            "ray_actor_options": actor_options(s.num_gpus, num_cpus=s.num_cpus, resources=s.resources,
-                                               node_labels=s.node_labels),
+            "ray_actor_options": replica,
             "autoscaling_config": {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
                                    "initial_replicas": max(1, a.min_replicas),
                                    "target_ongoing_requests": a.target_ongoing_requests,
@@ -39,6 +40,12 @@ def specialist_options(cfg: DeploymentConfig, name: str) -> dict:
             "max_ongoing_requests": cfg.limits.specialist_max_ongoing,
             "max_queued_requests": cfg.limits.specialist_max_queued,
             "user_config": {"artifact": s.artifact, "families": cfg.family_refs()}}
+
+
+def engine_options(cfg: DeploymentConfig, name: str) -> dict:
+    """Where a specialist's engine actor goes (each replica creates one): its GPUs, CPUs, resources, labels."""
+    s = cfg.specialist(name)
+    return actor_options(s.num_gpus, num_cpus=s.num_cpus, resources=s.resources, node_labels=s.node_labels)
 
 
 ROUTER_QUEUE_FACTOR = 8     # Serve's queue of each proxy before the router, in router slots (see build)
@@ -56,7 +63,7 @@ def build(cfg: DeploymentConfig):
     transport = cfg.resolved_transport()
     handles = {s.name: serve.deployment(SpecialistServer).options(**specialist_options(cfg, s.name)).bind(
         s.name, s.path, pair_id(base, s.name), cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
-        lim.control_timeout_s, s.base, lim.specialist_max_ongoing)
+        lim.control_timeout_s, s.base, lim.specialist_max_ongoing, engine_options(cfg, s.name))
         for s in cfg.specialists}
     # Serve's own limits sit well above the router's admission limit, so that the router's JSON 503 answers
     # an overload, not Serve's plain-text one: a request waits in the proxy's queue until a router replica is

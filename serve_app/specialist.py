@@ -1,39 +1,24 @@
-"""One Serve deployment per specialist: a thin shim holding a SpecialistEngine.
+"""One Serve deployment per specialist: each replica is a thin async shim over its own engine actor.
 
-The replica loads its model once, its pair artifact through the registry actor (fingerprints checked against
-its own weights), takes a new artifact version on `reconfigure` (Serve user_config) without a restart,
-receives payloads through its end of the transport (`Transport.receiver`: a fetch from the object store, or a
-pull from the producer through Ray Direct Transport) and reports every phase and every fallback in metrics and
-spans. Which transport it is does not matter here.
-
-The replica decodes codes with the artifact version the producer encoded them with: when a publish reaches
-the producer first, the replica loads that version (fingerprints checked) instead of falling back. It also
-loads its member of every configured family it belongs to (user_config "families"): a fan-out's one family
-payload is rebuilt with this specialist's own decoders, at the family version the codes name.
+The replica creates a `SpecialistActor` (actors/specialist_actor.py) when it starts, placed where cluster/ says
+the specialist goes (GPUs, resources, labels; on the replica's node when it can be), and forwards to it: each
+request (`generate`, `stream`), artifact versions from Serve's user_config (`reconfigure`), drills (`inject`)
+and `status`. The engine actor holds the model, pulls the codes and decodes; the replica keeps Serve's side:
+its metrics, and its health check, which fails when the engine actor is gone, so that Serve replaces the
+replica and with it the engine. The engine actor is owned by the replica and dies with it.
 """
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import threading
 import time
+import uuid
 from typing import AsyncIterator
 
 import ray
-import torch
 from ray.serve.metrics import Counter, Histogram
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.drills import hold_until_open
-from actors.messages import FallbackReason, Output, SpecialistRequest
-from actors.registry import fetch, fetch_family, registry
-from actors.specialist import SpecialistEngine
-from actors.producer_actor import PRODUCER_NAME
-from actors.transport import TransportError, make_transport
-from artifacts_store import ArtifactNotFound, ArtifactStore, ArtifactStoreError, Fingerprints
-from cluster.runtime import cpu_threads, device, lower_cpu_priority
-from scd.online import activated
-from scd.online.models import load
-from serve_app import telemetry
+from actors.messages import Output, SpecialistRequest
+from actors.specialist_actor import SpecialistActor
 
 PHASE_BOUNDS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
 
@@ -41,175 +26,69 @@ PHASE_BOUNDS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
 class SpecialistServer:
     def __init__(self, name: str, model_path: str, pair: str, store_uri: str, namespace: str | None,
                  telemetry_settings: dict | None = None, transport: str = "object_store",
-                 control_timeout_s: float = 5.0, model_base: str | None = None, max_batch: int = 4):
-        torch.set_num_threads(cpu_threads())
-        lower_cpu_priority()
-        telemetry.setup(**(telemetry_settings or {}), service=f"specialist-{name}")
-        dev = device()
-        model, tok, _ = load(model_path, base=model_base)
-        self.engine = SpecialistEngine(name, activated.to(model, dev), tok, device=dev, max_batch=max_batch)
-        self.name, self.pair = name, pair
-        self.registry, self.store_uri = registry(store_uri, namespace), store_uri
-        self.expect = Fingerprints.of(consumer=model, tokenizer=tok)
-        self.namespace, self.timeout_s = namespace, control_timeout_s
-        self.transport_kind = transport
-        self.receiver = make_transport(transport).receiver(self._producer, control_timeout_s)
-        self.artifact_lock = threading.Lock()
-        self.refused: dict[str, str | None] = {}          # version -> why it could not be used
-        self.family_notes: dict[str, str] = {}             # family id -> why this replica does not use it
-        self.hold: str | None = None                       # drill: name of a gate actor requests wait on
+                 control_timeout_s: float = 5.0, model_base: str | None = None, max_batch: int = 4,
+                 engine_options: dict | None = None):
+        """engine_options: the engine actor's Ray options (cluster.runtime.actor_options of the specialist)."""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.name = name
+        self.engine = SpecialistActor.options(scheduling_strategy=here, **(engine_options or {})).remote(
+            name, model_path, pair, store_uri, namespace, telemetry_settings, transport, control_timeout_s,
+            model_base, max_batch)
+        ray.get(self.engine.ready.remote())              # a model that cannot load fails the replica's start
         tags = ("specialist",)
         self.m_requests = Counter("scd_requests_total", "requests by serving mode", tag_keys=tags + ("mode",))
         self.m_fallbacks = Counter("scd_fallbacks_total", "fallbacks by reason", tag_keys=tags + ("reason",))
         self.m_payload = Counter("scd_payload_bytes_total", "code payload bytes received", tag_keys=tags)
         self.m_phase = Histogram("scd_phase_ms", "phase latency (ms)", boundaries=PHASE_BOUNDS,
                                  tag_keys=tags + ("phase",))
-        self.reconfigure({"artifact": "latest"})
 
-    def _producer(self):
-        return ray.get_actor(PRODUCER_NAME, namespace=self.namespace)
+    async def reconfigure(self, user_config: dict) -> None:
+        """Serve calls this on deploy and whenever user_config changes: the engine picks up a new version."""
+        await self.engine.reconfigure.remote(user_config)
 
-    # -- artifacts ----------------------------------------------------------------------------------
-    def _load(self, version: str) -> str | None:
-        """Load `pair@version` (fingerprints checked); None when it worked, else the fallback reason. A
-        storage or registry failure is stated (artifact_unavailable), never a dead replica."""
-        try:
-            art, manifest = fetch(self.registry, f"{self.pair}@{version}", self.expect, timeout_s=120)
-        except ArtifactNotFound:
-            return FallbackReason.QUALITY_GATE if self._refused() else FallbackReason.NO_ARTIFACT
-        except ArtifactStoreError:                           # fingerprints, checksums, manifest problems
-            return FallbackReason.ARTIFACT_MISMATCH
-        except ray.exceptions.RayError:                      # the registry actor or the store failed
-            return FallbackReason.ARTIFACT_UNAVAILABLE
-        self.engine.set_artifact(art.to(self.engine.device), manifest.version)
-        return None
+    async def inject(self, fault: str | None) -> None:
+        await self.engine.inject.remote(fault)
 
-    def _load_family(self, fid: str, version: str) -> str | None:
-        """Load this specialist's member of family `fid` at `version` (its own fingerprint checked); None when
-        it worked, else the fallback reason (also when this specialist is not one of its members)."""
-        try:
-            fam, manifest = fetch_family(self.registry, f"{fid}@{version}", self.expect,
-                                         member=self.pair.split(":", 1)[1], timeout_s=120)
-        except ArtifactNotFound as e:
-            self.family_notes[fid] = str(e)
-            return FallbackReason.NO_ARTIFACT
-        except ArtifactStoreError as e:
-            self.family_notes[fid] = f"{type(e).__name__}: {e}"
-            return FallbackReason.ARTIFACT_MISMATCH
-        except ray.exceptions.RayError as e:
-            self.family_notes[fid] = f"{type(e).__name__}"
-            return FallbackReason.ARTIFACT_UNAVAILABLE
-        self.engine.set_family(fam.members[self.pair].to(self.engine.device), manifest.version)
-        self.family_notes.pop(fid, None)
-        return None
+    async def status(self) -> dict:
+        return await self.engine.status.remote()
 
-    def _refused(self) -> bool:
-        """Whether the pair's last calibration failed its quality gate (so none was published)."""
-        try:
-            return ArtifactStore(self.store_uri).refusal(self.pair) is not None
-        except Exception:                  # storage trouble: the plain no_artifact reason is still true
-            return False
+    async def check_health(self) -> None:
+        """Serve's health check: the engine actor answers (else Serve replaces this replica, and the engine)."""
+        await self.engine.ready.remote()
 
-    def reconfigure(self, user_config: dict) -> None:
-        """Serve calls this on deploy and whenever user_config changes: picks up a new artifact version."""
-        with self.artifact_lock:
-            reason = self._load(user_config.get("artifact", "latest"))
-            if reason:
-                self.engine.set_artifact(None, None, reason)
-            families = user_config.get("families", {})
-            for fid in set(self.engine.families) - set(families):       # no longer configured
-                self.engine.families.pop(fid)
-            for fid, version in families.items():
-                self._load_family(fid, version)
-
-    def _follow(self, version: str, family: str | None = None) -> str | None:
-        """Use the version (of the pair's artifact, or of `family`'s) the producer encoded with: a publish
-        reaches the producer first."""
-        with self.artifact_lock:
-            loaded = self.engine.families.get(family, (None, None))[1] if family else self.engine.version
-            if loaded == version:
-                return None
-            key = f"{family}@{version}" if family else version
-            if key not in self.refused:                   # a version that failed once is not fetched again
-                self.refused[key] = self._load_family(family, version) if family else self._load(version)
-            return self.refused[key]
-
-    def inject(self, fault: str | None) -> None:
-        """Fault drill: "hold:<gate actor name>" makes every request this replica starts wait until that
-        gate actor opens (tests hold requests open, e.g. to drive autoscaling on any machine); None clears."""
-        if fault is not None and not fault.startswith("hold:"):
-            raise ValueError(f"unknown fault {fault!r}")
-        self.hold = fault and fault.split(":", 1)[1]
-
-    def status(self) -> dict:
-        return {"specialist": self.name, "artifact": self.engine.version, "transport": self.transport_kind,
-                "unavailable_reason": None if self.engine.art else self.engine.unavailable_reason,
-                "families": {fid: v for fid, (_, v) in self.engine.families.items()},
-                "family_problems": dict(self.family_notes)}
-
-    def _receive(self, req: SpecialistRequest) -> tuple[bytes | None, str | None, float]:
-        if req.reason or req.codes is None or req.codes.ticket is None:
-            return None, req.reason or FallbackReason.TRANSPORT_ERROR, 0.0
-        t0 = time.perf_counter()
-        try:
-            payload = self.receiver.receive(req.codes.ticket)
-        except (TransportError, ray.exceptions.RayError, ValueError):
-            return None, FallbackReason.TRANSPORT_ERROR, (time.perf_counter() - t0) * 1e3
-        return payload, None, (time.perf_counter() - t0) * 1e3
-
-    def _prepare(self, req: SpecialistRequest) -> tuple[bytes | None, str | None, dict]:
-        """Blocking part before decoding: receive the codes and make sure their artifact version is loaded."""
-        if self.hold:
-            hold_until_open(self.hold, self.namespace)
-        payload, reason, transfer_ms = self._receive(req)
-        if payload is not None and req.codes.version:
-            reason = self._follow(req.codes.version, req.codes.family)
-            payload = None if reason else payload
-        return payload, reason, {**req.timings, "transfer": transfer_ms}
-
-    async def _events(self, req: SpecialistRequest) -> AsyncIterator[Output]:
-        """Receive and rebuild off the event loop; then the request decodes in the engine's batch, whose loop
-        hands each event to this coroutine through an asyncio queue (no thread waits per request)."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        put = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)     # noqa: E731  from the decode loop
-        t_in = time.perf_counter()
-        with telemetry.span("specialist.generate", req.trace, specialist=self.name):
-            payload, reason, timings = await asyncio.to_thread(self._prepare, req)
-            cancel = await asyncio.to_thread(self.engine.start, req.prefix_ids, req.suffix_ids, payload, reason,
-                                             req.params, put, timings)
-            try:
-                while (ev := await events.get())[0] == "token":
-                    yield Output(ev[1], tokens=ev[3], logprobs=[ev[2]] if ev[2] else [])
-            finally:
-                cancel()
-            if ev[0] == "error":
-                raise RuntimeError(f"specialist {self.name}: {ev[1]}")
-            _, info, finish = ev
-            info.timings["replica"] = (time.perf_counter() - t_in) * 1e3     # the engine's work and the replica's
-            self._record(info)
-            telemetry.record_phases(info.timings, telemetry.carrier(), specialist=self.name)
-            yield Output(finish_reason=finish, scd=info.as_dict(), tokens=info.tokens)
-
-    def _record(self, info) -> None:
+    def _finish(self, scd: dict, t0: float) -> None:
+        """An answer's last event: its timings gain the replica's share (`replica`: the request in this replica,
+        the engine actor's call included), and its metrics are recorded."""
+        scd["timings_ms"]["replica"] = round((time.perf_counter() - t0) * 1e3, 3)
         tags = {"specialist": self.name}
-        self.m_requests.inc(tags={**tags, "mode": info.mode})
-        if info.mode == "fallback":
-            self.m_fallbacks.inc(tags={**tags, "reason": info.reason})
-        if info.payload_bytes:
-            self.m_payload.inc(info.payload_bytes, tags=tags)
-        for phase, ms in info.timings.items():
+        self.m_requests.inc(tags={**tags, "mode": scd["mode"]})
+        if scd["mode"] == "fallback":
+            self.m_fallbacks.inc(tags={**tags, "reason": scd["reason"]})
+        if scd["payload_bytes"]:
+            self.m_payload.inc(scd["payload_bytes"], tags=tags)
+        for phase, ms in scd["timings_ms"].items():
             self.m_phase.observe(ms, tags={**tags, "phase": phase})
 
     async def generate(self, req: SpecialistRequest) -> Output:
         """The whole answer in one Output."""
-        text, logprobs, last = [], [], None
-        async for ev in self._events(req):
-            text.append(ev.text)
-            logprobs += ev.logprobs
-            last = ev
-        return dataclasses.replace(last, text="".join(text), logprobs=logprobs)
+        key, t0 = uuid.uuid4().hex, time.perf_counter()
+        try:
+            out = await self.engine.generate.remote(req, key)
+        except BaseException:                          # cancelled (client gone) or failed: free its row
+            self.engine.cancel.remote(key)
+            raise
+        self._finish(out.scd, t0)
+        return out
 
     async def stream(self, req: SpecialistRequest) -> AsyncIterator[Output]:
-        async for ev in self._events(req):
-            yield ev
+        key, done, t0 = uuid.uuid4().hex, False, time.perf_counter()
+        try:
+            async for ref in self.engine.stream.remote(req, key):
+                ev = await ref
+                if ev.finish_reason is not None:
+                    done = True
+                    self._finish(ev.scd, t0)
+                yield ev
+        finally:
+            if not done:                               # the client left mid-answer: its row leaves the batch
+                self.engine.cancel.remote(key)

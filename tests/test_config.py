@@ -3,7 +3,7 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, load_config, parse
-from serve_app.app import serve_deploy_config
+from serve_app.app import engine_options, serve_deploy_config
 from tests.conftest import DEMO
 
 GOOD = {"producer": {"name": "base", "path": "demo_models/base"},
@@ -52,7 +52,8 @@ def test_serve_deploy_config_carries_autoscaling_and_placement():
     out = serve_deploy_config(cfg, "/etc/scd.yaml")
     dep = out["applications"][0]["deployments"][0]
     assert dep["name"] == "specialist-qa" and dep["autoscaling_config"]["max_replicas"] == 4
-    assert dep["ray_actor_options"]["num_gpus"] == 0.5
+    assert dep["ray_actor_options"] == {"num_cpus": 0}            # a thin shim: the engine actor holds the GPU
+    assert engine_options(cfg, "qa")["num_gpus"] == 0.5
     assert out["applications"][0]["args"] == {"config": "/etc/scd.yaml"}
 
 
@@ -77,9 +78,13 @@ def test_placement_keys_become_ray_resources_and_label_selector_for_producer_and
     validate_actor_options(producer, in_options=True)              # what Ray's .options() checks
     out = serve_deploy_config(cfg, "/etc/scd.yaml")
     qa, code = out["applications"][0]["deployments"]
-    assert qa["ray_actor_options"] == {"num_gpus": 0.5, "num_cpus": 0, "resources": {"specialist_host": 0.25},
-                                       "label_selector": {"zone": "!spot"}}
-    assert code["ray_actor_options"] == {"num_gpus": 0, "num_cpus": 1}    # no placement: no empty keys
+    # each replica's engine actor is placed as the specialist says; the replica itself follows its labels only
+    assert engine_options(cfg, "qa") == {"num_gpus": 0.5, "num_cpus": 0, "resources": {"specialist_host": 0.25},
+                                         "label_selector": {"zone": "!spot"}}
+    assert engine_options(cfg, "code") == {"num_gpus": 0, "num_cpus": 1}    # no placement: no empty keys
+    validate_actor_options(engine_options(cfg, "qa"), in_options=True)
+    assert qa["ray_actor_options"] == {"num_cpus": 0, "label_selector": {"zone": "!spot"}}
+    assert code["ray_actor_options"] == {"num_cpus": 0}
     ServeDeploySchema.model_validate(out)                          # what `serve deploy` checks
 
 

@@ -1,0 +1,205 @@
+"""SpecialistActor: a specialist's engine in its own Ray actor, the one each Serve replica owns.
+
+As Ray Serve LLM keeps its engine out of its server, the replica (serve_app/specialist.py) is a thin async shim
+and this actor does the work: it holds the model on its device (placed by cluster/: GPUs, resources, labels),
+loads its pair artifact through the registry actor (fingerprints checked against its own weights) and takes a
+new version on `reconfigure` without a restart, pulls each request's codes itself (`Transport.receiver`: the
+object store, or Ray Direct Transport from the producer; RDT needs the consuming process to be the one that
+calls the producer), rebuilds the prefix cache and decodes in the engine's batch. It runs threaded: requests
+block their own thread while receiving and rebuilding, and the decode loop has a thread of its own.
+
+It decodes codes with the artifact version the producer encoded them with: when a publish reaches the producer
+first, it loads that version (fingerprints checked) instead of falling back. It also loads its member of every
+configured family it belongs to: a fan-out's one family payload is rebuilt with this specialist's own
+decoders, at the family version the codes name.
+
+The replica creates it and owns it, so it dies with its replica and a new replica makes a new one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Iterator
+
+import ray
+import torch
+
+from actors.drills import hold_until_open
+from actors.messages import FallbackReason, Output, SpecialistRequest
+from actors.producer_actor import PRODUCER_NAME
+from actors.registry import fetch, fetch_family, registry
+from actors.specialist import SpecialistEngine
+from actors.transport import TransportError, make_transport
+from artifacts_store import ArtifactNotFound, ArtifactStore, ArtifactStoreError, Fingerprints
+from cluster.runtime import cpu_threads, device, lower_cpu_priority
+from scd.online import activated
+from scd.online.models import load
+from serve_app import telemetry
+
+MAX_CONCURRENCY = 64          # requests receiving, rebuilding or waiting on their tokens at once (threads)
+
+
+@ray.remote(max_concurrency=MAX_CONCURRENCY)
+class SpecialistActor:
+    def __init__(self, name: str, model_path: str, pair: str, store_uri: str, namespace: str | None,
+                 telemetry_settings: dict | None = None, transport: str = "object_store",
+                 control_timeout_s: float = 5.0, model_base: str | None = None, max_batch: int = 4):
+        torch.set_num_threads(cpu_threads())
+        lower_cpu_priority()
+        telemetry.setup(**(telemetry_settings or {}), service=f"specialist-{name}")
+        dev = device()
+        model, tok, _ = load(model_path, base=model_base)
+        self.engine = SpecialistEngine(name, activated.to(model, dev), tok, device=dev, max_batch=max_batch)
+        self.name, self.pair = name, pair
+        self.registry, self.store_uri = registry(store_uri, namespace), store_uri
+        self.expect = Fingerprints.of(consumer=model, tokenizer=tok)
+        self.namespace, self.timeout_s = namespace, control_timeout_s
+        self.transport_kind = transport
+        self.receiver = make_transport(transport).receiver(self._producer, control_timeout_s)
+        self.artifact_lock = threading.Lock()
+        self.refused: dict[str, str | None] = {}          # version -> why it could not be used
+        self.family_notes: dict[str, str] = {}             # family id -> why this engine does not use it
+        self.hold: str | None = None                       # drill: name of a gate actor requests wait on
+        self.running: dict[str, callable] = {}             # stream key -> cancel() of its row
+        self.reconfigure({"artifact": "latest"})
+
+    def ready(self) -> bool:
+        return True
+
+    def _producer(self):
+        return ray.get_actor(PRODUCER_NAME, namespace=self.namespace)
+
+    # -- artifacts ----------------------------------------------------------------------------------
+    def _load(self, version: str) -> str | None:
+        """Load `pair@version` (fingerprints checked); None when it worked, else the fallback reason. A
+        storage or registry failure is stated (artifact_unavailable), never a dead replica."""
+        try:
+            art, manifest = fetch(self.registry, f"{self.pair}@{version}", self.expect, timeout_s=120)
+        except ArtifactNotFound:
+            return FallbackReason.QUALITY_GATE if self._refused() else FallbackReason.NO_ARTIFACT
+        except ArtifactStoreError:                           # fingerprints, checksums, manifest problems
+            return FallbackReason.ARTIFACT_MISMATCH
+        except ray.exceptions.RayError:                      # the registry actor or the store failed
+            return FallbackReason.ARTIFACT_UNAVAILABLE
+        self.engine.set_artifact(art.to(self.engine.device), manifest.version)
+        return None
+
+    def _load_family(self, fid: str, version: str) -> str | None:
+        """Load this specialist's member of family `fid` at `version` (its own fingerprint checked); None when
+        it worked, else the fallback reason (also when this specialist is not one of its members)."""
+        try:
+            fam, manifest = fetch_family(self.registry, f"{fid}@{version}", self.expect,
+                                         member=self.pair.split(":", 1)[1], timeout_s=120)
+        except ArtifactNotFound as e:
+            self.family_notes[fid] = str(e)
+            return FallbackReason.NO_ARTIFACT
+        except ArtifactStoreError as e:
+            self.family_notes[fid] = f"{type(e).__name__}: {e}"
+            return FallbackReason.ARTIFACT_MISMATCH
+        except ray.exceptions.RayError as e:
+            self.family_notes[fid] = f"{type(e).__name__}"
+            return FallbackReason.ARTIFACT_UNAVAILABLE
+        self.engine.set_family(fam.members[self.pair].to(self.engine.device), manifest.version)
+        self.family_notes.pop(fid, None)
+        return None
+
+    def _refused(self) -> bool:
+        """Whether the pair's last calibration failed its quality gate (so none was published)."""
+        try:
+            return ArtifactStore(self.store_uri).refusal(self.pair) is not None
+        except Exception:                  # storage trouble: the plain no_artifact reason is still true
+            return False
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve calls this on deploy and whenever user_config changes: picks up a new artifact version."""
+        with self.artifact_lock:
+            reason = self._load(user_config.get("artifact", "latest"))
+            if reason:
+                self.engine.set_artifact(None, None, reason)
+            families = user_config.get("families", {})
+            for fid in set(self.engine.families) - set(families):       # no longer configured
+                self.engine.families.pop(fid)
+            for fid, version in families.items():
+                self._load_family(fid, version)
+
+    def _follow(self, version: str, family: str | None = None) -> str | None:
+        """Use the version (of the pair's artifact, or of `family`'s) the producer encoded with: a publish
+        reaches the producer first."""
+        with self.artifact_lock:
+            loaded = self.engine.families.get(family, (None, None))[1] if family else self.engine.version
+            if loaded == version:
+                return None
+            key = f"{family}@{version}" if family else version
+            if key not in self.refused:                   # a version that failed once is not fetched again
+                self.refused[key] = self._load_family(family, version) if family else self._load(version)
+            return self.refused[key]
+
+    def inject(self, fault: str | None) -> None:
+        """Fault drill: "hold:<gate actor name>" makes every request this replica starts wait until that
+        gate actor opens (tests hold requests open, e.g. to drive autoscaling on any machine); None clears."""
+        if fault is not None and not fault.startswith("hold:"):
+            raise ValueError(f"unknown fault {fault!r}")
+        self.hold = fault and fault.split(":", 1)[1]
+
+    def status(self) -> dict:
+        return {"specialist": self.name, "artifact": self.engine.version, "transport": self.transport_kind,
+                "unavailable_reason": None if self.engine.art else self.engine.unavailable_reason,
+                "families": {fid: v for fid, (_, v) in self.engine.families.items()},
+                "family_problems": dict(self.family_notes)}
+
+    def _receive(self, req: SpecialistRequest) -> tuple[bytes | None, str | None, float]:
+        if req.reason or req.codes is None or req.codes.ticket is None:
+            return None, req.reason or FallbackReason.TRANSPORT_ERROR, 0.0
+        t0 = time.perf_counter()
+        try:
+            payload = self.receiver.receive(req.codes.ticket)
+        except (TransportError, ray.exceptions.RayError, ValueError):
+            return None, FallbackReason.TRANSPORT_ERROR, (time.perf_counter() - t0) * 1e3
+        return payload, None, (time.perf_counter() - t0) * 1e3
+
+    def _prepare(self, req: SpecialistRequest) -> tuple[bytes | None, str | None, dict]:
+        """Blocking part before decoding: receive the codes and make sure their artifact version is loaded."""
+        if self.hold:
+            hold_until_open(self.hold, self.namespace)
+        payload, reason, transfer_ms = self._receive(req)
+        if payload is not None and req.codes.version:
+            reason = self._follow(req.codes.version, req.codes.family)
+            payload = None if reason else payload
+        return payload, reason, {**req.timings, "transfer": transfer_ms}
+
+    def stream(self, req: SpecialistRequest, key: str) -> Iterator[Output]:
+        """The answer as it is generated: an Output per piece of text, then one with the finish reason and how it
+        was served (`scd`). `cancel(key)` makes the request's row leave at its next token (the client left)."""
+        events: queue.Queue = queue.Queue()
+        t_in = time.perf_counter()
+        with telemetry.span("specialist.generate", req.trace, specialist=self.name):
+            payload, reason, timings = self._prepare(req)
+            self.running[key] = self.engine.start(req.prefix_ids, req.suffix_ids, payload, reason, req.params,
+                                                  events.put, timings)
+            try:
+                while (ev := events.get())[0] == "token":
+                    yield Output(ev[1], tokens=ev[3], logprobs=[ev[2]] if ev[2] else [])
+            finally:
+                self.running.pop(key)()
+            if ev[0] == "error":
+                raise RuntimeError(f"specialist {self.name}: {ev[1]}")
+            _, info, finish = ev
+            info.timings["engine"] = (time.perf_counter() - t_in) * 1e3      # everything this actor did
+            telemetry.record_phases(info.timings, telemetry.carrier(), specialist=self.name)
+            yield Output(finish_reason=finish, scd=info.as_dict(), tokens=info.tokens)
+
+    def generate(self, req: SpecialistRequest, key: str) -> Output:
+        """The whole answer in one Output."""
+        text, logprobs, last = [], [], None
+        for ev in self.stream(req, key):
+            text.append(ev.text)
+            logprobs += ev.logprobs
+            last = ev
+        return dataclasses.replace(last, text="".join(text), logprobs=logprobs)
+
+    def cancel(self, key: str) -> None:
+        cancel = self.running.get(key)
+        if cancel is not None:
+            cancel()
