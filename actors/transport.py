@@ -62,10 +62,26 @@ class Transport(Protocol):
 
 class ObjectStoreTransport:
     name = "object_store"
+    RECENT = 64                   # payloads whose object stays put: a prefix asked again is not put again
+
+    def __init__(self):
+        self.recent: OrderedDict[int, tuple[bytes, ray.ObjectRef]] = OrderedDict()   # id(payload) -> it, its ref
+        self.lock = threading.Lock()
 
     def offer(self, payload: bytes, receivers: int = 1) -> Ticket:
-        """One put, however many replicas fetch it."""
-        return Ticket("object_store", len(payload), ref=[ray.put(payload)])
+        """One put, however many replicas fetch it; the same payload (a cached prefix's) offered again is the
+        same object (it stays in the store while it is among the RECENT ones offered)."""
+        with self.lock:
+            held = self.recent.get(id(payload))
+            if held is not None and held[0] is payload:
+                self.recent.move_to_end(id(payload))
+                return Ticket("object_store", len(payload), ref=[held[1]])
+        ref = ray.put(payload)
+        with self.lock:
+            self.recent[id(payload)] = (payload, ref)
+            while len(self.recent) > self.RECENT:
+                self.recent.popitem(last=False)
+        return Ticket("object_store", len(payload), ref=[ref])
 
     def staged(self) -> int:
         return 0

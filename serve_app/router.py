@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import OrderedDict
 from contextlib import contextmanager
 
 import ray
@@ -53,6 +54,8 @@ def _split(prompt: str) -> tuple[str, str]:
     return "", prompt
 
 
+TOKENIZED_TEXTS = 256           # recent texts whose token ids the router keeps (shared prefixes come back)
+INLINE_TOKENIZE_CHARS = 2000    # a text this short is tokenized on the event loop (a thread hop costs more)
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)
 
 
@@ -80,6 +83,7 @@ class Router:
         self.max_chars = self.max_input * max(len(self.tok.convert_tokens_to_string([t]))
                                               for t in self.tok.convert_ids_to_tokens(list(range(len(self.tok)))))
         self.inflight = 0
+        self.tokenized: OrderedDict[str, tuple[int, ...]] = OrderedDict()    # recent texts -> token ids
 
     # -- admission and limits ---------------------------------------------------------------------------
     @contextmanager
@@ -97,9 +101,22 @@ class Router:
                 self.inflight -= 1
 
     async def _tokenize(self, text: str) -> list[int]:
+        """Token ids of `text`. A text seen lately (a shared prefix asked again) is not tokenized again; a short
+        one is tokenized here, a long one on a thread (the event loop keeps serving meanwhile)."""
         if not text:
             return []
-        return (await asyncio.to_thread(self.tok, text, add_special_tokens=False))["input_ids"]
+        ids = self.tokenized.get(text)
+        if ids is not None:
+            self.tokenized.move_to_end(text)
+            return list(ids)
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = (await asyncio.to_thread(self.tok, text, add_special_tokens=False))["input_ids"]
+        self.tokenized[text] = tuple(ids)
+        while len(self.tokenized) > TOKENIZED_TEXTS:
+            self.tokenized.popitem(last=False)
+        return ids
 
     def _check(self, name: str, n_prefix: int, n_suffix: int, p: Sampling, where: str = "") -> None:
         if p.max_tokens > self.limits.max_tokens:

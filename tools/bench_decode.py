@@ -6,7 +6,7 @@ The specialist (default: the demo family's qa) decodes `--tokens` tokens for eac
 `scd.online.decode.Decoder` (continuous batching, one forward pass per step for every running row). Each request
 starts from its own prefix cache, the prefix lengths cycling through --lengths (mixed lengths: the batch is
 left-padded). The caches are rebuilt from codes when the pair has a published artifact in --store (encoded by
-the producer, through the wire format, rebuilt by the specialist); otherwise prefilled (a decode step does not
+the producer, through the wire format on the device, rebuilt by the specialist); otherwise prefilled (a decode step does not
 know the difference). Only the decode loop is timed; rounds of all batch sizes run in turn, medians reported.
 """
 from __future__ import annotations
@@ -44,11 +44,11 @@ def prefix_rows(producer, consumer, art, lengths: list[int], n: int, vocab: int,
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(n):
-        ids = torch.randint(2, vocab, (1, lengths[i % len(lengths)]), generator=g)
+        ids = torch.randint(2, vocab, (1, lengths[i % len(lengths)]), generator=g).to(consumer.device)
         mask = torch.ones_like(ids)
         if art is not None:
-            payload = codec.encode(encode(art, capture(producer, ids), ids), art.pair, "bench",
-                                   codec.artifact_dims(art), art.code_dtype)
+            payload = codec.encode_wire(encode(art, capture(producer, ids), ids), art.pair, "bench",
+                                        codec.artifact_dims(art), art.code_dtype)
             codes = codec.decode(payload, art.pair, "bench", art.payload_plan, codec.artifact_dims(art), art.x_codes)
             kv, _ = rebuild(consumer, art, codes)
         else:
@@ -66,10 +66,13 @@ def decode_seconds(model, rows: list[tuple], batch: int, tokens: int) -> float:
     for keys, values, logits in rows[:batch]:
         dec.waiting.append(Row(list(keys), list(values), logits, GenParams(max_tokens=tokens, ignore_eos=True),
                                lambda _t, _lp: True, lambda _f, _n: None))
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     while dec.busy():
         dec.admit()
         dec.step()
+    sync()
     return time.perf_counter() - t0
 
 
@@ -83,16 +86,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--lengths", default="64,160,320,512", help="prefix lengths, cycled over the rows")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     batches, lengths = _ints(args.batches, "--batches"), _ints(args.lengths, "--lengths")
     if args.tokens < 1 or args.repeats < 1:
         raise SystemExit("--tokens and --repeats must be positive")
-    producer, _, _ = load(args.producer)
-    consumer, tok, _ = load(args.specialist)
+    producer, consumer = load(args.producer)[0].to(args.device), load(args.specialist)[0].to(args.device)
     art, source = None, "prefilled (no published artifact for the pair in --store)"
     try:
         from artifacts_store import ArtifactStore
         art, manifest = ArtifactStore(args.store).load(f"{args.pair}@latest")
+        art = art.to(args.device)
         source = f"rebuilt from codes ({args.pair}@{manifest.version})"
     except Exception as e:                                      # noqa: BLE001 - any missing store or pair
         print(f"no artifact ({type(e).__name__}: {e}); caches are prefilled")
@@ -104,8 +108,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for _ in range(args.repeats):
             for b in batches:
                 times[b].append(decode_seconds(consumer, rows, b, args.tokens))
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} CPU threads"
     print(f"decode loop, {args.specialist}, caches {source}, prefixes {lengths} tokens, {args.tokens} tokens "
-          f"each, {torch.get_num_threads()} threads, medians of {args.repeats}")
+          f"each, {where}, medians of {args.repeats}")
     print(f"{'batch':>5} {'tokens/s':>10} {'x batch 1':>10} {'ms/step':>8}")
     out, base = [], None
     for b in batches:

@@ -46,7 +46,9 @@ class FloorReplica:
         self.engine = Instant.remote()
 
     async def generate(self, x):
-        return await self.engine.call.remote(x)
+        t0 = time.perf_counter()
+        await self.engine.call.remote(x)
+        return {"replica": (time.perf_counter() - t0) * 1e3, "engine": 0.0, "total": 0.0}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -57,8 +59,12 @@ class FloorRouter:
 
     @floor_api.post("/v1/completions")
     async def completions(self, body: dict) -> dict:
+        t0 = time.perf_counter()
         codes = await self.producer.call.remote(body.get("prefix"))
-        return {"text": await self.replica.generate.remote(codes)}
+        t1 = time.perf_counter()
+        t = await self.replica.generate.remote(codes)
+        t.update(producer_call=(t1 - t0) * 1e3, specialist_call=(time.perf_counter() - t1) * 1e3)
+        return {"scd": {"mode": "floor", "timings_ms": t}}
 
 
 class Client:
@@ -85,7 +91,7 @@ def measure(url: str, body: dict, n: int, block: int = 10) -> dict:
     for _ in range(block):                                      # warm-up: codes cached, connections open
         client.post("/v1/completions", body)
         client.post("/floor/v1/completions", body)
-    floor, ours, overhead, parts, modes = [], [], [], [], set()
+    floor, ours, overhead, parts, floor_parts, modes = [], [], [], [], [], set()
     for _ in range(max(1, n // block)):
         for _ in range(block):
             ms, out = client.post("/v1/completions", body)
@@ -95,11 +101,14 @@ def measure(url: str, body: dict, n: int, block: int = 10) -> dict:
             overhead.append(ms - model_compute_ms([scd]))
             parts.append(overhead_parts_ms(ms, scd))
         for _ in range(block):
-            floor.append(client.post("/floor/v1/completions", body)[0])
+            ms, out = client.post("/floor/v1/completions", body)
+            floor.append(ms)
+            floor_parts.append(overhead_parts_ms(ms, out["scd"]))
     med = statistics.median
     return {"n": len(ours), "modes": sorted(modes), "floor_ms": round(med(floor), 2), "ours_ms": round(med(ours), 2),
             "ours_overhead_ms": round(med(overhead), 2), "over_floor_ms": round(med(overhead) - med(floor), 2),
-            "parts_ms": {k: round(med(p[k] for p in parts), 2) for k in parts[0]}}
+            "parts_ms": {k: round(med(p[k] for p in parts), 2) for k in parts[0]},
+            "floor_parts_ms": {k: round(med(p[k] for p in floor_parts), 2) for k in floor_parts[0]}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -138,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"  ours                                 {r['ours_ms']:7.2f} ms\n"
           f"  ours less its model work             {r['ours_overhead_ms']:7.2f} ms   "
           f"(+{r['over_floor_ms']:.2f} ms over the floor)\n"
-          f"  where ours went: " + ", ".join(f"{k} {v}" for k, v in r["parts_ms"].items()))
+          f"  where ours went:      " + ", ".join(f"{k} {v}" for k, v in r["parts_ms"].items()) + "\n"
+          f"  where the floor went: " + ", ".join(f"{k} {v}" for k, v in r["floor_parts_ms"].items()))
     return r
 
 
