@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import ray
-import torch
 
 from scd.online import codec
 
@@ -113,26 +112,25 @@ class NixlTransport:
     bytes CPU to CPU here, and device memory (NVLink, RDMA) on GPUs. The replica's own call gets the tensor:
     an RDT reference cannot be handed on through another process, so the router forwards the key only.
 
-    A bytes payload is staged as a host tensor of its bytes; a device payload (`codec.Wire`, encoded on the
-    producer's GPU) as its header bytes beside its body tensor, which RDT moves device to device: the
-    replica decodes and rebuilds from its own device memory, and the codes never touch a host."""
+    Payloads are `codec.Wire`s (the producer encodes them so for this transport): the header bytes beside the
+    body tensor, which RDT moves where the body is: on GPUs device to device, so the replica decodes and
+    rebuilds from its own device memory and the codes never touch a host."""
     name = "nixl"
     method = "pull"                      # the producer's method declared with this tensor_transport
 
     def __init__(self, stage_bytes: int = 256 << 20):
         self.stage = Staging(stage_bytes)
 
-    def offer(self, payload: "bytes | codec.Wire", receivers: int = 1) -> Ticket:
+    def offer(self, payload: "codec.Wire", receivers: int = 1) -> Ticket:
         """Stage a payload until each of the `receivers` replicas that serve the request has pulled it."""
-        if isinstance(payload, codec.Wire):
-            staged = {"head": payload.head, "body": payload.body}
-        else:
-            staged = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if not isinstance(payload, codec.Wire):
+            raise TransportError(f"the {self.name} transport moves tensors: offer a codec.Wire, not "
+                                 f"{type(payload).__name__}")
+        staged = {"head": payload.head, "body": payload.body}
         return Ticket(self.name, len(payload), key=self.stage.put(staged, len(payload), receivers))
 
-    def take(self, key: str):
-        """The producer's side of a pull: the staged tensor, or a device payload's {"head", "body"} (released
-        with its last receiver's pull)."""
+    def take(self, key: str) -> dict:
+        """The producer's side of a pull: the staged {"head", "body"} (released with its last receiver's pull)."""
         return self.stage.take(key)
 
     def staged(self) -> int:
@@ -149,7 +147,7 @@ class CudaIpcTransport(NixlTransport):
     name = "cuda_ipc"
     method = "pull_ipc"
 
-    def offer(self, payload: "bytes | codec.Wire", receivers: int = 1) -> Ticket:
+    def offer(self, payload: "codec.Wire", receivers: int = 1) -> Ticket:
         if not isinstance(payload, codec.Wire) or payload.body.device.type != "cuda":
             raise TransportError("the cuda_ipc transport carries payloads encoded on a GPU only")
         return super().offer(payload, receivers)
@@ -172,7 +170,7 @@ class RdtReceiver:
     def __init__(self, producer: Callable[[], Any], kind: str = "nixl", method: str = "pull", timeout_s: float = 30.0):
         self.producer, self.kind, self.method, self.timeout_s = producer, kind, method, timeout_s
 
-    def receive(self, ticket: Ticket) -> "bytes | codec.Wire":
+    def receive(self, ticket: Ticket) -> "codec.Wire":
         if ticket.kind != self.kind or not ticket.key:
             raise TransportError(f"the {self.kind} transport cannot read a {ticket.kind!r} ticket")
         try:
@@ -181,12 +179,9 @@ class RdtReceiver:
             raise TransportError(f"pull failed: {e.cause if e.cause else e}") from None
         except Exception as e:                                     # timeout, producer gone, transfer failed
             raise TransportError(f"pull failed: {type(e).__name__}: {e}") from None
-        if isinstance(pulled, dict):
-            # cuda_ipc hands out a view of the producer's memory, freed when it drops the staged copy: take ours
-            body = pulled["body"].clone() if self.kind == "cuda_ipc" else pulled["body"]
-            data = codec.Wire(pulled["head"], body)
-        else:
-            data = pulled.numpy().tobytes()
+        # cuda_ipc hands out a view of the producer's memory, freed when it drops the staged copy: take ours
+        body = pulled["body"].clone() if self.kind == "cuda_ipc" else pulled["body"]
+        data = codec.Wire(pulled["head"], body)
         if len(data) != ticket.nbytes:
             raise TransportError(f"{self.kind} pull returned {len(data)} bytes, ticket says {ticket.nbytes}")
         return data

@@ -75,26 +75,36 @@ def test_object_store_round_trip_across_processes(ray_cluster):
         ray.get(replica.receive.remote(Ticket("object_store", 5, ref=ticket.ref)))
 
 
+def _wire(i: int, n: int) -> codec.Wire:
+    return codec.Wire(f"head {i}".encode(), torch.full((n,), i, dtype=torch.uint8))
+
+
 def test_nixl_replicas_pull_their_payloads_and_a_family_payload_is_staged_once(ray_cluster):
-    """Two replicas, each in its own process, pull payloads through Ray Direct Transport (NIXL on CPU): bytes
-    intact, concurrently; a payload offered for three receivers stays staged until the third pull; a key
-    no longer staged is a TransportError (the request falls back), not a hang."""
+    """Two replicas, each in its own process, pull payloads through Ray Direct Transport (NIXL on CPU): header
+    and body intact, concurrently; a payload offered for three receivers stays staged until the third pull; a
+    key no longer staged is a TransportError (the request falls back), not a hang; bytes are refused (an RDT
+    transport moves tensors: the producer encodes `codec.Wire`s for it)."""
     p = Producer.remote("nixl")
     a, b = Replica.remote("nixl", p), Replica.remote("nixl", p)
-    payloads = [bytes([i]) * (1000 + 37 * i) for i in range(4)]
+    payloads = [_wire(i, 1000 + 37 * i) for i in range(4)]
     tickets = [ray.get(p.offer.remote(x)) for x in payloads]
     assert {t.kind for t in tickets} == {"nixl"} and ray.get(p.staged.remote()) == (4, sum(map(len, payloads)))
     got = ray.get([a.receive_many.remote(tickets[:2]), b.receive_many.remote(tickets[2:])])
-    assert got[0] + got[1] == payloads
+    seen = [(w.head, w.body.numpy().tobytes()) for w in got[0] + got[1]]
+    assert seen == [(w.head, w.body.numpy().tobytes()) for w in payloads]
     assert ray.get(p.staged.remote()) == (0, 0), "every pulled payload is released"
-    family = ray.get(p.offer.remote(b"f" * 5000, 3))
-    assert ray.get(a.receive.remote(family)) == b"f" * 5000 and ray.get(b.receive.remote(family)) == b"f" * 5000
-    assert ray.get(p.staged.remote()) == (1, 5000), "staged until its third receiver pulls"
-    assert ray.get(a.receive.remote(family)) == b"f" * 5000 and ray.get(p.staged.remote()) == (0, 0)
+    family = ray.get(p.offer.remote(_wire(7, 5000), 3))
+    for r in (a, b):
+        assert ray.get(r.receive.remote(family)).body.numpy().tobytes() == bytes([7]) * 5000
+    assert ray.get(p.staged.remote()) == (1, 5000 + len(b"head 7")), "staged until its third receiver pulls"
+    ray.get(a.receive.remote(family))
+    assert ray.get(p.staged.remote()) == (0, 0)
     with pytest.raises(TransportError, match="no staged payload"):
         ray.get(a.receive.remote(family))
     with pytest.raises(TransportError, match="cannot read"):
         ray.get(a.receive.remote(Ticket("object_store", 3)))
+    with pytest.raises(TransportError, match="tensors"):
+        ray.get(p.offer.remote(b"bytes"))
 
 
 def pull_device_payloads(kind: str, device: str) -> list:
