@@ -336,15 +336,6 @@ def wait_for(predicate, bound_s: float, every_s: float = 1.0) -> bool:
     return predicate()
 
 
-def test_qa_scales_up_under_load_and_back_down(served):
-    url, _, _ = served
-    peak, timeline, answers = scale_up_with_held_requests(url, "scd-test", running_replicas)
-    assert peak >= 2, f"qa never scaled past {peak} replica(s); (t s, running, held) seen: {timeline}"
-    assert all(status == 200 for status, _ in answers), answers
-    assert wait_for(lambda: running_replicas() == 1, 180), \
-        f"qa did not scale back down to 1 replica (running: {running_replicas()})"
-
-
 def test_a_timed_out_handle_call_is_a_timeout_even_when_serve_answers_the_cancel_with_its_own_error():
     """Serve raises RequestCancelledError from a handle call that asyncio.wait_for cancels, and wait_for
     passes it on; `within` makes it the timeout it is (a busy specialist is 'busy' in /healthz, a slow
