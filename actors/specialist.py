@@ -140,10 +140,7 @@ class SpecialistEngine:
                 except codec.PayloadError:
                     reason = FallbackReason.CODEC_ERROR
                 else:
-                    codes.token_ids, codes.mask = codes.token_ids.to(self.device), codes.mask.to(self.device)
-                    for fields_ in codes.layers.values():
-                        for k in fields_:
-                            fields_[k] = fields_[k].to(self.device)
+                    codes = codes.to(self.device)
                     if codes.token_ids.tolist() != [prefix_ids]:
                         reason = FallbackReason.CODEC_ERROR
                     else:

@@ -40,10 +40,7 @@ def test_a_device_payload_is_encoded_checked_and_decoded_in_device_memory():
     from scd.online.rebuild import dense
     from tests.test_codec import DIMS, PLAN, _codes
     c = _codes()
-    g = _codes()
-    g.token_ids, g.mask = g.token_ids.cuda(), g.mask.cuda()
-    g.layers = {l: {k: x.cuda() for k, x in f.items()} for l, f in g.layers.items()}
-    wire = codec.encode_wire(g, "base:qa", "v3", DIMS, "int8")
+    wire = codec.encode_wire(c.to("cuda"), "base:qa", "v3", DIMS, "int8")
     assert wire.body.is_cuda and codec.header(wire)["check"][0] == "sum64"
     host = codec.decode(codec.encode(c, "base:qa", "v3", DIMS, "int8"), "base:qa", "v3", PLAN, DIMS)
     dev = codec.decode(wire, "base:qa", "v3", PLAN, DIMS)

@@ -29,10 +29,7 @@ class Producer:
 
     def offer_codes(self, receivers=1, device="cpu"):
         """A device payload of a small set of codes, encoded here (on `device`); returns (ticket, its bytes)."""
-        c = _codes()
-        c.token_ids, c.mask = c.token_ids.to(device), c.mask.to(device)
-        c.layers = {l: {k: x.to(device) for k, x in fields.items()} for l, fields in c.layers.items()}
-        wire = codec.encode_wire(c, "base:qa", "v3", DIMS, "int8")
+        wire = codec.encode_wire(_codes().to(device), "base:qa", "v3", DIMS, "int8")
         assert wire.body.device.type == device
         return self.t.offer(wire, receivers), wire.head, wire.body.cpu().numpy().tobytes()
 

@@ -189,11 +189,6 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 
-def _to_bytes(x: torch.Tensor, dtype: str) -> bytes:
-    """One code tensor's wire bytes (quantised on the host)."""
-    return b"".join(t.numpy().tobytes() for t in _field_u8(x.cpu(), dtype))
-
-
 def wire_tensors(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ...]:
     """One code tensor in its wire precision, compact: (fp16 scales, values) for int8/int4, else the tensor in
     fp16/bf16. `from_wire_tensors` gives back what the consumer decodes."""
@@ -323,6 +318,15 @@ def _start(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: 
     return header, fields
 
 
+def _body(codes: Codes, fields: list, host: bool = False) -> torch.Tensor:
+    """A payload's body (token ids, mask, then each field of `_start`'s list in its wire precision) as one flat
+    uint8 tensor where the codes are, or (`host`) quantised and laid out on the host."""
+    where = (lambda t: t.cpu()) if host else (lambda t: t)                  # noqa: E731
+    parts = [_u8(where(codes.token_ids).to(torch.int32)), _u8(where(codes.mask).to(torch.uint8))]
+    parts += [t for x, fd in fields for t in _field_u8(where(x), fd)]
+    return torch.cat(parts)
+
+
 def _head(header: dict) -> bytes:
     """magic, version, header length and header JSON: what a payload's bytes start with."""
     hb = json.dumps(header, sort_keys=True).encode()
@@ -338,9 +342,7 @@ def encode(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: 
     if compress not in COMPRESS:
         raise ValueError(f"compress must be one of {COMPRESS}, got {compress!r}")
     header, fields = _start(codes, pair, artifact, dims, dtype)
-    parts = [codes.token_ids.to(torch.int32).cpu().numpy().tobytes(), codes.mask.to(torch.uint8).cpu().numpy().tobytes()]
-    parts += [_to_bytes(x, fd) for x, fd in fields]
-    body = b"".join(parts)
+    body = _body(codes, fields, host=True).numpy().tobytes()
     head = _head(header)
     if compress == "zstd":
         packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(body)
@@ -389,9 +391,7 @@ def encode_wire(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dt
     """`encode` without leaving the codes' device: quantised there, the body one uint8 tensor there (the bytes of
     an uncompressed payload's body), checksummed there ("sum64" on a device, "crc32" on the host)."""
     header, fields = _start(codes, pair, artifact, dims, dtype)
-    parts = [_u8(codes.token_ids.to(torch.int32)), _u8(codes.mask.to(torch.uint8))]
-    parts += [t for x, fd in fields for t in _field_u8(x, fd)]
-    body = torch.cat(parts)
+    body = _body(codes, fields)
     kind = "crc32" if body.device.type == "cpu" else "sum64"
     head = _head({**header, "body_bytes": body.numel(), "check": [kind, checksum(body, kind)]})
     return Wire(head + struct.pack("<I", zlib.crc32(head)), body)

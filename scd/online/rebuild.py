@@ -97,6 +97,12 @@ class Codes:
     layers: dict[int, dict[str, "torch.Tensor | QuantCode | MixedCode"]] = field(default_factory=dict)
     level: dict[str, int] | None = None                 # the Reuse ranks these codes were sent at (None: full)
 
+    def to(self, device) -> "Codes":
+        """These codes with every tensor on `device` (a no-op for those already there)."""
+        return Codes(self.token_ids.to(device), self.mask.to(device), list(self.plan),
+                     {l: {k: x.to(device) for k, x in fields.items()} for l, fields in self.layers.items()},
+                     self.level)
+
 
 def entry_groups(hidden_size: int, head_dim: int) -> tuple[int, int]:
     """(e_groups, d_e): how a residual stream's H values per token are cut into rows on the wire, one row per
