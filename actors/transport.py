@@ -35,6 +35,7 @@ class Ticket:
     kind: str                      # "object_store" | "nixl" | "cuda_ipc"
     nbytes: int
     ref: list | None = None        # object_store: [ObjectRef] (in a list so Ray does not resolve it in transit)
+    data: bytes | None = None      # object_store: a small payload itself, carried in the ticket (INLINE_BYTES)
     key: str | None = None         # nixl, cuda_ipc: the staged payload a replica pulls
 
 
@@ -60,8 +61,12 @@ class Transport(Protocol):
 
 
 class ObjectStoreTransport:
+    """Payloads as bytes in Ray's object store. A payload of at most INLINE_BYTES travels in the ticket itself,
+    as Ray inlines small task arguments and returns: a put, a borrowed reference through router, replica and
+    engine, and the engine's fetch from the producer cost more than copying a few kilobytes along."""
     name = "object_store"
     RECENT = 64                   # payloads whose object stays put: a prefix asked again is not put again
+    INLINE_BYTES = 64 << 10       # below Ray's own inlining limit (max_direct_call_object_size, 100 KiB)
 
     def __init__(self):
         self.recent: OrderedDict[int, tuple[bytes, ray.ObjectRef]] = OrderedDict()   # id(payload) -> it, its ref
@@ -70,6 +75,8 @@ class ObjectStoreTransport:
     def offer(self, payload: bytes, receivers: int = 1) -> Ticket:
         """One put, however many replicas fetch it; the same payload (a cached prefix's) offered again is the
         same object (it stays in the store while it is among the RECENT ones offered)."""
+        if len(payload) <= self.INLINE_BYTES:
+            return Ticket("object_store", len(payload), data=payload)
         with self.lock:
             held = self.recent.get(id(payload))
             if held is not None and held[0] is payload:
@@ -94,15 +101,18 @@ class ObjectStoreReceiver:
         self.timeout_s = timeout_s
 
     def receive(self, ticket: Ticket) -> bytes:
-        if ticket.kind != "object_store" or not ticket.ref:
+        if ticket.kind != "object_store" or not (ticket.ref or ticket.data is not None):
             raise TransportError(f"object_store transport cannot read a {ticket.kind!r} ticket")
-        try:
-            data = ray.get(ticket.ref[0], timeout=self.timeout_s)
-        except Exception as e:                                     # lost object, timeout, owner died
-            raise TransportError(f"object store fetch failed: {type(e).__name__}: {e}") from None
+        data = ticket.data if ticket.data is not None else self._fetch(ticket.ref[0])
         if len(data) != ticket.nbytes:
             raise TransportError(f"object store returned {len(data)} bytes, ticket says {ticket.nbytes}")
         return data
+
+    def _fetch(self, ref) -> bytes:
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except Exception as e:                                     # lost object, timeout, owner died
+            raise TransportError(f"object store fetch failed: {type(e).__name__}: {e}") from None
 
 
 class NixlTransport:

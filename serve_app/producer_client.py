@@ -63,6 +63,7 @@ class ProducerClient:
         self.cfg = cfg
         self.timeout_s, self.control_s = cfg.producer_timeout_s, cfg.limits.control_timeout_s
         self.handle = None
+        self.encode_method = None                    # handle.encode, bound once
         self.down_since: float | None = None        # monotonic time of the failure that marked it down
         self.last_error: str | None = None
         self.probe: asyncio.Task | None = None
@@ -115,14 +116,16 @@ class ProducerClient:
         except ValueError:
             self._mark_down("no producer actor")
             return None, FallbackReason.PRODUCER_UNAVAILABLE
-        ref = handle.encode.remote(prefix_ids, pairs, time.time() + self.timeout_s)
+        if self.encode_method is None:                # bound once per handle (a lookup builds a new one each time)
+            self.encode_method = handle.encode
+        ref = self.encode_method.remote(prefix_ids, pairs, time.time() + self.timeout_s)
         try:
             out = await asyncio.wait_for(ref, timeout=self.timeout_s)
         except asyncio.TimeoutError:
             ray.cancel(ref)                           # dropped if still queued; skipped by its deadline otherwise
             return None, FallbackReason.PRODUCER_TIMEOUT
         except ray.exceptions.RayActorError as e:
-            self.handle = None
+            self.handle = self.encode_method = None
             self._mark_down(f"{type(e).__name__}")
             return None, FallbackReason.PRODUCER_UNAVAILABLE
         except ray.exceptions.RayError as e:

@@ -176,8 +176,9 @@ class Router:
 
     async def _once_more_if_replica_died(self, name: str, attempt):
         """await attempt(); a replica that died under it is tried once more (Serve picks another). The same
-        request: codes in the object store are still there; NCCL codes already pushed to the dead replica are
-        not, and the new one then falls back with transport_error. Any other failure is an ApiError."""
+        request: its codes are still where the ticket says (in the ticket, the object store, or staged in the
+        producer until every receiver pulled them; a pull the dead replica made is not owed again, so the new
+        one may fall back with transport_error). Any other failure is an ApiError."""
         for retry in (False, True):
             try:
                 return await attempt()
@@ -299,9 +300,11 @@ class Router:
             return StreamingResponse(self._sse(gen, first, cid, created, body, n_in, chat),
                                      media_type="text/event-stream")
         out = await self._generate(body.model, req)
-        return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body.model, "choices": [responses.choice(out, chat, body.n_logprobs is not None)],
-                "usage": responses.usage(n_in, out.tokens), "scd": out.scd}
+        # plain types throughout: sent as they are, not walked again by FastAPI's jsonable_encoder
+        return JSONResponse({"id": cid, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": body.model,
+                             "choices": [responses.choice(out, chat, body.n_logprobs is not None)],
+                             "usage": responses.usage(n_in, out.tokens), "scd": out.scd})
 
     async def _sse(self, gen, first: Output, cid: str, created: int, body, n_in: int, chat: bool = False):
         """Server-sent events; a failure after the first byte becomes an error event, then [DONE]. With
@@ -362,7 +365,7 @@ class Router:
                 if body.oracle:
                     enc, reason = None, "oracle"
                 else:
-                    # a pair once per request: each receives the one payload (NCCL stages it for that many)
+                    # a pair once per request: an RDT transport stages the one payload for that many pulls
                     enc, reason = await self.producer.encode(prefix_ids, [pair_id(self.base, r.specialist)
                                                                           for r in body.requests])
                 producer_ms = _ms_since(t0)
@@ -380,4 +383,4 @@ class Router:
             else:
                 results.append({"specialist": r.specialist, "text": o.text, "finish_reason": o.finish_reason,
                                 "scd": o.scd})
-        return {"object": "fanout", "prefilled": bool(enc and enc.prefilled), "results": results}
+        return JSONResponse({"object": "fanout", "prefilled": bool(enc and enc.prefilled), "results": results})

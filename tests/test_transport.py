@@ -64,12 +64,33 @@ class Replica:
 
 
 def test_object_store_round_trip_across_processes(ray_cluster):
+    """A small payload travels in its ticket (no put, no borrowed reference); a large one is put once, and the
+    same payload offered again (a cached prefix's) is the same object. Either way a ticket whose size
+    disagrees with what arrives is refused."""
+    from actors.transport import ObjectStoreTransport
     producer = Producer.remote("object_store")
     replica = Replica.remote("object_store", producer)
-    ticket = ray.get(producer.offer.remote(b"\x00codes" * 1000))
-    assert ray.get(replica.receive.remote(ticket)) == b"\x00codes" * 1000
-    with pytest.raises(ray.exceptions.RayTaskError, match="ticket says 5"):
-        ray.get(replica.receive.remote(Ticket("object_store", 5, ref=ticket.ref)))
+    small, large = b"\x00codes" * 1000, bytes(range(256)) * (ObjectStoreTransport.INLINE_BYTES // 256 + 1)
+    ticket = ray.get(producer.offer.remote(small))
+    assert ticket.data == small and ticket.ref is None, "a payload under INLINE_BYTES rides in its ticket"
+    assert ray.get(replica.receive.remote(ticket)) == small
+    ticket = ray.get(producer.offer.remote(large))
+    assert ticket.data is None and ticket.ref, "a large payload goes to the object store"
+    assert ray.get(replica.receive.remote(ticket)) == large
+    for bad in (Ticket("object_store", 5, ref=ticket.ref), Ticket("object_store", 5, data=small)):
+        with pytest.raises(ray.exceptions.RayTaskError, match="ticket says 5"):
+            ray.get(replica.receive.remote(bad))
+
+
+def test_object_store_puts_a_cached_payload_once(monkeypatch):
+    """The producer offers a cached prefix's payload (the same bytes object) again: one put, the same ref."""
+    from actors.transport import ObjectStoreTransport
+    t = ObjectStoreTransport()
+    payload = b"x" * (t.INLINE_BYTES + 1)
+    puts = []
+    monkeypatch.setattr(ray, "put", lambda x: puts.append(x) or f"ref{len(puts)}")
+    first, again = t.offer(payload, 2), t.offer(payload)
+    assert len(puts) == 1 and first.ref == again.ref == ["ref1"]
 
 
 def _wire(i: int, n: int) -> codec.Wire:

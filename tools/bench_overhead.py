@@ -5,9 +5,12 @@
 Ours: one-token completions (`max_tokens: 1`) of one specialist through the deployed app, the prefix's codes
 already in the producer's cache. The floor: a bare Serve app of our shape, each step returning at once: a
 FastAPI ingress, one actor call (the producer), one handle call (the specialist replica), one actor call from
-the replica (its engine actor). Both are asked over one keep-alive HTTP connection, in interleaved blocks of 10,
-after a warm-up. Reported: medians of the floor, of ours, of ours less the model work its answer reports
-(`serve_app.schemas.model_compute_ms`), their difference, and where ours went (`overhead_parts_ms`).
+the replica (its engine actor). A third app is the floor whose engine actor waits as long as our model work
+takes (the median of ours in the warm-up) before it answers: every process on the path then waits as long as
+ours do, and waking from such a wait costs more than answering at once (on this 2-core VM, ~1 ms per waiting
+process). All three are asked over one keep-alive HTTP connection, in interleaved blocks of 10, after a
+warm-up. Reported: medians of the floors, of ours, of ours less the model work its answer reports
+(`serve_app.schemas.model_compute_ms`), the differences, and where each went (`overhead_parts_ms`).
 Needs the config's pairs calibrated (`make demo` does it once).
 """
 from __future__ import annotations
@@ -36,7 +39,9 @@ floor_api = FastAPI()
 class Instant:
     """Stands in for the producer and for an engine actor: answers at once."""
 
-    def call(self, x):
+    def call(self, x, wait_ms: float = 0.0):
+        if wait_ms:
+            time.sleep(wait_ms / 1e3)
         return x
 
 
@@ -45,10 +50,10 @@ class FloorReplica:
     def __init__(self):
         self.engine = Instant.remote()
 
-    async def generate(self, x):
+    async def generate(self, x, wait_ms: float):
         t0 = time.perf_counter()
-        await self.engine.call.remote(x)
-        return {"replica": (time.perf_counter() - t0) * 1e3, "engine": 0.0, "total": 0.0}
+        await self.engine.call.remote(x, wait_ms)
+        return {"replica": (time.perf_counter() - t0) * 1e3, "engine": wait_ms, "total": wait_ms}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -62,7 +67,7 @@ class FloorRouter:
         t0 = time.perf_counter()
         codes = await self.producer.call.remote(body.get("prefix"))
         t1 = time.perf_counter()
-        t = await self.replica.generate.remote(codes)
+        t = await self.replica.generate.remote(codes, float(body.get("wait_ms", 0.0)))
         t.update(producer_call=(t1 - t0) * 1e3, specialist_call=(time.perf_counter() - t1) * 1e3)
         return {"scd": {"mode": "floor", "timings_ms": t}}
 
@@ -87,28 +92,37 @@ class Client:
 
 
 def measure(url: str, body: dict, n: int, block: int = 10) -> dict:
+    """Medians of ours, the floor and the floor that waits; their parts."""
     client = Client(url)
-    for _ in range(block):                                      # warm-up: codes cached, connections open
-        client.post("/v1/completions", body)
-        client.post("/floor/v1/completions", body)
-    floor, ours, overhead, parts, floor_parts, modes = [], [], [], [], [], set()
+    warm = [client.post("/v1/completions", body)[1]["scd"] for _ in range(3 * block)]   # codes cached, links open
+    wait_ms = statistics.median(model_compute_ms([x]) for x in warm)
+    apps = {"ours": ("/v1/completions", body), "floor": ("/floor/v1/completions", body),
+            "floor_waiting": ("/floor/v1/completions", {**body, "wait_ms": wait_ms})}
+    for path, b in apps.values():
+        client.post(path, b)
+    latency = {k: [] for k in apps}
+    overhead = {k: [] for k in apps}
+    parts = {k: [] for k in apps}
+    modes = set()
     for _ in range(max(1, n // block)):
-        for _ in range(block):
-            ms, out = client.post("/v1/completions", body)
-            scd = out["scd"]
-            modes.add(scd["mode"])
-            ours.append(ms)
-            overhead.append(ms - model_compute_ms([scd]))
-            parts.append(overhead_parts_ms(ms, scd))
-        for _ in range(block):
-            ms, out = client.post("/floor/v1/completions", body)
-            floor.append(ms)
-            floor_parts.append(overhead_parts_ms(ms, out["scd"]))
+        for name, (path, b) in apps.items():
+            for _ in range(block):
+                ms, out = client.post(path, b)
+                scd = out["scd"]
+                if name == "ours":
+                    modes.add(scd["mode"])
+                work = model_compute_ms([scd]) if name == "ours" else scd["timings_ms"]["total"]
+                latency[name].append(ms)
+                overhead[name].append(ms - work)
+                parts[name].append(overhead_parts_ms(ms, scd))
     med = statistics.median
-    return {"n": len(ours), "modes": sorted(modes), "floor_ms": round(med(floor), 2), "ours_ms": round(med(ours), 2),
-            "ours_overhead_ms": round(med(overhead), 2), "over_floor_ms": round(med(overhead) - med(floor), 2),
-            "parts_ms": {k: round(med(p[k] for p in parts), 2) for k in parts[0]},
-            "floor_parts_ms": {k: round(med(p[k] for p in floor_parts), 2) for k in floor_parts[0]}}
+    r = {"n": len(latency["ours"]), "modes": sorted(modes), "model_work_ms": round(wait_ms, 2)}
+    for k in apps:
+        r[k] = {"ms": round(med(latency[k]), 2), "less_work_ms": round(med(overhead[k]), 2),
+                "parts_ms": {p: round(med(x[p] for x in parts[k]), 2) for p in parts[k][0]}}
+    r["over_floor_ms"] = round(r["ours"]["less_work_ms"] - r["floor"]["less_work_ms"], 2)
+    r["over_floor_waiting_ms"] = round(r["ours"]["less_work_ms"] - r["floor_waiting"]["less_work_ms"], 2)
+    return r
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -142,13 +156,14 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         undeploy(cfg)
         ray.shutdown()
-    print(f"one-token completions of {name} ({r['n']} each, medians, modes {r['modes']}):\n"
-          f"  floor (bare Serve app of our shape)  {r['floor_ms']:7.2f} ms\n"
-          f"  ours                                 {r['ours_ms']:7.2f} ms\n"
-          f"  ours less its model work             {r['ours_overhead_ms']:7.2f} ms   "
-          f"(+{r['over_floor_ms']:.2f} ms over the floor)\n"
-          f"  where ours went:      " + ", ".join(f"{k} {v}" for k, v in r["parts_ms"].items()) + "\n"
-          f"  where the floor went: " + ", ".join(f"{k} {v}" for k, v in r["floor_parts_ms"].items()))
+    print(f"one-token completions of {name} ({r['n']} each, medians, modes {r['modes']}, "
+          f"model work {r['model_work_ms']} ms):")
+    for k, label in (("floor", "floor (bare Serve app of our shape)"), ("floor_waiting", "floor waiting as long as our model work"),
+                     ("ours", "ours")):
+        print(f"  {label:42s} {r[k]['ms']:7.2f} ms, less model work {r[k]['less_work_ms']:7.2f} ms")
+    print(f"  ours over the floor: +{r['over_floor_ms']:.2f} ms; over the waiting floor: +{r['over_floor_waiting_ms']:.2f} ms")
+    for k in ("floor", "floor_waiting", "ours"):
+        print(f"  where {k} went: " + ", ".join(f"{p} {v}" for p, v in r[k]["parts_ms"].items()))
     return r
 
 
