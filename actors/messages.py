@@ -56,6 +56,7 @@ class Codes:
     per_pair: dict[str, PairCodes]
     prefilled: bool
     incarnation: str                            # the producer's start (a restart is a new one)
+    producer: str = ""                          # the producer's actor name (one of the pool's)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -70,6 +71,7 @@ class SpecialistRequest:
     reason: str | None = None                   # a fallback reason, or "oracle": prefill on purpose
     timings: dict[str, float] = field(default_factory=dict)
     trace: dict = field(default_factory=dict)   # telemetry context carrier
+    producer: str | None = None                 # the producer that encoded the codes (the answer says so)
 
 
 @dataclass(frozen=True)

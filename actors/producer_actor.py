@@ -13,9 +13,12 @@ a restart by Ray) gets a new `incarnation` (what the fault drills tell restarts 
 from __future__ import annotations
 
 import dataclasses
+import re
+import statistics
 import threading
 import time
 import uuid
+from collections import deque
 
 import ray
 import torch
@@ -29,7 +32,53 @@ from cluster.runtime import cpu_threads, device
 from scd.online import codec
 from scd.online.models import load
 
-PRODUCER_NAME = "scd-producer"
+PRODUCER_NAME = "scd-producer"        # members of the pool are scd-producer-0, scd-producer-1, ...
+
+
+def producer_name(index: int) -> str:
+    return f"{PRODUCER_NAME}-{index}"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line for health reports: its type and its message's first line, without the remote
+    traceback a RayTaskError carries or terminal colour codes (/healthz answers without authentication)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
+        e = cause
+    text = _ANSI.sub("", str(e)).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+class Busy:
+    """How much of the last `window_s` seconds the producer spent encoding (its prefill load), and how long
+    encodes waited in its queue: what the pool autoscales on."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s, self.spans, self.since = window_s, deque(), None
+        self.waits: deque = deque(maxlen=64)
+
+    def start(self, waited_s: float | None) -> None:
+        self.since = time.monotonic()
+        if waited_s is not None:
+            self.waits.append(max(0.0, waited_s))
+
+    def stop(self) -> None:
+        now = time.monotonic()
+        self.spans.append((self.since, now))
+        self.since = None
+        while self.spans and self.spans[0][1] < now - self.window_s:
+            self.spans.popleft()
+
+    def fraction(self) -> float:
+        now = time.monotonic()
+        spans = list(self.spans) + ([(self.since, now)] if self.since is not None else [])
+        return min(1.0, sum(max(0.0, b - max(a, now - self.window_s)) for a, b in spans) / self.window_s)
+
+    def queue_wait_ms(self) -> float:
+        return round(statistics.median(self.waits) * 1e3, 2) if self.waits else 0.0
 
 
 @ray.remote(concurrency_groups={"control": 4})
@@ -37,7 +86,8 @@ class ProducerActor:
     def __init__(self, model_path: str, pairs: dict[str, str], store_uri: str, namespace: str | None = None,
                  cache_bytes: int = 64 << 20, transport: str = "object_store",
                  watch_s: float = 10.0, link_gbps: dict[str, float] | None = None,
-                 ttft_target_ms: float | None = None, families: dict[str, str] | None = None):
+                 ttft_target_ms: float | None = None, families: dict[str, str] | None = None,
+                 name: str = PRODUCER_NAME):
         torch.set_num_threads(cpu_threads())
         dev = device()
         model, tok, _ = load(model_path)
@@ -48,10 +98,12 @@ class ProducerActor:
         self.store_uri, self.store = store_uri, None       # the store itself only for leases (registry reads)
         self.expect = Fingerprints.of(producer=model, tokenizer=tok)
         self.transport_kind = transport
-        self.transport = make_transport(transport)
+        self.name = name                                # its actor name: tickets say whom to pull from
+        self.transport = make_transport(transport, owner=name)
+        self.busy = Busy()
         self.wanted = dict(pairs)                      # pair -> "latest" or a pinned version
         self.wanted_families = dict(families or {})    # family id -> "latest" or a pinned version
-        self.problems: dict[str, str] = {}
+        self.problems: dict[str, dict] = {}            # what -> {"reason": one line, "since": unix time}
         self.refused: dict[str, str] = {}              # "pair@version" -> why it was not loaded (never retried)
         self.fault: str | None = None
         self.incarnation = uuid.uuid4().hex[:12]
@@ -63,6 +115,12 @@ class ProducerActor:
             self.reload(fid, version)
         if watch_s > 0:
             threading.Thread(target=self._watch, daemon=True, name="artifact-watch").start()
+
+    def _problem(self, what: str, reason: str) -> None:
+        """Note a problem in one line; `since` stays the first time while the reason is the same."""
+        old = self.problems.get(what)
+        since = old["since"] if old and old["reason"] == reason else time.time()
+        self.problems[what] = {"reason": reason, "since": since}
 
     def _in_use(self, ref: str) -> str | None:
         """The version of a pair's artifact, or of a family's, that encodes now."""
@@ -78,9 +136,9 @@ class ProducerActor:
             art, manifest = (fetch_family if family else fetch)(self.registry, f"{ref}@{version}", self.expect,
                                                                 timeout_s=120)
         except (ArtifactStoreError, ray.exceptions.RayError) as e:
-            self.problems[ref] = f"{ref}@{version}: {type(e).__name__}: {e}"
+            self._problem(ref, f"version {version}: {one_line(e)}")
             if isinstance(e, ArtifactStoreError) and version != "latest":
-                self.refused[f"{ref}@{version}"] = self.problems[ref]
+                self.refused[f"{ref}@{version}"] = self.problems[ref]["reason"]
             return self._in_use(ref)
         art = art.to(self.engine.device)
         if family:
@@ -97,7 +155,7 @@ class ProducerActor:
             try:
                 self.refresh()
             except Exception as e:                    # noqa: BLE001 - the watcher must outlive any one failure
-                self.problems["watch"] = f"{type(e).__name__}: {e}"
+                self._problem("watch", one_line(e))
 
     @ray.method(concurrency_group="control")
     def refresh(self) -> dict[str, str | None]:
@@ -108,7 +166,7 @@ class ProducerActor:
             try:
                 version = ray.get(self.registry.resolve.remote(f"{ref}@{want}"), timeout=60).split("@", 1)[1]
             except (ArtifactStoreError, ray.exceptions.RayError) as e:
-                self.problems[ref] = f"resolving {ref}@{want}: {type(e).__name__}: {e}"
+                self._problem(ref, f"resolving version {want}: {one_line(e)}")
                 continue
             if self._in_use(ref) != version and f"{ref}@{version}" not in self.refused:
                 self.reload(ref, version)
@@ -120,7 +178,7 @@ class ProducerActor:
                     self.store.lease(f"{ref}@{version}", f"producer-{self.incarnation}", max(60.0, 3 * self.watch_s))
             self.problems.pop("lease", None)
         except ArtifactStoreError as e:
-            self.problems["lease"] = f"{type(e).__name__}: {e}"
+            self._problem("lease", one_line(e))
         return in_use
 
     @ray.method(concurrency_group="control")
@@ -132,15 +190,24 @@ class ProducerActor:
             raise ValueError(f"unknown fault {fault!r}")
         self.fault = fault
 
-    def encode(self, prefix_ids: list[int], pairs: list[str], deadline: float | None = None) -> Codes | None:
+    def encode(self, prefix_ids: list[int], pairs: list[str], deadline: float | None = None,
+               sent_at: float | None = None) -> Codes | None:
         """Prefill once, encode for every pair, offer each payload on the transport; tickets come back. `pairs`
         names a pair once per request that will receive its codes (a fan-out may ask a specialist twice).
-        `deadline` (time.time() of the caller's give-up): an encode still queued past it is skipped (None)."""
+        `deadline` (time.time() of the caller's give-up): an encode still queued past it is skipped (None).
+        `sent_at` (time.time() when the caller asked): how long it waited in this producer's queue."""
         if deadline is not None and time.time() > deadline:
             self.skipped += 1
             return None
-        if self.fault and self.fault.startswith("delay:"):
-            time.sleep(float(self.fault.split(":", 1)[1]))
+        self.busy.start(time.time() - sent_at if sent_at is not None else None)
+        try:
+            if self.fault and self.fault.startswith("delay:"):
+                time.sleep(float(self.fault.split(":", 1)[1]))
+            return self._encode(prefix_ids, pairs)
+        finally:
+            self.busy.stop()
+
+    def _encode(self, prefix_ids: list[int], pairs: list[str]) -> Codes:
         res = self.engine.encode(list(prefix_ids), list(dict.fromkeys(pairs)))
         t0 = time.perf_counter()
         # each payload is offered once, for as many receiving requests as `pairs` names its pairs (a family's
@@ -152,7 +219,7 @@ class ProducerActor:
         for served in offers.values():
             codes = self._offer(res.per_pair[served[0]], sum(map(pairs.count, served)))
             per_pair.update({pair: codes for pair in served})
-        return Codes(per_pair, res.prefilled, self.incarnation,
+        return Codes(per_pair, res.prefilled, self.incarnation, self.name,
                      {"prefill": res.prefill_ms, "encode": res.encode_ms,
                       "transfer_put": (time.perf_counter() - t0) * 1e3})
 
@@ -189,7 +256,8 @@ class ProducerActor:
         return {**self.engine.stats(), "problems": dict(self.problems), "transport": self.transport_kind,
                 "link": {"gbps": self.engine.link_gbps, "ttft_target_ms": self.engine.ttft_target_ms},
                "incarnation": self.incarnation, "wanted_families": dict(self.wanted_families),
-               "skipped": self.skipped, "refused": dict(self.refused),
+               "skipped": self.skipped, "refused": dict(self.refused), "name": self.name,
+               "busy": round(self.busy.fraction(), 3), "queue_wait_ms": self.busy.queue_wait_ms(),
                "versions": {pair: v for pair, (_, v) in self.engine.artifacts.items()},
                "family_versions": {fid: {"version": v, "members": sorted(fam.members)}
                                    for fid, (fam, v) in self.engine.families.items()},

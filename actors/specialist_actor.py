@@ -57,6 +57,7 @@ class SpecialistActor:
         self.expect = Fingerprints.of(consumer=model, tokenizer=tok)
         self.namespace, self.timeout_s = namespace, control_timeout_s
         self.transport_kind = transport
+        self.producers: dict = {}                          # producer name -> its handle (RDT pulls)
         self.receiver = make_transport(transport).receiver(self._producer, control_timeout_s)
         self.artifact_lock = threading.Lock()
         self.refused: dict[str, str | None] = {}          # version -> why it could not be used
@@ -68,8 +69,17 @@ class SpecialistActor:
     def ready(self) -> bool:
         return True
 
-    def _producer(self):
-        return ray.get_actor(PRODUCER_NAME, namespace=self.namespace)
+    def _producer(self, name: str | None):
+        """The producer that staged a payload (its ticket names it), looked up once; a producer recreated under
+        its name (after a crash Ray gave up on) is looked up again."""
+        name = name or PRODUCER_NAME
+        handle = self.producers.get(name)
+        if handle is None:
+            handle = self.producers[name] = ray.get_actor(name, namespace=self.namespace)
+        return handle
+
+    def _forget_producer(self, name: str | None) -> None:
+        self.producers.pop(name or PRODUCER_NAME, None)
 
     # -- artifacts ----------------------------------------------------------------------------------
     def _load(self, version: str) -> str | None:
@@ -156,6 +166,7 @@ class SpecialistActor:
         try:
             payload = self.receiver.receive(req.codes.ticket)
         except (TransportError, ray.exceptions.RayError, ValueError):
+            self._forget_producer(req.codes.ticket.producer)
             return None, FallbackReason.TRANSPORT_ERROR, (time.perf_counter() - t0) * 1e3
         return payload, None, (time.perf_counter() - t0) * 1e3
 
@@ -188,7 +199,7 @@ class SpecialistActor:
             _, info, finish = ev
             info.timings["engine"] = (time.perf_counter() - t_in) * 1e3      # everything this actor did
             telemetry.record_phases(info.timings, telemetry.carrier(), specialist=self.name)
-            yield Output(finish_reason=finish, scd=info.as_dict(), tokens=info.tokens)
+            yield Output(finish_reason=finish, scd={**info.as_dict(), "producer": req.producer}, tokens=info.tokens)
 
     def generate(self, req: SpecialistRequest, key: str) -> Output:
         """The whole answer in one Output."""

@@ -37,6 +37,7 @@ class Ticket:
     ref: list | None = None        # object_store: [ObjectRef] (in a list so Ray does not resolve it in transit)
     data: bytes | None = None      # object_store: a small payload itself, carried in the ticket (INLINE_BYTES)
     key: str | None = None         # nixl, cuda_ipc: the staged payload a replica pulls
+    producer: str | None = None    # nixl, cuda_ipc: the producer (actor name) that staged it
 
 
 class TransportError(RuntimeError):
@@ -57,7 +58,7 @@ class Transport(Protocol):
 
     def staged(self) -> int: ...
 
-    def receiver(self, producer: Callable[[], Any], timeout_s: float = 30.0) -> Receiver: ...
+    def receiver(self, producer: Callable[[str | None], Any], timeout_s: float = 30.0) -> Receiver: ...
 
 
 class ObjectStoreTransport:
@@ -92,7 +93,8 @@ class ObjectStoreTransport:
     def staged(self) -> int:
         return 0
 
-    def receiver(self, producer: Callable[[], Any] | None = None, timeout_s: float = 30.0) -> "ObjectStoreReceiver":
+    def receiver(self, producer: Callable[[str | None], Any] | None = None,
+                 timeout_s: float = 30.0) -> "ObjectStoreReceiver":
         return ObjectStoreReceiver(timeout_s)
 
 
@@ -128,8 +130,8 @@ class NixlTransport:
     name = "nixl"
     method = "pull"                      # the producer's method declared with this tensor_transport
 
-    def __init__(self, stage_bytes: int = 256 << 20):
-        self.stage = Staging(stage_bytes)
+    def __init__(self, stage_bytes: int = 256 << 20, owner: str | None = None):
+        self.stage, self.owner = Staging(stage_bytes), owner
 
     def offer(self, payload: "codec.Wire", receivers: int = 1) -> Ticket:
         """Stage a payload until each of the `receivers` replicas that serve the request has pulled it."""
@@ -137,7 +139,8 @@ class NixlTransport:
             raise TransportError(f"the {self.name} transport moves tensors: offer a codec.Wire, not "
                                  f"{type(payload).__name__}")
         staged = {"head": payload.head, "body": payload.body}
-        return Ticket(self.name, len(payload), key=self.stage.put(staged, len(payload), receivers))
+        return Ticket(self.name, len(payload), key=self.stage.put(staged, len(payload), receivers),
+                      producer=self.owner)
 
     def take(self, key: str) -> dict:
         """The producer's side of a pull: the staged {"head", "body"} (released with its last receiver's pull)."""
@@ -146,7 +149,7 @@ class NixlTransport:
     def staged(self) -> int:
         return len(self.stage)
 
-    def receiver(self, producer: Callable[[], Any], timeout_s: float = 30.0) -> "RdtReceiver":
+    def receiver(self, producer: Callable[[str | None], Any], timeout_s: float = 30.0) -> "RdtReceiver":
         return RdtReceiver(producer, self.name, self.method, timeout_s)
 
 
@@ -174,17 +177,20 @@ def rdt_handle(handle):
 
 
 class RdtReceiver:
-    """A replica's end of nixl or cuda_ipc: pulls a ticket's payload from the producer with its own call (the
-    RDT transfer). A device payload comes back as a `codec.Wire` whose body is on this replica's device."""
+    """A replica's end of nixl or cuda_ipc: pulls a ticket's payload from the producer that staged it (the
+    ticket names it; `producer(name)` gives its handle) with its own call (the RDT transfer). A device payload
+    comes back as a `codec.Wire` whose body is on this replica's device."""
 
-    def __init__(self, producer: Callable[[], Any], kind: str = "nixl", method: str = "pull", timeout_s: float = 30.0):
+    def __init__(self, producer: Callable[[str | None], Any], kind: str = "nixl", method: str = "pull",
+                 timeout_s: float = 30.0):
         self.producer, self.kind, self.method, self.timeout_s = producer, kind, method, timeout_s
 
     def receive(self, ticket: Ticket) -> "codec.Wire":
         if ticket.kind != self.kind or not ticket.key:
             raise TransportError(f"the {self.kind} transport cannot read a {ticket.kind!r} ticket")
         try:
-            pulled = ray.get(getattr(rdt_handle(self.producer()), self.method).remote(ticket.key), timeout=self.timeout_s)
+            pulled = ray.get(getattr(rdt_handle(self.producer(ticket.producer)), self.method).remote(ticket.key),
+                             timeout=self.timeout_s)
         except ray.exceptions.RayTaskError as e:
             raise TransportError(f"pull failed: {e.cause if e.cause else e}") from None
         except Exception as e:                                     # timeout, producer gone, transfer failed
@@ -237,14 +243,15 @@ class Staging:
             return len(self.items)
 
 
-def make_transport(kind: str):
-    """The transport object for one side (producer or replica) of a deployment."""
+def make_transport(kind: str, owner: str | None = None):
+    """The transport object for one side (producer or replica) of a deployment; `owner`: the producer's actor
+    name, which its RDT tickets carry."""
     if kind == "object_store":
         return ObjectStoreTransport()
     if kind == "nixl":
-        return NixlTransport()
+        return NixlTransport(owner=owner)
     if kind == "cuda_ipc":
-        return CudaIpcTransport()
+        return CudaIpcTransport(owner=owner)
     raise ValueError(f"unknown transport {kind!r}; one of {TRANSPORTS}")
 
 

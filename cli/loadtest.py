@@ -10,8 +10,9 @@ with a fixed seed (0), so two runs send the same requests. Each request ends as 
 `fallback:<reason>`, `oracle`) of every answered item, each item of a fan-out. `latency_ms` is wall time
 over the ok requests, `ttft_ms` time to the first chunk carrying text over the ok streams only (a completion's
 or fan-out's time to first token is its latency). `health` polls `/healthz` once a second: [seconds since start,
-status or HTTP code] at each change. `--kill-producer-at K` kills the producer actor (Ray may restart it) when
-the K-th request is issued and reports how long until a request issued after the kill was served by `scd` again.
+status or HTTP code] at each change. `--kill-producer-at K` kills one producer of the pool (a crash: Ray
+restarts it) when the K-th request is issued, and reports what that cost (`after_kill`): requests in flight,
+fallbacks after it, and how long until requests issued after it were served by `scd` again.
 `first_token_ms` is time to first token over every ok request (a stream's first text chunk, else the whole answer).
 `overhead_ms` is the serving overhead of ok completions and fan-outs: latency minus the model work their `scd`
 timings report (producer prefill + encode, the slowest specialist's cache build to last token).
@@ -179,23 +180,29 @@ class Client:
 
 def producer_killer(address: str, namespace: str):
     """Connect to the running cluster now (Ray is imported only here); return (kill, disconnect). kill() asks
-    Ray to kill the producer actor and allows a restart (the actor's max_restarts decides)."""
+    Ray to kill the pool's first live producer and allows a restart (a crash: Ray brings it back) and returns
+    its name."""
     import ray
 
     from cluster.runtime import use_token_auth
     use_token_auth()
-    from actors.producer_actor import PRODUCER_NAME
+    from actors.producer_pool import POOL_NAME
     try:
         with contextlib.redirect_stdout(sys.stderr):             # stdout carries the one JSON line
             ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="WARNING")
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as e:
         raise SystemExit(f"scd loadtest: cannot connect to Ray at {address!r}: {e}") from None
     try:
-        handle = ray.get_actor(PRODUCER_NAME, namespace=namespace)
+        pool = ray.get_actor(POOL_NAME, namespace=namespace)
     except ValueError:
         ray.shutdown()
-        raise SystemExit(f"scd loadtest: no actor {PRODUCER_NAME!r} in namespace {namespace!r} at {address}")
-    return lambda: ray.kill(handle, no_restart=False), ray.shutdown
+        raise SystemExit(f"scd loadtest: no producer pool {POOL_NAME!r} in namespace {namespace!r} at {address}")
+
+    def kill() -> str:
+        name = ray.get(pool.members.remote(), timeout=30)["live"][0]
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=False)
+        return name
+    return kill, ray.shutdown
 
 
 def percentiles(seconds: list[float]) -> dict:
@@ -278,7 +285,8 @@ def run(client: Client, models: list[str], kinds: list[str], concurrency: int, k
         prefix_tokens: int = 0, oracle: bool = False):
     """Every planned request at `concurrency`; `kill` runs right after the kill_at-th request is issued, under
     the issuing lock, so every later request is issued after it returned.
-    Returns (results, health samples, wall seconds, seconds at which the kill returned or None)."""
+    Returns (results, health samples, wall seconds, (seconds at which the kill returned, what it killed) or
+    None)."""
     issued, lock, killed_at = itertools.count(1), threading.Lock(), []
     stop, health, t0 = threading.Event(), [], time.monotonic()
 
@@ -288,8 +296,8 @@ def run(client: Client, models: list[str], kinds: list[str], concurrency: int, k
             r = Result(kind, time.monotonic() - t0)
             if next(issued) == kill_at:
                 try:
-                    kill()
-                    killed_at.append(time.monotonic() - t0)
+                    killed_name = kill()
+                    killed_at.append((time.monotonic() - t0, killed_name))
                 except Exception as e:                           # the load goes on; the report says null
                     print(f"scd loadtest: killing the producer failed: {type(e).__name__}: {e}", file=sys.stderr)
         return client.run(r, body, path, items, t0)
@@ -347,12 +355,29 @@ def main(argv: list[str] | None = None) -> int:
         disconnect()
     report = summary(args, kinds, results, health, wall)
     if args.kill_producer_at:
-        ok = [r for r in results if r.outcome == "ok"]
-        back = [r.done for r in ok if killed is not None and r.issued >= killed and "scd" in r.modes]
-        report["producer_killed_at_s"] = None if killed is None else round(killed, 3)
-        report["scd_again_after_kill_s"] = round(min(back) - killed, 3) if back else None
+        report.update(after_kill(results, killed))
     print(json.dumps(report), flush=True)
     return 0 if report["errors"] == report["lost"] == 0 else 1
+
+
+def after_kill(results: list[Result], killed: tuple[float, str] | None) -> dict:
+    """What a producer kill cost: the requests in flight when it returned; the answered items that fell back
+    among requests that finished after it; the first request issued after it that `scd` served
+    (`scd_again_after_kill_s`), and from when on every request was served by `scd`
+    (`all_scd_after_kill_s`: the issue time of the last later request with an item not served by scd, 0 when
+    there was none)."""
+    if killed is None:
+        return {"producer_killed": None, "producer_killed_at_s": None, "scd_again_after_kill_s": None,
+                "all_scd_after_kill_s": None, "inflight_at_kill": None, "fallbacks_after_kill": None}
+    at, name = killed
+    ok = [r for r in results if r.outcome == "ok"]
+    back = [r.done for r in ok if r.issued >= at and "scd" in r.modes]
+    not_scd = [r.issued for r in ok if r.issued >= at and any(m != "scd" for m in r.modes)]
+    return {"producer_killed": name, "producer_killed_at_s": round(at, 3),
+            "scd_again_after_kill_s": round(min(back) - at, 3) if back else None,
+            "all_scd_after_kill_s": round(max(not_scd) - at, 3) if not_scd else 0.0,
+            "inflight_at_kill": sum(r.issued < at <= r.done for r in results),
+            "fallbacks_after_kill": sum(m.startswith("fallback") for r in ok if r.done >= at for m in r.modes)}
 
 
 def summary(args, kinds: list[str], results: list[Result], health: list, wall: float) -> dict:

@@ -61,7 +61,8 @@ def run(cfg: DeploymentConfig, ready_timeout_s: float = 300) -> int:
         deploy(cfg, app)
         url = f"http://{cfg.http.host}:{cfg.http.port}"
         local = url.replace("0.0.0.0", "127.0.0.1")
-        state = "ok" if wait_healthy(local, ready_timeout_s) else health(local)
+        wait_healthy(local, ready_timeout_s)
+        state = health(local)
         if state is None:
             print(f"the service never answered {url}/healthz within {ready_timeout_s:.0f} s; stopping",
                   file=sys.stderr)

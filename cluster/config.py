@@ -106,6 +106,38 @@ class Autoscaling(_Strict):
         return self
 
 
+class ProducerAutoscaling(_Strict):
+    """Producers added and removed from their prefill load, as Serve scales specialists from their queues."""
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(2, ge=1)
+    target_busy: float = Field(0.7, gt=0, le=1, description="the fraction of its time each producer should spend "
+                               "prefilling and encoding (averaged over 10 s); more in total adds producers")
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        return self
+
+
+class ProducerSettings(ModelSettings):
+    replicas: int = Field(1, ge=1, le=64, description="producers in the pool, each with the same model and "
+                          "artifact versions; the router sends each prefix to the one that owns it on a hash ring")
+    autoscaling: ProducerAutoscaling | None = Field(None, description="between min_replicas and max_replicas "
+                                                    "from the producers' load (replicas: the initial count)")
+    load_bound: float = Field(1.25, gt=1, description="a producer holding more than this times the average of "
+                              "the encodes in flight, plus load_slack, is passed over for the next on the ring "
+                              "(bounded loads)")
+    load_slack: int = Field(2, ge=0, description="encodes a producer may hold beyond load_bound x average before "
+                            "a prefix it owns goes elsewhere (where its cache misses: a prefill)")
+
+    def initial_replicas(self) -> int:
+        a = self.autoscaling
+        return self.replicas if a is None else min(max(self.replicas, a.min_replicas), a.max_replicas)
+
+
 class SpecialistSettings(ModelSettings):
     artifact: str = Field("latest", description="artifact version of the producer->this pair, or 'latest'")
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
@@ -263,7 +295,7 @@ class TelemetrySettings(_Strict):
 
 class DeploymentConfig(_Strict):
     ray: RaySettings = Field(default_factory=RaySettings)
-    producer: ModelSettings
+    producer: ProducerSettings
     specialists: list[SpecialistSettings] = Field(min_length=1)
     families: list[FamilySettings] = Field(default_factory=list, description=(
         "families of specialists that share one code (python -m jobs.family --publish); a fan-out to members "

@@ -1,6 +1,6 @@
 """Builds the Serve application from a DeploymentConfig; placement comes from cluster/, nothing here guesses.
 
-    producer actor (detached, named)  <-  router (FastAPI ingress)  ->  one deployment per specialist
+    producer pool (detached, named) -> producers  <-  router (FastAPI ingress)  ->  one deployment per specialist
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from actors.messages import pair_id
 from cluster.config import ConfigError, DeploymentConfig
 from cluster.runtime import actor_options, connect
 from serve_app.errors import key_digest
-from serve_app.producer_client import start_producer
+from actors.producer_pool import start_pool, stop_pool
 from serve_app.router import Router
 from serve_app.specialist import SpecialistServer
 
@@ -74,25 +74,42 @@ def build(cfg: DeploymentConfig):
         handles, cfg.model_dump(), key_digest(key))
 
 
-def health(url: str) -> str | None:
-    """What /healthz says now ("ok", "degraded", "down"), or None when nothing answers."""
+def health_report(url: str) -> dict | None:
+    """What /healthz says now (its report; on a 503 too), or None when nothing answers."""
     import json
     import urllib.error
     import urllib.request
     try:
         with urllib.request.urlopen(url + "/healthz", timeout=30) as r:
-            return json.loads(r.read())["status"]
+            return json.loads(r.read())
     except urllib.error.HTTPError as e:                # 503: the app answers, nothing serves yet
-        return json.loads(e.read()).get("status", "down")
+        try:
+            return json.loads(e.read())
+        except ValueError:
+            return {"status": "down"}
     except Exception:                                  # not up yet
         return None
 
 
+def health(url: str) -> str | None:
+    """What /healthz says now ("ok", "degraded", "down"), or None when nothing answers."""
+    report = health_report(url)
+    return report and report.get("status", "down")
+
+
+def started(report: dict | None) -> bool:
+    """Everything the deployment started answers: every producer up, every specialist reporting. A pair that
+    cannot be served by SCD (no artifact) leaves the status degraded, and that is no reason to wait."""
+    return bool(report) and report.get("status") != "down" and bool(report.get("producers")) and \
+        all(p.get("state") == "up" for p in report["producers"].values()) and \
+        not any("error" in s or "busy" in s for s in report.get("specialists", {}).values())
+
+
 def wait_healthy(url: str, timeout_s: float = 180) -> bool:
-    """Poll the app's /healthz until it says ok (True) or `timeout_s` passes (False)."""
+    """Poll the app's /healthz until everything it started answers (True) or `timeout_s` passes (False)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if health(url) == "ok":
+        if started(health_report(url)):
             return True
         time.sleep(1)
     return False
@@ -116,36 +133,32 @@ def start_proxy(cfg: DeploymentConfig, tries: int = 3) -> None:
 
 
 def deploy(cfg: DeploymentConfig, app=None, blocking: bool = False):
-    """Connect (or start Ray), start the producer, start Serve's HTTP proxy and run the app (`build(cfg)`
-    unless given)."""
+    """Connect (or start Ray), start the producer pool, start Serve's HTTP proxy and run the app (`build(cfg)`
+    unless given). Returns the pool actor."""
     app = app or build(cfg)                            # refuses an open non-loopback address before any start
     connect(cfg.ray)
-    producer = start_producer(cfg)
+    pool = start_pool(cfg)
     start_proxy(cfg)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
-    return producer
+    return pool
 
 
 def undeploy(cfg: DeploymentConfig) -> None:
-    """Stop what deploy started: the Serve app and its proxy, and the detached producer (which would
-    otherwise outlive us on a shared cluster). Safe to call when any of it is already gone."""
+    """Stop what deploy started: the Serve app and its proxy, and the detached producer pool with its
+    producers (which would otherwise outlive us on a shared cluster). Safe to call when any of it is gone."""
     import ray
-    from actors.producer_actor import PRODUCER_NAME
     if not ray.is_initialized():
         return
     serve.shutdown()
-    try:
-        ray.kill(ray.get_actor(PRODUCER_NAME, namespace=cfg.ray.namespace), no_restart=True)
-    except ValueError:
-        pass
+    stop_pool(cfg.ray.namespace)
 
 
 def app_builder(args: dict):
     """`serve deploy` entry (import_path serve_app.app:app_builder, args: {config: PATH}): starts the
-    producer actor on the cluster and returns the application."""
+    producer pool on the cluster and returns the application."""
     from cluster.config import load_config
     cfg = load_config(args["config"])
-    start_producer(cfg)
+    start_pool(cfg)
     return build(cfg)
 
 

@@ -1,147 +1,192 @@
-"""The router's side of the producer: create it, ask it for codes within a deadline, notice when it is gone
-and bring it back.
+"""The router's side of the producers: which one owns a prefix, asking it within a deadline, passing over one
+that is down or slow, and noticing when it is back.
 
-The producer is a detached named actor with `max_restarts=-1`: Ray restarts it after a crash or the loss of
-its node, and its constructor reloads every pair's artifact. A producer killed for good (its name freed) is
-created again from the config by the first router that notices. While it is down, requests do not wait for
-it: they fall back at once (`producer_unavailable`), and one background probe per router asks it for its
-stats until it answers.
+The pool actor (actors/producer_pool.py) owns the producers; each router reads its membership once a second
+and routes a prefix to its owner on a hash ring with bounded loads (serve_app/ring.py), so a producer's prefix
+cache keeps hitting as the pool grows. A producer that dies under a request, or is gone when asked, is passed
+over at once: the request goes to the next producer on the ring within the same deadline, and the dead one is
+probed in the background until it answers (Ray restarts a crashed producer; the pool recreates one killed for
+good). One that does not answer in time is passed over for `producer_retry_s` while another serves. Requests
+never wait for a producer that is known to be down: with none left they fall back at once
+(`producer_unavailable`).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import ray
 
-from actors.messages import Codes, FallbackReason, pair_id
-from actors.producer_actor import PRODUCER_NAME, ProducerActor
+from actors.messages import Codes, FallbackReason
+from actors.producer_actor import one_line
+from actors.producer_pool import POOL_NAME, REFRESH_S
 from cluster.config import DeploymentConfig
-from cluster.runtime import actor_options
+from serve_app.ring import HashRing, prefix_hash
 
 log = logging.getLogger("scd.router")
 
 
-def start_producer(cfg: DeploymentConfig):
-    """The detached, named producer actor (reused if it already runs with the same transport, links and
-    families; one left by a deployment with another transport is replaced, since replicas must speak the
-    producer's transport, and so is one with other link or family settings)."""
-    pairs = {pair_id(cfg.producer.name, s.name): s.artifact for s in cfg.specialists}
-    transport = cfg.resolved_transport()
-    opts = actor_options(cfg.producer.num_gpus, name=PRODUCER_NAME, detached=True, namespace=cfg.ray.namespace,
-                         num_cpus=cfg.producer.num_cpus, resources=cfg.producer.resources,
-                         node_labels=cfg.producer.node_labels)
-    try:
-        old = ray.get_actor(PRODUCER_NAME, namespace=cfg.ray.namespace)
-    except ValueError:
-        old = None
-    if old is not None:
-        try:
-            st = ray.get(old.stats.remote(), timeout=cfg.limits.control_timeout_s * 6)
-            same = (st.get("transport"), st.get("link"), st.get("wanted_families")) == (
-                transport, {"gbps": cfg.link_gbps(), "ttft_target_ms": cfg.link.ttft_target_ms}, cfg.family_refs())
-        except ray.exceptions.RayError:                     # dead or wedged: replace it
-            same = False
-        if same:
-            return old
-        ray.kill(old)
-        for _ in range(100):                        # the name is free once the kill has gone through
-            try:
-                ray.get_actor(PRODUCER_NAME, namespace=cfg.ray.namespace)
-            except ValueError:
-                break
-            time.sleep(0.1)
-    return ProducerActor.options(**opts, max_restarts=-1, max_task_retries=0).remote(
-        cfg.producer.path, pairs, cfg.artifacts.uri, cfg.ray.namespace, transport=transport,
-        watch_s=cfg.artifacts.watch_s, link_gbps=cfg.link_gbps(), ttft_target_ms=cfg.link.ttft_target_ms,
-        families=cfg.family_refs())
+@dataclass
+class Member:
+    """One producer as this router sees it."""
+    name: str
+    handle: object = None
+    encode: object = None                      # handle.encode, bound once
+    down_since: float | None = None            # monotonic time of the failure that marked it down
+    slow_until: float = 0.0                    # monotonic: passed over while another serves (it timed out)
+    last_error: str | None = None
+    inflight: int = 0                          # this router's encodes waiting on it
+    routed: int = 0                            # encodes this router sent it
+    probe: asyncio.Task | None = None
 
 
-class ProducerClient:
+class Producers:
     def __init__(self, cfg: DeploymentConfig):
         self.cfg = cfg
         self.timeout_s, self.control_s = cfg.producer_timeout_s, cfg.limits.control_timeout_s
-        self.handle = None
-        self.encode_method = None                    # handle.encode, bound once
-        self.down_since: float | None = None        # monotonic time of the failure that marked it down
-        self.last_error: str | None = None
-        self.probe: asyncio.Task | None = None
+        self.retry_s = cfg.limits.producer_retry_s
+        self.factor, self.slack = cfg.producer.load_bound, cfg.producer.load_slack
+        self.members: dict[str, Member] = {}
+        self.ring = HashRing()
+        self.version = -1                          # the pool's membership version this router has
+        self.pool = None
+        self.pool_error: str | None = None
+        self.failovers = 0                         # encodes sent on to the next producer after a failure
+        self.refresher: asyncio.Task | None = None
 
-    # -- state ------------------------------------------------------------------------------------------
-    @property
-    def up(self) -> bool:
-        return self.down_since is None
+    # -- membership -------------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Read the pool's membership; a changed one rebuilds the ring (members kept keep their state)."""
+        try:
+            if self.pool is None:
+                self.pool = await asyncio.to_thread(ray.get_actor, POOL_NAME, namespace=self.cfg.ray.namespace)
+            m = await asyncio.wait_for(self.pool.members.remote(), timeout=self.control_s)
+        except Exception as e:                      # the pool restarting: keep routing on what we know
+            self.pool, self.pool_error = None, one_line(e)
+            return
+        self.pool_error = None
+        if m["version"] == self.version:
+            return
+        self.members = {n: self.members.get(n) or Member(n) for n in m["live"]}
+        self.ring.set(m["live"])
+        self.version = m["version"]
 
-    def _mark_down(self, why: str) -> None:
-        if self.down_since is None:
-            self.down_since = time.monotonic()
-            log.warning("producer marked down: %s", why)
-        self.last_error = why
-        if self.probe is None or self.probe.done():
-            self.probe = asyncio.get_running_loop().create_task(self._probe())
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            await self.refresh()
 
-    async def _probe(self) -> None:
-        """Until the producer answers stats: look it up, recreate it if its name is gone, ask again."""
-        while self.down_since is not None:
-            await asyncio.sleep(self.cfg.limits.producer_retry_s)
+    async def _ready(self) -> None:
+        if self.refresher is None or self.refresher.done():
+            self.refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+        if self.version < 0:
+            await self.refresh()
+
+    async def _handle(self, m: Member):
+        if m.handle is None:
+            m.handle = await asyncio.to_thread(ray.get_actor, m.name, namespace=self.cfg.ray.namespace)
+            m.encode = m.handle.encode
+        return m.handle
+
+    def _mark_down(self, m: Member, why: str) -> None:
+        m.handle = m.encode = None
+        if m.down_since is None:
+            m.down_since = time.monotonic()
+            log.warning("producer %s marked down: %s", m.name, why)
+        m.last_error = why
+        if m.probe is None or m.probe.done():
+            m.probe = asyncio.get_running_loop().create_task(self._probe(m))
+
+    async def _probe(self, m: Member) -> None:
+        """Until it answers stats: look it up again and ask."""
+        while m.down_since is not None and self.members.get(m.name) is m:
+            await asyncio.sleep(self.retry_s)
             try:
-                handle = await self._lookup(create=True)
+                handle = await self._handle(m)
                 await asyncio.wait_for(handle.stats.remote(), timeout=self.control_s)
-            except Exception as e:                    # still down: keep probing
-                self.last_error = f"{type(e).__name__}: {e}"
+            except Exception as e:                  # still down: keep probing
+                m.handle = m.encode = None
+                m.last_error = one_line(e)
                 continue
-            log.warning("producer back after %.1f s", time.monotonic() - self.down_since)
-            self.down_since = None
+            log.warning("producer %s back after %.1f s", m.name, time.monotonic() - m.down_since)
+            m.down_since = None
 
-    async def _lookup(self, create: bool = False):
-        if self.handle is None:
-            try:
-                self.handle = await asyncio.to_thread(ray.get_actor, PRODUCER_NAME, namespace=self.cfg.ray.namespace)
-            except ValueError:
-                if not create:
-                    raise
-                log.warning("producer is gone for good; creating it again from the config")
-                self.handle = await asyncio.to_thread(start_producer, self.cfg)
-        return self.handle
+    @property
+    def up(self) -> list[str]:
+        return [n for n, m in self.members.items() if m.down_since is None]
 
     # -- calls ------------------------------------------------------------------------------------------
+    def route(self, prefix_ids: list[int]) -> list[str]:
+        """The producers to ask for this prefix, in order (its owner on the ring first, unless down or full)."""
+        now = time.monotonic()
+        down = {n for n, m in self.members.items() if m.down_since is not None}
+        slow = {n for n, m in self.members.items() if m.slow_until > now}
+        load = {n: m.inflight for n, m in self.members.items()}
+        key = prefix_hash(prefix_ids)
+        return (self.ring.choose(key, load, self.factor, down | slow, self.slack)
+                or self.ring.choose(key, load, self.factor, down, self.slack))
+
     async def encode(self, prefix_ids: list[int], pairs: list[str]) -> tuple[Codes | None, str | None]:
-        """(codes, None) or (None, fallback reason). Never waits past producer_timeout_s, and the producer
-        skips an encode whose deadline passed while it was queued (the router has fallen back by then)."""
-        if not self.up:
-            return None, FallbackReason.PRODUCER_UNAVAILABLE
-        try:
-            handle = await self._lookup()
-        except ValueError:
-            self._mark_down("no producer actor")
-            return None, FallbackReason.PRODUCER_UNAVAILABLE
-        if self.encode_method is None:                # bound once per handle (a lookup builds a new one each time)
-            self.encode_method = handle.encode
-        ref = self.encode_method.remote(prefix_ids, pairs, time.time() + self.timeout_s)
-        try:
-            out = await asyncio.wait_for(ref, timeout=self.timeout_s)
-        except asyncio.TimeoutError:
-            ray.cancel(ref)                           # dropped if still queued; skipped by its deadline otherwise
-            return None, FallbackReason.PRODUCER_TIMEOUT
-        except ray.exceptions.RayActorError as e:
-            self.handle = self.encode_method = None
-            self._mark_down(f"{type(e).__name__}")
-            return None, FallbackReason.PRODUCER_UNAVAILABLE
-        except ray.exceptions.RayError as e:
-            self._mark_down(f"{type(e).__name__}: {e}")
-            return None, FallbackReason.PRODUCER_UNAVAILABLE
-        if out is None:                               # skipped: its deadline passed while it was queued
-            return None, FallbackReason.PRODUCER_TIMEOUT
-        return out, None
+        """(codes, None) or (None, fallback reason). Never waits past producer_timeout_s in all; a producer
+        that fails is passed over for the next one on the ring within that time, and a producer skips an
+        encode whose deadline passed while it was queued (the router has fallen back by then)."""
+        await self._ready()
+        deadline = time.time() + self.timeout_s
+        for name in self.route(prefix_ids):
+            m = self.members.get(name)
+            remaining = deadline - time.time()
+            if m is None or remaining <= 0:
+                break
+            try:
+                await self._handle(m)
+            except ValueError:
+                self._mark_down(m, "no producer actor")
+                continue
+            ref = m.encode.remote(prefix_ids, pairs, deadline, time.time())
+            m.inflight += 1
+            m.routed += 1
+            try:
+                out = await asyncio.wait_for(ref, timeout=remaining)
+            except asyncio.TimeoutError:
+                ray.cancel(ref)                        # dropped if still queued; skipped by its deadline otherwise
+                m.slow_until = time.monotonic() + self.retry_s
+                return None, FallbackReason.PRODUCER_TIMEOUT
+            except ray.exceptions.RayError as e:       # died under it, restarting, or failed: the next one
+                self._mark_down(m, one_line(e))
+                self.failovers += 1
+                continue
+            finally:
+                m.inflight -= 1
+            if out is None:                            # skipped: its deadline passed while it was queued
+                return None, FallbackReason.PRODUCER_TIMEOUT
+            return out, None
+        return None, (FallbackReason.PRODUCER_TIMEOUT if time.time() >= deadline
+                      else FallbackReason.PRODUCER_UNAVAILABLE)
 
     async def stats(self) -> dict:
-        """The producer's stats, or {"error": ...}; never raises, never waits past control_timeout_s."""
-        if not self.up:
-            return {"error": f"down for {time.monotonic() - self.down_since:.1f} s ({self.last_error})"}
-        try:
-            handle = await self._lookup()
-            return await asyncio.wait_for(handle.stats.remote(), timeout=self.control_s)
-        except Exception as e:
-            self._mark_down(f"{type(e).__name__}: {e}")
-            return {"error": f"{type(e).__name__}: {e}"}
+        """Each producer's stats with this router's view of it (state, share of the ring, routed, in flight);
+        never raises, never waits past control_timeout_s."""
+        await self._ready()
+        shares = self.ring.shares()
+
+        async def one(m: Member) -> dict:
+            mine = {"share": round(shares.get(m.name, 0.0), 3), "routed": m.routed, "inflight": m.inflight}
+            if m.down_since is not None:
+                return {"state": "down", "down_for_s": round(time.monotonic() - m.down_since, 1),
+                        "error": m.last_error, **mine}
+            try:
+                handle = await self._handle(m)
+                st = await asyncio.wait_for(handle.stats.remote(), timeout=self.control_s)
+            except asyncio.TimeoutError:
+                return {"state": "busy", "error": f"no stats within {self.control_s} s", **mine}
+            except Exception as e:
+                self._mark_down(m, one_line(e))
+                return {"state": "down", "down_for_s": 0.0, "error": m.last_error, **mine}
+            hits, misses = st.get("cache_hits", 0), st.get("cache_misses", 0)
+            return {"state": "up", **st, "cache_hit_rate": round(hits / (hits + misses), 3) if hits + misses else None,
+                    **mine}
+        names = list(self.members)
+        got = await asyncio.gather(*(one(self.members[n]) for n in names))
+        return {"producers": dict(zip(names, got)), "failovers": self.failovers, "pool_error": self.pool_error}

@@ -22,10 +22,11 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
 from actors.messages import Codes, FallbackReason, GenParams, Output, SpecialistRequest, pair_id
+from actors.producer_actor import one_line
 from cluster.config import DeploymentConfig
 from serve_app import responses, telemetry
 from serve_app.errors import ApiError, Guard, install, overloaded
-from serve_app.producer_client import ProducerClient
+from serve_app.producer_client import Producers
 from serve_app.schemas import ChatCompletionRequest, CompletionRequest, FanoutRequest, Sampling
 
 api = FastAPI(title="SCD Serve")
@@ -63,6 +64,10 @@ def _ms_since(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
 @serve.deployment
 @serve.ingress(api)
 class Router:
@@ -74,7 +79,7 @@ class Router:
         Guard.configure(key_sha, cfg.limits.max_body_bytes)
         self.handles = specialists                              # name -> DeploymentHandle
         self.base = cfg.producer.name
-        self.producer = ProducerClient(cfg)
+        self.producers = Producers(cfg)
         self.tok = AutoTokenizer.from_pretrained(cfg.producer.path, local_files_only=True)
         self.context = int(AutoConfig.from_pretrained(cfg.producer.path, local_files_only=True).max_position_embeddings)
         self.max_input = min(cfg.limits.max_input_tokens or self.context, self.context)
@@ -157,7 +162,7 @@ class Router:
             prefix_ids, suffix_ids, GenParams(p.max_tokens, p.temperature, p.top_p, tuple(p.stops()), p.seed,
                                               p.min_tokens, p.ignore_eos, p.n_logprobs),
             codes, reason or (codes and codes.reason),
-            {**(enc.timings if enc else {}), "producer_call": producer_ms}, trace)
+            {**(enc.timings if enc else {}), "producer_call": producer_ms}, trace, enc.producer if enc else None)
 
     def _failure(self, name: str, e: BaseException) -> ApiError:
         if isinstance(e, ApiError):
@@ -222,23 +227,51 @@ class Router:
         return JSONResponse(status_code=503 if report["status"] == "down" else 200, content=report)
 
     async def _health(self) -> dict:
-        """status ok: producer and every specialist answer; degraded: answers still come (fallbacks while the
-        producer is down, or specialists too busy to report); down: no specialist can answer. With what each
-        one said."""
+        """status ok: every producer and specialist answers and every pair can be served by SCD; degraded:
+        answers still come, but some of them fall back or wait (a producer down or none left, a pair without
+        an artifact, specialists too busy to report); down: no specialist can answer. `problems` says why, one
+        line each: what, why, since when."""
         async def status(h):
             try:
                 return await within(h.status.remote(), self.limits.control_timeout_s)
             except asyncio.TimeoutError:                # its replicas are all busy: alive, but full
                 return {"busy": f"no status within {self.limits.control_timeout_s} s"}
             except Exception as e:
-                return {"error": f"{type(e).__name__}: {e}"}
-        stats = await self.producer.stats()
-        specialists = dict(zip(self.handles, await asyncio.gather(*(status(h) for h in self.handles.values()))))
+                return {"error": one_line(e)}
+        producers, answers = await asyncio.gather(self.producers.stats(), asyncio.gather(
+            *(status(h) for h in self.handles.values())))
+        specialists = dict(zip(self.handles, answers))
+        problems = self._problems(producers["producers"], specialists)
         failed = sum("error" in s for s in specialists.values())
-        busy = sum("busy" in s for s in specialists.values())
-        state = ("down" if failed == len(specialists)
-                 else "ok" if "error" not in stats and failed + busy == 0 else "degraded")
-        return {"status": state, "producer": stats, "specialists": specialists, "inflight": self.inflight}
+        state = "down" if failed == len(specialists) else "degraded" if problems else "ok"
+        return {"status": state, "problems": [f"{what}: {why} (since {_iso(t)})" for what, why, t in problems],
+                "producers": producers["producers"], "failovers": producers["failovers"],
+                "specialists": specialists, "inflight": self.inflight}
+
+    def _problems(self, producers: dict, specialists: dict) -> list[tuple[str, str, float]]:
+        """(what, why, since: unix time) for everything that keeps an answer from being served by SCD at once."""
+        out, now = [], time.time()
+        up = {n: p for n, p in producers.items() if p.get("state") == "up"}
+        if not producers:
+            out.append(("producers", "the pool has no producer", now))
+        for n, p in producers.items():
+            if p.get("state") != "up":
+                out.append((f"producer {n}", f"{p['state']}: {p.get('error')}", now - p.get("down_for_s", 0.0)))
+        seen: dict[str, tuple[str, float]] = {}
+        for p in up.values():
+            for what, x in (p.get("problems") or {}).items():
+                if what not in seen or x["since"] < seen[what][1]:
+                    seen[what] = (x["reason"], x["since"])
+        out += [(what, why, since) for what, (why, since) in sorted(seen.items())]
+        for name, st in specialists.items():
+            pair = pair_id(self.base, name)
+            if up and not any(pair in p.get("versions", {}) for p in up.values()) and pair not in seen:
+                out.append((pair, "no artifact loaded by the producers: its requests fall back", now))
+            if "error" in st or "busy" in st:
+                out.append((f"specialist {name}", st.get("error") or st["busy"], now))
+            elif st.get("unavailable_reason"):
+                out.append((pair, f"specialist {name} serves it by its own prefill: {st['unavailable_reason']}", now))
+        return out
 
     @api.get("/v1/models")
     async def models(self):
@@ -288,7 +321,7 @@ class Router:
             if body.oracle:
                 enc, reason = None, "oracle"
             elif prefix_ids:
-                enc, reason = await self.producer.encode(prefix_ids, [pair_id(self.base, body.model)])
+                enc, reason = await self.producers.encode(prefix_ids, [pair_id(self.base, body.model)])
             else:
                 enc, reason = None, FallbackReason.PREFIX_TOO_SHORT
             req = self._request(body.model, prefix_ids, suffix_ids, body, enc, reason, trace, _ms_since(t0))
@@ -366,7 +399,7 @@ class Router:
                     enc, reason = None, "oracle"
                 else:
                     # a pair once per request: an RDT transport stages the one payload for that many pulls
-                    enc, reason = await self.producer.encode(prefix_ids, [pair_id(self.base, r.specialist)
+                    enc, reason = await self.producers.encode(prefix_ids, [pair_id(self.base, r.specialist)
                                                                           for r in body.requests])
                 producer_ms = _ms_since(t0)
                 reqs = [self._request(r.specialist, prefix_ids, s, r, enc, reason, trace, producer_ms)

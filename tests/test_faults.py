@@ -46,8 +46,8 @@ def served_faults(ray_cluster, tmp_path_factory):
 
 
 def _producer():
-    from actors.producer_actor import PRODUCER_NAME
-    return ray.get_actor(PRODUCER_NAME, namespace=NS)
+    from actors.producer_actor import producer_name
+    return ray.get_actor(producer_name(0), namespace=NS)
 
 
 def _health(url) -> tuple[int, dict]:

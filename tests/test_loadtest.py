@@ -173,18 +173,22 @@ def test_kill_producer_reports_when_scd_is_back(fake, capsys, monkeypatch, back)
 
         def kill():                                              # the next 3 requests fall back, or all do
             fake.fallbacks = 3 if back else 10**6
+            return "scd-producer-0"
         return kill, lambda: calls.append("disconnected")
 
     monkeypatch.setattr(loadtest, "producer_killer", killer)
     rc, out = run(capsys, "--url", fake.url, "--requests", "40", "--concurrency", "2", "--mix", "completions=1",
                   "--kill-producer-at", "5", "--config", str(ROOT / "ray_config.yaml"), "--ray-address", "ray://x:1")
     assert rc == 0 and calls == [("ray://x:1", "scd"), "disconnected"]
-    assert out["producer_killed_at_s"] >= 0
+    assert out["producer_killed_at_s"] >= 0 and out["producer_killed"] == "scd-producer-0"
+    assert 0 <= out["inflight_at_kill"] <= 2, "at most --concurrency requests were in flight"
     # 35 requests are issued after the kill returned (it runs under the issuing lock): at most 3 fall back
     if back:
         assert out["scd_again_after_kill_s"] >= 0 and out["modes"]["fallback:producer_unavailable"] == 3
+        assert out["fallbacks_after_kill"] == 3 and 0 <= out["all_scd_after_kill_s"] < out["wall_s"]
     else:
         assert out["scd_again_after_kill_s"] is None and out["modes"]["fallback:producer_unavailable"] >= 35
+        assert out["fallbacks_after_kill"] >= 35
 
 
 def test_plan_is_exact_and_seeded():

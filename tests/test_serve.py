@@ -36,7 +36,8 @@ def _get(url, timeout=30):
 
 
 def deploy_and_wait(cfg_path, raw: dict):
-    """Write the config, deploy the app on the session's Ray, wait until /healthz says ok: (cfg, url)."""
+    """Write the config, deploy the app on the session's Ray, wait until everything it started answers
+    (serve_app.app.wait_healthy): (cfg, url)."""
     from serve_app.app import deploy, wait_healthy
     cfg_path.write_text(yaml.safe_dump(raw))
     cfg = load_config(cfg_path)
@@ -48,7 +49,7 @@ def deploy_and_wait(cfg_path, raw: dict):
 
 @pytest.fixture(scope="module")
 def served(ray_cluster, tmp_path_factory, demo_work_dir):
-    from actors.producer_actor import PRODUCER_NAME
+    from actors.producer_actor import producer_name
     tmp = tmp_path_factory.mktemp("serve")
     cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1, work_dir=demo_work_dir)
     for pair in ("base:qa", "base:prose", "base:code"):
@@ -73,7 +74,7 @@ def served(ray_cluster, tmp_path_factory, demo_work_dir):
     raw["families"] = [{"name": "fam"}, {"name": "ghost"}]           # ghost: configured, never published
     raw["limits"] = {"request_timeout_s": 600, "specialist_max_ongoing": 8}    # room for the held-requests drill
     cfg, url = deploy_and_wait(cfg_path, raw)
-    yield url, cfg, ray.get_actor(PRODUCER_NAME, namespace="scd-test")
+    yield url, cfg, ray.get_actor(producer_name(0), namespace="scd-test")
     from ray import serve
     serve.shutdown()
 
@@ -143,7 +144,8 @@ def test_what_serving_benchmarks_send_health_ignore_eos_and_usage_in_streams(ser
     """guidellm's and vLLM's benchmark request shapes: GET /health first, then fixed output lengths with
     ignore_eos, streams with include_usage and continuous_usage_stats."""
     url, _, _ = served
-    assert _get(url + "/health") == {"status": "ok"}
+    # a 200 (urlopen raises on any other): answers come; degraded, as nocal and wrong have no artifact to use
+    assert _get(url + "/health") == {"status": "degraded"}
     prompt = PREFIX + "Question: Where does Tilda Vance live?\nAnswer: Tilda Vance lives in"
     body = {"model": "qa", "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "stop": None}
     status, r = _post(url + "/v1/completions", body)
@@ -216,7 +218,7 @@ def test_a_fanout_to_one_familys_members_sends_one_payload_that_each_rebuilds_wi
     stats = ray.get(producer.stats.remote())
     fam = stats["family_versions"]["base:fam"]
     assert fam["members"] == ["base:prose", "base:qa"], fam
-    assert "base:ghost" not in stats["family_versions"] and "ArtifactNotFound" in stats["problems"]["base:ghost"]
+    assert "base:ghost" not in stats["family_versions"] and "ArtifactNotFound" in stats["problems"]["base:ghost"]["reason"]
     health = _get(url + "/healthz")
     assert "no published version" in health["specialists"]["qa"]["family_problems"]["base:ghost"], health
     status, out = _post(url + "/v1/fanout", {"prefix": PREFIX + "A family fan-out. ", "requests": [

@@ -23,7 +23,7 @@ def serve_family(tmp_path_factory, demo_work_dir, transport: str, namespace: str
     """qa and prose (calibrated, and published as the family "fam") served with `transport` in `namespace`;
     `qa`: more settings of the qa specialist; `gpus`: each model's share of a GPU (0: on CPU). Yields (url,
     the producer's handle); Serve stops after."""
-    from actors.producer_actor import PRODUCER_NAME
+    from actors.producer_actor import producer_name
     tmp = tmp_path_factory.mktemp(f"serve-{transport}")
     cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1, work_dir=demo_work_dir)
     for pair in ("base:qa", "base:prose"):
@@ -38,7 +38,7 @@ def serve_family(tmp_path_factory, demo_work_dir, transport: str, namespace: str
                limits={"request_timeout_s": 600, "specialist_max_ongoing": 8}, families=[{"name": "fam"}])
     raw["producer"].update(place)
     cfg, url = deploy_and_wait(cfg_path, raw)
-    yield url, ray.get_actor(PRODUCER_NAME, namespace=namespace)
+    yield url, ray.get_actor(producer_name(0), namespace=namespace)
     from ray import serve
     serve.shutdown()
 

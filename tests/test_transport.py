@@ -47,7 +47,7 @@ class Replica:
     """A specialist replica's end of the transport, in its own process, not told which transport it is."""
 
     def __init__(self, kind, producer, timeout_s=120.0):    # only a failure waits this long
-        self.r = make_transport(kind).receiver(lambda: producer, timeout_s)
+        self.r = make_transport(kind).receiver(lambda name: producer, timeout_s)
 
     def receive(self, ticket):
         return self.r.receive(ticket)

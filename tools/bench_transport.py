@@ -48,7 +48,7 @@ class Sender:
 @ray.remote(max_concurrency=4)
 class Receiver:
     def __init__(self, kind: str, sender):
-        self.r = make_transport(kind).receiver(lambda: sender, 120.0)
+        self.r = make_transport(kind).receiver(lambda name: sender, 120.0)
 
     def receive(self, ticket) -> tuple[float, str]:
         t0 = time.perf_counter()
