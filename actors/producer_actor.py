@@ -22,6 +22,7 @@ from collections import deque
 
 import ray
 import torch
+from ray.util.metrics import Counter, Gauge
 
 from actors.messages import Codes, FallbackReason, PairCodes
 from actors.producer import ProducerEngine
@@ -101,6 +102,13 @@ class ProducerActor:
         self.name = name                                # its actor name: tickets say whom to pull from
         self.transport = make_transport(transport, owner=name)
         self.busy = Busy()
+        tags = {"producer": name}
+        self.m_encodes = Counter("scd_producer_encodes_total", "encodes by how they were served (prefill: a new "
+                                 "prefix; cache_hit)", tag_keys=("producer", "served")).set_default_tags(tags)
+        self.m_busy = Gauge("scd_producer_busy", "fraction of the last 10 s spent prefilling and encoding",
+                            tag_keys=("producer",)).set_default_tags(tags)
+        self.m_wait = Gauge("scd_producer_queue_wait_ms", "median wait of the last 64 encodes in this producer's "
+                            "queue", tag_keys=("producer",)).set_default_tags(tags)
         self.wanted = dict(pairs)                      # pair -> "latest" or a pinned version
         self.wanted_families = dict(families or {})    # family id -> "latest" or a pinned version
         self.problems: dict[str, dict] = {}            # what -> {"reason": one line, "since": unix time}
@@ -203,9 +211,13 @@ class ProducerActor:
         try:
             if self.fault and self.fault.startswith("delay:"):
                 time.sleep(float(self.fault.split(":", 1)[1]))
-            return self._encode(prefix_ids, pairs)
+            codes = self._encode(prefix_ids, pairs)
+            self.m_encodes.inc(tags={"served": "prefill" if codes.prefilled else "cache_hit"})
+            return codes
         finally:
             self.busy.stop()
+            self.m_busy.set(self.busy.fraction())
+            self.m_wait.set(self.busy.queue_wait_ms())
 
     def _encode(self, prefix_ids: list[int], pairs: list[str]) -> Codes:
         res = self.engine.encode(list(prefix_ids), list(dict.fromkeys(pairs)))

@@ -60,7 +60,7 @@ class ProducerPool:
         self.version = 0                           # bumped on every membership change
         self.next_index = 0
         self.target = cfg.producer.initial_replicas()
-        self.wanted_since: tuple[int, float] | None = None    # autoscaling: (count wanted, since when)
+        self.autoscaler = Autoscaler(self.autoscaling) if self.autoscaling else None
         self.events: list[dict] = []                # scaling and recreation, newest last (at most 50)
         self.load: dict[str, dict] = {}            # name -> its last stats
         self._adopt()                              # after a restart of this pool: its producers still run
@@ -180,18 +180,34 @@ class ProducerPool:
             self._autoscale(now, sum(x.get("busy", 0.0) for x in self.load.values()))
 
     def _autoscale(self, now: float, busy: float) -> None:
-        a = self.autoscaling
+        want = self.autoscaler.decide(now, self.target, busy)
+        if want is not None:
+            self._event(f"autoscaling {self.target} -> {want} (busy {busy:.2f}, target "
+                        f"{self.autoscaling.target_busy} each)")
+            self.target = want
+            self._reconcile()
+
+
+class Autoscaler:
+    """How many producers the load wants: ceil(sum of busy / target_busy) within [min_replicas, max_replicas],
+    acted on once it has wanted the same other count for upscale_delay_s (more) or downscale_delay_s (fewer)."""
+
+    def __init__(self, settings):
+        self.a, self.wanted_since = settings, None        # (count wanted, since when)
+
+    def decide(self, now: float, current: int, busy: float) -> int | None:
+        """The new count, or None to stay."""
+        a = self.a
         want = min(max(math.ceil(busy / a.target_busy), a.min_replicas), a.max_replicas)
-        if want == self.target:
+        if want == current:
             self.wanted_since = None
-            return
+            return None
         if self.wanted_since is None or self.wanted_since[0] != want:
             self.wanted_since = (want, now)
-        delay = a.upscale_delay_s if want > self.target else a.downscale_delay_s
-        if now - self.wanted_since[1] >= delay:
-            self._event(f"autoscaling {self.target} -> {want} (busy {busy:.2f}, target {a.target_busy} each)")
-            self.target, self.wanted_since = want, None
-            self._reconcile()
+        if now - self.wanted_since[1] >= (a.upscale_delay_s if want > current else a.downscale_delay_s):
+            self.wanted_since = None
+            return want
+        return None
 
 
 def _exists(name: str, namespace: str | None) -> bool:

@@ -19,7 +19,7 @@ timings report (producer prefill + encode, the slowest specialist's cache build 
 `--compare` runs the same requests twice against the one service, first as they are (SCD) and then with
 `"oracle": true` (every specialist prefills the prefix itself), and reports both with their ratios.
 `--prefix-tokens N` pads every prefix with further notes to about N tokens (4 characters a token; the report's
-`prompt_tokens` is what the service counted).
+`prompt_tokens` is what the service counted). `--prefixes K` makes request i ask prefix number i % K.
 Exit code 0 when no request failed or got lost, else 1.
 """
 from __future__ import annotations
@@ -96,20 +96,32 @@ def plan(n: int, mix: dict[str, float], seed: int = 0) -> list[str]:
     return kinds
 
 
-def prompt(i: int, prefix_tokens: int = 0) -> tuple[str, str]:
-    """(prefix, suffix) for request i: even requests share four prefixes, odd ones have a prefix of their own,
-    so the producer's prefix code cache answers some requests and the others need a prefill. With
+@dataclass(frozen=True)
+class Shape:
+    """What the prompts look like: prefixes padded to about `prefix_tokens` tokens; `prefixes` > 0: request i
+    uses prefix number i % prefixes (each asked requests / prefixes times: a prefix-heavy mix)."""
+    prefix_tokens: int = 0
+    prefixes: int = 0
+
+
+def prompt(i: int, shape: Shape = Shape()) -> tuple[str, str]:
+    """(prefix, suffix) for request i: by default even requests share four prefixes, odd ones have a prefix of
+    their own, so the producer's prefix code cache answers some requests and the others need a prefill. With
     prefix_tokens, further notes about the others pad the prefix to about that many tokens."""
-    name, place, job = FACTS[i // 2 % len(FACTS)]
-    other = FACTS[(i // 2 + 1) % len(FACTS)]
+    key = i % shape.prefixes if shape.prefixes else i // 2
+    name, place, job = FACTS[key % len(FACTS)]
+    other = FACTS[(key + 1) % len(FACTS)]
     prefix = (f"Notes:\n{name} lives in {place}. {other[0]} works as {other[2]}. {name} works as {job}. "
               f"{other[0]} lives in {other[1]}.\n")
     k = 0
-    while len(prefix) < 4 * prefix_tokens:
-        who, where, what = FACTS[(i // 2 + 1 + k) % len(FACTS)]
+    while len(prefix) < 4 * shape.prefix_tokens:
+        who, where, what = FACTS[(key + 1 + k) % len(FACTS)]
         prefix += f"On day {k + 1}, {who} worked as {what} in {where}.\n"
         k += 1
-    prefix += f"Entry {i}.\n" if i % 2 else ""
+    if shape.prefixes:
+        prefix += f"Entry {key}.\n"
+    elif i % 2:
+        prefix += f"Entry {i}.\n"
     return prefix, QUESTIONS[i % len(QUESTIONS)].format(name)
 
 
@@ -258,6 +270,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ray-address", default="auto", help="default: %(default)s")
     p.add_argument("--compare", action="store_true", help="run the requests as SCD, then as the oracle, and compare")
     p.add_argument("--prefix-tokens", type=int, default=0, metavar="N", help="pad prefixes to about N tokens")
+    p.add_argument("--prefixes", type=_positive, default=0, metavar="K",
+                   help="request i asks prefix number i %% K (default: four shared prefixes, and one of its own "
+                        "for every odd request)")
     args = p.parse_args(argv)
     if args.compare and args.kill_producer_at:
         p.error("--compare and --kill-producer-at do not go together")
@@ -270,9 +285,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def request(i: int, kind: str, models: list[str], prefix_tokens: int = 0, oracle: bool = False) -> tuple[str, dict, int]:
+def request(i: int, kind: str, models: list[str], shape: Shape = Shape(), oracle: bool = False) -> tuple[str, dict, int]:
     """(path, body, items expected back) of request i."""
-    prefix, suffix = prompt(i, prefix_tokens)
+    prefix, suffix = prompt(i, shape)
     mode = {"oracle": True} if oracle else {}
     if kind == "fanouts":
         items = [{"specialist": m, "suffix": suffix, "max_tokens": 8} for m in models]
@@ -282,7 +297,7 @@ def request(i: int, kind: str, models: list[str], prefix_tokens: int = 0, oracle
 
 
 def run(client: Client, models: list[str], kinds: list[str], concurrency: int, kill_at: int | None, kill,
-        prefix_tokens: int = 0, oracle: bool = False):
+        shape: Shape = Shape(), oracle: bool = False):
     """Every planned request at `concurrency`; `kill` runs right after the kill_at-th request is issued, under
     the issuing lock, so every later request is issued after it returned.
     Returns (results, health samples, wall seconds, (seconds at which the kill returned, what it killed) or
@@ -291,7 +306,7 @@ def run(client: Client, models: list[str], kinds: list[str], concurrency: int, k
     stop, health, t0 = threading.Event(), [], time.monotonic()
 
     def one(i: int, kind: str) -> Result:
-        path, body, items = request(i, kind, models, prefix_tokens, oracle)
+        path, body, items = request(i, kind, models, shape, oracle)
         with lock:
             r = Result(kind, time.monotonic() - t0)
             if next(issued) == kill_at:
@@ -335,9 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         kill, disconnect = producer_killer(args.ray_address, namespace)   # connected before the load starts
 
     kinds = plan(args.requests, args.mix)
+    shape = Shape(args.prefix_tokens, args.prefixes)
     if args.compare:
         reports = {mode: summary(args, kinds, *run(client, models, kinds, args.concurrency, None, None,
-                                                   args.prefix_tokens, mode == "oracle")[:3])
+                                                   shape, mode == "oracle")[:3])
                    for mode in ("scd", "oracle")}
         s, o = reports["scd"], reports["oracle"]
         ratio = lambda a, b: round(a / b, 3) if a and b else None       # noqa: E731
@@ -350,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(r["errors"] == r["lost"] == 0 for r in reports.values()) else 1
     try:
         results, health, wall, killed = run(client, models, kinds, args.concurrency, args.kill_producer_at, kill,
-                                            args.prefix_tokens)
+                                            shape)
     finally:
         disconnect()
     report = summary(args, kinds, results, health, wall)

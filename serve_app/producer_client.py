@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import ray
+from ray.serve.metrics import Counter, Gauge
 
 from actors.messages import Codes, FallbackReason
 from actors.producer_actor import one_line
@@ -55,6 +56,10 @@ class Producers:
         self.pool_error: str | None = None
         self.failovers = 0                         # encodes sent on to the next producer after a failure
         self.refresher: asyncio.Task | None = None
+        self.m_failovers = Counter("scd_producer_failovers_total", "encodes sent on to the next producer on the "
+                                   "ring after this one failed", tag_keys=("producer",))
+        self.m_share = Gauge("scd_producer_ring_share", "fraction of the ring (of prefixes) each producer owns",
+                             tag_keys=("producer",))
 
     # -- membership -------------------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -69,9 +74,12 @@ class Producers:
         self.pool_error = None
         if m["version"] == self.version:
             return
+        gone = set(self.members) - set(m["live"])
         self.members = {n: self.members.get(n) or Member(n) for n in m["live"]}
         self.ring.set(m["live"])
         self.version = m["version"]
+        for name, share in [*((n, 0.0) for n in gone), *self.ring.shares().items()]:
+            self.m_share.set(share, tags={"producer": name})
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -156,6 +164,7 @@ class Producers:
             except ray.exceptions.RayError as e:       # died under it, restarting, or failed: the next one
                 self._mark_down(m, one_line(e))
                 self.failovers += 1
+                self.m_failovers.inc(tags={"producer": name})
                 continue
             finally:
                 m.inflight -= 1

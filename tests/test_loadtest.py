@@ -308,3 +308,11 @@ def test_overhead_parts_add_up_to_latency_minus_model_work():
     assert parts == {"http_and_router": 20.0, "producer_hop": 3.0, "specialist_hop": 7.5, "engine_hop": 1.0,
                      "engine": 0.5}
     assert sum(parts.values()) == 50.0 - model_compute_ms([scd])
+
+
+def test_prefixes_makes_a_prefix_heavy_mix():
+    shape = loadtest.Shape(prefixes=7)
+    prefixes = [loadtest.prompt(i, shape)[0] for i in range(70)]
+    assert len(set(prefixes)) == 7 and all(prefixes[i] == prefixes[i + 7] for i in range(63))
+    default = [loadtest.prompt(i)[0] for i in range(40)]
+    assert len({default[i] for i in range(0, 40, 2)}) == 4 and len({default[i] for i in range(1, 40, 2)}) == 20
