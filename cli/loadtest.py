@@ -331,7 +331,17 @@ def run(client: Client, models: list[str], kinds: list[str], concurrency: int, k
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """Stdout carries the one JSON line: anything else printed meanwhile (Ray's own warnings, once connected
+    for --kill-producer-at) goes to stderr."""
+    report_out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        report = _main(parse_args(argv))
+    print(json.dumps(report), file=report_out, flush=True)
+    runs = [report["scd"], report["oracle"]] if "scd_over_oracle" in report else [report]
+    return 0 if all(r["errors"] == r["lost"] == 0 for r in runs) else 1
+
+
+def _main(args) -> dict:
     client = Client(args.url, args.api_key, args.timeout)
     try:
         with client.open("/v1/models") as resp:
@@ -362,8 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             "first_token_p50": ratio(s["first_token_ms"]["p50"], o["first_token_ms"]["p50"]),
             "first_token_p99": ratio(s["first_token_ms"]["p99"], o["first_token_ms"]["p99"])}}
         print(comparison_table(report), file=sys.stderr)
-        print(json.dumps(report), flush=True)
-        return 0 if all(r["errors"] == r["lost"] == 0 for r in reports.values()) else 1
+        return report
     try:
         results, health, wall, killed = run(client, models, kinds, args.concurrency, args.kill_producer_at, kill,
                                             shape)
@@ -372,8 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     report = summary(args, kinds, results, health, wall)
     if args.kill_producer_at:
         report.update(after_kill(results, killed))
-    print(json.dumps(report), flush=True)
-    return 0 if report["errors"] == report["lost"] == 0 else 1
+    return report
 
 
 def after_kill(results: list[Result], killed: tuple[float, str] | None) -> dict:

@@ -43,7 +43,7 @@ def one(cfg: DeploymentConfig, n: int, args) -> dict:
             raise SystemExit(f"the app with {n} producers did not come up")
         client = loadtest.Client(url, None, 120.0)
         models = [s.name for s in cfg.specialists]
-        kinds = loadtest.plan(args.requests, {"completions": 1.0})
+        kinds = loadtest.plan(args.requests, loadtest.parse_mix("completions=1"))
         before = counters(url)
         results, _, wall, _ = loadtest.run(client, models, kinds, args.concurrency, None, None,
                                            loadtest.Shape(args.prefix_tokens, args.prefixes))
