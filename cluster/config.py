@@ -92,12 +92,8 @@ class ModelSettings(_Strict):
         return v
 
 
-class Autoscaling(_Strict):
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(2.0, gt=0)
-    upscale_delay_s: float = Field(2.0, ge=0)
-    downscale_delay_s: float = Field(10.0, ge=0)
+class _ReplicaRange(_Strict):
+    """min_replicas .. max_replicas, in order (each subclass declares both, with its own defaults)."""
 
     @model_validator(mode="after")
     def _bounds(self):
@@ -106,7 +102,15 @@ class Autoscaling(_Strict):
         return self
 
 
-class ProducerAutoscaling(_Strict):
+class Autoscaling(_ReplicaRange):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float = Field(2.0, ge=0)
+    downscale_delay_s: float = Field(10.0, ge=0)
+
+
+class ProducerAutoscaling(_ReplicaRange):
     """Producers added and removed from their prefill load, as Serve scales specialists from their queues."""
     min_replicas: int = Field(1, ge=1)
     max_replicas: int = Field(2, ge=1)
@@ -114,12 +118,6 @@ class ProducerAutoscaling(_Strict):
                                "prefilling and encoding (averaged over 10 s); more in total adds producers")
     upscale_delay_s: float = Field(5.0, ge=0)
     downscale_delay_s: float = Field(30.0, ge=0)
-
-    @model_validator(mode="after")
-    def _bounds(self):
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
-        return self
 
 
 class ProducerSettings(ModelSettings):

@@ -117,9 +117,10 @@ class Placement:
         return (live[0]["state"], live[0]["node_id"], live[0]["actor_id"]) if live else (None, None, None)
 
 
-def spread_qa(where: Placement, tries: int = 8) -> int:
+def spread_qa(where: Placement, tries: int = 20) -> int:
     """Both qa replicas start on the first worker to join (they were pending until it did); replace one
-    until Serve's SPREAD has put them on different workers. Returns the replacements it took."""
+    until Serve's SPREAD has put them on different workers (it may take several: 8 were once not enough).
+    Returns the replacements it took."""
     import ray
     for n in range(tries + 1):
         nodes = [a["node_id"] for a in where.actors()

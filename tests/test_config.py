@@ -295,3 +295,16 @@ def test_a_pair_calibrates_on_its_own_text_file_resolved_against_the_config_and_
     with pytest.raises(SystemExit, match="stopped"):
         calibrate.main(["--pair", "base:legal", "--config", str(path), "--no-actors", "--work-dir", str(tmp_path)])
     assert seen == [str(tmp_path / "legal.txt")]
+
+
+def test_producer_pool_settings_are_checked_and_autoscaling_starts_within_its_range():
+    cfg = parse({**GOOD, "producer": {**GOOD["producer"], "replicas": 3,
+                                      "autoscaling": {"min_replicas": 1, "max_replicas": 2}}})
+    assert cfg.producer.initial_replicas() == 2, "replicas is clamped into autoscaling's range"
+    assert parse(GOOD).producer.initial_replicas() == 1 and parse(GOOD).producer.autoscaling is None
+    bad = {**GOOD, "producer": {**GOOD["producer"], "replicas": 0, "load_bound": 1.0, "load_slack": -1,
+                                "autoscaling": {"min_replicas": 3, "max_replicas": 2, "target_busy": 1.5}}}
+    with pytest.raises(ConfigError) as e:
+        parse(bad)
+    for where in ("producer.replicas", "producer.load_bound", "producer.load_slack", "producer.autoscaling"):
+        assert where in str(e.value), (where, str(e.value))
