@@ -69,7 +69,7 @@ class ProducerPool:
 
     # -- membership -------------------------------------------------------------------------------------
     def _create(self, name: str):
-        c, s = self.cfg, self.spec
+        s = self.spec
         opts = actor_options(s["num_gpus"], name=name, detached=True, namespace=self.namespace,
                              num_cpus=s["num_cpus"], resources=s["resources"], node_labels=s["node_labels"])
         return ProducerActor.options(**opts, max_restarts=-1, max_task_retries=0).remote(
