@@ -184,17 +184,29 @@ class RdtReceiver:
     def __init__(self, producer: Callable[[str | None], Any], kind: str = "nixl", method: str = "pull",
                  timeout_s: float = 30.0):
         self.producer, self.kind, self.method, self.timeout_s = producer, kind, method, timeout_s
+        self.introduced: set[str | None] = set()      # producers this process has completed a pull from
+        self.first = threading.Lock()
 
     def receive(self, ticket: Ticket) -> "codec.Wire":
         if ticket.kind != self.kind or not ticket.key:
             raise TransportError(f"the {self.kind} transport cannot read a {ticket.kind!r} ticket")
+        if ticket.producer in self.introduced:
+            return self._pull(ticket)
+        # The first pulls from a producer, started at once from several threads, can race NIXL's exchange of
+        # agent metadata (seen: NIXL_ERR_NOT_FOUND from initialize_xfer): the first one goes alone.
+        with self.first:
+            data = self._pull(ticket)
+            self.introduced.add(ticket.producer)
+        return data
+
+    def _pull(self, ticket: Ticket) -> "codec.Wire":
         try:
             pulled = ray.get(getattr(rdt_handle(self.producer(ticket.producer)), self.method).remote(ticket.key),
                              timeout=self.timeout_s)
-        except ray.exceptions.RayTaskError as e:
-            raise TransportError(f"pull failed: {e.cause if e.cause else e}") from None
         except Exception as e:                                     # timeout, producer gone, transfer failed
-            raise TransportError(f"pull failed: {type(e).__name__}: {e}") from None
+            self.introduced.discard(ticket.producer)               # restarted, it has a new agent: go alone
+            why = (e.cause or e) if isinstance(e, ray.exceptions.RayTaskError) else f"{type(e).__name__}: {e}"
+            raise TransportError(f"pull failed: {why}") from None
         # cuda_ipc hands out a view of the producer's memory, freed when it drops the staged copy: take ours
         body = pulled["body"].clone() if self.kind == "cuda_ipc" else pulled["body"]
         data = codec.Wire(pulled["head"], body)
