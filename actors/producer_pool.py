@@ -266,8 +266,4 @@ def stop_pool(namespace: str | None) -> None:
         ray.get(pool.shutdown.remote(), timeout=30)
     except ray.exceptions.RayError:
         pass
-    ray.kill(pool, no_restart=True)
-    for _ in range(100):
-        if not _exists(POOL_NAME, namespace):
-            return
-        time.sleep(0.1)
+    _kill_named(POOL_NAME, namespace)

@@ -121,10 +121,6 @@ class Producers:
             log.warning("producer %s back after %.1f s", m.name, time.monotonic() - m.down_since)
             m.down_since = None
 
-    @property
-    def up(self) -> list[str]:
-        return [n for n, m in self.members.items() if m.down_since is None]
-
     # -- calls ------------------------------------------------------------------------------------------
     def route(self, prefix_ids: list[int]) -> list[str]:
         """The producers to ask for this prefix, in order (its owner on the ring first, unless down or full)."""
