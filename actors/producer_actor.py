@@ -27,7 +27,7 @@ from ray.util.metrics import Counter, Gauge
 from actors.messages import Codes, FallbackReason, PairCodes
 from actors.producer import ProducerEngine
 from actors.registry import fetch, fetch_family, registry
-from actors.transport import RDT_TRANSPORTS, TransportError, make_transport
+from actors.transport import INLINE_BYTES, RDT_TRANSPORTS, TransportError, make_transport
 from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device
 from scd.online import codec
@@ -88,7 +88,7 @@ class ProducerActor:
                  cache_bytes: int = 64 << 20, transport: str = "object_store",
                  watch_s: float = 10.0, link_gbps: dict[str, float] | None = None,
                  ttft_target_ms: float | None = None, families: dict[str, str] | None = None,
-                 name: str = PRODUCER_NAME):
+                 name: str = PRODUCER_NAME, inline_bytes: int = INLINE_BYTES):
         torch.set_num_threads(cpu_threads())
         dev = device()
         model, tok, _ = load(model_path)
@@ -100,7 +100,7 @@ class ProducerActor:
         self.expect = Fingerprints.of(producer=model, tokenizer=tok)
         self.transport_kind = transport
         self.name = name                                # its actor name: tickets say whom to pull from
-        self.transport = make_transport(transport, owner=name)
+        self.transport = make_transport(transport, owner=name, inline_bytes=inline_bytes)
         self.busy = Busy()
         tags = {"producer": name}
         self.m_encodes = Counter("scd_producer_encodes_total", "encodes by how they were served (prefill: a new "

@@ -43,7 +43,8 @@ def producer_spec(cfg: DeploymentConfig) -> dict:
     return {"path": cfg.producer.path, "num_gpus": cfg.producer.num_gpus, "num_cpus": cfg.producer.num_cpus,
             "resources": cfg.producer.resources, "node_labels": cfg.producer.node_labels,
             "pairs": {pair_id(cfg.producer.name, s.name): s.artifact for s in cfg.specialists},
-            "families": cfg.family_refs(), "transport": cfg.resolved_transport(), "store": cfg.artifacts.uri,
+            "families": cfg.family_refs(), "transport": cfg.resolved_transport(),
+            "inline_bytes": cfg.transport_inline_bytes, "store": cfg.artifacts.uri,
             "watch_s": cfg.artifacts.watch_s, "link_gbps": cfg.link_gbps(), "ttft_target_ms": cfg.link.ttft_target_ms}
 
 
@@ -74,6 +75,7 @@ class ProducerPool:
                              num_cpus=s["num_cpus"], resources=s["resources"], node_labels=s["node_labels"])
         return ProducerActor.options(**opts, max_restarts=-1, max_task_retries=0).remote(
             s["path"], s["pairs"], s["store"], self.namespace, transport=s["transport"], watch_s=s["watch_s"],
+            inline_bytes=s["inline_bytes"],
             link_gbps=s["link_gbps"], ttft_target_ms=s["ttft_target_ms"], families=s["families"], name=name)
 
     def _adopt(self) -> None:

@@ -13,6 +13,11 @@ replica's end, whose `receive(ticket)` returns the payload (any number of receiv
                 stay in device memory from the producer's encode to the replica's rebuild.
   cuda_ipc      the same pulls over CUDA IPC, for a producer and replicas on one GPU.
 
+Every transport carries a payload of at most `inline_bytes` (64 KiB by default, the config's
+`transport_inline_bytes`) in the ticket itself, as host bytes: the demo family's codes are ~25 KB, and one
+pull costs a Ray round trip to the producer (cuda_ipc 2.5-3.4 ms, nixl 5-6 ms on an H100/H200, 15 ms on a
+2-core CPU machine) where copying 25 KB off the device and back costs tens of microseconds.
+
 There is no NCCL transport. A two-rank NCCL communicator per (producer, replica) needed a collective setup
 each time a replica started, NCCL refuses two ranks on one GPU, and Ray 2.60's collective groups are known only
 to the process that made them; nixl and cuda_ipc move device tensors one-sided without any of that.
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import ray
+import torch
 
 from scd.online import codec
 
@@ -35,7 +41,9 @@ class Ticket:
     kind: str                      # "object_store" | "nixl" | "cuda_ipc"
     nbytes: int
     ref: list | None = None        # object_store: [ObjectRef] (in a list so Ray does not resolve it in transit)
-    data: bytes | None = None      # object_store: a small payload itself, carried in the ticket (INLINE_BYTES)
+    data: bytes | None = None      # a small payload itself (at most inline_bytes), carried in the ticket: the
+                                   # payload's bytes (object_store), a Wire's body as host bytes (nixl, cuda_ipc)
+    head: bytes | None = None      # nixl, cuda_ipc, carried in the ticket: the Wire's header
     key: str | None = None         # nixl, cuda_ipc: the staged payload a replica pulls
     producer: str | None = None    # nixl, cuda_ipc: the producer (actor name) that staged it
 
@@ -61,22 +69,25 @@ class Transport(Protocol):
     def receiver(self, producer: Callable[[str | None], Any], timeout_s: float = 30.0) -> Receiver: ...
 
 
+INLINE_BYTES = 64 << 10           # below Ray's own inlining limit (max_direct_call_object_size, 100 KiB)
+
+
 class ObjectStoreTransport:
-    """Payloads as bytes in Ray's object store. A payload of at most INLINE_BYTES travels in the ticket itself,
+    """Payloads as bytes in Ray's object store. A payload of at most `inline_bytes` travels in the ticket itself,
     as Ray inlines small task arguments and returns: a put, a borrowed reference through router, replica and
     engine, and the engine's fetch from the producer cost more than copying a few kilobytes along."""
     name = "object_store"
     RECENT = 64                   # payloads whose object stays put: a prefix asked again is not put again
-    INLINE_BYTES = 64 << 10       # below Ray's own inlining limit (max_direct_call_object_size, 100 KiB)
 
-    def __init__(self):
+    def __init__(self, inline_bytes: int = INLINE_BYTES):
+        self.inline_bytes = inline_bytes
         self.recent: OrderedDict[int, tuple[bytes, ray.ObjectRef]] = OrderedDict()   # id(payload) -> it, its ref
         self.lock = threading.Lock()
 
     def offer(self, payload: bytes, receivers: int = 1) -> Ticket:
         """One put, however many replicas fetch it; the same payload (a cached prefix's) offered again is the
         same object (it stays in the store while it is among the RECENT ones offered)."""
-        if len(payload) <= self.INLINE_BYTES:
+        if len(payload) <= self.inline_bytes:
             return Ticket("object_store", len(payload), data=payload)
         with self.lock:
             held = self.recent.get(id(payload))
@@ -130,14 +141,18 @@ class NixlTransport:
     name = "nixl"
     method = "pull"                      # the producer's method declared with this tensor_transport
 
-    def __init__(self, stage_bytes: int = 256 << 20, owner: str | None = None):
-        self.stage, self.owner = Staging(stage_bytes), owner
+    def __init__(self, stage_bytes: int = 256 << 20, owner: str | None = None, inline_bytes: int = INLINE_BYTES):
+        self.stage, self.owner, self.inline_bytes = Staging(stage_bytes), owner, inline_bytes
 
     def offer(self, payload: "codec.Wire", receivers: int = 1) -> Ticket:
-        """Stage a payload until each of the `receivers` replicas that serve the request has pulled it."""
+        """Stage a payload until each of the `receivers` replicas that serve the request has pulled it; one of
+        at most `inline_bytes` goes in the ticket instead (its body copied to host bytes)."""
         if not isinstance(payload, codec.Wire):
             raise TransportError(f"the {self.name} transport moves tensors: offer a codec.Wire, not "
                                  f"{type(payload).__name__}")
+        if len(payload) <= self.inline_bytes:
+            return Ticket(self.name, len(payload), data=payload.body.cpu().numpy().tobytes(), head=payload.head,
+                          producer=self.owner)
         staged = {"head": payload.head, "body": payload.body}
         return Ticket(self.name, len(payload), key=self.stage.put(staged, len(payload), receivers),
                       producer=self.owner)
@@ -188,8 +203,13 @@ class RdtReceiver:
         self.first = threading.Lock()
 
     def receive(self, ticket: Ticket) -> "codec.Wire":
-        if ticket.kind != self.kind or not ticket.key:
+        if ticket.kind != self.kind or not (ticket.key or ticket.data is not None):
             raise TransportError(f"the {self.kind} transport cannot read a {ticket.kind!r} ticket")
+        if ticket.data is not None:                # carried in the ticket: a host body (the engine moves the codes)
+            data = codec.Wire(ticket.head, torch.frombuffer(bytearray(ticket.data), dtype=torch.uint8))
+            if len(data) != ticket.nbytes:
+                raise TransportError(f"a ticket carried {len(data)} bytes and says {ticket.nbytes}")
+            return data
         if ticket.producer in self.introduced:
             return self._pull(ticket)
         # The first pulls from a producer, started at once from several threads, can race NIXL's exchange of
@@ -255,15 +275,15 @@ class Staging:
             return len(self.items)
 
 
-def make_transport(kind: str, owner: str | None = None):
+def make_transport(kind: str, owner: str | None = None, inline_bytes: int = INLINE_BYTES):
     """The transport object for one side (producer or replica) of a deployment; `owner`: the producer's actor
-    name, which its RDT tickets carry."""
+    name, which its RDT tickets carry; payloads of at most `inline_bytes` ride in their tickets."""
     if kind == "object_store":
-        return ObjectStoreTransport()
+        return ObjectStoreTransport(inline_bytes)
     if kind == "nixl":
-        return NixlTransport(owner=owner)
+        return NixlTransport(owner=owner, inline_bytes=inline_bytes)
     if kind == "cuda_ipc":
-        return CudaIpcTransport(owner=owner)
+        return CudaIpcTransport(owner=owner, inline_bytes=inline_bytes)
     raise ValueError(f"unknown transport {kind!r}; one of {TRANSPORTS}")
 
 

@@ -6,7 +6,7 @@ import pytest
 import ray
 import torch
 
-from actors.transport import CudaIpcTransport, Ticket, TransportError, make_transport
+from actors.transport import INLINE_BYTES, CudaIpcTransport, Ticket, TransportError, make_transport
 from scd.online import codec
 from tests.test_codec import DIMS, PLAN, _codes
 
@@ -18,8 +18,8 @@ class Producer:
     """The producer actor's transport calls (offer, and the pulls Ray Direct Transport serves), around any
     Transport."""
 
-    def __init__(self, kind):
-        self.t = make_transport(kind)
+    def __init__(self, kind, inline_bytes=0):            # 0: every payload by the transport itself
+        self.t = make_transport(kind, inline_bytes=inline_bytes)
 
     def offer(self, payload, receivers=1):
         return self.t.offer(payload, receivers)
@@ -67,10 +67,9 @@ def test_object_store_round_trip_across_processes(ray_cluster):
     """A small payload travels in its ticket (no put, no borrowed reference); a large one is put once, and the
     same payload offered again (a cached prefix's) is the same object. Either way a ticket whose size
     disagrees with what arrives is refused."""
-    from actors.transport import ObjectStoreTransport
-    producer = Producer.remote("object_store")
+    producer = Producer.remote("object_store", INLINE_BYTES)
     replica = Replica.remote("object_store", producer)
-    small, large = b"\x00codes" * 1000, bytes(range(256)) * (ObjectStoreTransport.INLINE_BYTES // 256 + 1)
+    small, large = b"\x00codes" * 1000, bytes(range(256)) * (INLINE_BYTES // 256 + 1)
     ticket = ray.get(producer.offer.remote(small))
     assert ticket.data == small and ticket.ref is None, "a payload under INLINE_BYTES rides in its ticket"
     assert ray.get(replica.receive.remote(ticket)) == small
@@ -86,7 +85,7 @@ def test_object_store_puts_a_cached_payload_once(monkeypatch):
     """The producer offers a cached prefix's payload (the same bytes object) again: one put, the same ref."""
     from actors.transport import ObjectStoreTransport
     t = ObjectStoreTransport()
-    payload = b"x" * (t.INLINE_BYTES + 1)
+    payload = b"x" * (INLINE_BYTES + 1)
     puts = []
     monkeypatch.setattr(ray, "put", lambda x: puts.append(x) or f"ref{len(puts)}")
     first, again = t.offer(payload, 2), t.offer(payload)
@@ -154,3 +153,25 @@ def test_cuda_ipc_refuses_a_host_payload():
         CudaIpcTransport().offer(b"bytes")
     with pytest.raises(TransportError, match="encoded on a GPU"):
         CudaIpcTransport().offer(codec.encode_wire(_codes(), "base:qa", "v3", DIMS, "int8"))
+
+
+def test_a_small_device_payload_rides_in_its_nixl_ticket_and_decodes_without_a_pull():
+    """A Wire of at most inline_bytes is not staged: the ticket carries its header and its body as host bytes,
+    the receiver rebuilds the Wire without calling the producer, and it decodes to the encoded codes (the
+    device checksum, sum64, holds on the host copy). One byte over the limit is staged for a pull."""
+    wire = codec.encode_wire(_codes(), "base:qa", "v3", DIMS, "int8")
+    t = make_transport("nixl", owner="scd-producer-0", inline_bytes=len(wire))
+    ticket = t.offer(wire, receivers=2)
+    assert ticket.data is not None and ticket.key is None and t.staged() == 0, ticket
+    assert ticket.producer == "scd-producer-0" and ticket.nbytes == len(wire)
+
+    def no_pulls(name):
+        raise AssertionError(f"the receiver called producer {name!r} for a payload its ticket carries")
+    got = t.receiver(no_pulls).receive(ticket)
+    assert got.head == wire.head and torch.equal(got.body, wire.body)
+    codes = codec.decode(got, "base:qa", "v3", PLAN, DIMS)
+    assert torch.equal(codes.token_ids, _codes().token_ids)
+    with pytest.raises(TransportError, match="says 1"):
+        t.receiver(no_pulls).receive(Ticket("nixl", 1, data=ticket.data, head=ticket.head))
+    over = make_transport("nixl", inline_bytes=len(wire) - 1).offer(wire)
+    assert over.data is None and over.key, "a payload over inline_bytes is staged for a pull"

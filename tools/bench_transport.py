@@ -29,7 +29,7 @@ from scd.online.codec import Wire
 @ray.remote(max_concurrency=4)
 class Sender:
     def __init__(self, kind: str):
-        self.kind, self.t = kind, make_transport(kind)
+        self.kind, self.t = kind, make_transport(kind, inline_bytes=0)      # every size by the transport itself
 
     def offer(self, nbytes: int, device: str):
         body = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
