@@ -72,6 +72,7 @@ class SpecialistRequest:
     timings: dict[str, float] = field(default_factory=dict)
     trace: dict = field(default_factory=dict)   # telemetry context carrier
     producer: str | None = None                 # the producer that encoded the codes (the answer says so)
+    exact: bool = False                         # the specialist's own output: codes only draft (exact mode)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ was served: mode "scd", or "fallback" with the reason, plus the phase timings.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -17,7 +18,7 @@ from actors.batching import BatchDecoder
 from actors.messages import FallbackReason
 from scd.online import activated, cache, codec
 from scd.online.artifacts import PairArtifacts
-from scd.online.decode import GenParams, Row, TokenLogprobs
+from scd.online.decode import GenParams, Row, TokenLogprobs, token_logprobs, verify
 from scd.online.rebuild import prepare, rebuild
 from scd.online.trace import capture
 
@@ -32,10 +33,12 @@ class ServedInfo:
     tokens: int = 0                             # generated tokens (usage), set when the answer is done
     level: dict[str, int] | None = None         # mode "scd": the Reuse ranks the codes arrived at
     family: str | None = None                   # mode "scd": the family whose one payload served this fan-out
+    exact: dict | None = None                   # an exact request served from codes: drafted, accepted, takeover
+    ids: list[int] = field(default_factory=list)  # the generated token ids (in process only: not in as_dict)
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "reason": self.reason, "artifact": self.artifact, "level": self.level,
-                "family": self.family,
+                "family": self.family, "exact": self.exact,
                 "payload_bytes": self.payload_bytes, "timings_ms": {k: round(v, 3) for k, v in self.timings.items()}}
 
 
@@ -90,7 +93,9 @@ class SpecialistEngine:
     def __init__(self, name: str, model, tokenizer, art: PairArtifacts | None = None, version: str | None = None,
                  unavailable_reason: str = FallbackReason.NO_ARTIFACT, device: str = "cpu", max_batch: int = 8):
         self.name, self.model, self.tok, self.device = name, model, tokenizer, device
-        self.decoder = BatchDecoder(model, tokenizer.eos_token_id, max_batch)
+        self.eos_id = tokenizer.eos_token_id
+        self.decoder = BatchDecoder(model, self.eos_id, max_batch)
+        self.min_drafts = 0           # exact mode: verify only once this many tokens are drafted (acceptance runs)
         self.families: dict[str, tuple[PairArtifacts, str]] = {}     # family id -> (this member's artifact, version)
         self.set_artifact(art, version, unavailable_reason)
 
@@ -152,21 +157,29 @@ class SpecialistEngine:
                         return kv, ServedInfo("scd", None, version, len(payload), timings, level=codes.level,
                                               family=family)
         t0 = time.perf_counter()
-        tr = capture(self.model, ids, torch.ones_like(ids), want_xnorm=False)
+        kv = self._prefill(ids)
         timings["prefill"] = (time.perf_counter() - t0) * 1e3
         if reason == "oracle":                                   # asked for the reference path on purpose
-            return list(zip(tr.keys, tr.values)), ServedInfo("oracle", None, None, 0, timings)
-        return list(zip(tr.keys, tr.values)), ServedInfo("fallback", reason or FallbackReason.NO_ARTIFACT,
-                                                         self.version, 0, timings)
+            return kv, ServedInfo("oracle", None, None, 0, timings)
+        return kv, ServedInfo("fallback", reason or FallbackReason.NO_ARTIFACT, self.version, 0, timings)
+
+    def _prefill(self, ids: torch.Tensor) -> list:
+        """The specialist's own K and V of the prefix ids (1, T): the oracle's cache."""
+        tr = capture(self.model, ids, torch.ones_like(ids), want_xnorm=False)
+        return list(zip(tr.keys, tr.values))
 
     def start(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
-              params: GenParams, put: Callable[[tuple], None], timings: dict | None = None) -> Callable[[], None]:
+              params: GenParams, put: Callable[[tuple], None], timings: dict | None = None,
+              exact: bool = False) -> Callable[[], None]:
         """Build the request's own cache (codes or prefill) and run its suffix, in the calling thread; then its
         decode steps run in the engine's batch with every other running request (BatchDecoder). Events go to
         put(), from the decode loop's thread: ("token", text piece, logprobs entry or None, tokens so far) per
         generated token, then ("done", info, finish_reason) with finish_reason "stop" (stop string or EOS) or
         "length" (max_tokens), or ("error", message). Returns cancel(): the request's row leaves at its next
-        token (a client gone)."""
+        token (a client gone).
+
+        exact: the answer is the specialist's own (its prefill's), token for token when greedy: a cache rebuilt
+        from codes only drafts (`_exact`). Without codes (a fallback, the oracle) the answer is exact anyway."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token")
         t_start = time.perf_counter()
@@ -177,6 +190,7 @@ class SpecialistEngine:
 
         def on_token(token_id: int, lp: TokenLogprobs | None) -> bool:
             info.timings.setdefault("first_token", (time.perf_counter() - t_start) * 1e3)
+            info.ids.append(token_id)
             piece, stop = text.add(token_id)
             entry = self._logprobs_entry(token_id, lp, emitted[0]) if lp is not None and not stop else None
             emitted[0] += len(piece)
@@ -196,9 +210,77 @@ class SpecialistEngine:
             info.tokens = n_out
             put(("done", info, finish))
 
-        row.on_token, row.on_done = on_token, on_done
-        self.decoder.submit(row)
+        if exact and info.mode == "scd":
+            self._exact(row, info, prefix_ids, suffix_ids, on_token, on_done, cancelled)
+        else:
+            row.on_token, row.on_done = on_token, on_done
+            self.decoder.submit(row)
         return cancelled.set
+
+    @torch.no_grad()
+    def _exact(self, row: Row, info: ServedInfo, prefix_ids: list[int], suffix_ids: list[int],
+               emit: Callable, finish: Callable, cancelled: threading.Event) -> None:
+        """Exact mode (VeriCache's draft and verify, across models): the row on the rebuilt cache drafts tokens
+        in the engine's batch, unseen, while this thread prefills the prefix itself (the exact cache). Then
+        one forward pass over the drafts on the exact cache verifies them (`decode.verify`); the accepted
+        drafts and the exact cache's next token are emitted, and decoding goes on from the exact cache. Nothing
+        unverified is emitted. info.exact says how many tokens were drafted and accepted."""
+        p, drafts, asked_stop, ended, enough = row.params, [], [False], threading.Event(), threading.Event()
+        wanted = min(self.min_drafts, p.max_tokens)
+
+        def on_draft(token_id: int, _lp) -> bool:
+            drafts.append(token_id)
+            if len(drafts) >= wanted:
+                enough.set()
+            asked_stop[0] = stop.is_set() or cancelled.is_set()
+            return not asked_stop[0]
+
+        def on_draft_done(how: str, _n: int) -> None:
+            if how == "stop" and not asked_stop[0] and self.eos_id is not None:
+                drafts.append(self.eos_id)          # the draft ended on eos: verified like any token
+            if how.startswith("error"):
+                drafts.clear()
+            ended.set()
+            enough.set()
+
+        stop = threading.Event()
+        row.params = dataclasses.replace(p, logprobs=None, stop=())
+        row.draft_probs = [] if p.temperature > 0 else None
+        row.on_token, row.on_done = on_draft, on_draft_done
+        self.decoder.submit(row)
+        t0 = time.perf_counter()
+        ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
+        c = cache.assemble(self.model, self._prefill(ids))
+        mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
+        first, mask = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device))
+        info.timings["exact_prefill"] = (time.perf_counter() - t0) * 1e3
+        if wanted:
+            enough.wait()
+        stop.set()
+        ended.wait()
+        t0, k = time.perf_counter(), len(drafts)
+        logits = first[0, -1:]
+        if k:
+            more, _ = cache.forward_on_cache(self.model, c, mask, torch.tensor([drafts], device=self.device))
+            logits = torch.cat([logits, more[0]])
+        accepted, nxt = verify(drafts, row.draft_probs, logits, p, self.eos_id, row.generator)
+        info.timings["verify"] = (time.perf_counter() - t0) * 1e3
+        info.exact = {"drafted": k, "accepted": accepted, "takeover": accepted}
+        tokens = drafts[:accepted] + ([nxt] if nxt is not None else [])
+        for i, t in enumerate(tokens):
+            if t == self.eos_id:
+                return finish("stop", i)
+            lp = token_logprobs(logits[i], t, p.logprobs) if p.logprobs is not None else None
+            if not emit(t, lp):
+                return finish("stop", i + 1)
+            if i + 1 >= p.max_tokens:
+                return finish("length", i + 1)
+        # the exact cache up to the last accepted draft: a row like any other, whose first step feeds the token
+        # after them (already emitted) in the batch's forward pass
+        keep = len(prefix_ids) + len(suffix_ids) + accepted
+        rest = Row([layer.keys[:, :, :keep] for layer in c.layers], [layer.values[:, :, :keep] for layer in c.layers],
+                   logits[0], p, emit, finish, row.generator, n_out=len(tokens), feed=nxt)
+        self.decoder.submit(rest)
 
     def _logprobs_entry(self, token_id: int, lp: TokenLogprobs, offset: int) -> dict:
         """A generated token's logprobs as the router formats them: its text, its logprob, the top alternatives
@@ -207,10 +289,10 @@ class SpecialistEngine:
                 "top": [(self.tok.decode([t]), v) for t, v in lp.top], "offset": offset}
 
     def stream(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
-               params: GenParams, timings: dict | None = None) -> Iterator[tuple[str, object]]:
+               params: GenParams, timings: dict | None = None, exact: bool = False) -> Iterator[tuple[str, object]]:
         """start() as a blocking generator of text: ("token", piece)..., then ("done", (info, finish_reason))."""
         events: queue.SimpleQueue = queue.SimpleQueue()
-        cancel = self.start(prefix_ids, suffix_ids, payload, reason, params, events.put, timings)
+        cancel = self.start(prefix_ids, suffix_ids, payload, reason, params, events.put, timings, exact)
         try:
             while (ev := events.get())[0] == "token":
                 if ev[1]:
@@ -235,10 +317,10 @@ class SpecialistEngine:
         return row, info, TextStream(self.tok, params.stop)
 
     def complete(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
-                 params: GenParams, timings: dict | None = None) -> tuple[str, ServedInfo, str]:
+                 params: GenParams, timings: dict | None = None, exact: bool = False) -> tuple[str, ServedInfo, str]:
         """(text, info, finish_reason) of a whole completion."""
         pieces = []
-        for kind, value in self.stream(prefix_ids, suffix_ids, payload, reason, params, timings):
+        for kind, value in self.stream(prefix_ids, suffix_ids, payload, reason, params, timings, exact):
             if kind == "token":
                 pieces.append(value)
             else:

@@ -188,7 +188,7 @@ class SpecialistActor:
         with telemetry.span("specialist.generate", req.trace, specialist=self.name):
             payload, reason, timings = self._prepare(req)
             self.running[key] = self.engine.start(req.prefix_ids, req.suffix_ids, payload, reason, req.params,
-                                                  events.put, timings)
+                                                  events.put, timings, exact=req.exact)
             try:
                 while (ev := events.get())[0] == "token":
                     yield Output(ev[1], tokens=ev[3], logprobs=[ev[2]] if ev[2] else [])

@@ -138,6 +138,8 @@ class ProducerSettings(ModelSettings):
 
 class SpecialistSettings(ModelSettings):
     artifact: str = Field("latest", description="artifact version of the producer->this pair, or 'latest'")
+    exact: bool = Field(False, description="answer requests that do not say (`exact`) in exact mode: the "
+                                          "specialist's own output, codes only drafting it")
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     link_gbps: float | None = Field(None, gt=0, description="bandwidth from the producer to this specialist "
                                                             "(Gbps); default: link.bandwidth_gbps")

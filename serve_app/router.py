@@ -162,7 +162,8 @@ class Router:
             prefix_ids, suffix_ids, GenParams(p.max_tokens, p.temperature, p.top_p, tuple(p.stops()), p.seed,
                                               p.min_tokens, p.ignore_eos, p.n_logprobs),
             codes, reason or (codes and codes.reason),
-            {**(enc.timings if enc else {}), "producer_call": producer_ms}, trace, enc.producer if enc else None)
+            {**(enc.timings if enc else {}), "producer_call": producer_ms}, trace, enc.producer if enc else None,
+            self.cfg.specialist(name).exact if p.exact is None else p.exact)
 
     def _failure(self, name: str, e: BaseException) -> ApiError:
         if isinstance(e, ApiError):

@@ -57,6 +57,9 @@ class Sampling(_Body):
     min_tokens: int = Field(0, ge=0, description="vLLM extension: end-of-sequence is masked until this many tokens")
     ignore_eos: bool = Field(False, description="vLLM extension: end-of-sequence is always masked (benchmarks fix "
                                                 "output lengths with it); max_tokens or a stop string ends the answer")
+    exact: bool | None = Field(None, description="scd extension: the specialist's own output (token for token when "
+                               "greedy): codes only draft, verified on the specialist's own prefill; null: the "
+                               "specialist's configured default")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -66,10 +66,10 @@ def _health(url) -> tuple[int, dict]:
 
 
 def _ask(url, i: int):
-    """(seconds since epoch when sent, status, mode or error)."""
+    """(seconds since epoch when sent, status, mode or error). Every third request asks for exact output."""
     sent = time.time()
     status, out = _post(url + "/v1/completions", {"model": "qa", "prompt": PREFIX + f"Load {i}. Question:",
-                                                   "max_tokens": 4}, timeout=600)
+                                                   "max_tokens": 4, "exact": i % 3 == 0}, timeout=600)
     if status != 200:
         return sent, status, out.get("error", out)
     return sent, status, out["scd"]["mode"] + (f":{out['scd']['reason']}" if out["scd"]["reason"] else "")
@@ -114,7 +114,8 @@ def _unstall():
 def test_producer_killed_mid_load_every_request_answered_and_scd_again(served_faults):
     """HELD requests wait at a stalled producer; it is killed under them. Each is answered at once by its
     specialist's own prefill (`producer_unavailable`, not a timeout) and counted in the fallback metrics; the
-    load sent while Ray restarts the producer is answered too, and `scd` comes back by itself."""
+    load sent while Ray restarts the producer is answered too, and `scd` comes back by itself. A third of the
+    requests ask for exact output: they are answered the same way (the own prefill alone is exact)."""
     url, *_ = served_faults
     before = _fallbacks_counted("producer_unavailable")
     incarnation = _stall_producer()

@@ -213,6 +213,40 @@ def test_fanout_to_three_specialists_is_one_prefill_and_all_scd(served):
         assert r["scd"]["payload_bytes"] > 0 and r["scd"]["artifact"]
 
 
+def test_exact_requests_answer_the_oracles_tokens_from_codes_that_only_draft(served):
+    """`exact: true` (the openai client's extra_body): completions, a stream and a fan-out's items answer what
+    the specialist's own prefill answers (greedy), served from codes that drafted (`scd` with drafted and
+    accepted counts)."""
+    import openai
+    url, _, _ = served
+    prefix, suffix = PREFIX + "Exact. ", "Question: What is the job of Tilda Vance?\nAnswer:"
+    for model in ("qa", "prose", "code"):
+        body = {"model": model, "prefix": prefix, "prompt": suffix, "max_tokens": 12, "ignore_eos": True}
+        status, exact = _post(url + "/v1/completions", {**body, "exact": True})
+        assert status == 200 and exact["scd"]["mode"] == "scd", exact
+        ex = exact["scd"]["exact"]
+        assert ex and 0 <= ex["accepted"] <= ex["drafted"], exact["scd"]
+        _, oracle = _post(url + "/v1/completions", {**body, "oracle": True})
+        assert exact["choices"][0]["text"] == oracle["choices"][0]["text"], (model, exact["scd"], oracle["choices"])
+    status, out = _post(url + "/v1/fanout", {"prefix": prefix, "requests": [
+        {"specialist": "qa", "suffix": suffix, "max_tokens": 8, "exact": True},
+        {"specialist": "prose", "suffix": "The", "max_tokens": 8, "exact": True},
+        {"specialist": "code", "suffix": "def", "max_tokens": 8}]})
+    assert status == 200, out
+    assert [bool(r["scd"]["exact"]) for r in out["results"]] == [True, True, False], out["results"]
+    for r, suffix_ in zip(out["results"][:2], (suffix, "The")):
+        _, oracle = _post(url + "/v1/completions", {"model": r["specialist"], "prefix": prefix, "prompt": suffix_,
+                                                    "max_tokens": 8, "oracle": True})
+        assert r["text"] == oracle["choices"][0]["text"], (r, oracle["choices"])
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="qa", prompt=suffix, max_tokens=12, stream=True, extra_body={"prefix": prefix, "exact": True,
+                                                                          "ignore_eos": True})]
+    _, oracle = _post(url + "/v1/completions", {"model": "qa", "prefix": prefix, "prompt": suffix, "max_tokens": 12,
+                                                "ignore_eos": True, "oracle": True})
+    assert "".join(pieces) == oracle["choices"][0]["text"], (pieces, oracle["choices"])
+
+
 def test_a_fanout_to_one_familys_members_sends_one_payload_that_each_rebuilds_with_its_own_decoders(served):
     url, _, producer = served
     stats = ray.get(producer.stats.remote())

@@ -51,17 +51,67 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
 
 
 @torch.no_grad()
-def pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
-    """The next token of each row of logits (B, V): greedy at temperature 0, else nucleus sampling."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, -1)
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution (B, V) that sampling at `temperature` (> 0) with nucleus `top_p` draws from."""
+    probs = torch.softmax(logits.float() / temperature, -1)
     if top_p < 1.0:
         sp, si = probs.sort(-1, descending=True)
         keep = sp.cumsum(-1) - sp < top_p                 # always keeps the top token
         sp = sp * keep
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
-    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+@torch.no_grad()
+def pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+    """The next token of each row of logits (B, V): greedy at temperature 0, else nucleus sampling."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return torch.multinomial(sampling_probs(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
+
+
+def mask_eos(logits: torch.Tensor, params: GenParams, n_out: int, eos_id: int | None) -> torch.Tensor:
+    """logits (V,) as the sampler sees them for a row that has generated n_out tokens: eos masked out while
+    `min_tokens` are not reached, or always with `ignore_eos`."""
+    logits = logits[None].float()
+    if eos_id is not None and (params.ignore_eos or n_out < params.min_tokens):
+        logits[0, eos_id] = float("-inf")
+    return logits
+
+
+@torch.no_grad()
+def verify(drafts: list[int], draft_probs: list[torch.Tensor] | None, target_logits: torch.Tensor,
+           params: GenParams, eos_id: int | None, generator=None) -> tuple[int, int | None]:
+    """Speculative decoding's check of drafted tokens against the target model: target_logits (k+1, V) are
+    the target's next-token logits before each of the k drafts and after the last one. Returns (how many
+    drafts are accepted, the token that follows them: the target's correction of the first rejected draft, or
+    its next token after all k; None when all k are accepted and k reached max_tokens).
+
+    Greedy (temperature 0): a draft is accepted while it is the target's argmax, so the output is the
+    target's greedy output token for token. Sampled: draft x_i, drawn from draft_probs[i] (q), is accepted
+    with probability min(1, p(x_i) / q(x_i)) under the target's distribution p (same temperature, top-p and
+    eos mask); the first rejected one is replaced by a draw from max(0, p - q), normalised. Then every token
+    emitted is distributed as the target's own sampling would be (Leviathan et al. 2023, Chen et al. 2023)."""
+    greedy = params.temperature <= 0
+    for i, x in enumerate(drafts):
+        logits = mask_eos(target_logits[i], params, i, eos_id)
+        if greedy:
+            best = int(logits.argmax(-1)[0])
+            if x != best:
+                return i, best
+            continue
+        p = sampling_probs(logits, params.temperature, params.top_p)[0]
+        q = draft_probs[i]
+        if float(torch.rand((), generator=generator)) * float(q[x]) < float(p[x]):
+            continue
+        residual = (p - q.to(p.device)).clamp(min=0)
+        residual = residual / residual.sum() if float(residual.sum()) > 0 else p
+        return i, int(torch.multinomial(residual, 1, generator=generator)[0])
+    k = len(drafts)
+    if k >= params.max_tokens or (k and drafts[-1] == eos_id):
+        return k, None
+    logits = mask_eos(target_logits[k], params, k, eos_id)
+    return k, int(pick(logits, params.temperature, params.top_p, generator)[0])
 
 
 @dataclass
@@ -75,6 +125,9 @@ class Row:
     on_done: Callable[[str, int], None] | None = None     # (finish reason "stop" | "length", tokens generated)
     generator: torch.Generator | None = None
     n_out: int = 0
+    draft_probs: list[torch.Tensor] | None = None   # a draft row (exact mode, sampled): each pick's distribution
+    feed: int | None = None                     # a token already emitted, fed at the row's first step instead of
+                                                # a pick (exact mode: the token after the verified drafts)
 
 
 @dataclass
@@ -162,11 +215,19 @@ class Decoder:
         rows = self.batch.rows
         picked, live = [], []
         for i, row in enumerate(rows):
+            if row.feed is not None:
+                picked.append(row.feed)
+                live.append(i)
+                row.feed = None
+                continue
             p = row.params
-            logits = row.logits[None].float()
-            if self.eos_id is not None and (p.ignore_eos or row.n_out < p.min_tokens):
-                logits[0, self.eos_id] = float("-inf")
-            nxt = int(pick(logits, p.temperature, p.top_p, row.generator)[0])
+            logits = mask_eos(row.logits, p, row.n_out, self.eos_id)
+            if row.draft_probs is not None and p.temperature > 0:
+                q = sampling_probs(logits, p.temperature, p.top_p)
+                row.draft_probs.append(q[0])
+                nxt = int(torch.multinomial(q, 1, generator=row.generator)[0, 0])
+            else:
+                nxt = int(pick(logits, p.temperature, p.top_p, row.generator)[0])
             finish = None
             if nxt == self.eos_id:
                 finish = "stop"
