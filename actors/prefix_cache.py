@@ -1,4 +1,5 @@
-"""LRU cache of encoded payloads keyed by (prefix token ids, pair, artifact version), bounded in bytes."""
+"""LRU cache keyed by prefix token ids, bounded in bytes: the producer's encoded payloads (keyed by prefix, pair
+and artifact version), and a specialist's own K and V of the prefixes of its exact requests."""
 from __future__ import annotations
 
 import hashlib
@@ -21,11 +22,14 @@ class CacheStats:
 
 
 class PrefixCodeCache:
-    def __init__(self, budget_bytes: int):
+    """`size(item)` is what an item counts against the budget (a payload's length; a cache's tensor bytes)."""
+
+    def __init__(self, budget_bytes: int, size=len):
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget = budget_bytes
+        self.budget, self.size = budget_bytes, size
         self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._sizes: dict[str, int] = {}
         self.stats = CacheStats()
 
     def get(self, key: str) -> bytes | None:
@@ -43,16 +47,18 @@ class PrefixCodeCache:
         self.stats.misses += 1
         return None
 
-    def put(self, key: str, payload: bytes) -> None:
+    def put(self, key: str, payload) -> None:
         """Insert (most recent); evict least recent entries until within budget. Oversized payloads are not kept."""
-        if len(payload) > self.budget:
+        n = self.size(payload)
+        if n > self.budget:
             return
         if key in self._items:
-            self.stats.bytes -= len(self._items.pop(key))
-        self._items[key] = payload
-        self.stats.bytes += len(payload)
+            del self._items[key]
+            self.stats.bytes -= self._sizes.pop(key)
+        self._items[key], self._sizes[key] = payload, n
+        self.stats.bytes += n
         while self.stats.bytes > self.budget:
-            _, old = self._items.popitem(last=False)
-            self.stats.bytes -= len(old)
+            old, _ = self._items.popitem(last=False)
+            self.stats.bytes -= self._sizes.pop(old)
             self.stats.evictions += 1
         self.stats.entries = len(self._items)

@@ -16,6 +16,7 @@ import torch
 
 from actors.batching import BatchDecoder
 from actors.messages import FallbackReason
+from actors.prefix_cache import PrefixCodeCache, prefix_key
 from scd.online import activated, cache, codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.decode import GenParams, Row, TokenLogprobs, token_logprobs, verify
@@ -91,11 +92,16 @@ class TextStream:
 
 class SpecialistEngine:
     def __init__(self, name: str, model, tokenizer, art: PairArtifacts | None = None, version: str | None = None,
-                 unavailable_reason: str = FallbackReason.NO_ARTIFACT, device: str = "cpu", max_batch: int = 8):
+                 unavailable_reason: str = FallbackReason.NO_ARTIFACT, device: str = "cpu", max_batch: int = 8,
+                 exact_cache_bytes: int = 256 << 20):
         self.name, self.model, self.tok, self.device = name, model, tokenizer, device
         self.eos_id = tokenizer.eos_token_id
         self.decoder = BatchDecoder(model, self.eos_id, max_batch)
         self.min_drafts = 0           # exact mode: verify only once this many tokens are drafted (acceptance runs)
+        # exact mode: the own K and V of recent exact requests' prefixes (the next one on a prefix needs neither
+        # codes nor a prefill)
+        self.exact_cache = PrefixCodeCache(exact_cache_bytes, size=lambda kv: sum(k.nbytes + v.nbytes for k, v in kv))
+        self.exact_lock = threading.Lock()
         self.families: dict[str, tuple[PairArtifacts, str]] = {}     # family id -> (this member's artifact, version)
         self.set_artifact(art, version, unavailable_reason)
 
@@ -183,7 +189,11 @@ class SpecialistEngine:
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token")
         t_start = time.perf_counter()
-        row, info, text = self._row(prefix_ids, suffix_ids, payload, reason, params, dict(timings or {}))
+        own = None
+        if exact and prefix_ids:
+            with self.exact_lock:
+                own = self.exact_cache.get(prefix_key(prefix_ids, self.name, "exact"))
+        row, info, text = self._row(prefix_ids, suffix_ids, payload, reason, params, dict(timings or {}), own)
         cancelled = threading.Event()
         emitted = [0]                                   # characters of text put so far (logprobs' text offsets)
         generated = [0]                                 # tokens generated so far
@@ -210,7 +220,7 @@ class SpecialistEngine:
             info.tokens = n_out
             put(("done", info, finish))
 
-        if exact and info.mode == "scd":
+        if exact and info.mode == "scd" and own is None:
             self._exact(row, info, prefix_ids, suffix_ids, on_token, on_done, cancelled)
         else:
             row.on_token, row.on_done = on_token, on_done
@@ -250,7 +260,10 @@ class SpecialistEngine:
         self.decoder.submit(row)
         t0 = time.perf_counter()
         ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
-        c = cache.assemble(self.model, self._prefill(ids))
+        kv = self._prefill(ids)
+        with self.exact_lock:
+            self.exact_cache.put(prefix_key(prefix_ids, self.name, "exact"), kv)
+        c = cache.assemble(self.model, kv)
         mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
         first, mask = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device))
         info.timings["exact_prefill"] = (time.perf_counter() - t0) * 1e3
@@ -265,7 +278,7 @@ class SpecialistEngine:
             logits = torch.cat([logits, more[0]])
         accepted, nxt = verify(drafts, row.draft_probs, logits, p, self.eos_id, row.generator)
         info.timings["verify"] = (time.perf_counter() - t0) * 1e3
-        info.exact = {"drafted": k, "accepted": accepted, "takeover": accepted}
+        info.exact = {"drafted": k, "accepted": accepted, "takeover": accepted, "cached": False}
         tokens = drafts[:accepted] + ([nxt] if nxt is not None else [])
         for i, t in enumerate(tokens):
             if t == self.eos_id:
@@ -304,10 +317,15 @@ class SpecialistEngine:
         yield "done", (ev[1], ev[2])
 
     @torch.no_grad()
-    def _row(self, prefix_ids, suffix_ids, payload, reason, params: GenParams, timings: dict):
-        """(a Row for the batch, its ServedInfo, its TextStream): the prefix cache (rebuilt or prefilled), the
-        suffix run on top of it, the first next-token logits; start() gives the row its callbacks."""
-        kv, info = self._prefix_kv(prefix_ids, payload, reason, timings)
+    def _row(self, prefix_ids, suffix_ids, payload, reason, params: GenParams, timings: dict, own: list | None = None):
+        """(a Row for the batch, its ServedInfo, its TextStream): the prefix cache (rebuilt or prefilled, or `own`:
+        the specialist's own, kept from an earlier exact request), the suffix run on top of it, the first
+        next-token logits; start() gives the row its callbacks."""
+        if own is not None:
+            kv, info = own, ServedInfo("scd", None, self.version, 0, timings,
+                                       exact={"drafted": 0, "accepted": 0, "takeover": 0, "cached": True})
+        else:
+            kv, info = self._prefix_kv(prefix_ids, payload, reason, timings)
         c = cache.assemble(self.model, kv)
         mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
         logits, _ = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device))

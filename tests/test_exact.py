@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from actors.messages import GenParams
+from actors.prefix_cache import PrefixCodeCache
 from actors.specialist import SpecialistEngine
 from scd.online.decode import sampling_probs, verify
 from tests.test_engines import PREFIX, setup  # noqa: F401  (the module fixture: producer, specialists, tokenizer)
@@ -69,6 +70,7 @@ def test_greedy_exact_answers_are_the_oracles_token_for_token(setup, min_drafts)
                                                    specialists["b"].art, "v1"), "a:b"))
     for name, eng, pair in cases:
         eng.min_drafts = min_drafts
+        eng.exact_cache = PrefixCodeCache(0)            # keep no prefix: every request here drafts
         for prefix in prefixes:
             payload = producer.encode(prefix, [pair]).per_pair[pair].payload
             for params in (GenParams(max_tokens=24, ignore_eos=True), GenParams(max_tokens=24)):
@@ -92,7 +94,7 @@ def test_exact_sampled_answers_and_stop_strings(setup):  # noqa: F811
     producer, specialists, _ = setup
     eng = specialists["b"]
     payload = producer.encode(PREFIX, ["a:b"]).per_pair["a:b"].payload
-    eng.min_drafts = 5
+    eng.min_drafts, eng.exact_cache = 5, PrefixCodeCache(0)
     try:
         text, info, finish = eng.complete(PREFIX, [11], payload, None,
                                           GenParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True),
@@ -118,3 +120,25 @@ def test_exact_without_codes_is_the_plain_fallback(setup):  # noqa: F811
     params = GenParams(max_tokens=8)
     text, info, _ = eng.complete(PREFIX, [11], None, "producer_unavailable", params, exact=True)
     assert info.mode == "fallback" and info.exact is None and text == _oracle(eng, PREFIX, [11], params)
+
+
+def test_the_next_exact_request_on_a_prefix_reuses_the_specialists_own_cache(setup):  # noqa: F811
+    """The own K and V an exact request prefilled are kept (bounded in bytes): the next exact request on that
+    prefix is answered from them, with no codes, no drafting and no prefill, and still equals the oracle; a
+    budget smaller than one prefix keeps nothing."""
+    producer, specialists, _ = setup
+    spec = specialists["b"]
+    eng = SpecialistEngine("b2", spec.model, spec.tok, spec.art, "v1")
+    prefix = PREFIX[:9]
+    payload = producer.encode(prefix, ["a:b"]).per_pair["a:b"].payload
+    params = GenParams(max_tokens=10, ignore_eos=True)
+    first, info1, _ = eng.complete(prefix, [11], payload, None, params, exact=True)
+    again, info2, _ = eng.complete(prefix, [17], None, "producer_unavailable", params, exact=True)
+    assert info1.exact["cached"] is False and info2.exact == {"drafted": 0, "accepted": 0, "takeover": 0,
+                                                               "cached": True}, (info1.exact, info2.exact)
+    assert "exact_prefill" not in info2.timings and "prefill" not in info2.timings, info2.timings
+    assert first == _oracle(eng, prefix, [11], params) and again == _oracle(eng, prefix, [17], params)
+    assert eng.exact_cache.stats.entries == 1 and eng.exact_cache.stats.hits == 1
+    small = SpecialistEngine("b3", spec.model, spec.tok, spec.art, "v1", exact_cache_bytes=1000)
+    small.complete(prefix, [11], payload, None, params, exact=True)
+    assert small.exact_cache.stats.entries == 0, "a prefix larger than the budget is not kept"

@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "run `make demo` (or calibrate the pair) first") from None
         pairs[pair] = (art, manifest.version)
         model, stok, _ = load(s.path, base=s.base)
-        engines[n] = SpecialistEngine(n, model, stok, art, manifest.version)
+        # exact_cache_bytes=0: every exact answer drafts and prefills (a prefix asked again would otherwise be
+        # answered from the specialist's own cache of it)
+        engines[n] = SpecialistEngine(n, model, stok, art, manifest.version, exact_cache_bytes=0)
     producer = ProducerEngine(producer_model, tok, pairs, cache_bytes=1 << 30)
     text = "\n\n".join(demo_data.prose_texts("heldout"))
     out: dict = {"config": args.config, "equality": {}, "latency": []}
