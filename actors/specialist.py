@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -98,10 +99,12 @@ class SpecialistEngine:
         self.eos_id = tokenizer.eos_token_id
         self.decoder = BatchDecoder(model, self.eos_id, max_batch)
         self.min_drafts = 0           # exact mode: verify only once this many tokens are drafted (acceptance runs)
+        self.accepted_avg = 4.0       # exact mode: drafts accepted per request, moving average (the draft budget)
         # exact mode: the own K and V of recent exact requests' prefixes (the next one on a prefix needs neither
         # codes nor a prefill)
         self.exact_cache = PrefixCodeCache(exact_cache_bytes, size=lambda kv: sum(k.nbytes + v.nbytes for k, v in kv))
         self.exact_lock = threading.Lock()
+        self.exact_pool = ThreadPoolExecutor(4, thread_name_prefix="exact-prefill")
         self.families: dict[str, tuple[PairArtifacts, str]] = {}     # family id -> (this member's artifact, version)
         self.set_artifact(art, version, unavailable_reason)
 
@@ -129,8 +132,10 @@ class SpecialistEngine:
         return self.art, self.version, None
 
     @torch.no_grad()
-    def _prefix_kv(self, prefix_ids: list[int], payload: bytes | None, reason: str | None, timings: dict):
-        """(kv, ServedInfo). Uses the codes when it can; otherwise prefills and says why."""
+    def _prefix_kv(self, prefix_ids: list[int], payload: bytes | None, reason: str | None, timings: dict,
+                   codes_ok: Callable[[], None] | None = None):
+        """(kv, ServedInfo). Uses the codes when it can (calling codes_ok() once they check out, before the
+        rebuild); otherwise prefills and says why."""
         if not prefix_ids:                                      # nothing to cache: the suffix is the whole input
             return [], ServedInfo("fallback", FallbackReason.PREFIX_TOO_SHORT, self.version, 0, timings)
         ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
@@ -156,6 +161,8 @@ class SpecialistEngine:
                         reason = FallbackReason.CODEC_ERROR
                     else:
                         timings["decode"] = (time.perf_counter() - t0) * 1e3
+                        if codes_ok is not None:
+                            codes_ok()
                         kv, ph = rebuild(self.model, art, codes)
                         timings["rebuild"], timings["patch"] = ph["rebuild_ms"], ph["patch_ms"]
                         if art.blocks:                  # the consumer's own layers, run from the residual sent
@@ -193,7 +200,13 @@ class SpecialistEngine:
         if exact and prefix_ids:
             with self.exact_lock:
                 own = self.exact_cache.get(prefix_key(prefix_ids, self.name, "exact"))
-        row, info, text = self._row(prefix_ids, suffix_ids, payload, reason, params, dict(timings or {}), own)
+        prefill = None                      # exact mode's own prefill, started once the codes check out
+
+        def start_prefill() -> None:
+            nonlocal prefill
+            prefill = self.exact_pool.submit(self._own_cache, prefix_ids, suffix_ids)
+        row, info, text = self._row(prefix_ids, suffix_ids, payload, reason, params, dict(timings or {}), own,
+                                    start_prefill if exact and own is None else None)
         cancelled = threading.Event()
         emitted = [0]                                   # characters of text put so far (logprobs' text offsets)
         generated = [0]                                 # tokens generated so far
@@ -220,29 +233,46 @@ class SpecialistEngine:
             info.tokens = n_out
             put(("done", info, finish))
 
-        if exact and info.mode == "scd" and own is None:
-            self._exact(row, info, prefix_ids, suffix_ids, on_token, on_done, cancelled)
+        if prefill is not None:
+            self._exact(row, info, prefix_ids, suffix_ids, on_token, on_done, cancelled, prefill)
         else:
             row.on_token, row.on_done = on_token, on_done
             self.decoder.submit(row)
         return cancelled.set
 
     @torch.no_grad()
+    def _own_cache(self, prefix_ids: list[int], suffix_ids: list[int]) -> tuple:
+        """Exact mode's exact cache: (the specialist's own cache of prefix and suffix, its mask, the logits after
+        the suffix, ms). The prefix's K and V are kept for the next exact request on it."""
+        t0 = time.perf_counter()
+        kv = self._prefill(torch.tensor([prefix_ids], dtype=torch.long, device=self.device))
+        with self.exact_lock:
+            self.exact_cache.put(prefix_key(prefix_ids, self.name, "exact"), kv)
+        c = cache.assemble(self.model, kv)
+        mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
+        first, mask = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device))
+        return c, mask, first, (time.perf_counter() - t0) * 1e3
+
+    @torch.no_grad()
     def _exact(self, row: Row, info: ServedInfo, prefix_ids: list[int], suffix_ids: list[int],
-               emit: Callable, finish: Callable, cancelled: threading.Event) -> None:
+               emit: Callable, finish: Callable, cancelled: threading.Event, own: Future) -> None:
         """Exact mode (VeriCache's draft and verify, across models): the row on the rebuilt cache drafts tokens
-        in the engine's batch, unseen, while this thread prefills the prefix itself (the exact cache). Then
+        in the engine's batch, unseen, while `own` (started when the codes checked out, before the rebuild)
+        prefills the prefix with the specialist's own weights (the exact cache). Then
         one forward pass over the drafts on the exact cache verifies them (`decode.verify`); the accepted
         drafts and the exact cache's next token are emitted, and decoding goes on from the exact cache. Nothing
         unverified is emitted. info.exact says how many tokens were drafted and accepted."""
         p, drafts, asked_stop, ended, enough = row.params, [], [False], threading.Event(), threading.Event()
         wanted = min(self.min_drafts, p.max_tokens)
+        # drafts past what gets accepted only slow the prefill they share the device with: at most twice the
+        # recent acceptance, plus 4
+        budget = max(wanted, 4 + int(2 * self.accepted_avg))
 
         def on_draft(token_id: int, _lp) -> bool:
             drafts.append(token_id)
             if len(drafts) >= wanted:
                 enough.set()
-            asked_stop[0] = stop.is_set() or cancelled.is_set()
+            asked_stop[0] = stop.is_set() or cancelled.is_set() or len(drafts) >= budget
             return not asked_stop[0]
 
         def on_draft_done(how: str, _n: int) -> None:
@@ -258,15 +288,7 @@ class SpecialistEngine:
         row.draft_probs = [] if p.temperature > 0 else None
         row.on_token, row.on_done = on_draft, on_draft_done
         self.decoder.submit(row)
-        t0 = time.perf_counter()
-        ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
-        kv = self._prefill(ids)
-        with self.exact_lock:
-            self.exact_cache.put(prefix_key(prefix_ids, self.name, "exact"), kv)
-        c = cache.assemble(self.model, kv)
-        mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
-        first, mask = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device))
-        info.timings["exact_prefill"] = (time.perf_counter() - t0) * 1e3
+        c, mask, first, info.timings["exact_prefill"] = own.result()
         if wanted:
             enough.wait()
         stop.set()
@@ -279,6 +301,7 @@ class SpecialistEngine:
         accepted, nxt = verify(drafts, row.draft_probs, logits, p, self.eos_id, row.generator)
         info.timings["verify"] = (time.perf_counter() - t0) * 1e3
         info.exact = {"drafted": k, "accepted": accepted, "takeover": accepted, "cached": False}
+        self.accepted_avg = 0.8 * self.accepted_avg + 0.2 * accepted
         tokens = drafts[:accepted] + ([nxt] if nxt is not None else [])
         for i, t in enumerate(tokens):
             if t == self.eos_id:
@@ -317,7 +340,8 @@ class SpecialistEngine:
         yield "done", (ev[1], ev[2])
 
     @torch.no_grad()
-    def _row(self, prefix_ids, suffix_ids, payload, reason, params: GenParams, timings: dict, own: list | None = None):
+    def _row(self, prefix_ids, suffix_ids, payload, reason, params: GenParams, timings: dict, own: list | None = None,
+             codes_ok: Callable[[], None] | None = None):
         """(a Row for the batch, its ServedInfo, its TextStream): the prefix cache (rebuilt or prefilled, or `own`:
         the specialist's own, kept from an earlier exact request), the suffix run on top of it, the first
         next-token logits; start() gives the row its callbacks."""
@@ -325,7 +349,7 @@ class SpecialistEngine:
             kv, info = own, ServedInfo("scd", None, self.version, 0, timings,
                                        exact={"drafted": 0, "accepted": 0, "takeover": 0, "cached": True})
         else:
-            kv, info = self._prefix_kv(prefix_ids, payload, reason, timings)
+            kv, info = self._prefix_kv(prefix_ids, payload, reason, timings, codes_ok)
         c = cache.assemble(self.model, kv)
         mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
         logits, _ = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device))
