@@ -23,3 +23,16 @@ def test_bench_transport_delivers_through_each_host_backend(ray_cluster):
     assert {r["backend"] for r in rows} >= {"object_store", "nixl (host)"}, rows
     assert {r["backend"]: r["arrived"] for r in rows if "host" in r["backend"] or r["backend"] == "object_store"} \
         == {"object_store": "host bytes", "nixl (host)": "cpu"}, rows
+
+
+def test_bench_exact_refuses_bad_flags_and_a_pair_without_an_artifact(tmp_path):
+    import yaml
+    from tools.bench_exact import main
+    with pytest.raises(SystemExit, match="--answers"):
+        main(["--answers", "16,x"])
+    from tests.conftest import DEMO
+    cfg = {"producer": {"name": "base", "path": str(DEMO / "base")},
+           "specialists": [{"name": "qa", "path": str(DEMO / "qa")}], "artifacts": {"uri": str(tmp_path / "store")}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(SystemExit, match="base:qa has no published artifact"):
+        main(["--config", str(tmp_path / "c.yaml")])

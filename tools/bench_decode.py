@@ -28,7 +28,7 @@ from scd.online.trace import capture
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _ints(text: str, flag: str) -> list[int]:
+def int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(t) for t in text.split(",")]
     except ValueError:
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
-    batches, lengths = _ints(args.batches, "--batches"), _ints(args.lengths, "--lengths")
+    batches, lengths = int_list(args.batches, "--batches"), int_list(args.lengths, "--lengths")
     if args.tokens < 1 or args.repeats < 1:
         raise SystemExit("--tokens and --repeats must be positive")
     producer, consumer = load(args.producer)[0].to(args.device), load(args.specialist)[0].to(args.device)

@@ -33,18 +33,9 @@ from artifacts_store import ArtifactStore
 from cluster.config import load_config
 from scd.data import demo_data, samples
 from scd.online.models import load
+from tools.bench_decode import int_list
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"{flag} takes integers separated by commas, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise SystemExit(f"{flag} must be positive, got {text!r}")
-    return values
 
 
 def answer(eng: SpecialistEngine, prefix: list[int], suffix: list[int], payload, reason, params: GenParams,
@@ -73,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
     names = args.specialists.split(",") if args.specialists else [s.name for s in cfg.specialists]
-    tokens, answers = _ints(args.tokens, "--tokens"), _ints(args.answers, "--answers")
+    tokens, answers = int_list(args.tokens, "--tokens"), int_list(args.answers, "--answers")
     store = ArtifactStore(cfg.artifacts.uri)
     producer_model, tok, _ = load(cfg.producer.path)
     pairs, engines = {}, {}
