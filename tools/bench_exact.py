@@ -9,8 +9,8 @@ replica runs, with its batch decoder) in one process, the pairs' published artif
 1. Equality: `--equality` held-out samples per specialist (prefixes of 160 tokens), 32 greedy tokens each,
    exact against the oracle (the specialist's own prefill), token for token; drafted and accepted counts.
 2. Latency: for each prefix length in --tokens and answer length in --answers, `--prompts` prompts of that
-   length (held-out samples of the specialist's domain; windows of the held-out prose where its texts are too
-   short), each answered as the oracle, as lossy SCD and exactly,
+   length (held-out samples of the specialist's domain; windows of the held-out prose where its texts or
+   documents are shorter), each answered as the oracle, as lossy SCD and exactly,
    in turn, after one warm-up (the codes come from the producer's cache: its prefill is not counted). Medians.
    Modeled beside it from the measured parts: oracle = prefill + n steps, SCD = rebuild + n steps, exact =
    max(prefill, rebuild) + verify + (n - accepted - 1) steps, with the accepted counts measured.
@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
             for t in tokens:
                 try:                     # the specialist's held-out domain: what its drafts are accepted on
                     _, _, prompts = samples.pair_data(n, tok, 0, 0, args.prompts, t, 1, seed=5)
-                except ValueError:       # its texts hold no window this long: the held-out prose, joined
-                    prompts = samples.lm_samples(tok, [text], args.prompts, t, 1, seed=5)
+                except ValueError:       # its texts hold no window this long
+                    prompts = []
+                if not prompts or min(len(p.prefix) for p in prompts) < 0.9 * t:     # (QA documents stay short)
+                    prompts = samples.lm_samples(tok, [text], args.prompts, t, 1, seed=5)   # the held-out prose
                 for a in answers:
                     params = GenParams(max_tokens=a, ignore_eos=True)
                     ms = {"oracle": [], "scd": [], "exact": []}
@@ -143,14 +145,15 @@ def main(argv: list[str] | None = None) -> dict:
                     model = {"oracle": med["prefill"] + a * med["step"], "scd": med["rebuild"] + a * med["step"],
                              "exact": max(med["prefill"], med["rebuild"]) + med["verify"]
                              + max(0.0, a - med["accepted"] - 1) * med["step"]}
-                    row = {"specialist": n, "prefix_tokens": t, "answer_tokens": a,
+                    row = {"specialist": n, "prefix_tokens": round(statistics.median(len(p.prefix) for p in prompts)),
+                           "answer_tokens": a,
                            "measured_ms": {k: round(statistics.median(v), 1) for k, v in ms.items()},
                            "modeled_ms": {k: round(v, 1) for k, v in model.items()},
                            "parts_ms": {k: round(v, 2) for k, v in med.items() if k not in ("accepted", "drafted")},
                            "accepted": parts["accepted"], "drafted": parts["drafted"]}
                     out["latency"].append(row)
                     m, mo = row["measured_ms"], row["modeled_ms"]
-                    print(f"{n} prefix {t} answer {a}: oracle {m['oracle']:.0f} ms (model {mo['oracle']:.0f}), "
+                    print(f"{n} prefix {row['prefix_tokens']} answer {a}: oracle {m['oracle']:.0f} ms (model {mo['oracle']:.0f}), "
                           f"scd {m['scd']:.0f} ({mo['scd']:.0f}), exact {m['exact']:.0f} ({mo['exact']:.0f}); "
                           f"accepted {parts['accepted']} of drafted {parts['drafted']}", flush=True)
     if args.json:
