@@ -7,7 +7,9 @@ and the latency of exact answers against the oracle's and lossy SCD's.
 The producer's and the specialists' engines (actors/producer.py, actors/specialist.py: the same code a Serve
 replica runs, with its batch decoder) in one process, the pairs' published artifacts from the config's store.
 1. Equality: `--equality` held-out samples per specialist (prefixes of 160 tokens), 32 greedy tokens each,
-   exact against the oracle (the specialist's own prefill), token for token; drafted and accepted counts.
+   exact against the oracle (the specialist's own prefill), token for token; drafted and accepted counts, and
+   for how many first tokens lossy SCD's greedy answer agrees with the oracle's (the acceptance that drafts
+   unlimited by the prefill's time would reach).
 2. Latency: for each prefix length in --tokens and answer length in --answers, `--prompts` prompts of that
    length (held-out samples of the specialist's domain; windows of the held-out prose where its texts or
    documents are shorter), each answered as the oracle, as lossy SCD and exactly,
@@ -90,21 +92,26 @@ def main(argv: list[str] | None = None) -> dict:
                 break
             pair = f"{cfg.producer.name}:{n}"
             _, _, held = samples.pair_data(n, tok, 0, 0, args.equality, 160, seed=11)
-            same, accepted, drafted = 0, [], []
+            same, accepted, drafted, agree = 0, [], [], []
             for smp in held:
                 prefix = smp.prefix.tolist()
                 suffix = (smp.question if smp.question is not None else smp.cont[:1]).tolist()
                 payload = producer.encode(prefix, [pair]).per_pair[pair].payload
                 info, _ = answer(eng, prefix, suffix, payload, None, GenParams(max_tokens=32), exact=True)
                 oracle, _ = answer(eng, prefix, suffix, None, "oracle", GenParams(max_tokens=32))
+                lossy, _ = answer(eng, prefix, suffix, payload, None, GenParams(max_tokens=32))
                 same += info.ids == oracle.ids
+                agree.append(next((i for i, (x, y) in enumerate(zip(lossy.ids, oracle.ids)) if x != y),
+                                  min(len(lossy.ids), len(oracle.ids))))
                 if info.exact:
                     accepted.append(info.exact["accepted"])
                     drafted.append(info.exact["drafted"])
-            out["equality"][n] = {"answers": len(held), "equal": same, "accepted": accepted, "drafted": drafted}
+            out["equality"][n] = {"answers": len(held), "equal": same, "accepted": accepted, "drafted": drafted,
+                                  "lossy_agrees_for": agree}
             print(f"{n}: {same} of {len(held)} greedy exact answers equal the oracle's token for token; accepted "
                   f"drafts median {statistics.median(accepted) if accepted else '-'} of drafted "
-                  f"{statistics.median(drafted) if drafted else '-'}")
+                  f"{statistics.median(drafted) if drafted else '-'}; lossy SCD's greedy answer agrees with the "
+                  f"oracle's for its first {statistics.median(agree)} tokens (median; what unlimited drafts could reach)")
         for n, eng in engines.items():
             pair = f"{cfg.producer.name}:{n}"
             for t in tokens:
