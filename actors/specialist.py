@@ -183,7 +183,7 @@ class SpecialistEngine:
 
     def start(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
               params: GenParams, put: Callable[[tuple], None], timings: dict | None = None,
-              exact: bool = False) -> Callable[[], None]:
+              exact: bool = False, cancelled: threading.Event | None = None) -> Callable[[], None]:
         """Build the request's own cache (codes or prefill) and run its suffix, in the calling thread; then its
         decode steps run in the engine's batch with every other running request (BatchDecoder). Events go to
         put(), from the decode loop's thread: ("token", text piece, logprobs entry or None, tokens so far) per
@@ -192,7 +192,8 @@ class SpecialistEngine:
         token (a client gone).
 
         exact: the answer is the specialist's own (its prefill's), token for token when greedy: a cache rebuilt
-        from codes only drafts (`_exact`). Without codes (a fallback, the oracle) the answer is exact anyway."""
+        from codes only drafts (`_exact`). Without codes (a fallback, the oracle) the answer is exact anyway.
+        Exact requests return after their own prefill: `cancelled`, set by the caller meanwhile, ends them too."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token")
         t_start = time.perf_counter()
@@ -207,7 +208,7 @@ class SpecialistEngine:
             prefill = self.exact_pool.submit(self._own_cache, prefix_ids, suffix_ids)
         row, info, text = self._row(prefix_ids, suffix_ids, payload, reason, params, dict(timings or {}), own,
                                     start_prefill if exact and own is None else None)
-        cancelled = threading.Event()
+        cancelled = cancelled or threading.Event()      # the caller's, when it may cancel before start returns
         emitted = [0]                                   # characters of text put so far (logprobs' text offsets)
         generated = [0]                                 # tokens generated so far
 

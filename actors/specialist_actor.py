@@ -187,9 +187,11 @@ class SpecialistActor:
         t_in = time.perf_counter()
         with telemetry.span("specialist.generate", req.trace, specialist=self.name):
             payload, reason, timings = self._prepare(req)
-            self.running[key] = self.engine.start(req.prefix_ids, req.suffix_ids, payload, reason, req.params,
-                                                  events.put, timings, exact=req.exact)
+            cancelled = threading.Event()
+            self.running[key] = cancelled.set                # cancel() works while an exact request prefills
             try:
+                self.engine.start(req.prefix_ids, req.suffix_ids, payload, reason, req.params, events.put, timings,
+                                  exact=req.exact, cancelled=cancelled)
                 while (ev := events.get())[0] == "token":
                     yield Output(ev[1], tokens=ev[3], logprobs=[ev[2]] if ev[2] else [])
             finally:
