@@ -214,14 +214,14 @@ def test_fanout_to_three_specialists_is_one_prefill_and_all_scd(served):
 
 
 def test_exact_requests_answer_the_oracles_tokens_from_codes_that_only_draft(served):
-    """`exact: true` (the openai client's extra_body): completions, a stream and a fan-out's items answer what
-    the specialist's own prefill answers (greedy), served from codes that drafted (`scd` with drafted and
-    accepted counts)."""
+    """`exact: true` (the openai client's extra_body): completions (every specialist; a short and a long
+    prefix), a stream and a fan-out's items answer what the specialist's own prefill answers (greedy), served
+    from codes that drafted (`scd` with drafted and accepted counts)."""
     import openai
     url, _, _ = served
     prefix, suffix = PREFIX + "Exact. ", "Question: What is the job of Tilda Vance?\nAnswer:"
-    for model in ("qa", "prose", "code"):
-        body = {"model": model, "prefix": prefix, "prompt": suffix, "max_tokens": 12, "ignore_eos": True}
+    for model, pre in (("qa", prefix), ("prose", prefix), ("code", prefix), ("qa", PREFIX * 4 + "Long. ")):
+        body = {"model": model, "prefix": pre, "prompt": suffix, "max_tokens": 12, "ignore_eos": True}
         status, exact = _post(url + "/v1/completions", {**body, "exact": True})
         assert status == 200 and exact["scd"]["mode"] == "scd", exact
         ex = exact["scd"]["exact"]
