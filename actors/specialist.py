@@ -263,7 +263,8 @@ class SpecialistEngine:
         one forward pass over the drafts on the exact cache verifies them (`decode.verify`); the accepted
         drafts and the exact cache's next token are emitted, and decoding goes on from the exact cache. Nothing
         unverified is emitted. info.exact says how many tokens were drafted and accepted."""
-        p, drafts, asked_stop, ended, enough = row.params, [], [False], threading.Event(), threading.Event()
+        p, drafts, asked_stop = row.params, [], [False]
+        stop, ended, enough = threading.Event(), threading.Event(), threading.Event()
         wanted = min(self.min_drafts, p.max_tokens)
         # drafts past what gets accepted only slow the prefill they share the device with: at most twice the
         # recent acceptance, plus 4
@@ -284,7 +285,6 @@ class SpecialistEngine:
             ended.set()
             enough.set()
 
-        stop = threading.Event()
         row.params = dataclasses.replace(p, logprobs=None, stop=())
         row.draft_probs = [] if p.temperature > 0 else None
         row.on_token, row.on_done = on_draft, on_draft_done

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from actors.messages import GenParams
+from actors.messages import GenParams, pair_id
 from actors.producer import ProducerEngine
 from actors.specialist import SpecialistEngine
 from artifacts_store import ArtifactStore
@@ -43,15 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 def answer(eng: SpecialistEngine, prefix: list[int], suffix: list[int], payload, reason, params: GenParams,
            exact: bool = False) -> tuple[object, float]:
     """(ServedInfo, wall ms from the request to its last token) of one answer through the engine."""
-    events: queue.SimpleQueue = queue.SimpleQueue()
     t0 = time.perf_counter()
-    eng.start(prefix, suffix, payload, reason, params, events.put, None, exact)
-    while (ev := events.get())[0] == "token":
-        pass
-    ms = (time.perf_counter() - t0) * 1e3
-    if ev[0] == "error":
-        raise RuntimeError(ev[1])
-    return ev[1], ms
+    _, info, _ = eng.complete(prefix, suffix, payload, reason, params, exact=exact)
+    return info, (time.perf_counter() - t0) * 1e3
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -72,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     pairs, engines = {}, {}
     for n in names:
         s = cfg.specialist(n)
-        pair = f"{cfg.producer.name}:{n}"
+        pair = pair_id(cfg.producer.name, n)
         try:
             art, manifest = store.load(f"{pair}@latest")
         except Exception as e:                                    # noqa: BLE001 - any missing artifact
@@ -90,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         for n, eng in engines.items():
             if not args.equality:
                 break
-            pair = f"{cfg.producer.name}:{n}"
+            pair = pair_id(cfg.producer.name, n)
             _, _, held = samples.pair_data(n, tok, 0, 0, args.equality, 160, seed=11)
             same, accepted, drafted, agree = 0, [], [], []
             for smp in held:
@@ -113,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{statistics.median(drafted) if drafted else '-'}; lossy SCD's greedy answer agrees with the "
                   f"oracle's for its first {statistics.median(agree)} tokens (median; what unlimited drafts could reach)")
         for n, eng in engines.items():
-            pair = f"{cfg.producer.name}:{n}"
+            pair = pair_id(cfg.producer.name, n)
             for t in tokens:
                 try:                     # the specialist's held-out domain: what its drafts are accepted on
                     _, _, prompts = samples.pair_data(n, tok, 0, 0, args.prompts, t, 1, seed=5)

@@ -71,8 +71,8 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> t
 
 
 def mask_eos(logits: torch.Tensor, params: GenParams, n_out: int, eos_id: int | None) -> torch.Tensor:
-    """logits (V,) as the sampler sees them for a row that has generated n_out tokens: eos masked out while
-    `min_tokens` are not reached, or always with `ignore_eos`."""
+    """A row's next-token logits (V,) as the sampler sees them, (1, V) float, once it has generated n_out
+    tokens: eos masked out while `min_tokens` are not reached, or always with `ignore_eos`."""
     logits = logits[None].float()
     if eos_id is not None and (params.ignore_eos or n_out < params.min_tokens):
         logits[0, eos_id] = float("-inf")
