@@ -131,11 +131,21 @@ def exact_artifact(args, producer, consumer, spec, tok, pair: str, found, val) -
     and no --artifact is given; else None."""
     if not (args.exact_plans and found.exact_plan and not args.artifact):
         return None
+    codes = klt_codes(args, producer, spec, tok, pair) if "klt" in exact.wire_forms(args.exact_dtype) else None
     chosen = exact.select(producer, consumer, tok, pair, spec, found, val, args.exact_dtype,
                           exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio), 25.0,
-                          lambda line: print(line, file=sys.stderr))["chosen"]
-    return None if chosen is None else exact.artifact(pair, spec, chosen["entry"], args.exact_dtype,
-                                                      whole_prefix=found.invocation_tokens is not None)
+                          lambda line: print(line, file=sys.stderr), klt_codes=codes)["chosen"]
+    return None if chosen is None else exact.artifact(pair, spec, chosen["entry"], chosen["dtype"],
+                                                      whole_prefix=found.invocation_tokens is not None,
+                                                      klt_codes=codes)
+
+
+def klt_codes(args, producer, spec, tok, pair: str) -> tuple[dict, dict]:
+    """The producer's transform codes at --exact-step (scd.fitting.exact.klt_codecs), fitted on the pair's
+    calibration prefixes."""
+    calib, _, _ = samples.pair_data(pair.split(":")[1], tok, exact.KLT_PREFIXES, 0, 0, args.prefix_tokens,
+                                    text_file=args.text, seed=args.seed)
+    return exact.klt_codecs(producer, calib, spec.num_layers, args.exact_step)
 
 
 def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
@@ -198,15 +208,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ds = methods.DroidSpeak(args.droidspeak_layers)
     if "droidspeak" in wanted:                   # its profile runs every start over the validation samples
         ds.start = profile_droidspeak(ds, producer, consumer, val)
-    if not found.exact_plan and {"exact", "exact_int8", "exact_kivi4"} & set(wanted):
+    if not found.exact_plan and {"exact", "exact_int8", "exact_kivi4", "exact_klt"} & set(wanted):
         print(f"no exact plan for {pair}: {found.describe()}", file=sys.stderr)
         wanted = [m for m in wanted if not m.startswith("exact")]
     make = {"oracle": methods.Oracle, "base": lambda: methods.BaseAlone(producer), "raw_kv": methods.RawKV,
             "int4_kv": methods.Int4KV, "droidspeak": lambda: ds,
             "reuse_only": lambda: methods.reuse_only(art), "scd": lambda: methods.SCDMethod(art, dtype=args.dtype),
             **{name: lambda d=dtype: methods.exact(pair, spec, found.first_adapted, d,
-                                                   found.invocation_tokens is not None)
-               for name, dtype in (("exact", "bf16"), ("exact_int8", "int8"), ("exact_kivi4", "kivi4"))}}
+                                                   found.invocation_tokens is not None,
+                                                   klt_codes(args, producer, spec, tok, pair) if d == "klt" else None)
+               for name, dtype in (("exact", "bf16"), ("exact_int8", "int8"), ("exact_kivi4", "kivi4"),
+                                   ("exact_klt", "klt"))}}
     ms = [make[m]() for m in wanted]
     rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}")
     # the consumer's compute the bound's ceiling counts: the share of its layers it runs over the prefix (a

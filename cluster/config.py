@@ -254,10 +254,16 @@ class CalibrationSettings(CalibConfig):
         "frozen lower layers: scd.fitting.structure), serve it by an exact plan: the producer's K and V below "
         "an entry layer and its residual there, the consumer's own layers above, chosen under max_kl_ratio and "
         "max_consumer_prefill_ratio; no codes are fitted"))
-    exact_dtype: Literal[EXACT_DTYPES] = Field("bf16", description=(
+    exact_dtype: Literal[EXACT_DTYPES + ("auto",)] = Field("bf16", description=(
         "precision of an exact plan's shared K, V and residual on the wire: bf16 is lossless but for its "
         "rounding; int8 (a scale per head_dim values) about halves the bytes; kivi4 (keys in int4 per channel "
-        "over 32 tokens, values in int4 per 32 values, the residual in bf16) takes about a third of bf16's"))
+        "over 32 tokens, values in int4 per 32 values, the residual in bf16) takes about a third of bf16's; klt "
+        "(transform coded: principal axes fitted on the calibration prefixes, one uniform step of exact_step, "
+        "zstd) about a fifth at exact_step 0.1; auto measures bf16 and klt and keeps the one with the least "
+        "modeled TTFT on the pair's link within the quality bound"))
+    exact_step: float = Field(0.1, gt=0, le=4, description=(
+        "klt's quantisation step, relative to the root mean square of each layer's K and V coefficients: "
+        "halving it adds about one bit per value and quarters the squared error"))
     max_kl_ratio: float = Field(0.2, gt=0, description=(
         "the quality bound a plan is chosen under: validation KL at most this x raw KV reuse's"))
     max_consumer_prefill_ratio: float = Field(0.5, ge=0, le=1, description=(

@@ -104,8 +104,9 @@ def quality_gate(by: dict, c) -> dict:
     it failed."""
     kl, raw = by["scd"]["kl"], by["raw_kv"]["kl"]
     reasons = []
-    # a lossless cache passes whatever raw KV scores (an aLoRA's prefix: raw KV is exact too)
-    if kl > LOSSLESS_KL and c.gate_vs_raw_kv and kl > c.gate_vs_raw_kv * raw:
+    # a lossless cache passes whatever raw KV scores (an aLoRA's prefix: raw KV is exact too; a compressed
+    # plan is then held to max_kl alone, when set)
+    if kl > LOSSLESS_KL and c.gate_vs_raw_kv and kl > c.gate_vs_raw_kv * raw and exact.ratio_applies(raw, c.max_kl):
         reasons.append(f"held-out KL {kl:.4f} is worse than {c.gate_vs_raw_kv:g} x raw KV reuse's {raw:.4f} "
                        f"(payload {by['scd']['payload_ratio']:.3f} vs {by['raw_kv']['payload_ratio']:.3f})")
     if c.max_kl is not None and kl > c.max_kl:
@@ -142,13 +143,18 @@ def xnorm_profile(cal: Calibration, art, samples_) -> dict[str, list[float]]:
     return {k: (v / len(samples_)).tolist() for k, v in sums.items()}
 
 
-def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None) -> dict | None:
+def wire_tag(c) -> str:
+    """An exact plan's wire form as a checkpoint name: its dtype, and klt's step."""
+    return c.exact_dtype + (f"{c.exact_step:g}" if "klt" in exact.wire_forms(c.exact_dtype) else "")
+
+
+def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None, klt_codes=None) -> dict | None:
     """The exact plan chosen under the quality bound (scd.fitting.exact), from its curve measured on the
     validation samples (checkpointed), or None when none meets the bound: then codes are fitted."""
-    path, inputs = cal.trace_dir / f"exact-curve-{c.exact_dtype}.json", {"samples": samples_digest(val)}
+    path, inputs = cal.trace_dir / f"exact-curve-{wire_tag(c)}.json", {"samples": samples_digest(val)}
     rec = exact.select(cal.producer, cal.consumer, tok, cal.pair, cal.spec, found, val, c.exact_dtype,
                        exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl), gbps or DEFAULT_GBPS,
-                       log, load_record(path, inputs, log))
+                       log, load_record(path, inputs, log), klt_codes=klt_codes)
     save_record(path, {k: rec[k] for k in ("points", "raw_kv")}, inputs)
     return rec if rec["chosen"] is not None else None
 
@@ -187,15 +193,16 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None):
 
 
 def publish_exact(args, cal: Calibration, tok, chosen: dict, found, shared: dict, held, val, store, store_uri: str,
-                  c, t0: float, published: Path) -> str:
+                  c, t0: float, published: Path, klt_codes=None) -> str:
     """Evaluate the chosen exact plan on the held-out samples beside the oracle, the base alone, raw KV and
     DroidSpeak at its best block; gate, report (with the quality-against-compute curve) and publish it."""
     producer, consumer = cal.producer, cal.consumer
     digest = calibration_digest([v.prefix for v in val])           # what the plan was chosen on
-    art = exact.artifact(args.pair, cal.spec, chosen["chosen"]["entry"], c.exact_dtype,
+    dtype = chosen["chosen"].get("dtype", c.exact_dtype)
+    art = exact.artifact(args.pair, cal.spec, chosen["chosen"]["entry"], dtype,
                          {"structure": shared, "exact": chosen, "calibration": {
                              "prefixes": len(val), "rows": 0, "data_digest": digest, "config": c.model_dump()}},
-                         whole_prefix=shared["invocation_tokens"] is not None)
+                         whole_prefix=shared["invocation_tokens"] is not None, klt_codes=klt_codes)
     log(f"plan {art.plan}")
     ds = methods.DroidSpeak()
 
@@ -204,7 +211,7 @@ def publish_exact(args, cal: Calibration, tok, chosen: dict, found, shared: dict
         ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV(), ds, methods.SCDMethod(art)]
         return Evaluator(producer, consumer, tok).run(held, ms, desc=f"held-out {args.pair}")
     entry = chosen["chosen"]["entry"]
-    rows = checkpointed(cal.trace_dir / f"exact-{c.exact_dtype}-e{entry}-eval.json", evaluate, held)
+    rows = checkpointed(cal.trace_dir / f"exact-{dtype}{c.exact_step:g}-e{entry}-eval.json", evaluate, held)
     by = {r["method"]: r for r in rows}
     log("held-out: " + ", ".join(f"{m} kl={r['kl']:.4f} ratio={r['payload_ratio']:.3f}" for m, r in by.items()))
     gate = quality_gate(by, c) | {"job": cost(t0)}
@@ -215,7 +222,7 @@ def publish_exact(args, cal: Calibration, tok, chosen: dict, found, shared: dict
     extra = {"plan": f"exact: the producer's K and V below layer {entry}" + (
                          f", entering at layer {entry}: the consumer runs {art.consumer_layers} of "
                          f"{cal.spec.num_layers} layers" if art.blocks else ", no consumer compute") +
-                     f"; {c.exact_dtype} on the wire",
+                     f"; {dtype} on the wire" + (f" (step {c.exact_step:g})" if dtype == "klt" else ""),
              "quality bound": f"KL <= {c.max_kl_ratio:g} x raw KV, consumer <= {c.max_consumer_prefill_ratio:g} of a "
                               f"prefill; chosen at the least modeled TTFT at {chosen['gbps']:g} Gbps",
              "quality gate": f"passed: KL {gate['kl_scd']:.2e} <= {c.gate_vs_raw_kv:g} x raw KV "
@@ -308,11 +315,14 @@ def main(argv: list[str] | None = None) -> str:
     log(f"structure: {found.describe()}; verified on {len(val)} validation prefixes, max |difference| "
         f"{shared['verified_max_abs']:.2e}")
     if c.exact_plans and found.exact_plan and shared["verified_max_abs"] <= STRUCTURE_NOISE:
-        chosen = exact_plan(cal, tok, found, val, c, cfg.link_gbps().get(args.pair))
+        codes = exact.klt_codecs(producer, cal.prefixes, spec.num_layers, c.exact_step) \
+            if "klt" in exact.wire_forms(c.exact_dtype) else None
+        chosen = exact_plan(cal, tok, found, val, c, cfg.link_gbps().get(args.pair), codes)
         if chosen is None:
             log("fitting codes instead")
         else:
-            return publish_exact(args, cal, tok, chosen, found, shared, held, val, store, store_uri, c, t0, published)
+            return publish_exact(args, cal, tok, chosen, found, shared, held, val, store, store_uri, c, t0, published,
+                                 codes)
     tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens, c.finetune_tokens,
                                 text_file=c.text_file)
     art = cal.run(val, capture_pair, tune)

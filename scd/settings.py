@@ -12,8 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 CODE_DTYPES = ("fp16", "bf16", "int8", "int4", "mixed")   # wire precisions of codes (scd.online.codec)
 # an exact plan's shared K, V and residual may also travel as "kivi4": keys in int4 per channel over groups of
-# 32 tokens (KIVI), values in int4 per group of 32 values, the residual in bf16
-EXACT_DTYPES = CODE_DTYPES + ("kivi4",)
+# 32 tokens (KIVI), values in int4 per group of 32 values, the residual in bf16; or as "klt": transform coded
+# (scd.online.klt: each layer's K and V in its own principal axes, one uniform step, integer symbols that zstd
+# entropy-codes), the residual in bf16
+EXACT_DTYPES = CODE_DTYPES + ("kivi4", "klt")
 
 
 class CalibConfig(BaseModel):

@@ -135,6 +135,11 @@ def test_quality_gate_compares_with_raw_kv_and_the_absolute_bound():
     exact = {"scd": {"kl": 3e-6, "payload_ratio": 1.0}, "raw_kv": {"kl": 0.0, "payload_ratio": 1.0}}
     assert quality_gate(exact, SimpleNamespace(gate_vs_raw_kv=1.0, max_kl=None))["passed"], \
         "a lossless cache passes where raw KV is exact too (an aLoRA's prefix)"
+    compressed = {"scd": {"kl": 0.0015, "payload_ratio": 0.2}, "raw_kv": {"kl": 2e-5, "payload_ratio": 1.0}}
+    assert not quality_gate(compressed, SimpleNamespace(gate_vs_raw_kv=1.0, max_kl=None))["passed"]
+    assert quality_gate(compressed, SimpleNamespace(gate_vs_raw_kv=1.0, max_kl=0.002))["passed"], \
+        "where raw KV is exact, an absolute max_kl is the bound"
+    assert not quality_gate(compressed, SimpleNamespace(gate_vs_raw_kv=1.0, max_kl=0.001))["passed"]
 
 
 def test_eval_with_the_config_resumes_the_jobs_checkpoints_and_can_load_the_published_artifact(job, capsys):

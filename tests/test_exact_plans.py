@@ -64,6 +64,11 @@ def test_the_entry_chosen_is_the_cheapest_modeled_ttft_that_meets_the_bound():
     assert exact.choose(pts, raw, exact.Bound(0.001, max_consumer_ratio=0.3), gbps=25) is None
     whole = [{"entry": 8, "consumer_ratio": 0.0, "kl": 3e-6, "payload_bytes": 1800, "consumer_ms": 1.0}]
     assert exact.choose(whole, 0.0, loose, gbps=25) == whole[0], "lossless passes where raw KV is exact too"
+    packed = [{"entry": 8, "consumer_ratio": 0.0, "kl": 0.0015, "payload_bytes": 300, "consumer_ms": 2.0}]
+    assert exact.choose(packed, 2e-5, loose, gbps=25) is None, "no ratio to an exact raw KV can be met"
+    assert exact.choose(packed, 2e-5, exact.Bound(0.2, 1.0, max_kl=0.002), gbps=25) == packed[0], \
+        "where raw KV is exact, an absolute max_kl is the bound"
+    assert exact.choose(packed, 0.1, exact.Bound(0.2, 1.0, max_kl=0.001), gbps=25) is None
     assert exact.entries(18, 30) == [18, 21, 24, 27, 30] and exact.entries(4, 6) == [4, 5, 6]
     assert exact.entries(18, 30, adapted_until=24) == [18, 20, 21, 22, 30], "above layer 23 it is raw KV again"
 
@@ -114,6 +119,21 @@ def test_scd_eval_takes_the_exact_plan_and_marks_what_fails_the_bound(top_folder
     assert rows["scd"]["kl"] < 0.05 * rows["raw_kv"]["kl"] and rows["scd"]["meets_bound"] is True, rows["scd"]
     assert rows["raw_kv"]["meets_bound"] is False, "raw KV is 1 x itself, outside a bound of 0.2 x"
     assert not any(tmp_path.iterdir()), "an exact plan fits nothing: the work folder stays empty"
+
+
+def test_scd_eval_measures_bf16_and_klt_with_exact_dtype_auto(top_folder, tmp_path, capsys):
+    from cli.evaluate import main as evaluate
+    folder, first = top_folder
+    rows = {r["method"]: r for r in evaluate([
+        "--producer", str(DEMO / "base"), "--consumer", str(folder), "--samples", "2", "--val", "3",
+        "--prefix-tokens", "64", "--methods", "raw_kv,exact,exact_klt,scd", "--exact-dtype", "auto",
+        "--work-dir", str(tmp_path), "--json"])}
+    err = capsys.readouterr().err
+    curve = next(line for line in err.splitlines() if line.startswith("exact plans (validation)"))
+    assert f"enter@{first} bf16" in curve and f"enter@{first} klt" in curve, curve
+    assert "exact plan: enter at layer" in err, err
+    assert rows["exact_klt"]["payload_bytes"] < 0.6 * rows["exact"]["payload_bytes"], rows
+    assert rows["exact_klt"]["kl"] < 0.2 * rows["raw_kv"]["kl"], (rows["exact_klt"]["kl"], rows["raw_kv"]["kl"])
 
 
 def test_kivi4_carries_keys_per_channel_and_values_per_group_within_half_a_step():

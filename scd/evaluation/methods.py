@@ -12,7 +12,8 @@ consumer's per-layer (K, V), the bytes that had to cross the wire, and the consu
   scd         SCD codes: Reuse + Patch by the artifact's plan
   exact       a consumer that shares layers [0, s) with the producer: those layers' K, V and the residual
               entering s as they are (bf16; exact_int8: int8; exact_kivi4: keys int4 per channel, values
-              int4, the residual bf16), the consumer runs s..L-1 itself: SCD on
+              int4, the residual bf16; exact_klt: transform coded, scd.online.klt), the consumer runs
+              s..L-1 itself: SCD on
               the exact plan of its structure (scd.fitting.structure), through the same wire format
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from scd.online.trace import Trace, capture
 
 KV = tuple[torch.Tensor, torch.Tensor]
 METHODS = ("oracle", "base", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd", "exact", "exact_int8",
-           "exact_kivi4")
+           "exact_kivi4", "exact_klt")
 
 
 @dataclass
@@ -180,8 +181,11 @@ def reuse_only(art: PairArtifacts) -> SCDMethod:
     return SCDMethod(art.with_plan(plan), name="reuse_only")
 
 
-def exact(pair: str, spec, first_adapted: int, code_dtype: str = "bf16", whole_prefix: bool = False) -> SCDMethod:
+def exact(pair: str, spec, first_adapted: int, code_dtype: str = "bf16", whole_prefix: bool = False,
+          klt_codes: tuple[dict, dict] | None = None) -> SCDMethod:
     """SCD on the exact plan of a consumer that shares layers [0, first_adapted) with its producer (or, with
-    whole_prefix, the whole prefix's cache: an activated LoRA): "exact" at bf16, else "exact_<dtype>"."""
-    art = PairArtifacts.exact(pair, spec, exact_plan(spec.num_layers, first_adapted, whole_prefix), code_dtype)
+    whole_prefix, the whole prefix's cache: an activated LoRA): "exact" at bf16, else "exact_<dtype>" (klt:
+    with the transform codes `klt_codes`, scd.fitting.exact.klt_codecs)."""
+    art = PairArtifacts.exact(pair, spec, exact_plan(spec.num_layers, first_adapted, whole_prefix), code_dtype,
+                              klt=klt_codes)
     return SCDMethod(art, "exact" if code_dtype == "bf16" else f"exact_{code_dtype}")

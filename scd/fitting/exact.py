@@ -12,21 +12,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from tqdm import tqdm
+
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
+from scd.online import klt
 from scd.online.artifacts import PairArtifacts, exact_plan
 from scd.online.links import transfer_ms
+from scd.online.trace import capture
 
 
 LOSSLESS_KL = 1e-4          # nats per token: a cache this close to the oracle's is lossless, whatever raw KV scores
+
+
+def ratio_applies(raw_kl: float, max_kl: float | None) -> bool:
+    """Whether a plan is held to a multiple of raw KV reuse's KL: always, unless raw KV is itself lossless (an
+    aLoRA's prefix, where no compressed plan is within any multiple of it) and an absolute max_kl is set,
+    which is then the bound (without one, only a lossless plan passes)."""
+    return raw_kl > LOSSLESS_KL or max_kl is None
 
 
 @dataclass(frozen=True)
 class Bound:
     """What a chosen plan must meet: KL at most max_kl_ratio x raw KV reuse's (and max_kl, when set; and a
     retained gain of at least min_retained_gain, when set and the point has one), or lossless (LOSSLESS_KL:
-    where raw KV is itself exact, an aLoRA's prefix, no ratio to it can be met), with the consumer running at
-    most max_consumer_ratio of its layers over the prefix."""
+    where raw KV is itself exact, an aLoRA's prefix, no ratio to it can be met: max_kl alone then, when set,
+    `ratio_applies`), with the consumer running at most max_consumer_ratio of its layers over the prefix."""
     max_kl_ratio: float
     max_consumer_ratio: float
     max_kl: float | None = None
@@ -35,7 +47,8 @@ class Bound:
     def meets(self, point: dict, raw_kl: float) -> bool:
         gain = point.get("retained_gain")
         quality = point["kl"] <= LOSSLESS_KL or (
-            point["kl"] <= self.max_kl_ratio * raw_kl and (self.max_kl is None or point["kl"] <= self.max_kl)
+            (point["kl"] <= self.max_kl_ratio * raw_kl or not ratio_applies(raw_kl, self.max_kl))
+            and (self.max_kl is None or point["kl"] <= self.max_kl)
             and (self.min_retained_gain is None or gain is None or gain >= self.min_retained_gain))
         return quality and point["consumer_ratio"] <= self.max_consumer_ratio + 1e-9
 
@@ -50,24 +63,46 @@ def entries(first_adapted: int, num_layers: int, points: int = 5, adapted_until:
     return sorted({e for e in inner if e < top} | {num_layers})
 
 
+KLT_PREFIXES = 32           # calibration prefixes the transform codes are fitted on (a 192-wide covariance per
+                            # layer and stream: 32 prefixes of 512 tokens give 16k rows)
+
+
+@torch.no_grad()
+def klt_codecs(producer, prefixes, num_layers: int, step: float) -> tuple[dict, dict]:
+    """The transform codes (scd.online.klt) of the producer's keys and values at every layer, fitted on the
+    first KLT_PREFIXES of `prefixes` (token id lists): ({layer: keys' codec}, {layer: values' codec})."""
+    sk, sv = {}, {}
+    for ids in tqdm(prefixes[:KLT_PREFIXES], desc="klt axes", leave=False):
+        ids = torch.as_tensor(ids)[None]
+        tr = capture(producer, ids, want_xnorm=False)
+        for l in range(num_layers):
+            for stats, x in ((sk, tr.content[l]), (sv, tr.values[l])):
+                stats.setdefault(l, klt.Stats(x.shape[1] * x.shape[3])).update(x, tr.mask)
+    return ({l: klt.codec(s, step) for l, s in sk.items()}, {l: klt.codec(s, step) for l, s in sv.items()})
+
+
 def artifact(pair: str, spec, entry: int, code_dtype: str, info: dict | None = None,
-             whole_prefix: bool = False) -> PairArtifacts:
+             whole_prefix: bool = False, klt_codes: tuple[dict, dict] | None = None) -> PairArtifacts:
     """The exact plan entering at `entry` (num_layers: no entry, every layer shared; whole_prefix: an aLoRA's,
-    layer 0 sent too, since the consumer's own layer 0 is adapted)."""
-    return PairArtifacts.exact(pair, spec, exact_plan(spec.num_layers, entry, whole_prefix), code_dtype, info)
+    layer 0 sent too, since the consumer's own layer 0 is adapted); klt_codes: `klt_codecs`, for code_dtype
+    "klt"."""
+    if code_dtype == "klt" and klt_codes is None:
+        raise ValueError("an exact plan sent as klt needs its transform codes (klt_codecs)")
+    return PairArtifacts.exact(pair, spec, exact_plan(spec.num_layers, entry, whole_prefix), code_dtype, info,
+                               klt_codes)
 
 
 def curve(producer, consumer, tok, pair: str, spec, found, samples, code_dtype: str, points: int = 5,
-          desc: str = "exact plans") -> tuple[list[dict], dict]:
+          desc: str = "exact plans", klt_codes: tuple[dict, dict] | None = None) -> tuple[list[dict], dict]:
     """(one point per entry layer: {entry, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms}, the
     raw-KV row measured beside them on `samples`). An aLoRA (found.invocation_tokens) has one plan: its whole
     prefix shared (entry num_layers)."""
     whole = found.invocation_tokens is not None
     es = [spec.num_layers] if whole else entries(found.first_adapted, spec.num_layers, points, found.adapted_until)
-    ms = [methods.RawKV()] + [methods.SCDMethod(artifact(pair, spec, e, code_dtype, whole_prefix=whole), f"enter@{e}")
-                              for e in es]
+    ms = [methods.RawKV()] + [methods.SCDMethod(artifact(pair, spec, e, code_dtype, whole_prefix=whole,
+                                                         klt_codes=klt_codes), f"enter@{e}") for e in es]
     rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc)}
-    out = [{"entry": e, "consumer_ratio": (spec.num_layers - e) / spec.num_layers,
+    out = [{"entry": e, "consumer_ratio": (spec.num_layers - e) / spec.num_layers, "dtype": code_dtype,
             **{k: rows[f"enter@{e}"][k] for k in ("kl", "payload_ratio", "payload_bytes", "consumer_ms", "greedy")}}
            for e in es]
     return out, rows["raw_kv"]
@@ -87,17 +122,28 @@ def choose(points: list[dict], raw_kl: float, bound: Bound, gbps: float) -> dict
 
 def describe(points: list[dict], raw_kl: float) -> str:
     """One line of a curve: each entry's KL, payload and consumer compute, and raw KV's KL."""
-    return ", ".join(f"enter@{p['entry']} KL {p['kl']:.4f} payload {p['payload_ratio']:.3f} consumer "
-                     f"{p['consumer_ratio']:.2f}" for p in points) + f"; raw KV {raw_kl:.4f}"
+    return ", ".join(f"enter@{p['entry']}{' ' + p['dtype'] if 'dtype' in p else ''} KL {p['kl']:.4f} payload "
+                     f"{p['payload_ratio']:.3f} consumer {p['consumer_ratio']:.2f}" for p in points) + \
+        f"; raw KV {raw_kl:.4f}"
+
+
+def wire_forms(code_dtype: str) -> list[str]:
+    """The wire forms an exact plan is measured in: "auto" chooses between the lossless bf16 and klt per link."""
+    return ["bf16", "klt"] if code_dtype == "auto" else [code_dtype]
 
 
 def select(producer, consumer, tok, pair: str, spec, found, samples, code_dtype: str, bound: Bound,
-           gbps: float, log, measured: dict | None = None) -> dict:
-    """Measure the curve of a consumer whose structure is `found` (scd.fitting.structure) on `samples` (or take
-    `measured`, a record of an earlier measurement) and choose
-    under `bound`: {"points", "raw_kv", "chosen" (None when no plan meets the bound), "gbps", "bound"}."""
+           gbps: float, log, measured: dict | None = None, klt_codes: tuple[dict, dict] | None = None) -> dict:
+    """Measure the curve of a consumer whose structure is `found` (scd.fitting.structure) on `samples`, in each
+    of `wire_forms(code_dtype)` (or take `measured`, a record of an earlier measurement) and choose under
+    `bound`: {"points" (each with its "dtype"), "raw_kv", "chosen" (None when no plan meets the bound), "gbps",
+    "bound"}."""
     if measured is None:
-        points, raw = curve(producer, consumer, tok, pair, spec, found, samples, code_dtype, desc=f"exact plans {pair}")
+        points = []
+        for d in wire_forms(code_dtype):
+            more, raw = curve(producer, consumer, tok, pair, spec, found, samples, d, desc=f"exact plans {pair} {d}",
+                              klt_codes=klt_codes if d == "klt" else None)
+            points += more
         measured = {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio", "consumer_ms")}}
     raw_kl = measured["raw_kv"]["kl"]
     log(f"exact plans (validation): {describe(measured['points'], raw_kl)}")
@@ -106,7 +152,7 @@ def select(producer, consumer, tok, pair: str, spec, found, samples, code_dtype:
         log(f"no exact plan meets KL <= {bound.max_kl_ratio:g} x raw KV with the consumer running at most "
             f"{bound.max_consumer_ratio:g} of its layers")
     else:
-        log(f"exact plan: enter at layer {chosen['entry']} (validation KL {chosen['kl']:.2e}, payload "
+        log(f"exact plan: enter at layer {chosen['entry']}, {chosen['dtype']} (validation KL {chosen['kl']:.2e}, payload "
             f"{chosen['payload_ratio']:.3f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the least "
             f"modeled TTFT at {gbps:g} Gbps within the bound)")
     return {**measured, "chosen": chosen, "gbps": gbps, "bound": vars(bound)}

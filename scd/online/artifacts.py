@@ -110,6 +110,9 @@ class PairArtifacts:
     # an entry layer's aligner (a recompute block over codes, scd.fitting.blocks): the consumer adds
     # decode(encode(x)) to the residual x it receives before running its own layers from there
     entry_align: dict[int, LinearCodec] = field(default_factory=dict)
+    # code_dtype "klt": each shared layer's transform codes of its keys (before RoPE) and values (scd.online.klt)
+    klt_k: dict[int, LinearCodec] = field(default_factory=dict)
+    klt_v: dict[int, LinearCodec] = field(default_factory=dict)
 
     def __post_init__(self):
         exact_only = all(k in EXACT_KINDS + ("shared_entry",) for k in self.plan)
@@ -136,18 +139,28 @@ class PairArtifacts:
                 raise ValueError(f"layer {l} is planned as recompute but layer {l - 1} below it is not run by "
                                  f"the consumer (a block starts with an entry)")
 
+        if self.code_dtype == "klt":
+            missing = [l for l, k in enumerate(self.plan) if k == "shared" and (l not in self.klt_k or l not in self.klt_v)]
+            if missing or "shared_entry" in self.plan:
+                raise ValueError(f"klt sends a pair's shared layers by their own transform codes: layers {missing} "
+                                 f"have none" if missing else "klt is a pair's wire form, not a family's")
         covered = [l for g in self.x_groups for l in g]
         if len(covered) != len(set(covered)) or any(g != list(range(g[0], g[0] + len(g))) for g in self.x_groups):
             raise ValueError(f"x_groups must be disjoint runs of adjacent layers: {self.x_groups}")
 
     @classmethod
     def exact(cls, pair: str, spec: ModelSpec, plan: list[str], code_dtype: str = "bf16",
-              info: dict | None = None) -> "PairArtifacts":
-        """The artifact of an exact plan (`exact_plan`): nothing learned, only how the shared layers and the
-        residual travel (code_dtype: bf16, the wire's rounding the only error; int8 with a scale per row)."""
+              info: dict | None = None, klt: tuple[dict, dict] | None = None) -> "PairArtifacts":
+        """The artifact of an exact plan (`exact_plan`): nothing fitted but, for code_dtype "klt", the shared
+        layers' transform codes `klt` (keys, values: {layer: LinearCodec}, scd.online.klt); only how the shared
+        layers and the residual travel (code_dtype: bf16, the wire's rounding the only error; int8 with a scale
+        per row; kivi4; klt)."""
         if any(k not in EXACT_KINDS + ("shared_entry",) for k in plan):
             raise ValueError(f"an exact plan shares, enters and recomputes layers, nothing else: {plan}")
-        return cls(pair, spec, 0, 0, 0, 0, list(plan), {}, {}, info=info or {}, code_dtype=code_dtype)
+        shared = [l for l, k in enumerate(plan) if k == "shared"]
+        klt_k, klt_v = ({l: c[l] for l in shared if l in c} for c in klt) if klt else ({}, {})
+        return cls(pair, spec, 0, 0, 0, 0, list(plan), {}, {}, info=info or {}, code_dtype=code_dtype,
+                   klt_k=klt_k, klt_v=klt_v)
 
     def group(self, layer: int) -> list[int]:
         """The layers that share a layer's hidden-state code (itself alone without x_groups)."""
@@ -299,7 +312,7 @@ class PairArtifacts:
         return PairArtifacts(self.pair, self.spec, self.r_k, self.r_v, self.r_h, self.aligner_width, list(plan),
                              self.reuse_k, self.reuse_v, self.patch_enc, self.aligners, self.info, self.aligner_context,
                              self.aligner_tokens, self.aligner_window, self.r_x, self.reuse_x, self.code_dtype,
-                             self.x_groups, entry_align=dict(entry_align))
+                             self.x_groups, entry_align=dict(entry_align), klt_k=self.klt_k, klt_v=self.klt_v)
 
     def to(self, device) -> "PairArtifacts":
         """A copy whose tensors live on `device` (where the model that uses them runs)."""
@@ -309,7 +322,7 @@ class PairArtifacts:
                              {l: g.to(device) for l, g in self.aligners.items()}, self.info, self.aligner_context,
                              self.aligner_tokens, self.aligner_window, self.r_x, move(self.reuse_x),
                              self.code_dtype, self.x_groups, self.wire_plan, self.wire_x_codes,
-                             entry_align=move(self.entry_align))
+                             entry_align=move(self.entry_align), klt_k=move(self.klt_k), klt_v=move(self.klt_v))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -325,6 +338,8 @@ class PairArtifacts:
             out.update({f"patch.{l}.aligner.{k}": v for k, v in g.state_dict().items()})
         for l, c in self.entry_align.items():
             out.update(c.tensors(f"entry.{l}"))
+        for l in self.klt_k:
+            out.update({**self.klt_k[l].tensors(f"klt.{l}.k"), **self.klt_v[l].tensors(f"klt.{l}.v")})
         return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
     def description(self) -> dict:
@@ -361,11 +376,13 @@ class PairArtifacts:
             g.load_state_dict({k[len(pre):]: v for k, v in t.items() if k.startswith(pre)})
             aligners[l] = g.eval()
         entry_align = {l: LinearCodec.from_tensors(t, f"entry.{l}") for l in layers("entry.")}
+        klt_k = {l: LinearCodec.from_tensors(t, f"klt.{l}.k") for l in layers("klt.")}
+        klt_v = {l: LinearCodec.from_tensors(t, f"klt.{l}.v") for l in layers("klt.")}
         return cls(desc["pair"], spec, desc["r_k"], desc["r_v"], desc["r_h"], desc["aligner_width"], desc["plan"],
                    reuse_k, reuse_v, patch_enc, aligners, desc.get("info", {}), desc.get("aligner_context", 1),
                    desc.get("aligner_tokens", 0), desc.get("aligner_window", 8), desc.get("r_x", 0), reuse_x,
                    desc.get("code_dtype", "fp16"), [list(g) for g in desc.get("x_groups", [])],
-                   entry_align=entry_align)
+                   entry_align=entry_align, klt_k=klt_k, klt_v=klt_v)
 
     @classmethod
     def load(cls, directory: str | Path) -> "PairArtifacts":
@@ -426,6 +443,8 @@ class FamilyArtifacts:
         """Members on exact plans (nothing learned): the payload is the union of their plans, the producer's K and V
         of every layer a member shares and its residual at every layer a member enters (`union_kind`), sent
         once; each member takes what lies below its own entry."""
+        if first.code_dtype == "klt":
+            raise ValueError("klt codes are fitted per pair: a family's exact payload travels in bf16, int8 or kivi4")
         other = [name for name, a in self.members.items() if (a.spec, a.code_dtype) != (first.spec, first.code_dtype)]
         if other:
             raise ValueError(f"members {other} do not share the family's model shape and wire precision")

@@ -16,7 +16,10 @@ Layout (little-endian):
 Code tensors are fp16 or bf16, or int8 / int4 with a per-row fp16 scale (row = last dim), stored scales first;
 int4 values are offset by 8 and packed two to a byte, low nibble first, a row padded to an even width. A
 "mixed" code is two such tensors one after the other: its first r // 3 columns in int8, then the rest in int4
-(codes are ordered widest column first, so the columns that matter most get the finer steps).
+(codes are ordered widest column first, so the columns that matter most get the finer steps). An exact
+plan's fields may travel in a scheme of their own: kivi4 (keys per channel, values per group, both
+asymmetric int4 with fp16 scales and minima) or klt (integer symbols of scd.online.klt's transform code as
+"sym16": 16-bit zigzag, the field's low bytes then its high bytes, no scales).
 The decoder checks magic, version, lengths, crc, and that pair/artifact/plan match what it expects and dims
 are among the ones it accepts (one per level of the artifact).
 
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
+from scd.online.klt import SYMBOL_MAX
 from scd.online.rebuild import Codes, MixedCode, QuantCode, entry_groups
 from scd.settings import EXACT_DTYPES as DTYPES
 
@@ -112,16 +116,23 @@ KIVI_GROUP = 32          # kivi4: tokens per key scale (per channel), values per
 KIVI_FIELDS = {"k": "kivi_k", "v": "asym4", "z_e": "bf16"}
 
 
+# klt: an exact plan's K and V as transform-coded integer symbols (scd.online.klt): "sym16", each symbol
+# zigzag-mapped to 16 bits (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...), the low bytes of the field, then its high
+# bytes; nearly every symbol is small, so the high bytes are runs of zeros that zstd packs into almost nothing
+KLT_FIELDS = {"k": "sym16", "v": "sym16", "z_e": "bf16"}
+_SCHEMES = {"kivi4": KIVI_FIELDS, "klt": KLT_FIELDS}
+
+
 def field_dtype(name: str, dtype: str) -> str:
-    """The precision of code field `name` in a payload of `dtype` (kivi4 names one per field; a residual stream
-    beside int4 or mixed codes travels in bf16: a few large channels leave int4 steps too coarse for it)."""
+    """The precision of code field `name` in a payload of `dtype` (kivi4 and klt name one per field; a residual
+    stream beside int4 or mixed codes travels in bf16: a few large channels leave int4 steps too coarse for it)."""
     if name == "z_e" and dtype in ("int4", "mixed"):
         return "bf16"
-    if dtype != "kivi4":
+    if dtype not in _SCHEMES:
         return dtype
-    if name not in KIVI_FIELDS:
-        raise ValueError(f"kivi4 carries an exact plan's K, V and residual only, not {name!r}")
-    return KIVI_FIELDS[name]
+    if name not in _SCHEMES[dtype]:
+        raise ValueError(f"{dtype} carries an exact plan's K, V and residual only, not {name!r}")
+    return _SCHEMES[dtype][name]
 
 
 def _asym4(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,8 +191,17 @@ def _kivi_from(body: torch.Tensor, off: int, shape: tuple[int, ...], fd: str) ->
 def _field_u8(x: torch.Tensor, dtype: str) -> list[torch.Tensor]:
     """One code tensor's wire bytes as flat uint8 tensors where x is: its wire_tensors one after the other (each
     part's scales, then values)."""
+    if dtype == "sym16":
+        return _zigzag_planes(x)
     tensors = _kivi_tensors(x.detach().float(), dtype) if dtype in ("kivi_k", "asym4") else wire_tensors(x, dtype)
     return [_u8(t) for t in tensors]
+
+
+def _zigzag_planes(x: torch.Tensor) -> list[torch.Tensor]:
+    """A sym16 field's wire bytes: its integer symbols zigzag-mapped, low bytes then high bytes."""
+    y = x.detach().round().clamp(-SYMBOL_MAX, SYMBOL_MAX).to(torch.int32).reshape(-1)
+    u = (y << 1) ^ (y >> 31)
+    return [(u & 0xFF).to(torch.uint8), (u >> 8).to(torch.uint8)]
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -236,6 +256,8 @@ def code_bytes_per_row(r: int, dtype: str) -> int:
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     if dtype in ("kivi_k", "asym4"):
         return _kivi_bytes(shape, dtype)
+    if dtype == "sym16":
+        return 2 * math.prod(shape)
     rows = 1
     for s in shape[:-1]:
         rows *= s
@@ -256,6 +278,10 @@ def _from_bytes(body: torch.Tensor, off: int, shape: tuple[int, ...], dtype: str
     it uses it."""
     if dtype in ("kivi_k", "asym4"):
         return _kivi_from(body, off, shape, dtype)
+    if dtype == "sym16":
+        n = math.prod(shape)
+        u = _field(body, off, n, torch.uint8).int() | (_field(body, off + n, n, torch.uint8).int() << 8)
+        return ((u >> 1) ^ -(u & 1)).float().reshape(shape)
     if dtype == "mixed":
         codes = []
         for d, w in parts(shape[-1], dtype):
@@ -296,7 +322,7 @@ def _body_bytes(layout, b: int, t: int, dtype: str) -> int:
 
 def default_compress(dtype: str) -> str:
     """zstd for quantised codes (their bytes shrink by about a seventh), none for fp16/bf16 ones."""
-    return "zstd" if dtype in _QMAX or dtype in ("mixed", "kivi4") else "none"
+    return "zstd" if dtype in _QMAX or dtype in ("mixed", "kivi4", "klt") else "none"
 
 
 def _start(codes: Codes, pair: str, artifact: str, dims: dict[str, int], dtype: str) -> tuple[dict, list]:

@@ -7,6 +7,7 @@ Codes for one request (batch B, prefix length T), per layer by the artifact's pl
                              a group of layers travels at the group's first layer, art.x_codes)
   patch: z_h (B, T, r_h)
   shared: k (post-RoPE), v (B, n_kv, T, d_h): the producer's own, for a layer the consumer shares exactly
+          (code_dtype "klt": the transform codes of its keys before RoPE and of its values, scd.online.klt)
   entry: z_e (B, T, e_groups, d_e): the producer's residual stream entering the layer, from which the consumer
          runs its own layers up to the next that is not "recompute" (scd.online.recompute)
   shared_entry: k, v and z_e (a family's payload: one member shares the layer, another enters there)
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scd.online import activated, klt
 from scd.online.artifacts import PairArtifacts
 from scd.online.patch import regenerate_kv
 from scd.online.recompute import run_layers
@@ -126,7 +128,9 @@ def encode(art: PairArtifacts, trace: Trace, token_ids: torch.Tensor, level: dic
         elif kind == "patch":
             codes.layers[l] = {"z_h": art.patch_enc[l].encode(trace.xnorm[l])}
         if kind in ("shared", "shared_entry"):
-            codes.layers[l] = {"k": trace.keys[l], "v": trace.values[l]}
+            codes.layers[l] = {"k": trace.keys[l], "v": trace.values[l]} if art.code_dtype != "klt" else \
+                {"k": klt.encode(art.klt_k[l], trace.content[l], trace.mask),
+                 "v": klt.encode(art.klt_v[l], trace.values[l], trace.mask)}
         if kind in ("entry", "shared_entry"):
             if trace.hidden is None:
                 raise ValueError(f"{art.pair}: layer {l} is entered from the producer's residual stream; capture "
@@ -220,8 +224,19 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
                 bias_v.add_(bigrams[1][i].index_select(0, pair_rows))
             k = torch.addmm(bias_k, z, dec_k[i, :r]).view(b, t, -1)
             kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(bias_v, z, dec_v[i, :r]).view(b, t, -1)))
-    for l in (l for l, k in enumerate(art.plan) if k == "shared"):    # the producer's own K and V, as sent
-        kv[l] = (dense(codes.layers[l]["k"], dtype), dense(codes.layers[l]["v"], dtype))
+    shared = [l for l, k in enumerate(art.plan) if k == "shared"]
+    for l in shared:                                    # the producer's own K and V, as sent
+        if art.code_dtype == "klt":                     # or as transform codes, their sinks computed here
+            kv[l] = (apply_rope(klt.decode(art.klt_k[l], codes.layers[l]["k"], dtype), cos, sin),
+                     klt.decode(art.klt_v[l], codes.layers[l]["v"], dtype))
+        else:
+            kv[l] = (dense(codes.layers[l]["k"], dtype), dense(codes.layers[l]["v"], dtype))
+    if shared and art.code_dtype == "klt":
+        own = activated.of(model).base if activated.of(model) is not None else model   # an aLoRA's: its base's
+        for l, (k, v) in enumerate(klt.sink_kv(own, codes.token_ids, codes.mask, shared[-1] + 1)):
+            if l in kv and l in shared:
+                klt.set_sinks(kv[l][0], k, codes.mask)
+                klt.set_sinks(kv[l][1], v, codes.mask)
     t_patch = time.perf_counter()
     if patch := by_kind["patch"]:                       # all Patch layers at once
         x0 = tables.x0(codes.token_ids) if art.aligner_tokens and not tables.vocab_kept else None
