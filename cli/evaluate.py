@@ -48,8 +48,9 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
 
 
 # settings of the calibration job that an evaluation does not use (it has --samples and its own --work-dir)
-# text_file: --text; min_retained_gain, recompute_blocks: the calibration job's recompute-block stage only
-NOT_FLAGS = {"heldout", "gate_vs_raw_kv", "max_kl", "work_dir", "text_file", "min_retained_gain", "recompute_blocks"}
+# text_file: --text; min_retained_gain, recompute_blocks: the calibration job's recompute-block stage only;
+# diagnostics: its report only
+NOT_FLAGS = {"heldout", "gate_vs_raw_kv", "work_dir", "text_file", "min_retained_gain", "recompute_blocks", "diagnostics"}
 SETTING_FLAGS = set(CalibrationSettings.model_fields) - NOT_FLAGS     # the settings that are flags too
 
 
@@ -65,8 +66,9 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
             kw["action"] = argparse.BooleanOptionalAction
         elif get_origin(f.annotation) is Literal:
             kw["choices"] = get_args(f.annotation)
-        else:
-            kw["type"] = type(f.default)
+        else:                                   # an optional number (`float | None`): its number type
+            kw["type"] = type(f.default) if f.default is not None else next(
+                t for t in get_args(f.annotation) if t is not type(None))
         p.add_argument(*flags, dest=name, **kw)
 
 
@@ -133,7 +135,7 @@ def exact_artifact(args, producer, consumer, spec, tok, pair: str, found, val) -
         return None
     codes = klt_codes(args, producer, spec, tok, pair) if "klt" in exact.wire_forms(args.exact_dtype) else None
     chosen = exact.select(producer, consumer, tok, pair, spec, found, val, args.exact_dtype,
-                          exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio), 25.0,
+                          exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio, args.max_kl), 25.0,
                           lambda line: print(line, file=sys.stderr), klt_codes=codes)["chosen"]
     return None if chosen is None else exact.artifact(pair, spec, chosen["entry"], chosen["dtype"],
                                                       whole_prefix=found.invocation_tokens is not None,
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                      seed=args.seed)
     found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
                                        pb if is_adapter(pb) else None)
-    bound = exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio)
+    bound = exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio, args.max_kl)
     art = None
     if "scd" in wanted:
         art = exact_artifact(args, producer, consumer, spec, tok, pair, found, val)

@@ -149,7 +149,10 @@ class SpecialistSettings(ModelSettings):
         "rest come from that section"))
 
 
-PAIR_DATA = {"text_file"}     # besides fit settings, a specialist may calibrate on text of its own
+# besides fit settings, a specialist may calibrate on text of its own, and have its own bound and exact-plan
+# wire form (what it may be served at differs per specialist; the deployment's gate and budgets do not)
+PAIR_DATA = {"text_file", "max_kl", "max_kl_ratio", "max_consumer_prefill_ratio", "min_retained_gain",
+             "exact_dtype", "exact_step"}
 
 
 class FamilySettings(_Strict):
@@ -248,7 +251,9 @@ class CalibrationSettings(CalibConfig):
     gate_vs_raw_kv: float = Field(1.0, ge=0, description=(
         "quality gate: publish only if held-out KL(scd) <= this x KL(raw KV reuse), which costs the consumer "
         "nothing either (0 = off)"))
-    max_kl: float | None = Field(None, gt=0, description="quality gate: publish only if held-out KL(scd) <= this")
+    max_kl: float | None = Field(None, gt=0, description=(
+        "an absolute bound besides max_kl_ratio: a plan is chosen, and published, only if its KL (nats per "
+        "token) is at most this; where raw KV reuse is itself exact (an aLoRA's prefix) it is the bound alone"))
     exact_plans: bool = Field(True, description=(
         "when the consumer shares layers with the producer exactly (a LoRA on its top layers, a fine-tune with "
         "frozen lower layers: scd.fitting.structure), serve it by an exact plan: the producer's K and V below "
@@ -271,6 +276,10 @@ class CalibrationSettings(CalibConfig):
     min_retained_gain: float | None = Field(None, ge=0, le=1, description=(
         "the quality bound's task figure: a chosen plan keeps at least this share of the specialist's gain over "
         "the base alone on the validation samples (F1 for QA, perplexity for text; unset: KL alone)"))
+    diagnostics: bool = Field(True, description=(
+        "the report's diagnostics: the payload-against-KL grid over ranks, where the error lives, the x_norm "
+        "error profile (about a third of a small pair's job); off, the report keeps the held-out table, the "
+        "policy's and the levels' figures"))
     recompute_blocks: bool = Field(True, description=(
         "where the fitted codes miss the quality bound, try plans in which the consumer runs its own top layers "
         "from an aligned residual over the codes below (scd.fitting.blocks), within max_consumer_prefill_ratio"))

@@ -355,9 +355,12 @@ def main(argv: list[str] | None = None) -> str:
     art.info["levels"] = [{**level, "payload_ratio": r["payload_ratio"], "kl": r["kl"],
                            "servable": quality_gate({**by, "scd": r}, c)["passed"]}
                           for level, r in ((lv, by[methods.level_name(art, lv)]) for lv in art.levels)]
-    grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val), val)
-    xn = checkpointed(cal.dir / f"xnorm{tag}.json", lambda: xnorm_profile(cal, art, held[:8]), held[:8])
-    split = checkpointed(cal.dir / f"split{tag}.json", lambda: error_split(cal, art, val), val)
+    grid = xn = None
+    split = {}
+    if c.diagnostics:
+        grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val), val)
+        xn = checkpointed(cal.dir / f"xnorm{tag}.json", lambda: xnorm_profile(cal, art, held[:8]), held[:8])
+        split = checkpointed(cal.dir / f"split{tag}.json", lambda: error_split(cal, art, val), val)
 
     info = art.info["calibration"]
     ranks = {"r_x": art.r_x} if art.reuse_x else {"r_k": art.r_k, "r_v": art.r_v}
@@ -366,7 +369,8 @@ def main(argv: list[str] | None = None) -> str:
              "trace rows": info["rows"], "data digest": info["data_digest"],
              "quality gate": f"passed: KL {gate['kl_scd']:.4f} <= {c.gate_vs_raw_kv:g} x raw KV {gate['kl_raw_kv']:.4f}"
              + (f" and <= max_kl {c.max_kl:g}" if c.max_kl is not None else ""),
-             "where the error lives (validation KL)": "; ".join(f"{k}: {v:.4f}" for k, v in split.items()),
+             "where the error lives (validation KL)": "; ".join(f"{k}: {v:.4f}" for k, v in split.items())
+             or "not measured (calibration.diagnostics off)",
              "shared with the producer": f"{found.describe()} (verified: max |difference| "
                                          f"{shared['verified_max_abs']:.2e})"}
     if "ranks" in art.info:

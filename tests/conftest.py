@@ -74,15 +74,41 @@ def demo_work_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("demo-calibration"))
 
 
+SERVE_BUDGET = {"prefixes": 8, "val": 2, "heldout": 1, "aligner_epochs": 2, "pool": 1}   # the serving tests' pairs
+
+
+@pytest.fixture(scope="session")
+def demo_store(tmp_path_factory, demo_work_dir) -> Path:
+    """A store with the demo family's three pairs and the family "fam" (qa, prose), calibrated once for the
+    session at SERVE_BUDGET (resuming demo_work_dir's checkpoints): the serving tests each take a copy
+    (`serving_config`) instead of publishing their own."""
+    from jobs.calibrate import main as calibrate
+    from jobs.family import main as family_job
+    tmp = tmp_path_factory.mktemp("demo-store")
+    cfg = write_config(tmp, **SERVE_BUDGET, work_dir=demo_work_dir)
+    for pair in ("base:qa", "base:prose", "base:code"):
+        calibrate(["--pair", pair, "--config", str(cfg), "--no-actors"])
+    family_job(["--config", str(cfg), "--members", "qa,prose", "--name", "fam", "--publish", "--repeats", "1",
+                "--out", str(tmp / "family")])
+    return tmp / "store"
+
+
+def serving_config(tmp_path, demo_store: Path, demo_work_dir: str) -> Path:
+    """write_config at SERVE_BUDGET for a serving test, its store a copy of the session's `demo_store`."""
+    import shutil
+    shutil.copytree(demo_store, tmp_path / "store")
+    return write_config(tmp_path, **SERVE_BUDGET, work_dir=demo_work_dir)
+
+
 def write_config(tmp_path, **calibration) -> Path:
     """A ray_config.yaml for the demo family with a reduced calibration budget and stores under tmp_path.
-    The quality gates are off, and so is the recompute-block stage: a budget this small fits artifacts that may
-    well lose to raw KV reuse, and these tests are about the mechanics (the gates and the blocks have their
-    own tests)."""
+    The quality gates are off, and so are the recompute-block stage and the report's diagnostics: a budget this
+    small fits artifacts that may well lose to raw KV reuse, and these tests are about the mechanics (the
+    gates, the blocks and the report have their own tests)."""
     import yaml
     cal = {"prefixes": 16, "val": 3, "heldout": 2, "aligner_epochs": 3, "pool": 2, "prefix_tokens": 96,
            "finetune_samples": 8, "finetune_epochs": 1, "gate_vs_raw_kv": 0, "family_vs_pair": 0,
-           "recompute_blocks": False, "work_dir": str(tmp_path / "work"), **calibration}
+           "recompute_blocks": False, "diagnostics": False, "work_dir": str(tmp_path / "work"), **calibration}
     cfg = {"producer": {"name": "base", "path": str(DEMO / "base")},
            "specialists": [{"name": n, "path": str(DEMO / n)} for n in ("qa", "prose", "code")],
            "artifacts": {"uri": str(tmp_path / "store")}, "calibration": cal}

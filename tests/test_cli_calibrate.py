@@ -19,6 +19,10 @@ def test_two_pairs_calibrated_as_concurrent_jobs(ray_cluster, tmp_path, capsys):
     store = ArtifactStore(tmp_path / "store")
     assert {v.pair for v in store.list()} == {"base:qa", "base:prose"}
     assert all(store.verify(v.ref).ok for v in store.list())
+    m = store.show("base:qa")                  # write_config turns the report's diagnostics off
+    assert "report/pareto.png" not in m.files and "report/sensitivity.png" in m.files, sorted(m.files)
+    summary = next(p for p in (tmp_path / "store").rglob("summary.md") if "qa" in str(p)).read_text()
+    assert "not measured (calibration.diagnostics off)" in summary, summary
 
 
 def test_a_failing_job_makes_the_command_fail(ray_cluster, tmp_path, capsys):

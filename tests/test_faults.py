@@ -14,8 +14,7 @@ import ray
 import yaml
 
 from artifacts_store import ArtifactStore
-from jobs.calibrate import main as calibrate
-from tests.conftest import DEMO, REPO, free_port, write_config
+from tests.conftest import DEMO, REPO, free_port, serving_config
 from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, holding_qa, wait_for
 
 NS = "scd-test-faults"
@@ -27,10 +26,9 @@ HELD = 4                    # requests in flight at the producer when it is kill
 
 
 @pytest.fixture(scope="module")
-def served_faults(ray_cluster, tmp_path_factory):
+def served_faults(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     tmp = tmp_path_factory.mktemp("faults")
-    cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
-    calibrate(["--pair", "base:qa", "--config", str(cfg_path), "--no-actors"])
+    cfg_path = serving_config(tmp, demo_store, demo_work_dir)
     raw = yaml.safe_load(cfg_path.read_text())
     raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25,
                            "autoscaling": {"min_replicas": 1, "max_replicas": 1}}]

@@ -68,14 +68,15 @@ def test_rdt_moves_a_device_payload_device_to_device(ray_cluster, kind):
 
 @cuda
 @pytest.mark.parametrize("kind", ["cuda_ipc", "nixl"])
-def test_a_fanout_on_one_gpu_is_served_from_device_payloads(ray_cluster, tmp_path_factory, demo_work_dir, kind):
+def test_a_fanout_on_one_gpu_is_served_from_device_payloads(ray_cluster, tmp_path_factory, demo_store, demo_work_dir,
+                                                            kind):
     """The demo family on one GPU (producer and replicas a quarter of it each), codes over `kind`: a fan-out
     answers from codes (cuda_ipc refuses anything but a payload encoded on the GPU, so `scd` there means the
     codes stayed in device memory)."""
     import ray
     from tests.test_serve import PREFIX, _post
     from tests.test_serve_nixl import serve_family
-    served = serve_family(tmp_path_factory, demo_work_dir, kind, f"scd-test-gpu-{kind}", gpus=0.25)
+    served = serve_family(tmp_path_factory, demo_store, demo_work_dir, kind, f"scd-test-gpu-{kind}", gpus=0.25)
     url, producer = next(served)
     try:
         for i in range(2):

@@ -10,20 +10,18 @@ import pytest
 import ray
 import yaml
 
-from jobs.calibrate import main as calibrate
-from tests.conftest import DEMO, free_port, write_config
+from tests.conftest import DEMO, free_port, serving_config
 from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, wait_for
 
 NS = "scd-test-pool"
 
 
 @pytest.fixture(scope="module")
-def served_pool(ray_cluster, tmp_path_factory, demo_work_dir):
+def served_pool(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     """qa (calibrated) and nocal (no artifact) behind two producers. Yields (url, the pool actor)."""
     from actors.producer_pool import POOL_NAME
     tmp = tmp_path_factory.mktemp("pool")
-    cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1, work_dir=demo_work_dir)
-    calibrate(["--pair", "base:qa", "--config", str(cfg_path), "--no-actors"])
+    cfg_path = serving_config(tmp, demo_store, demo_work_dir)
     raw = yaml.safe_load(cfg_path.read_text())
     one = {"num_cpus": 0.25, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
     raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), **one},

@@ -5,7 +5,6 @@ import dataclasses
 import json
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import ray
@@ -13,9 +12,7 @@ import yaml
 
 from artifacts_store import ArtifactStore
 from cluster.config import load_config
-from jobs.calibrate import main as calibrate
-from jobs.family import main as family_job
-from tests.conftest import DEMO, free_port, write_config
+from tests.conftest import DEMO, free_port, serving_config
 
 PREFIX = ("Notes:\nClara Petrov lives in Galen Cross. Tilda Vance works as a brewer. Clara Petrov owns a teal "
           "kettle. Tilda Vance lives in Hythe.\n")
@@ -48,14 +45,10 @@ def deploy_and_wait(cfg_path, raw: dict):
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, tmp_path_factory, demo_work_dir):
+def served(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     from actors.producer_actor import producer_name
     tmp = tmp_path_factory.mktemp("serve")
-    cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1, work_dir=demo_work_dir)
-    for pair in ("base:qa", "base:prose", "base:code"):
-        calibrate(["--pair", pair, "--config", str(cfg_path), "--no-actors"])
-    family_job(["--config", str(cfg_path), "--members", "qa,prose", "--name", "fam", "--publish", "--repeats", "1",
-                "--out", str(tmp / "family")])
+    cfg_path = serving_config(tmp, demo_store, demo_work_dir)
     store = ArtifactStore(tmp / "store")
     art, manifest = store.load("base:qa")                  # calibrated for qa's weights, published for "wrong"
     store.publish(dataclasses.replace(art, pair="base:wrong"), manifest.fingerprints, manifest.calibration)

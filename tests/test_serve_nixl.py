@@ -9,27 +9,21 @@ import pytest
 import ray
 import yaml
 
-from jobs.calibrate import main as calibrate
-from jobs.family import main as family_job
-from tests.conftest import DEMO, free_port, write_config
+from tests.conftest import DEMO, free_port, serving_config
 from tests.test_serve import (PREFIX, _get, _post, deploy_and_wait, running_replicas, scale_up_with_held_requests,
                               wait_for)
 
 NS = "scd-test-nixl"
 
 
-def serve_family(tmp_path_factory, demo_work_dir, transport: str, namespace: str, qa: dict | None = None,
+def serve_family(tmp_path_factory, demo_store, demo_work_dir, transport: str, namespace: str, qa: dict | None = None,
                  gpus: float = 0):
-    """qa and prose (calibrated, and published as the family "fam") served with `transport` in `namespace`;
-    `qa`: more settings of the qa specialist; `gpus`: each model's share of a GPU (0: on CPU). Yields (url,
-    the producer's handle); Serve stops after."""
+    """qa and prose (calibrated, and published as the family "fam": the session's demo_store) served with
+    `transport` in `namespace`; `qa`: more settings of the qa specialist; `gpus`: each model's share of a GPU
+    (0: on CPU). Yields (url, the producer's handle); Serve stops after."""
     from actors.producer_actor import producer_name
     tmp = tmp_path_factory.mktemp(f"serve-{transport}")
-    cfg_path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1, work_dir=demo_work_dir)
-    for pair in ("base:qa", "base:prose"):
-        calibrate(["--pair", pair, "--config", str(cfg_path), "--no-actors"])
-    family_job(["--config", str(cfg_path), "--members", "qa,prose", "--name", "fam", "--publish", "--repeats", "1",
-                "--out", str(tmp / "family")])
+    cfg_path = serving_config(tmp, demo_store, demo_work_dir)
     raw = yaml.safe_load(cfg_path.read_text())
     place = {"num_cpus": 0.25, "num_gpus": gpus}
     raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), **place, **(qa or {})},
@@ -61,8 +55,8 @@ def codes_again_after_a_producer_crash(url: str, producer) -> list:
 
 
 @pytest.fixture(scope="module")
-def served_nixl(ray_cluster, tmp_path_factory, demo_work_dir):
-    yield from serve_family(tmp_path_factory, demo_work_dir, "nixl", NS, {"autoscaling": {
+def served_nixl(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
+    yield from serve_family(tmp_path_factory, demo_store, demo_work_dir, "nixl", NS, {"autoscaling": {
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
         "downscale_delay_s": 2}})
 
