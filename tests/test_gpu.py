@@ -57,6 +57,39 @@ def test_a_device_payload_is_encoded_checked_and_decoded_in_device_memory():
 
 
 @cuda
+def test_a_klt_exact_plan_encoded_and_rebuilt_on_the_gpu_matches_the_host_path():
+    """klt on the GPU: the symbols are made, zigzagged and laid out in device memory (encode_wire), decoded there,
+    and the rebuilt cache (the sink computed on the GPU) matches the host path's."""
+    from scd.fitting import exact
+    from scd.online import codec
+    from scd.online.models import ModelSpec
+    from scd.online.rebuild import encode, rebuild
+    from scd.online.trace import capture
+    from tests.conftest import tiny_llama
+    base = tiny_llama(0, layers=4)
+    spec = ModelSpec.from_config(base.config)
+    g = torch.Generator().manual_seed(0)
+    prefixes = [torch.randint(2, 97, (40,), generator=g) for _ in range(6)]
+    art = exact.artifact("a:b", spec, 3, "klt", klt_codes=exact.klt_codecs(base, prefixes, spec.num_layers, 0.1))
+    ids = prefixes[0][None]
+    dims = codec.artifact_dims(art)
+    host = codec.decode(codec.encode(encode(art, capture(base, ids, want_hidden=True), ids), "a:b", "v1", dims, "klt"),
+                        "a:b", "v1", art.plan, [dims])
+    kv_host, _ = rebuild(base, art, host)
+    gpu, art_gpu = base.cuda(), art.to("cuda")
+    wire = codec.encode_wire(encode(art_gpu, capture(gpu, ids.cuda(), want_hidden=True), ids.cuda()), "a:b", "v1",
+                             dims, "klt")
+    assert wire.body.is_cuda
+    dev = codec.decode(wire, "a:b", "v1", art.plan, [dims])
+    assert dev.layers[1]["k"].is_cuda
+    kv_dev, _ = rebuild(gpu, art_gpu, dev)
+    err = max((a - b.cpu()).abs().max().item() for kv1, kv2 in zip(kv_host, kv_dev) for a, b in zip(kv1, kv2))
+    step = max(float(c.dec.norm(dim=1).max()) for c in [*art.klt_k.values(), *art.klt_v.values()])
+    assert err <= 1.01 * step + 1e-3, f"klt rebuilt on the GPU differs from the host path by {err:.2e} (step {step:.2e}: " \
+                                      f"float noise may move a symbol by one)"
+
+
+@cuda
 @pytest.mark.parametrize("kind", ["nixl", "cuda_ipc"])
 def test_rdt_moves_a_device_payload_device_to_device(ray_cluster, kind):
     """A payload encoded on the producer's GPU, pulled by two replicas through Ray Direct Transport: it arrives

@@ -46,8 +46,8 @@ class Stats:
     def update(self, x: torch.Tensor, mask: torch.Tensor) -> None:
         """x (B, n_kv, T, d) of prefixes left-padded by `mask` (B, T)."""
         keep = mask.bool().clone()
-        keep[torch.arange(len(keep)), first_real(mask)] = False
-        r = rows(x)[keep].double()
+        keep[torch.arange(len(keep), device=keep.device), first_real(mask)] = False
+        r = rows(x)[keep].double().cpu()
         self.n += len(r)
         self.sum += r.sum(0)
         self.gram += r.T @ r
@@ -70,7 +70,7 @@ def encode(c: LinearCodec, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     over the tokens side by side: zstd finds the runs of zeros of the narrow axes). The sinks' are zeros."""
     b, n_kv, t, d = x.shape
     y = torch.round(c.encode(rows(x).float())).clamp_(-SYMBOL_MAX, SYMBOL_MAX)   # the wire's range
-    y[torch.arange(b), first_real(mask)] = 0
+    y[torch.arange(b, device=y.device), first_real(mask)] = 0
     return y.transpose(1, 2).reshape(b, n_kv, t, d)
 
 
@@ -86,7 +86,7 @@ def sink_kv(model, token_ids: torch.Tensor, mask: torch.Tensor, stop: int) -> li
     """(K post-RoPE, V), each (B, n_kv, 1, d), of each row's first real token at layers [0, stop): that token
     alone at position 0 through the model's own layers (the shared ones: the producer's, bit for bit)."""
     b = token_ids.shape[0]
-    first = token_ids[torch.arange(b), first_real(mask)][:, None]
+    first = token_ids[torch.arange(b, device=token_ids.device), first_real(mask)][:, None]
     x = model.model.embed_tokens(first)
     ones = torch.ones_like(first)
     return run_layers(model, x, ones, torch.zeros_like(first), 0, stop)
