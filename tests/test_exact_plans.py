@@ -29,24 +29,29 @@ def _top_adapted(base, first: int, scale: float = 0.5, seed: int = 1):
     return other
 
 
+def answers_as_the_oracle(base, top, art, seed: int, grow: int, prompts: int = 6) -> int:
+    """How many of `prompts` greedy answers (12 tokens, prefixes of 10, 10 + grow, ... random tokens) the engines
+    serving `art` (the producer on `base`, the specialist `top`) give as the specialist's own prefill does;
+    every one must be served from codes."""
+    tok = _tokenizer(97)
+    producer = ProducerEngine(base, tok, {art.pair: (art, "v1")}, cache_bytes=1 << 20)
+    served, oracle = SpecialistEngine("top", top, tok, art, "v1"), SpecialistEngine("top", top, tok)
+    params = GenParams(max_tokens=12)
+    g = torch.Generator().manual_seed(seed)
+    same = 0
+    for i in range(prompts):
+        prefix = torch.randint(2, 97, (10 + grow * i,), generator=g).tolist()
+        payload = producer.encode(prefix, [art.pair]).per_pair[art.pair].payload
+        text, info, _ = served.complete(prefix, [11], payload, None, params)
+        assert info.mode == "scd" and ("recompute" in info.timings) == bool(art.blocks), info
+        same += text == oracle.complete(prefix, [11], None, "oracle", params)[0]
+    return same
+
+
 def test_the_engines_serve_an_exact_plan_as_the_oracle_answers():
     base = tiny_llama(0, layers=6)
-    top = _top_adapted(base, 4)
-    spec = ModelSpec.from_config(base.config)
-    tok = _tokenizer(97)
-    art = exact.artifact("a:top", spec, 4, "bf16")
-    producer = ProducerEngine(base, tok, {"a:top": (art, "v1")}, cache_bytes=1 << 20)
-    served = SpecialistEngine("top", top, tok, art, "v1")
-    oracle = SpecialistEngine("top", top, tok)
-    params = GenParams(max_tokens=12)
-    g = torch.Generator().manual_seed(3)
-    same = 0
-    for i in range(6):
-        prefix = torch.randint(2, 97, (int(10 + 5 * i),), generator=g).tolist()
-        payload = producer.encode(prefix, ["a:top"]).per_pair["a:top"].payload
-        text, info, _ = served.complete(prefix, [11], payload, None, params)
-        assert info.mode == "scd" and "recompute" in info.timings, info
-        same += text == oracle.complete(prefix, [11], None, "oracle", params)[0]
+    art = exact.artifact("a:top", ModelSpec.from_config(base.config), 4, "bf16")
+    same = answers_as_the_oracle(base, _top_adapted(base, 4), art, seed=3, grow=5)
     assert same == 6, f"an exact plan in bf16 should answer as the oracle: {same} of 6 greedy answers equal"
 
 

@@ -116,24 +116,8 @@ def test_klt_codes_survive_save_and_load_and_families_refuse_them(tiny, tmp_path
 
 
 def test_the_engines_serve_a_klt_plan_and_answer_as_the_oracle_at_a_fine_step(tiny):
-    from actors.messages import GenParams
-    from actors.producer import ProducerEngine
-    from actors.specialist import SpecialistEngine
-    from tests.test_exact_plans import _top_adapted
-    from tests.test_models import _tokenizer
+    from tests.test_exact_plans import _top_adapted, answers_as_the_oracle
     base, spec, prefixes = tiny
-    top = _top_adapted(base, 3)
-    tok = _tokenizer(97)
     art = exact.artifact("a:top", spec, 3, "klt", klt_codes=exact.klt_codecs(base, prefixes, spec.num_layers, 0.02))
-    producer = ProducerEngine(base, tok, {"a:top": (art, "v1")}, cache_bytes=1 << 20)
-    served, oracle = SpecialistEngine("top", top, tok, art, "v1"), SpecialistEngine("top", top, tok)
-    params = GenParams(max_tokens=12)
-    g = torch.Generator().manual_seed(4)
-    same = 0
-    for i in range(6):
-        prefix = torch.randint(2, 97, (int(10 + 6 * i),), generator=g).tolist()
-        payload = producer.encode(prefix, ["a:top"]).per_pair["a:top"].payload
-        text, info, _ = served.complete(prefix, [11], payload, None, params)
-        assert info.mode == "scd", info
-        same += text == oracle.complete(prefix, [11], None, "oracle", params)[0]
+    same = answers_as_the_oracle(base, _top_adapted(base, 3), art, seed=4, grow=6)
     assert same >= 5, f"klt at step 0.02 should answer as the oracle: {same} of 6 greedy answers equal"
