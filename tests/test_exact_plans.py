@@ -74,6 +74,10 @@ def test_the_entry_chosen_is_the_cheapest_modeled_ttft_that_meets_the_bound():
     assert exact.choose(packed, 2e-5, exact.Bound(0.2, 1.0, max_kl=0.002), gbps=25) == packed[0], \
         "where raw KV is exact, an absolute max_kl is the bound"
     assert exact.choose(packed, 0.1, exact.Bound(0.2, 1.0, max_kl=0.001), gbps=25) is None
+    either = exact.Bound(max_kl_ratio=1.0, max_consumer_ratio=1.0)
+    assert exact.choose(pts[1:], raw, either, gbps=25)["entry"] == 8
+    slow_encode = [pts[1], {**pts[2], "producer_ms": 500.0}]           # the producer's encode counts too
+    assert exact.choose(slow_encode, raw, either, gbps=25)["entry"] == 6
     assert exact.entries(18, 30) == [18, 21, 24, 27, 30] and exact.entries(4, 6) == [4, 5, 6]
     assert exact.entries(18, 30, adapted_until=24) == [18, 20, 21, 22, 30], "above layer 23 it is raw KV again"
 

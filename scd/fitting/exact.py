@@ -103,14 +103,16 @@ def curve(producer, consumer, tok, pair: str, spec, found, samples, code_dtype: 
                                                          klt_codes=klt_codes), f"enter@{e}") for e in es]
     rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc)}
     out = [{"entry": e, "consumer_ratio": (spec.num_layers - e) / spec.num_layers, "dtype": code_dtype,
-            **{k: rows[f"enter@{e}"][k] for k in ("kl", "payload_ratio", "payload_bytes", "consumer_ms", "greedy")}}
+            **{k: rows[f"enter@{e}"][k] for k in ("kl", "payload_ratio", "payload_bytes", "consumer_ms",
+                                                  "producer_ms", "greedy")}}
            for e in es]
     return out, rows["raw_kv"]
 
 
 def modeled_ttft_ms(point: dict, gbps: float) -> float:
-    """The consumer's time to its cache: the payload over the link, plus its measured compute."""
-    return transfer_ms(point["payload_bytes"], gbps) + point["consumer_ms"]
+    """The consumer's time to its cache once the producer holds the prefix: the producer's encode, the payload
+    over the link, the consumer's compute (each measured; an older record without the encode counts none)."""
+    return point.get("producer_ms", 0.0) + transfer_ms(point["payload_bytes"], gbps) + point["consumer_ms"]
 
 
 def choose(points: list[dict], raw_kl: float, bound: Bound, gbps: float) -> dict | None:
