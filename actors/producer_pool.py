@@ -57,6 +57,8 @@ class ProducerPool:
         self.drain_s = 2 * REFRESH_S + cfg.producer_timeout_s + 1.0
         self.lock = threading.Lock()
         self.live: dict[str, object] = {}          # name -> handle, oldest first
+        self.starting: dict[str, object] = {}      # added by a scale-up, not yet answering: routed to once they do
+        self.probes: dict[str, object] = {}        # a starting producer's pending stats call
         self.draining: dict[str, tuple[object, float]] = {}   # name -> (handle, kill at: monotonic)
         self.version = 0                           # bumped on every membership change
         self.next_index = 0
@@ -65,7 +67,7 @@ class ProducerPool:
         self.events: list[dict] = []                # scaling and recreation, newest last (at most 50)
         self.load: dict[str, dict] = {}            # name -> its last stats
         self._adopt()                              # after a restart of this pool: its producers still run
-        self._reconcile()
+        self._reconcile(wait=False)                # the first ones: the deployment waits for them to answer
         threading.Thread(target=self._loop, daemon=True, name="producer-pool").start()
 
     # -- membership -------------------------------------------------------------------------------------
@@ -98,16 +100,27 @@ class ProducerPool:
         self.events = (self.events + [{"at": time.time(), "what": what}])[-50:]
         log.warning("producer pool: %s", what)
 
-    def _reconcile(self) -> None:
-        """Add producers (new names) or drain the newest, until `target` are live."""
+    def _reconcile(self, wait: bool = True) -> None:
+        """Add producers (new names) or take away the newest, until `target` are live or starting. A producer
+        added with `wait` starts apart and joins the live ones (the routers' ring) once it answers (`_check`):
+        until its model is loaded, the prefixes it would own stay with the producers that have theirs. Taking
+        away drops a starting one first, else drains the newest live one."""
         with self.lock:
-            while len(self.live) < self.target:
+            while len(self.live) + len(self.starting) < self.target:
                 name = producer_name(self.next_index)
                 self.next_index += 1
                 _kill_named(name, self.namespace)         # a leftover of an earlier pool under that name
-                self.live[name] = self._create(name)
-                self.version += 1
-                self._event(f"added {name} ({len(self.live)} live)")
+                if wait:
+                    self.starting[name] = self._create(name)
+                    self._event(f"starting {name}")
+                else:
+                    self.live[name] = self._create(name)
+                    self.version += 1
+                    self._event(f"added {name} ({len(self.live)} live)")
+            while len(self.live) + len(self.starting) > self.target and self.starting:
+                name, handle = self.starting.popitem()
+                ray.kill(handle, no_restart=True)
+                self._event(f"stopped {name} before it started")
             while len(self.live) > self.target:
                 name = list(self.live)[-1]
                 self.draining[name] = (self.live.pop(name), time.monotonic() + self.drain_s)
@@ -117,7 +130,8 @@ class ProducerPool:
     def members(self) -> dict:
         with self.lock:
             return {"version": self.version, "live": list(self.live), "draining": list(self.draining),
-                    "target": self.target, "autoscaling": self.autoscaling is not None}
+                    "starting": list(self.starting), "target": self.target,
+                    "autoscaling": self.autoscaling is not None}
 
     def scale(self, n: int) -> dict:
         """Set the number of producers by hand (autoscaling, if configured, moves it again from the load)."""
@@ -133,8 +147,8 @@ class ProducerPool:
     def shutdown(self) -> None:
         """Kill every producer of the pool (undeploy)."""
         with self.lock:
-            handles = list(self.live.values()) + [h for h, _ in self.draining.values()]
-            self.live, self.draining, self.target = {}, {}, 0
+            handles = [*self.live.values(), *self.starting.values(), *(h for h, _ in self.draining.values())]
+            self.live, self.starting, self.draining, self.target = {}, {}, {}, 0
             self.version += 1
         for h in handles:
             try:
@@ -156,10 +170,24 @@ class ProducerPool:
         with self.lock:
             done = [n for n, (_, at) in self.draining.items() if at <= now]
             handles = {n: self.draining.pop(n)[0] for n in done}
-            live = dict(self.live)
+            live, starting = dict(self.live), dict(self.starting)
         for name, h in handles.items():
             ray.kill(h, no_restart=True)
             self._event(f"removed {name}")
+        if starting:                               # those that answer now join the ring (one probe each)
+            probes = {name: self.probes.get(name) or h.stats.remote() for name, h in starting.items()}
+            answered, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=0.5)
+            self.probes = {name: ref for name, ref in probes.items() if ref not in answered}
+            for name, ref in probes.items():
+                try:
+                    ok = ref in answered and ray.get(ref) is not None
+                except ray.exceptions.RayError:     # died while starting: Ray restarts it, ask again
+                    ok = False
+                with self.lock:
+                    if ok and name in self.starting:
+                        self.live[name] = self.starting.pop(name)
+                        self.version += 1
+                        self._event(f"added {name} ({len(self.live)} live)")
         refs = {name: h.stats.remote() for name, h in live.items()}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=5.0)
         for name, ref in refs.items():

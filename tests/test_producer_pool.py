@@ -27,7 +27,7 @@ def served_pool(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), **one},
                           {"name": "nocal", "path": str(DEMO / "qa"), **one}]
     raw["producer"].update(num_cpus=0.25, replicas=2)
-    raw.update(ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=20,
+    raw.update(ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=60,
                limits={"request_timeout_s": 600, "specialist_max_ongoing": 8, "producer_retry_s": 0.5})
     _, url = deploy_and_wait(cfg_path, raw)
     yield url, ray.get_actor(POOL_NAME, namespace=NS)
@@ -136,7 +136,7 @@ def test_the_pool_grows_and_shrinks_under_load_each_prefix_moving_at_most_once_a
         for n in (2, 1):
             marks.append(time.monotonic())
             ray.get(pool.scale.remote(n))
-            assert wait_for(lambda: len(producers(url)) == n, 30), producers(url)
+            assert wait_for(lambda: len(producers(url)) == n, 120), producers(url)
             time.sleep(4)
         stop.set()
         seen = running.result()
