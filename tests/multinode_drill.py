@@ -14,7 +14,7 @@ join; one qa replica is replaced until the two sit on different workers. Then lo
 a surviving node and answers `scd` again and Serve runs both qa replicas on survivors (or `--bound-s`
 passes), then a short tail of load. On failure the JSON line carries `error`, and the exit status is 1.
 
-    python tests/multinode_drill.py [--bound-s 60] [--threads 3]
+    python tests/multinode_drill.py [--bound-s 60] [--threads 3] [--store STORE_WITH_BASE_QA]
 """
 from __future__ import annotations
 
@@ -57,15 +57,21 @@ def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
         return 0, {"error": f"{type(e).__name__}: {e}"}
 
 
-def write_drill_config(tmp: Path, port: int) -> Path:
-    """The test suite's demo config, one calibrated pair (base:qa), placed by the worker resource and label."""
+def write_drill_config(tmp: Path, port: int, store: Path | None = None) -> Path:
+    """The test suite's demo config, one calibrated pair (base:qa), placed by the worker resource and label;
+    `store`: a store that has base:qa (the test session's, copied), else it is calibrated here."""
+    import shutil
+
     import yaml
 
     from jobs.calibrate import main as calibrate
-    from tests.conftest import DEMO, write_config
-    path = write_config(tmp, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
-    with contextlib.redirect_stdout(sys.stderr):         # stdout carries the one JSON line
-        calibrate(["--pair", "base:qa", "--config", str(path), "--no-actors"])
+    from tests.conftest import DEMO, SERVE_BUDGET, write_config
+    if store is not None:
+        shutil.copytree(store, tmp / "store")
+    path = write_config(tmp, **SERVE_BUDGET)
+    if store is None:
+        with contextlib.redirect_stdout(sys.stderr):     # stdout carries the one JSON line
+            calibrate(["--pair", "base:qa", "--config", str(path), "--no-actors"])
     raw = yaml.safe_load(path.read_text())
     raw["producer"].update(num_cpus=0.25, resources={"scd_worker": 1})
     raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25,
@@ -150,7 +156,7 @@ def running_replicas(deployment: str = "specialist-qa") -> int:
     return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) == "RUNNING")
 
 
-def drill(seen: dict, bound_s: float, threads: int) -> None:
+def drill(seen: dict, bound_s: float, threads: int, store: Path | None = None) -> None:
     """Runs the drill, filling `seen` as it goes (so a failure still reports what came before it)."""
     import ray
     from ray import serve
@@ -164,7 +170,7 @@ def drill(seen: dict, bound_s: float, threads: int) -> None:
     seen.update(bound_s=bound_s, threads=threads)
     tmp = Path(tempfile.mkdtemp(prefix="scd-drill-"))
     port = free_port()
-    cfg = load_config(write_drill_config(tmp, port))
+    cfg = load_config(write_drill_config(tmp, port, store))
     seen["calibrate_s"] = round(time.monotonic() - t_all, 1)
     cluster = None
     try:
@@ -284,11 +290,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bound-s", type=float, default=60, help="how long after the kill the app may take to heal")
     p.add_argument("--threads", type=int, default=3, help="load threads posting /v1/completions")
+    p.add_argument("--store", type=Path, help="an artifact store holding base:qa (default: calibrate it first)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # a test's timeout: run the finally, then exit
     seen: dict = {}
     try:
-        drill(seen, args.bound_s, args.threads)
+        drill(seen, args.bound_s, args.threads, args.store)
     except BaseException as e:                            # SystemExit from SIGTERM too: report, then fail
         seen["error"] = f"{type(e).__name__}: {e}"
     print(json.dumps(seen), flush=True)

@@ -3,13 +3,14 @@ from pathlib import Path
 
 from artifacts_store import ArtifactStore
 from cli.main import main as scd
-from tests.conftest import write_config
+from tests.conftest import SERVE_BUDGET, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_two_pairs_calibrated_as_concurrent_jobs(ray_cluster, tmp_path, capsys):
-    cfg = write_config(tmp_path, prefixes=8, val=2, heldout=1, aligner_epochs=2, pool=1)
+def test_two_pairs_calibrated_as_concurrent_jobs(ray_cluster, tmp_path, capsys, demo_work_dir):
+    # the session's checkpoints: the jobs resume the fits the serving tests made, and evaluate and publish here
+    cfg = write_config(tmp_path, **SERVE_BUDGET, work_dir=demo_work_dir)
     rc = scd(["calibrate", "--pair", "base:qa", "--pair", "base:prose", "--address", ray_cluster,
               "--config", str(cfg), "--working-dir", str(REPO)])
     out = capsys.readouterr().out

@@ -14,13 +14,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 60          # the producer ALIVE elsewhere and answering scd, and qa back at 2 replicas, within this
-TIMEOUT_S = 480       # the whole drill (calibration, 3 nodes, Serve, load, recovery, teardown) on 2 cores
+TIMEOUT_S = 480       # the whole drill (3 nodes, Serve, load, recovery, teardown) on 2 cores
 
 
 @pytest.fixture(scope="module")
-def drill():
+def drill(demo_store):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}    # the drill starts its own cluster
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "multinode_drill.py"), "--bound-s", str(BOUND_S)],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "multinode_drill.py"), "--bound-s", str(BOUND_S),
+                             "--store", str(demo_store)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)             # its own process group: the Cluster's too
     try:
