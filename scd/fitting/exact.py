@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
+from scd.fitting.gram import JointGram
 from scd.online import klt
 from scd.online.artifacts import PairArtifacts, exact_plan
 from scd.online.links import transfer_ms
@@ -71,14 +72,17 @@ KLT_PREFIXES = 32           # calibration prefixes the transform codes are fitte
 def klt_codecs(producer, prefixes, num_layers: int, step: float) -> tuple[dict, dict]:
     """The transform codes (scd.online.klt) of the producer's keys and values at every layer, fitted on the
     first KLT_PREFIXES of `prefixes` (token id lists): ({layer: keys' codec}, {layer: values' codec})."""
-    sk, sv = {}, {}
+    sk, sv = {}, {}                                   # layer -> the Gram of its rows, the sinks left out
     for ids in tqdm(prefixes[:KLT_PREFIXES], desc="klt axes", leave=False):
         ids = torch.as_tensor(ids)[None]
         tr = capture(producer, ids, want_xnorm=False)
+        keep = klt.without_sinks(tr.mask)
         for l in range(num_layers):
-            for stats, x in ((sk, tr.content[l]), (sv, tr.values[l])):
-                stats.setdefault(l, klt.Stats(x.shape[1] * x.shape[3])).update(x, tr.mask)
-    return ({l: klt.codec(s, step) for l, s in sk.items()}, {l: klt.codec(s, step) for l, s in sv.items()})
+            for grams, x in ((sk, tr.content[l]), (sv, tr.values[l])):
+                r = klt.rows(x)[keep].cpu()
+                grams.setdefault(l, JointGram(r.shape[1], 0)).update(r, r[:, :0])
+    make = lambda g: klt.codec(g.s / g.n, g.cov(), step)  # noqa: E731
+    return {l: make(g) for l, g in sk.items()}, {l: make(g) for l, g in sv.items()}
 
 
 def artifact(pair: str, spec, entry: int, code_dtype: str, info: dict | None = None,

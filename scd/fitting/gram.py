@@ -17,8 +17,9 @@ class JointGram:
         self.g = torch.zeros(d_a + d_b, d_a + d_b, dtype=torch.float64)
 
     def update(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """a: (..., d_a), b: (..., d_b) with the same leading shape (rows paired)."""
-        x = torch.cat([a.reshape(-1, self.d_a), b.reshape(-1, self.d_b)], dim=1).double()
+        """a: (..., d_a), b: (..., d_b) with the same leading shape (rows paired; d_b may be 0: A's alone)."""
+        a = a.reshape(-1, self.d_a)
+        x = torch.cat([a, b.reshape(len(a), self.d_b)], dim=1).double()
         self.n += x.shape[0]
         self.s += x.sum(0)
         self.g += x.T @ x

@@ -4,7 +4,7 @@ A layer the consumer shares with its producer holds the producer's own K and V, 
 compressing one model's cache: no translation, only bits. This is textbook transform coding (a
 Karhunen-Loeve transform), the design of image and audio codecs:
   - each token's keys before RoPE (every KV head side by side, n_kv x d values) and its values are rotated
-    into their principal axes, fitted once on calibration prefixes (`Stats`, `codecs`);
+    into their principal axes, fitted once on calibration prefixes (`codec`);
   - one uniform step per layer and stream, `step` x the root mean square of its coefficients, rounds them to
     integer symbols ("sym16" in scd.online.codec: 16 bits each, most of them small);
   - zstd entropy-codes the symbols, laid out axis by axis.
@@ -36,28 +36,17 @@ def first_real(mask: torch.Tensor) -> torch.Tensor:
     return mask.long().argmax(1)
 
 
-class Stats:
-    """Running mean and Gram matrix of one stream's rows (float64), the sink token of each prefix left out."""
-
-    def __init__(self, width: int):
-        self.n, self.sum = 0, torch.zeros(width, dtype=torch.float64)
-        self.gram = torch.zeros(width, width, dtype=torch.float64)
-
-    def update(self, x: torch.Tensor, mask: torch.Tensor) -> None:
-        """x (B, n_kv, T, d) of prefixes left-padded by `mask` (B, T)."""
-        keep = mask.bool().clone()
-        keep[torch.arange(len(keep), device=keep.device), first_real(mask)] = False
-        r = rows(x)[keep].double().cpu()
-        self.n += len(r)
-        self.sum += r.sum(0)
-        self.gram += r.T @ r
+def without_sinks(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the real tokens of left-padded rows, each row's sink left out."""
+    keep = mask.bool().clone()
+    keep[torch.arange(len(keep), device=keep.device), first_real(mask)] = False
+    return keep
 
 
-def codec(stats: Stats, step: float) -> LinearCodec:
-    """The transform code of one stream: encode(x) = (x - mean) U / s, decode(y) = mean + y s U^T, with U the
-    principal axes and s = step x the coefficients' root mean square. Rounding the code is left to the wire."""
-    mean = stats.sum / stats.n
-    cov = stats.gram / stats.n - torch.outer(mean, mean)
+def codec(mean: torch.Tensor, cov: torch.Tensor, step: float) -> LinearCodec:
+    """The transform code of one stream of rows with this mean and covariance (scd.fitting.exact.klt_codecs):
+    encode(x) = (x - mean) U / s, decode(y) = mean + y s U^T, with U the principal axes and s = step x the
+    coefficients' root mean square. Rounding the code is left to the wire."""
     var, axes = torch.linalg.eigh(cov)
     axes = axes.flip(1)                                  # widest axis first
     s = step * float(var.clamp(min=0).mean().sqrt())
