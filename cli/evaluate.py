@@ -185,8 +185,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="code precision on the wire (default: the one the artifact was calibrated for)")
     p.add_argument("--droidspeak-layers", type=int, default=2)
     p.add_argument("--work-dir", default="runs/eval", help="traces and the calibrated artifact are kept here")
+    p.add_argument("--cost-tokens", type=int, default=0, metavar="N",
+                   help="also time each method's consumer compute over the consumer's own prefill on one prefix "
+                        "of N tokens, side by side (Table 2 reads 2048; 0: only at the held-out prefixes' length)")
     p.add_argument("--json", action="store_true")
     args = parse(p, argv)
+    if args.cost_tokens < 0:
+        p.error("--cost-tokens must be >= 0")
     wanted = args.methods.split(",")
     unknown = [m for m in wanted if m not in methods.METHODS]
     if unknown:
@@ -222,7 +227,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                for name, dtype in (("exact", "bf16"), ("exact_int8", "int8"), ("exact_kivi4", "kivi4"),
                                    ("exact_klt", "klt"))}}
     ms = [make[m]() for m in wanted]
-    rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}")
+    context = getattr(consumer.config, "max_position_embeddings", None)
+    if context and args.cost_tokens > context:
+        raise SystemExit(f"--cost-tokens {args.cost_tokens} is longer than {pair}'s context of {context} tokens")
+    rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}", cost_tokens=args.cost_tokens)
     # the consumer's compute the bound's ceiling counts: the share of its layers it runs over the prefix (a
     # count, not a timing: the same on a busy machine as on a quiet one)
     layers_run = {m.name: (m.art.consumer_layers if isinstance(m, methods.SCDMethod) else

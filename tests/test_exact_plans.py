@@ -122,12 +122,19 @@ def test_scd_eval_takes_the_exact_plan_and_marks_what_fails_the_bound(top_folder
     folder, first = top_folder
     rows = {r["method"]: r for r in evaluate([
         "--producer", str(DEMO / "base"), "--consumer", str(folder), "--samples", "2", "--val", "3",
-        "--prefix-tokens", "64", "--methods", "raw_kv,int4_kv,scd", "--work-dir", str(tmp_path), "--json"])}
+        "--prefix-tokens", "64", "--methods", "raw_kv,int4_kv,scd", "--work-dir", str(tmp_path), "--json",
+        "--cost-tokens", "256"])}
     err = capsys.readouterr().err
     assert "exact plan: enter at layer" in err and "stage traces" not in err, err
     assert rows["scd"]["kl"] < 0.05 * rows["raw_kv"]["kl"] and rows["scd"]["meets_bound"] is True, rows["scd"]
     assert rows["raw_kv"]["meets_bound"] is False, "raw KV is 1 x itself, outside a bound of 0.2 x"
     assert not any(tmp_path.iterdir()), "an exact plan fits nothing: the work folder stays empty"
+    # Table 2's cost column: every method timed beside the consumer's own prefill on one 256-token prefix
+    assert all(r["cost_tokens"] == 256 and r["cost_ratio"] > 0 for r in rows.values()), rows
+    with pytest.raises(SystemExit, match="longer than .* context"):
+        evaluate(["--producer", str(DEMO / "base"), "--consumer", str(folder), "--samples", "1", "--val", "3",
+                  "--prefix-tokens", "64", "--methods", "raw_kv", "--work-dir", str(tmp_path),
+                  "--cost-tokens", "100000"])
 
 
 def test_scd_eval_measures_bf16_and_klt_with_exact_dtype_auto(top_folder, tmp_path, capsys):

@@ -37,3 +37,26 @@ def test_the_base_alone_is_the_producer_answering_and_scores_no_gain():
     one = Evaluator(producer, consumer).run(samples[:1], [BaseAlone(producer)])[0]
     assert abs(math.log(one["ppl"]) - nll) < 1e-4, (math.log(one["ppl"]), nll)
     assert rows["base"]["kl"] > 1e-3, "the base must differ from the specialist, or this test proves nothing"
+
+
+def test_cost_times_every_method_on_one_prefix_of_the_asked_length_beside_the_oracles_prefill():
+    producer = tiny_llama(0)
+    consumer = perturbed(producer, 0.3)
+    g = torch.Generator().manual_seed(5)
+    samples = [Sample(torch.randint(2, 97, (20,), generator=g), torch.randint(2, 97, (6,), generator=g))
+               for _ in range(2)]
+    seen = []
+
+    class Recording(RawKV):
+        def build(self, consumer, ids, mask, producer_trace):
+            seen.append(tuple(ids.shape))
+            return super().build(consumer, ids, mask, producer_trace)
+
+    rows = {r["method"]: r for r in Evaluator(producer, consumer, greedy_tokens=2).run(
+        samples, [Oracle(), BaseAlone(producer), Recording()], cost_tokens=50, cost_repeats=2)}
+    # 2 held-out builds, then 2 timed builds on one 50-token prefix (the 20-token prefixes end to end, repeated)
+    assert seen == [(1, 20), (1, 20), (1, 50), (1, 50)], seen
+    assert rows["oracle"]["cost_ratio"] == 1.0 and rows["base"]["cost_ratio"] is None, rows
+    assert rows["raw_kv"]["cost_tokens"] == 50 and rows["raw_kv"]["cost_ratio"] > 0, rows["raw_kv"]
+    # without cost_tokens the rows carry no cost column
+    assert "cost_ratio" not in Evaluator(producer, consumer, greedy_tokens=2).run(samples[:1], [RawKV()])[0]

@@ -104,9 +104,37 @@ class Evaluator:
                                     built.consumer_ms, oracle.consumer_ms, raw, built.phases.get("encode_ms", 0.0)))
         return out
 
-    def run(self, samples: list[Sample], methods: list[Method], desc: str = "eval") -> list[dict]:
+    def run(self, samples: list[Sample], methods: list[Method], desc: str = "eval", cost_tokens: int = 0,
+            cost_repeats: int = 3) -> list[dict]:
         per = [r for s in tqdm(samples, desc=desc) for r in self.sample(s, methods)]
-        return summarize(per, [m.name for m in methods])
+        rows = summarize(per, [m.name for m in methods])
+        if cost_tokens:
+            costs = self.cost(samples, methods, cost_tokens, cost_repeats)
+            for r in rows:
+                r["cost_tokens"], r["cost_ratio"] = cost_tokens, costs[r["method"]]
+        return rows
+
+    @torch.no_grad()
+    def cost(self, samples: list[Sample], methods: list[Method], tokens: int, repeats: int = 3) -> dict[str, float]:
+        """Each method's consumer compute over the consumer's own prefill on one prefix of `tokens` tokens (the
+        held-out prefixes end to end), measured side by side: the methods and the oracle's prefill take turns,
+        `repeats` times, and each ratio is of the medians. A method without a model (base) reads None."""
+        ids = torch.cat([s.prefix for s in samples])
+        while ids.numel() < tokens:
+            ids = torch.cat([ids, ids])
+        ids = ids[:tokens][None]
+        mask = torch.ones_like(ids)
+        ptrace = capture(self.producer, ids, mask, want_hidden=True)
+        times: dict[str, list[float]] = {m.name: [] for m in methods}
+        prefill = []
+        for _ in tqdm(range(repeats), desc=f"cost at {tokens} tokens"):
+            prefill.append(Oracle().build(self.consumer, ids, mask, ptrace).consumer_ms)
+            for m in methods:
+                if m.name not in ("oracle", "base"):
+                    times[m.name].append(m.build(self.consumer, ids, mask, ptrace).consumer_ms)
+        own = statistics.median(prefill)
+        return {name: 1.0 if name == "oracle" else None if not ts else statistics.median(ts) / own
+                for name, ts in times.items()}
 
 
 def summarize(results: list[SampleResult], order: list[str]) -> list[dict]:
@@ -152,14 +180,15 @@ def retained_gain(rows: list[dict]) -> list[dict]:
 def table(rows: list[dict], title: str = "") -> str:
     """Plain-text table shaped like the paper's Table 2."""
     head = f"{'method':<11} {'payload KB':>10} {'ratio':>6} {'KL':>7} {'TV':>6} {'top-1':>6} {'greedy':>6} " \
-           f"{'PPL':>7} {'F1':>6} {'EM':>6} {'gain':>6} {'cons ms':>8} {'/prefill':>8}"
+           f"{'PPL':>7} {'F1':>6} {'EM':>6} {'gain':>6} {'cons ms':>8} {'/prefill':>8}" + \
+           (f" {'@' + str(rows[0]['cost_tokens']):>7}" if rows and rows[0].get("cost_tokens") else "")
     lines = ([title] if title else []) + [head, "-" * len(head)]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
         lines.append(f"{r['method']:<11} {r['payload_bytes'] / 1024:>10.1f} {r['payload_ratio']:>6.3f} {r['kl']:>7.4f} "
                      f"{r['tv']:>6.3f} {r['top1']:>6.3f} {r['greedy']:>6.3f} {r['ppl']:>7.2f} {fmt(r['f1'], '>6.3f')} "
                      f"{fmt(r['em'], '>6.3f')} {fmt(r.get('retained_gain'), '>6.3f')} {r['consumer_ms']:>8.2f} "
-                     f"{r['prefill_ratio']:>8.3f}")
+                     f"{r['prefill_ratio']:>8.3f}" + (f" {fmt(r['cost_ratio'], '>7.3f')}" if r.get("cost_tokens") else ""))
     return "\n".join(lines)
 
 
