@@ -12,7 +12,8 @@ import torch
 from actors.messages import FallbackReason
 from actors.prefix_cache import PrefixCodeCache, prefix_key
 from scd.online import codec, links
-from scd.online.artifacts import FamilyArtifacts, PairArtifacts, level_tag
+from scd.online.artifacts import PairArtifacts, level_tag
+from scd.online.family_artifacts import FamilyArtifacts
 from scd.online.rebuild import encode
 from scd.online.trace import capture
 

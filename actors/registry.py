@@ -16,7 +16,8 @@ from safetensors.torch import save as st_save
 
 from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints, Manifest, StorageUnavailable
 from artifacts_store.fingerprints import check
-from scd.online.artifacts import FamilyArtifacts, PairArtifacts
+from scd.online.artifacts import PairArtifacts
+from scd.online.family_artifacts import FamilyArtifacts
 
 REGISTRY_NAME = "scd-artifact-registry"
 MAX_ENTRIES = 8

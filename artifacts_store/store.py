@@ -1,5 +1,5 @@
 """ArtifactStore: publish, list, show, verify, load and gc versioned pair (and family) artifacts on any pyarrow
-filesystem. A family (one code for several consumers of a producer, scd.online.artifacts.FamilyArtifacts) is
+filesystem. A family (one code for several consumers of a producer, scd.online.family_artifacts.FamilyArtifacts) is
 stored like a pair whose consumer is the family's name: family.json in place of artifact.json, and a manifest
 of kind "family" with every member's fingerprint.
 
@@ -42,7 +42,8 @@ from artifacts_store.manifest import CalibrationData, FileEntry, Manifest, PairN
 from artifacts_store.refs import (LATEST, RESERVED_FILES, Ref, check_file_name, is_version_id, new_version_id,
                                   parse_pair_dir, parse_ref, version_time)
 from artifacts_store.results import FileProblem, VerifyResult, VersionInfo
-from scd.online.artifacts import FamilyArtifacts, IncompatibleArtifact, PairArtifacts
+from scd.online.artifacts import IncompatibleArtifact, PairArtifacts
+from scd.online.family_artifacts import FamilyArtifacts
 
 MANIFEST, TENSORS, DESCRIPTION = "manifest.json", "tensors.safetensors", "artifact.json"
 FAMILY_DESCRIPTION = "family.json"   # a family version's description, in place of artifact.json

@@ -21,7 +21,7 @@ Reported:
   - a fan-out to every member: wire bytes and producer encode time, one family payload against one
     payload per pair (the published pair artifacts when every member has one; medians of interleaved
     rounds);
-and written under --out/<producer>/<name>: the family artifact (scd.online.artifacts.FamilyArtifacts:
+and written under --out/<producer>/<name>: the family artifact (scd.online.family_artifacts.FamilyArtifacts:
 safetensors with the shared encoders once and each member's decoders, family.json), figures.json with the
 figures, and family.png (KL per member, pair vs family). With --publish, the family goes to the artifact
 store as PRODUCER:NAME (a manifest with every member's fingerprint) when each member's family KL passes the
@@ -55,7 +55,8 @@ from scd.online import codec
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints
 from artifacts_store.errors import ArtifactStoreError, InvalidReference
 from artifacts_store.refs import check_name
-from scd.online.artifacts import FamilyArtifacts, PairArtifacts, code_groups, layer_groups
+from scd.online.artifacts import PairArtifacts, code_groups, layer_groups
+from scd.online.family_artifacts import FamilyArtifacts
 from scd.online.models import (ModelSpec, check_pair, data_digest, load, model_digest, tokenizer_fingerprint,
                                weights_digest)
 from scd.online.rebuild import encode

@@ -282,7 +282,7 @@ def test_one_family_payload_serves_members_entering_at_different_layers_as_their
     gives, the family payload is smaller than the three, and it survives a save and load."""
     import dataclasses
     from scd.online import codec
-    from scd.online.artifacts import FamilyArtifacts, union_kind
+    from scd.online.family_artifacts import FamilyArtifacts, union_kind
     from scd.online.rebuild import encode, rebuild
     from scd.online.trace import capture
     base = tiny_llama(0, layers=6)

@@ -115,7 +115,7 @@ def fitted_family(tmp_path_factory):
 
 def test_a_family_artifact_saves_its_shared_encoders_once_and_loads_every_member(fitted_family, tmp_path):
     from safetensors.torch import load_file
-    from scd.online.artifacts import FamilyArtifacts
+    from scd.online.family_artifacts import FamilyArtifacts
     _, _, fam, _ = fitted_family
     fam.save(tmp_path / "f")
     keys = load_file(str(tmp_path / "f" / "tensors.safetensors")).keys()
@@ -261,7 +261,7 @@ def test_a_family_with_token_tables_gives_each_member_its_own_and_saves_them(tmp
     from jobs.family import artifacts
     from scd.fitting.family import accumulate, load_grams, save_grams
     from scd.fitting.gram import TokenStats
-    from scd.online.artifacts import FamilyArtifacts
+    from scd.online.family_artifacts import FamilyArtifacts
     from scd.online.models import ModelSpec
     from tests.conftest import perturbed, tiny_llama
     from tests.test_pipeline_tiny import _samples
@@ -331,7 +331,7 @@ def test_a_family_with_bigram_tables_gives_each_member_its_own_and_saves_them(tm
     from jobs.family import artifacts
     from scd.fitting.family import accumulate, load_grams, save_grams
     from scd.fitting.gram import TokenStats
-    from scd.online.artifacts import FamilyArtifacts
+    from scd.online.family_artifacts import FamilyArtifacts
     from scd.online.models import ModelSpec
     from scd.online.reuse import bigram_keys
     from tests.conftest import perturbed, tiny_llama

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jobs.family import main as family_job
-from scd.online.artifacts import FamilyArtifacts
+from scd.online.family_artifacts import FamilyArtifacts
 from tests.conftest import write_config
 
 

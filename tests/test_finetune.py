@@ -27,7 +27,8 @@ def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, m
     cfg = CalibConfig(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source=source, aligner_epochs=3,
                       pool=1 if source == "hidden" else 2, batch=8, finetune_samples=16, finetune_epochs=3,
                       finetune_lr=3e-3, finetune_encoders=encoders, code_dtype="int8" if encoders else "fp16",
-                      x_group=x_group, token_table=token_table, bigram_table=bigram_table)
+                      x_group=x_group, token_table=token_table, bigram_table=bigram_table,
+                      choose_level=False)           # the artifact as fine-tuned (the level stage: test_levels)
     tune, val = _samples(16, 4, t=20, c=8), _samples(4, 2)
     logs = []
     cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)

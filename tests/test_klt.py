@@ -7,7 +7,8 @@ import torch
 
 from scd.fitting import exact
 from scd.online import codec, klt
-from scd.online.artifacts import FamilyArtifacts, PairArtifacts
+from scd.online.artifacts import PairArtifacts
+from scd.online.family_artifacts import FamilyArtifacts
 from scd.online.models import ModelSpec
 from scd.online.rebuild import encode, rebuild
 from scd.online.reuse import LinearCodec

@@ -11,6 +11,7 @@ from actors.producer import ProducerEngine
 from actors.specialist import SpecialistEngine
 from scd.evaluation import methods
 from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.fitting.scoring import PlanScorer
 from scd.online import codec, links
 from scd.online.models import ModelSpec
 from scd.online.rebuild import encode, rebuild
@@ -171,3 +172,48 @@ def test_a_link_never_gets_a_level_that_failed_the_quality_gate(fitted):
     assert links.choose(art, 1000, 1.0, 0.0) == art.levels[1]
     assert links.choose(art, 1000, 1.0, 1e9) == art.levels[-1]
     assert codec.artifact_dims(art, art.levels[0]) in codec.level_dims(art)
+
+
+def test_an_artifact_cut_to_a_level_rebuilds_what_that_level_sent_rebuilds(fitted):
+    """PairArtifacts.at_level: the encoders' leading columns and the decoders' leading rows, so serving the cut
+    artifact at its full ranks equals serving the whole one at that level."""
+    a, b, _, art = fitted
+    ids = _samples(1, 3)[0].prefix[None]
+    trace = capture(a, ids, torch.ones_like(ids))
+    for level in art.levels[:-1]:
+        cut = art.at_level(level)
+        assert cut.reuse_ranks == level and cut.levels[-1] == level, (cut.reuse_ranks, level)
+        got, _ = rebuild(b, cut, codec.as_received(encode(cut, trace, ids), "fp16"))
+        want, _ = rebuild(b, art, codec.as_received(encode(art, trace, ids, level), "fp16"))
+        assert _max_err(got, want) < 1e-5, f"{level}: {_max_err(got, want):.2e}"
+    with pytest.raises(ValueError, match="not a level"):
+        art.at_level({k: v + 1 for k, v in art.reuse_ranks.items()})
+
+
+@pytest.mark.parametrize("keep_z", [2.0, 1e9])
+def test_calibration_serves_the_cheapest_level_the_full_code_does_not_beat(tmp_path, monkeypatch, keep_z):
+    """The level stage scores every level of the finished artifact on validation; the artifact is cut to the
+    cheapest one within the noise of the best (keep_z 1e9: nothing stands out, so the smallest level), and
+    it scores what the stage recorded for that level."""
+    monkeypatch.setattr("scd.fitting.scoring.KEEP_Z", keep_z)
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3, seed=1)
+    cfg = CalibConfig(reuse_source="hidden", r_x=24, r_h=8, aligner_epochs=2, pool=1, batch=16, finetune_samples=0)
+    val = _samples(4, 2)
+    cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(24, 1)], tmp_path,
+                      cfg, progress=False, log=lambda s: None)
+    art = cal.run(val)
+    rec = art.info["level"]
+    assert [{"r_x": t["r_x"]} for t in rec["tried"]] == [{"r_x": r} for r in (6, 12, 18, 24)], rec["tried"]
+    best = min(rec["tried"], key=lambda t: t["kl"])
+    chosen = next(t for t in rec["tried"] if t["r_x"] == rec["chosen"]["r_x"])
+    assert art.r_x == chosen["r_x"] and all(c.enc.shape[1] == art.r_x for c in art.reuse_x.values()), art.r_x
+    if keep_z > 1e6:
+        assert art.r_x == 6, rec
+    else:                                       # every cheaper level is beaten by the best beyond the noise
+        assert chosen["r_x"] <= best["r_x"], rec
+    got = PlanScorer(a, b, val, lambda plan: art).kl(art.plan)
+    assert abs(got - chosen["kl"]) < 1e-6, f"the served artifact scores {got:.6f}, the stage recorded {chosen['kl']:.6f}"
+    off = Calibration(a, b, cal.spec, "a:b", cal.prefixes, tmp_path, cfg.model_copy(update={"choose_level": False}),
+                      progress=False, log=lambda s: None).run(val)
+    assert off.r_x == 24 and "level" not in off.info

@@ -4,7 +4,9 @@
   grams     joint Gram matrices of every layer's K, V, x_norm; Reuse codecs and Patch encoders at any
             rank follow in closed form (linear), so rank sweeps need no second pass over the traces
   policy    restore-one sensitivity -> pool -> aligners trained for the pool -> greedy -> k*
-  artifacts the PairArtifacts under the chosen plan
+  artifacts the PairArtifacts under the chosen plan, fine-tuned end to end
+  level     the cheapest of its nested code levels that the full code does not beat beyond the noise:
+            the artifact is served at that level (plan-<plan key>/level.json, keyed on its tensors)
 Every stage checkpoints its result (safetensors + JSON, never pickle) and, when called again, loads the
 checkpoint instead of recomputing: a killed calibration resumes where it stopped. Each stage's folder is keyed
 by exactly what it depends on, so a changed setting redoes only the stages after it:
@@ -19,6 +21,7 @@ it differs.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Callable
@@ -35,7 +38,7 @@ from scd.fitting.scoring import KEEP_RULE, PlanScorer, cheapest_within_noise
 from scd.fitting.finetune import Progress, finetune_scored
 from scd.fitting.traces import chunk_path, pad, read_chunks, trace_rows, valid_rows, write_chunk
 from scd.online import codec
-from scd.online.artifacts import PairArtifacts, code_groups, layer_groups
+from scd.online.artifacts import PairArtifacts, code_groups, layer_groups, level_tag
 from scd.online.models import ModelSpec, data_digest, model_digest
 from scd.online.patch import Aligner
 from scd.online.reuse import LinearCodec, bigram_keys
@@ -467,8 +470,37 @@ class Calibration:
             info["ranks"] = ranks
         if self.cfg.finetune_samples and tune_samples and (art.patch_layers or "hidden" in art.plan):
             info["finetune"] = self.finetune(art, tune_samples[:self.cfg.finetune_samples], val_samples)
+        if self.cfg.choose_level and len(art.levels) > 1:
+            info["level"] = self.level(art, val_samples)
+            art = art.at_level({k: info["level"]["chosen"][k] for k in art.reuse_ranks})
         art.info = info
         return art
+
+    def level(self, art: PairArtifacts, val_samples) -> dict:
+        """Stage 5 (cfg.choose_level): the validation KL of the finished artifact at each of its nested levels;
+        the cheapest one that the lowest-KL one does not beat (scoring.cheapest_within_noise) is served.
+        Checkpointed on the artifact's tensors; returns its record."""
+        digest = hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes()
+                                         for _, t in sorted(art.tensors().items()))).hexdigest()[:16]
+        path = self.plan_dir / "level.json"
+        inputs = {"val": samples_digest(val_samples), "choose": KEEP_RULE, "plan": art.plan, "artifact": digest}
+        record = load_record(path, inputs, self.log)
+        if record is not None:
+            self.log(f"stage level: resumed from checkpoint ({record['chosen']})")
+            return record
+        scorer = PlanScorer(self.producer, self.consumer, val_samples, lambda plan: art)
+        tried = []
+        for lv in tqdm(art.levels, desc="levels", disable=not self.progress):
+            scorer.art_for = lambda plan, a=art.at_level(lv): a
+            kls = scorer.kls(art.plan)
+            tried.append({**lv, "payload_ratio": self.payload_ratio(lv), "kl": sum(kls) / len(kls), "kls": kls})
+        pick, best = cheapest_within_noise(tried), min(tried, key=lambda t: t["kl"])
+        ranks = lambda t: {k: t[k] for k in art.reuse_ranks}  # noqa: E731
+        record = save_record(path, {"tried": tried, "chosen": ranks(pick)}, inputs)
+        self.log(f"stage level: serving {level_tag(ranks(pick))} (validation KL {pick['kl']:.4f} at payload "
+                 f"{pick['payload_ratio']:.3f}; the lowest, {best['kl']:.4f} at {level_tag(ranks(best))}, "
+                 f"{'is no gain beyond the noise' if pick is not best else 'is this one'})")
+        return record
 
 
 def calibrate(producer, consumer, spec: ModelSpec, pair: str, prefixes: list[torch.Tensor], val_samples,

@@ -70,7 +70,7 @@ def tiny_family(members=("base:qa", "base:prose"), family: str = "base:fam"):
     """A FamilyArtifacts of tiny members: one set of encoders, a decoder per member; and their fingerprints."""
     import dataclasses
 
-    from scd.online.artifacts import FamilyArtifacts
+    from scd.online.family_artifacts import FamilyArtifacts
     first = tiny_artifacts(0, pair=family)
     arts = {}
     for i, name in enumerate(members):
