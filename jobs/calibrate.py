@@ -31,9 +31,10 @@ from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak
 from scd.fitting import blocks, exact, structure
 from scd.fitting.exact import LOSSLESS_KL
-from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.fitting.calibrate import LEVEL_RULE, CalibConfig, Calibration
 from scd.fitting.scoring import PlanScorer
 from scd.fitting.checkpoints import load_record, samples_digest, save_record
+from scd.online.artifacts import level_tag
 from scd.online.models import is_adapter, load_pair
 from scd.online.rebuild import encode, rebuild
 from scd.online.reuse import LinearCodec
@@ -298,7 +299,9 @@ def main(argv: list[str] | None = None) -> str:
     store_uri = args.store or cfg.artifacts.uri
     # published to this store after an evaluation on these held-out samples: nothing left (another store or
     # other held-out samples: evaluate and publish again, from the checkpoints)
-    done = load_record(published, {"store": store_uri, "heldout": samples_digest(held)}) or {}
+    # (and served at the level the level stage chooses now: a changed rule publishes again)
+    publish_key = {"store": store_uri, "heldout": samples_digest(held), "level": ccfg.choose_level and LEVEL_RULE}
+    done = load_record(published, publish_key) or {}
     ref = done.get("ref")
     if ref:
         log(f"already published as {ref}; nothing to do")
@@ -330,7 +333,10 @@ def main(argv: list[str] | None = None) -> str:
     if c.recompute_blocks:
         art = block_plan(cal, art, tok, calib, val, c, cfg.link_gbps().get(args.pair))
     log(f"plan {art.plan}")
-    tag = "".join(f"-e{s}" for s, _ in art.blocks)     # the held-out checkpoints of a plan with a block
+    tag = "".join(f"-e{s}" for s, _ in art.blocks)     # the held-out checkpoints of a plan with a block,
+    level = art.info.get("level")                       # or served at a level below its fitted ranks
+    if level and level["chosen"] != {k: level["tried"][-1][k] for k in level["chosen"]}:
+        tag += "-" + level_tag(level["chosen"])
 
     def evaluate():
         ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV(), methods.reuse_only(art),
@@ -396,7 +402,7 @@ def main(argv: list[str] | None = None) -> str:
         CalibrationData(digest=calibration_digest(calib), n_prefixes=len(calib), rows=info["rows"]),
         metrics, {f"report/{k}": v for k, v in files.items()})
     ref = f"{args.pair}@{manifest.version}"
-    save_record(published, {"ref": ref}, {"store": store_uri, "heldout": samples_digest(held)})
+    save_record(published, {"ref": ref}, publish_key)
     job = cost(t0)
     log(f"published {ref} to {args.store or cfg.artifacts.uri} ({job['wall_s']:.0f} s, peak memory "
         f"{job['peak_rss_gib']:.2f} GiB in this process)")

@@ -54,10 +54,9 @@ class CalibConfig(BaseModel):
         "this fraction of the raw KV, the cheapest one the lowest-KL one does not beat beyond the validation "
         "samples' noise (0: the ranks as given)"))
     choose_level: bool = Field(True, description=(
-        "after fitting, the served code is the cheapest of the artifact's nested levels (PairArtifacts.levels) "
-        "that the full code does not beat beyond the validation samples' noise, and the artifact is published "
-        "at that level: a wider code costs bytes and the consumer's decode, and has to earn them (false: the "
-        "full ranks)"))
+        "after fitting, the served code is the artifact's nested level (PairArtifacts.levels) with the lowest "
+        "validation KL, and the artifact is published at that level: a wider code that scores no lower costs "
+        "bytes and the consumer's decode for nothing (false: the full ranks)"))
     reuse_source: Literal["kv", "hidden"] = Field("kv", description=(
         "Reuse codes: 'kv' per-head codecs of the producer's K and V (r_k, r_v); 'hidden' one code per token "
         "from the producer's x_norm, decoded into the K and V of every head of the consumer (r_x)"))

@@ -67,6 +67,9 @@ CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]
 
 
 
+LEVEL_RULE = "lowest validation KL"        # the level stage's rule (in its checkpoints' and publications' keys)
+
+
 class Calibration:
     def __init__(self, producer, consumer, spec: ModelSpec, pair: str, prefixes: list[torch.Tensor],
                  work_root: str | Path, cfg: CalibConfig = CalibConfig(), pad_id: int | None = 0, progress: bool = True,
@@ -478,12 +481,14 @@ class Calibration:
 
     def level(self, art: PairArtifacts, val_samples) -> dict:
         """Stage 5 (cfg.choose_level): the validation KL of the finished artifact at each of its nested levels;
-        the cheapest one that the lowest-KL one does not beat (scoring.cheapest_within_noise) is served.
-        Checkpointed on the artifact's tensors; returns its record."""
+        the one with the lowest is served: a wider code that scores no lower pays bytes and decode FLOPs for
+        nothing. (Not the ranks stage's noise rule: a level within the noise of a wider one may still score
+        worse, and the served quality is not traded down here.) Checkpointed on the artifact's tensors; returns
+        its record."""
         digest = hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes()
                                          for _, t in sorted(art.tensors().items()))).hexdigest()[:16]
         path = self.plan_dir / "level.json"
-        inputs = {"val": samples_digest(val_samples), "choose": KEEP_RULE, "plan": art.plan, "artifact": digest}
+        inputs = {"val": samples_digest(val_samples), "choose": LEVEL_RULE, "plan": art.plan, "artifact": digest}
         record = load_record(path, inputs, self.log)
         if record is not None:
             self.log(f"stage level: resumed from checkpoint ({record['chosen']})")
@@ -494,12 +499,11 @@ class Calibration:
             scorer.art_for = lambda plan, a=art.at_level(lv): a
             kls = scorer.kls(art.plan)
             tried.append({**lv, "payload_ratio": self.payload_ratio(lv), "kl": sum(kls) / len(kls), "kls": kls})
-        pick, best = cheapest_within_noise(tried), min(tried, key=lambda t: t["kl"])
+        pick, full = min(tried, key=lambda t: (t["kl"], t["payload_ratio"])), tried[-1]
         ranks = lambda t: {k: t[k] for k in art.reuse_ranks}  # noqa: E731
         record = save_record(path, {"tried": tried, "chosen": ranks(pick)}, inputs)
-        self.log(f"stage level: serving {level_tag(ranks(pick))} (validation KL {pick['kl']:.4f} at payload "
-                 f"{pick['payload_ratio']:.3f}; the lowest, {best['kl']:.4f} at {level_tag(ranks(best))}, "
-                 f"{'is no gain beyond the noise' if pick is not best else 'is this one'})")
+        self.log(f"stage level: serving {level_tag(ranks(pick))}, validation KL {pick['kl']:.4f} at payload "
+                 f"{pick['payload_ratio']:.3f} (the full code: {full['kl']:.4f} at {full['payload_ratio']:.3f})")
         return record
 
 
