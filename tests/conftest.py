@@ -127,8 +127,28 @@ def real_family() -> Path:
     return folder
 
 
+# the modules whose tests start Ray (the session's cluster, `scd serve`, the multinode drill, Serve apps) or the
+# jobs that run on it: under pytest-xdist they all go to one worker, in order, since two Ray clusters on one
+# machine would fight over the dashboard agent's port
+RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_blocks.py", "test_calibrate_job.py",
+               "test_cli_calibrate.py", "test_cli_serve.py", "test_config.py", "test_exact_plans.py", "test_faults.py",
+               "test_gpu.py", "test_loadtest.py", "test_multinode.py", "test_pool_policy.py", "test_producer_pool.py",
+               "test_quickstart.py", "test_serve.py", "test_serve_nixl.py", "test_transport.py"}
+
+
 def pytest_collection_modifyitems(items):
     """The README's quickstart runs first. It starts a Ray cluster of its own through `scd serve`, whose Jobs
     API needs the machine's dashboard agent port (52365; `ray.init` cannot move it): the session's cluster,
-    started by the first test that asks for it, would hold that port."""
+    started by the first test that asks for it, would hold that port. Every test of RAY_MODULES is one xdist
+    group (`--dist loadgroup`: one worker runs them all, the other the rest)."""
     items.sort(key=lambda item: item.path.name != "test_quickstart.py")
+    for item in items:
+        if item.path.name in RAY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker's torch runs on one thread: two workers share the machine's cores."""
+    import os
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 2))))

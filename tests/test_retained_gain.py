@@ -20,12 +20,17 @@ def test_retained_gain_is_the_share_of_the_task_gain_over_the_base():
     assert none[1]["retained_gain"] is None                     # no base row: nothing to measure from
 
 
-def test_the_base_alone_is_the_producer_answering_and_scores_no_gain():
+def _pair_and_samples(seed: int, cont: int):
+    """A tiny pair and two random samples of 20 prefix tokens and `cont` continuation tokens."""
     producer = tiny_llama(0)
-    consumer = perturbed(producer, 0.3)
-    g = torch.Generator().manual_seed(4)
-    samples = [Sample(torch.randint(2, 97, (20,), generator=g), torch.randint(2, 97, (10,), generator=g))
+    g = torch.Generator().manual_seed(seed)
+    samples = [Sample(torch.randint(2, 97, (20,), generator=g), torch.randint(2, 97, (cont,), generator=g))
                for _ in range(2)]
+    return producer, perturbed(producer, 0.3), samples
+
+
+def test_the_base_alone_is_the_producer_answering_and_scores_no_gain():
+    producer, consumer, samples = _pair_and_samples(4, 10)
     rows = {r["method"]: r for r in Evaluator(producer, consumer).run(samples, [Oracle(), BaseAlone(producer),
                                                                                 RawKV()])}
     assert rows["oracle"]["retained_gain"] == pytest.approx(1.0) and rows["base"]["retained_gain"] == 0.0, rows
@@ -40,11 +45,7 @@ def test_the_base_alone_is_the_producer_answering_and_scores_no_gain():
 
 
 def test_cost_times_every_method_on_one_prefix_of_the_asked_length_beside_the_oracles_prefill():
-    producer = tiny_llama(0)
-    consumer = perturbed(producer, 0.3)
-    g = torch.Generator().manual_seed(5)
-    samples = [Sample(torch.randint(2, 97, (20,), generator=g), torch.randint(2, 97, (6,), generator=g))
-               for _ in range(2)]
+    producer, consumer, samples = _pair_and_samples(5, 6)
     seen = []
 
     class Recording(RawKV):
