@@ -136,15 +136,16 @@ RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_blocks.py", "te
                "test_quickstart.py", "test_serve.py", "test_serve_nixl.py", "test_transport.py"}
 
 
+@pytest.hookimpl(tryfirst=True)              # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     """The README's quickstart runs first. It starts a Ray cluster of its own through `scd serve`, whose Jobs
     API needs the machine's dashboard agent port (52365; `ray.init` cannot move it): the session's cluster,
-    started by the first test that asks for it, would hold that port. Every test of RAY_MODULES is one xdist
-    group (`--dist loadgroup`: one worker runs them all, the other the rest)."""
+    started by the first test that asks for it, would hold that port. Under pytest-xdist (`--dist loadgroup`)
+    every test of RAY_MODULES is one group, which one worker runs in this order, and every other module is a
+    group of its own (its tests share module fixtures and may read what an earlier test wrote)."""
     items.sort(key=lambda item: item.path.name != "test_quickstart.py")
     for item in items:
-        if item.path.name in RAY_MODULES:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        item.add_marker(pytest.mark.xdist_group("ray" if item.path.name in RAY_MODULES else item.path.stem))
 
 
 def pytest_configure(config):
