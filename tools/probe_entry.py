@@ -12,6 +12,9 @@ scored by held-out KL against raw KV reuse's:
   e<e>+below  the producer's residual, and below e the consumer's K and V predicted from the producer's
               x_norm by a full-rank linear map per layer (the best a per-token hidden-state code can send)
   e<e>+both   both
+  e<e>+trained  (with --train-samples) +both, its entry map then trained end to end: the consumer's
+              next-token KL on teacher-forced continuations, back through its own layers e..L-1 over the
+              prefix into the map (the closed form fits the residual; this fits what the consumer predicts)
 
 plus `below` alone (no block: every layer 1..L-1 predicted). Layer 0 is always exact. No rounding on the
 wire: the figures are what the maps can do, not a payload. The maps are fitted on --prefixes calibration
@@ -23,13 +26,15 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting.gram import JointGram
-from scd.online.recompute import run_layers
+from scd.online import cache
+from scd.online.recompute import layers_kv, run_layers
 from scd.online.reuse import LinearCodec
 from scd.online.rope import apply_rope, cos_sin
 from scd.online.trace import capture
@@ -46,14 +51,26 @@ class Entry(methods.Method):
     """The producer's K and V (or `below`'s predictions) at layers 1..e-1, the consumer's own from e, entered
     from the producer's residual (through `align` when given)."""
 
-    def __init__(self, entry: int, num_layers: int, align: LinearCodec | None, below: dict[int, LinearCodec] | None):
+    def __init__(self, entry: int, num_layers: int, align: LinearCodec | None, below: dict[int, LinearCodec] | None,
+                 name: str | None = None):
         self.entry, self.num_layers, self.align, self.below = entry, num_layers, align, below
-        self.name = ("below" if entry == num_layers else f"e{entry}") + (
+        self.name = name or ("below" if entry == num_layers else f"e{entry}") + (
             "+both" if align and below and entry < num_layers else "+align" if align else
             "+below" if below and entry < num_layers else "")
 
     def build(self, consumer, ids, mask, tr):
         t0 = time.perf_counter()
+        kv = self.below_kv(consumer, tr)
+        if self.entry < self.num_layers:
+            h = tr.hidden[self.entry]
+            if self.align is not None:
+                h = h + self.align.decode(self.align.encode(h.float()))
+            kv[self.entry:] = run_layers(consumer, h, mask, tr.positions, self.entry, self.num_layers)
+        return methods.Built(kv, 0, (time.perf_counter() - t0) * 1e3)
+
+    @torch.no_grad()
+    def below_kv(self, consumer, tr) -> list:
+        """The producer's K and V of every layer, with `below`'s predictions at layers 1..e-1."""
         kv = list(zip(tr.keys, tr.values))
         _, n_kv, t, d = tr.keys[0].shape
         if self.below:
@@ -62,12 +79,51 @@ class Entry(methods.Method):
                 y = self.below[l].decode(self.below[l].encode(tr.xnorm[l][0].float()))
                 k, v = (y[:, i * n_kv * d:(i + 1) * n_kv * d].view(t, n_kv, d).transpose(0, 1)[None] for i in (0, 1))
                 kv[l] = (apply_rope(k, cos, sin), v)
-        if self.entry < self.num_layers:
-            h = tr.hidden[self.entry]
-            if self.align is not None:
-                h = h + self.align.decode(self.align.encode(h.float()))
-            kv[self.entry:] = run_layers(consumer, h, mask, tr.positions, self.entry, self.num_layers)
-        return methods.Built(kv, 0, (time.perf_counter() - t0) * 1e3)
+        return kv
+
+
+def train_entry(producer, consumer, way: Entry, train, epochs: int, lr: float) -> tuple[LinearCodec, list[float]]:
+    """`way`'s entry map trained end to end: as one affine correction h -> h + h W + c (from its closed form),
+    on KL(oracle || the consumer on the rebuilt cache) of each training sample's teacher-forced continuation,
+    back through the consumer's layers entry..L-1 over the prefix (the consumer itself stays fixed). Returns the
+    trained map (as a LinearCodec, what Entry applies) and the mean training KL before and after each epoch."""
+    e, L = way.entry, way.num_layers
+    w = (way.align.enc @ way.align.dec).detach().clone().requires_grad_(True)
+    c = (way.align.mu_b - way.align.mu_a @ w).detach().clone().requires_grad_(True)
+    fixed = []
+    with torch.no_grad():
+        for s in train:
+            ids = s.prefix[None]
+            mask = torch.ones_like(ids)
+            tr = capture(producer, ids, mask, want_hidden=True)
+            own = capture(consumer, ids, mask, want_xnorm=False)
+            ref = cache.extend(consumer, cache.assemble(consumer, list(zip(own.keys, own.values))), mask,
+                               s.cont[None, :-1])[0]
+            fixed.append((tr.hidden[e].float(), mask, tr.positions, way.below_kv(consumer, tr)[:e],
+                          s.cont[None, :-1], F.log_softmax(ref.float(), -1)))
+    consumer.requires_grad_(False)
+    opt = torch.optim.Adam([w, c], lr=lr)
+
+    def kl(item) -> torch.Tensor:
+        h, mask, positions, below, cont, ref = item
+        block = layers_kv(consumer, h + h @ w + c, mask, positions, e, L)
+        logits, _ = cache.forward_on_cache(consumer, cache.assemble(consumer, below + block), mask, cont)
+        return (ref.exp() * (ref - F.log_softmax(logits.float(), -1))).sum(-1).mean()
+
+    with torch.no_grad():
+        curve = [sum(kl(item).item() for item in fixed) / len(fixed)]
+    for _ in tqdm(range(epochs), desc=f"entry {e} trained end to end"):
+        total = 0.0
+        for i in torch.randperm(len(fixed)).tolist():
+            loss = kl(fixed[i])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        curve.append(total / len(fixed))
+    h = w.shape[0]
+    trained = LinearCodec(torch.zeros(h), w.detach(), c.detach(), torch.eye(h))
+    return trained, curve
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -80,6 +136,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--samples", type=int, default=8, help="held-out samples")
     p.add_argument("--ridge", type=float, default=1e-2, help="the aligned entry's ridge, relative to the "
                                                              "residual's mean variance")
+    p.add_argument("--train-samples", type=int, default=0, help="(prefix, continuation) training samples for "
+                                                                 "the e<e>+trained rows (0: none)")
+    p.add_argument("--train-epochs", type=int, default=3)
+    p.add_argument("--train-lr", type=float, default=1e-4)
     args = p.parse_args(argv)
     cfg, name, producer, consumer, tok, spec = config_pair(args.config, args.pair)
     L, hsize = spec.num_layers, spec.hidden_size
@@ -105,6 +165,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     below = {l: g.fit_regression(kv_width, cfg.calibration.ridge) for l, g in below_grams.items()}
     ways = [methods.RawKV(), Entry(L, L, None, below)] + [
         Entry(e, L, al, bl) for e in entries for al in (None, align[e]) for bl in (None, below)]
+    if args.train_samples:
+        train = samples.tune_samples(name, tok, args.train_samples, cfg.calibration.prefix_tokens)
+        for e in entries:
+            trained, curve = train_entry(producer, consumer, Entry(e, L, align[e], below), train, args.train_epochs,
+                                         args.train_lr)
+            print(f"entry {e}: training KL by epoch {', '.join(f'{v:.4f}' for v in curve)}")
+            ways.append(Entry(e, L, trained, below, name=f"e{e}+trained"))
     rows = Evaluator(producer, consumer, tok).run(held, ways, desc=f"held-out {args.pair}")
     raw = rows[0]["kl"]
     print(f"\n{args.pair}: recompute blocks entered at {entries}; maps fitted on {len(calib)} calibration prefixes, "

@@ -20,6 +20,12 @@ def run_layers(model, hidden: torch.Tensor, mask: torch.Tensor, positions: torch
                stop: int) -> list[KV]:
     """The consumer's (K post-RoPE, V) of layers [start, stop), each (B, n_kv, T, d_h), from the residual
     stream `hidden` (B, T, H) entering layer `start`, over a left-padded prefix (mask, positions (B, T))."""
+    return layers_kv(model, hidden, mask, positions, start, stop)
+
+
+def layers_kv(model, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, start: int,
+              stop: int) -> list[KV]:
+    """run_layers, differentiable in `hidden` (an entry trained through the block, tools.probe_entry)."""
     t = hidden.shape[1]
     attn_mask = None                            # no padding: the attention's own causal path, as a prefill takes
     if not bool(mask.bool().all()):
