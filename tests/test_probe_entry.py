@@ -26,14 +26,19 @@ def test_a_plain_entry_is_droidspeaks_block_from_there_to_the_top():
     assert err == 0.0, f"the probe's entry at 2 and DroidSpeak's block [2, 4) differ by {err:.2e}"
 
 
-def test_an_aligned_entry_fitted_on_calibration_prefixes_is_closer_to_the_consumers_residual_held_out():
-    a, b = _pair()
+def _closed_form_entry(a, b, n: int):
+    """The entry map at layer 2 fitted in closed form on n calibration prefixes (as the probe's +align)."""
     h = a.config.hidden_size
     gram = JointGram(h, h)
-    for s in _samples(24, 2):
+    for s in _samples(n, 2):
         ta, tb = (capture(m, s.prefix[None], want_hidden=True) for m in (a, b))
         gram.update(ta.hidden[2][0], tb.hidden[2][0] - ta.hidden[2][0])
-    align = gram.fit_regression(h, 1e-2)
+    return gram.fit_regression(h, 1e-2)
+
+
+def test_an_aligned_entry_fitted_on_calibration_prefixes_is_closer_to_the_consumers_residual_held_out():
+    a, b = _pair()
+    align = _closed_form_entry(a, b, 24)
     raw = fitted = 0.0
     for s in _samples(6, 11):
         ta, tb = (capture(m, s.prefix[None], want_hidden=True) for m in (a, b))
@@ -50,12 +55,7 @@ def test_an_entry_trained_end_to_end_lowers_the_consumers_kl_below_its_closed_fo
     from scd.evaluation.evaluate import Evaluator
     from tools.probe_entry import train_entry
     a, b = _pair()
-    h = a.config.hidden_size
-    gram = JointGram(h, h)
-    for s in _samples(16, 2):
-        ta, tb = (capture(m, s.prefix[None], want_hidden=True) for m in (a, b))
-        gram.update(ta.hidden[2][0], tb.hidden[2][0] - ta.hidden[2][0])
-    closed = Entry(2, 4, gram.fit_regression(h, 1e-2), None)
+    closed = Entry(2, 4, _closed_form_entry(a, b, 16), None)
     train = _samples(6, 7)
     trained, curve = train_entry(a, b, closed, train, epochs=4, lr=3e-3)
     assert curve[-1] < 0.9 * curve[0], f"training KL by epoch {curve}"
