@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
     pair = f"{na}:{nb}"
+    context = getattr(consumer.config, "max_position_embeddings", None)
+    if context and args.cost_tokens > context:       # refused before any fitting or profiling
+        raise SystemExit(f"--cost-tokens {args.cost_tokens} is longer than {pair}'s context of {context} tokens")
     _, val, held = samples.pair_data(nb, tok, 0, args.val, args.samples, args.prefix_tokens, text_file=args.text,
                                      seed=args.seed)
     found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
@@ -227,9 +230,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                for name, dtype in (("exact", "bf16"), ("exact_int8", "int8"), ("exact_kivi4", "kivi4"),
                                    ("exact_klt", "klt"))}}
     ms = [make[m]() for m in wanted]
-    context = getattr(consumer.config, "max_position_embeddings", None)
-    if context and args.cost_tokens > context:
-        raise SystemExit(f"--cost-tokens {args.cost_tokens} is longer than {pair}'s context of {context} tokens")
     rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}", cost_tokens=args.cost_tokens)
     # the consumer's compute the bound's ceiling counts: the share of its layers it runs over the prefix (a
     # count, not a timing: the same on a busy machine as on a quiet one)
