@@ -31,10 +31,9 @@ import torch
 from scd.data import demo_data, samples
 from cli.evaluate import add_pair_args, calibrated, exact_artifact, parse, resolve_pair
 from scd.evaluation import methods
-from scd.evaluation.evaluate import Evaluator
 from scd.online import codec, links
 from scd.online.artifacts import level_tag
-from scd.fitting import structure
+from scd.fitting import scoring, structure
 from scd.online.models import is_adapter, load_pair
 from scd.online.trace import capture
 
@@ -139,18 +138,6 @@ def per_link(m: dict, art, gbps: list[float], target_ms: float | None, kls: dict
                      "ttft_ms": m["producer_prefill_ms"] + p["producer_ms"] + links.transfer_ms(p["payload_bytes"], g)
                      + p["consumer_ms"], "kl": kls[name]})
     return rows
-
-
-def level_kls(producer, consumer, art, held) -> dict[str, float]:
-    """Mean teacher-forced KL(oracle || SCD) of every level on the held-out samples (one oracle run each)."""
-    ev = Evaluator(producer, consumer)
-    ms = [*methods.at_levels(art), methods.SCDMethod(art)]
-    sums = dict.fromkeys((x.name for x in ms), 0.0)
-    for s in held:
-        ref = ev.reference(s)
-        for x in ms:
-            sums[x.name] += ev.kl(s, x, ref) / len(held)
-    return sums
 
 
 def plot_ttft(gbps: list[float], cold: dict[str, list[float]], warm: dict[str, list[float]], path: Path,
@@ -282,7 +269,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if sweep:
         _, _, held = samples.pair_data(nb, tok, 0, 1, args.kl_samples, args.prefix_tokens, text_file=args.text,
                                        seed=args.seed)
-        kls = level_kls(producer, consumer, art, held)
+        kls = {methods.level_name(art, {k: t[k] for k in art.reuse_ranks}): t["kl"]
+               for t in scoring.level_kls(producer, consumer, art, held)}
     out = []
     for n in sizes:
         m = measure(producer, consumer, art, torch.tensor(all_ids[:n])[None], args.repeats, args.dtype,

@@ -5,8 +5,8 @@
             rank follow in closed form (linear), so rank sweeps need no second pass over the traces
   policy    restore-one sensitivity -> pool -> aligners trained for the pool -> greedy -> k*
   artifacts the PairArtifacts under the chosen plan, fine-tuned end to end
-  level     the cheapest of its nested code levels that the full code does not beat beyond the noise:
-            the artifact is served at that level (plan-<plan key>/level.json, keyed on its tensors)
+  level     the lowest-KL of its nested code levels on validation: the artifact is served at that level
+            (plan-<plan key>/level.json, keyed on its tensors)
 Every stage checkpoints its result (safetensors + JSON, never pickle) and, when called again, loads the
 checkpoint instead of recomputing: a killed calibration resumes where it stopped. Each stage's folder is keyed
 by exactly what it depends on, so a changed setting redoes only the stages after it:
@@ -21,7 +21,6 @@ it differs.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Callable
@@ -39,7 +38,7 @@ from scd.fitting.finetune import Progress, finetune_scored
 from scd.fitting.traces import chunk_path, pad, read_chunks, trace_rows, valid_rows, write_chunk
 from scd.online import codec
 from scd.online.artifacts import PairArtifacts, code_groups, layer_groups, level_tag
-from scd.online.models import ModelSpec, data_digest, model_digest
+from scd.online.models import ModelSpec, data_digest, model_digest, weights_digest
 from scd.online.patch import Aligner
 from scd.online.reuse import LinearCodec, bigram_keys
 from scd.online.trace import capture
@@ -63,9 +62,6 @@ def keyed(config: dict, fields) -> dict:
 
 # capture_pair(ids, mask) -> (producer rows, consumer rows) as named by scd.online.trace.trace_rows
 CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]
-
-
-
 
 LEVEL_RULE = "lowest validation KL"        # the level stage's rule (in its checkpoints' and publications' keys)
 
@@ -485,22 +481,17 @@ class Calibration:
         nothing. (Not the ranks stage's noise rule: a level within the noise of a wider one may still score
         worse, and the served quality is not traded down here.) Checkpointed on the artifact's tensors; returns
         its record."""
-        digest = hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes()
-                                         for _, t in sorted(art.tensors().items()))).hexdigest()[:16]
         path = self.plan_dir / "level.json"
-        inputs = {"val": samples_digest(val_samples), "choose": LEVEL_RULE, "plan": art.plan, "artifact": digest}
+        inputs = {"val": samples_digest(val_samples), "choose": LEVEL_RULE, "plan": art.plan,
+                  "artifact": weights_digest(art.tensors())}
         record = load_record(path, inputs, self.log)
         if record is not None:
             self.log(f"stage level: resumed from checkpoint ({record['chosen']})")
             return record
-        scorer = PlanScorer(self.producer, self.consumer, val_samples, lambda plan: art)
-        tried = []
-        for lv in tqdm(art.levels, desc="levels", disable=not self.progress):
-            scorer.art_for = lambda plan, a=art.at_level(lv): a
-            kls = scorer.kls(art.plan)
-            tried.append({**lv, "payload_ratio": self.payload_ratio(lv), "kl": sum(kls) / len(kls), "kls": kls})
-        pick, full = min(tried, key=lambda t: (t["kl"], t["payload_ratio"])), tried[-1]
         ranks = lambda t: {k: t[k] for k in art.reuse_ranks}  # noqa: E731
+        tried = [{**t, "payload_ratio": self.payload_ratio(ranks(t))}
+                 for t in scoring.level_kls(self.producer, self.consumer, art, val_samples, self.progress)]
+        pick, full = min(tried, key=lambda t: (t["kl"], t["payload_ratio"])), tried[-1]
         record = save_record(path, {"tried": tried, "chosen": ranks(pick)}, inputs)
         self.log(f"stage level: serving {level_tag(ranks(pick))}, validation KL {pick['kl']:.4f} at payload "
                  f"{pick['payload_ratio']:.3f} (the full code: {full['kl']:.4f} at {full['payload_ratio']:.3f})")

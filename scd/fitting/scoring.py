@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
+from tqdm import tqdm
 
 from scd.evaluation import metrics
 from scd.online import cache, codec
@@ -92,3 +93,15 @@ def wire_factor(producer, art: PairArtifacts, prefixes: Iterable[torch.Tensor]) 
         sent += codec.body_bytes(codec.encode(codes, art.pair, "wire", dims, art.code_dtype))
         plain += codec.code_bytes(art, ids.shape[1]) - 5 * ids.shape[1]    # uncompressed, without ids and mask
     return min(1.0, sent / plain)
+
+
+def level_kls(producer, consumer, art: PairArtifacts, samples, progress: bool = False) -> list[dict]:
+    """`art` at each of its nested levels (PairArtifacts.at_level, what a link sent that level rebuilds), scored
+    on `samples` with one oracle run each: [{**level, "kl": mean, "kls": per sample}], smallest level first."""
+    scorer = PlanScorer(producer, consumer, samples, lambda plan: art, hidden=art.needs_hidden)
+    out = []
+    for level in tqdm(art.levels, desc="levels", disable=not progress):
+        scorer.art_for = lambda plan, cut=art.at_level(level): cut
+        kls = scorer.kls(art.plan)
+        out.append({**level, "kl": sum(kls) / len(kls), "kls": kls})
+    return out
