@@ -48,6 +48,7 @@ class PairCodes:
     cache_hit: bool = False
     reason: FallbackReason | None = None
     family: str | None = None                   # the family whose one payload this is (version: the family's)
+    entry_ticket: Ticket | None = None          # E-first: the entry part, received before `ticket`'s rest
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from scd.online.trace import capture
 @dataclass
 class Encoded:
     """Codes for one pair, or why there are none."""
-    payload: bytes | None
+    payload: "bytes | codec.Wire | codec.Parts | None"     # Parts: E-first (the entry part goes first)
     version: str | None
     error: str | None = None          # fallback reason for the specialist when payload is None
     cache_hit: bool = False
@@ -41,15 +41,17 @@ class EncodeResult:
 class ProducerEngine:
     """`link_gbps` (pair -> the bandwidth to its consumer, Gbps) and `ttft_target_ms`: each pair's codes are
     sent at the largest level of its artifact that reaches the consumer within the target, counting this
-    request's prefill and encode (scd.online.links); without them, at the full ranks."""
+    request's prefill and encode (scd.online.links); without them, at the full ranks. `e_first`: a pair whose
+    consumer runs a block of its own layers gets its codes as two payloads, the block's entry first
+    (codec.Parts), so that it starts the block while the rest arrives; a family's payload goes whole."""
 
     def __init__(self, model, tokenizer, artifacts: dict[str, tuple[PairArtifacts, str]],
                  cache_bytes: int = 64 << 20, device: str = "cpu", link_gbps: dict[str, float] | None = None,
-                 ttft_target_ms: float | None = None, device_payloads: bool = False):
+                 ttft_target_ms: float | None = None, device_payloads: bool = False, e_first: bool = True):
         self.model, self.tok, self.device = model, tokenizer, device
         # payloads as `codec.Wire` (the body a tensor on this device, for a transport that moves tensors) instead
         # of bytes: on a GPU the codes then stay in device memory from encode to the consumer's rebuild
-        self.device_payloads = device_payloads
+        self.device_payloads, self.e_first = device_payloads, e_first
         self.artifacts = dict(artifacts)          # pair -> (artifacts, version)
         self.cache = PrefixCodeCache(cache_bytes)
         self.prefills = 0
@@ -115,12 +117,14 @@ class ProducerEngine:
         self.prefills += 1
         for uid, art, version, served in todo:
             level = self._level(art, served, len(prefix_ids), (time.perf_counter() - t0) * 1e3)
-            if self.device_payloads:
-                payload = codec.encode_wire(encode(art, trace, ids, level), uid, version,
-                                            codec.artifact_dims(art, level), art.code_dtype)
+            codes = encode(art, trace, ids if self.device_payloads else ids.cpu(), level)
+            dims = codec.artifact_dims(art, level)
+            if self.e_first and fid is None and codec.part_plans(art.payload_plan) is not None:
+                payload = codec.encode_parts(codes, uid, version, dims, art.code_dtype, wire=self.device_payloads)
+            elif self.device_payloads:
+                payload = codec.encode_wire(codes, uid, version, dims, art.code_dtype)
             else:
-                payload = codec.encode(encode(art, trace, ids.cpu(), level), uid, version,
-                                       codec.artifact_dims(art, level), art.code_dtype)
+                payload = codec.encode(codes, uid, version, dims, art.code_dtype)
             self.cache.put(key(uid, version, level), payload)
             for p in served:
                 res.per_pair[p] = Encoded(payload, version, level=level, family=fid)

@@ -242,14 +242,16 @@ class ProducerActor:
         payload = e.payload
         if self.fault == "corrupt":
             payload = codec.corrupted(payload)
-        try:
-            ticket = self.transport.offer(payload, receivers)
+        parts = [payload.entry, payload.rest] if isinstance(payload, codec.Parts) else [payload]
+        try:                                                 # E-first: the entry part goes first
+            tickets = [self.transport.offer(p, receivers) for p in parts]
         except TransportError:
             return PairCodes(e.version, payload_bytes=len(payload), cache_hit=e.cache_hit,
                              reason=FallbackReason.TRANSPORT_ERROR, family=e.family)
         if self.fault == "misdeliver":                       # ticket and object disagree
-            ticket = dataclasses.replace(ticket, nbytes=ticket.nbytes + 1)
-        return PairCodes(e.version, ticket, len(payload), e.cache_hit, family=e.family)
+            tickets = [dataclasses.replace(t, nbytes=t.nbytes + 1) for t in tickets]
+        return PairCodes(e.version, tickets[-1], len(payload), e.cache_hit, family=e.family,
+                         entry_ticket=tickets[0] if len(tickets) == 2 else None)
 
     # -- replicas' pulls (Ray Direct Transport) ---------------------------------------------------------
     @ray.method(concurrency_group="control", tensor_transport="nixl")

@@ -21,7 +21,7 @@ from actors.prefix_cache import PrefixCodeCache, prefix_key
 from scd.online import activated, cache, codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.decode import GenParams, Row, TokenLogprobs, token_logprobs, verify
-from scd.online.rebuild import prepare, rebuild
+from scd.online.rebuild import Codes, prepare, rebuild, run_blocks
 from scd.online.trace import capture
 
 
@@ -91,6 +91,33 @@ class TextStream:
         return self.detok.flush()
 
 
+class Arriving:
+    """An E-first payload (codec.Parts) as a replica receives it: the entry part in hand, the rest a receive
+    away. `receive()` -> (the rest or None, the fallback reason when None, ms it took) runs once, from
+    `rest()` or from `close()` when nothing asked for it (a staged payload is released when taken)."""
+
+    def __init__(self, entry, receive: Callable[[], tuple]):
+        self.entry, self._receive, self._rest = entry, receive, None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, parts: codec.Parts) -> "Arriving":
+        """Both parts already in hand (in process)."""
+        return cls(parts.entry, lambda: (parts.rest, None, 0.0))
+
+    def rest(self) -> tuple:
+        with self._lock:
+            if self._rest is None:
+                self._rest = self._receive()
+            return self._rest
+
+    close = rest
+
+    def __len__(self) -> int:
+        rest = self._rest[0] if self._rest is not None else None
+        return len(self.entry) + (len(rest) if rest is not None else 0)
+
+
 class SpecialistEngine:
     def __init__(self, name: str, model, tokenizer, art: PairArtifacts | None = None, version: str | None = None,
                  unavailable_reason: str = FallbackReason.NO_ARTIFACT, device: str = "cpu", max_batch: int = 8,
@@ -105,6 +132,8 @@ class SpecialistEngine:
         self.exact_cache = PrefixCodeCache(exact_cache_bytes, size=lambda kv: sum(k.nbytes + v.nbytes for k, v in kv))
         self.exact_lock = threading.Lock()
         self.exact_pool = ThreadPoolExecutor(4, thread_name_prefix="exact-prefill")
+        # E-first payloads: a request's blocks run here while the rest of its codes arrive and are rebuilt
+        self.block_pool = ThreadPoolExecutor(2, thread_name_prefix="blocks")
         self.families: dict[str, tuple[PairArtifacts, str]] = {}     # family id -> (this member's artifact, version)
         self.set_artifact(art, version, unavailable_reason)
 
@@ -132,10 +161,11 @@ class SpecialistEngine:
         return self.art, self.version, None
 
     @torch.no_grad()
-    def _prefix_kv(self, prefix_ids: list[int], payload: bytes | None, reason: str | None, timings: dict,
+    def _prefix_kv(self, prefix_ids: list[int], payload, reason: str | None, timings: dict,
                    codes_ok: Callable[[], None] | None = None):
         """(kv, ServedInfo). Uses the codes when it can (calling codes_ok() once they check out, before the
-        rebuild); otherwise prefills and says why."""
+        rebuild); otherwise prefills and says why. `payload`: bytes or a codec.Wire, or E-first (codec.Parts
+        in hand, or Arriving: the rest still on its way)."""
         if not prefix_ids:                                      # nothing to cache: the suffix is the whole input
             return [], ServedInfo("fallback", FallbackReason.PREFIX_TOO_SHORT, self.version, 0, timings)
         ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
@@ -144,37 +174,90 @@ class SpecialistEngine:
         if payload is not None and reason is None and activated.of(self.model) is not None and \
                 activated.switch(self.model, ids) < len(prefix_ids):
             reason = FallbackReason.INVOCATION_IN_PREFIX    # the codes hold the base's cache: not past that point
+        if isinstance(payload, codec.Parts):
+            payload = Arriving.of(payload)
         if payload is not None and reason is None:
-            art, version, family = self._artifact_for(payload)
+            art, version, family = self._artifact_for(payload.entry if isinstance(payload, Arriving) else payload)
             if art is None:
                 reason = self.unavailable_reason
             else:
-                t0 = time.perf_counter()
-                try:
-                    codes = codec.decode(payload, art.pair, version, art.payload_plan, codec.level_dims(art),
-                                         art.x_codes)
-                except codec.PayloadError:
-                    reason = FallbackReason.CODEC_ERROR
+                how = self._e_first if isinstance(payload, Arriving) else self._from_codes
+                built = how(art, version, payload, prefix_ids, timings, codes_ok)
+                if isinstance(built, str):
+                    reason = built
                 else:
-                    codes = codes.to(self.device)
-                    if codes.token_ids.tolist() != [prefix_ids]:
-                        reason = FallbackReason.CODEC_ERROR
-                    else:
-                        timings["decode"] = (time.perf_counter() - t0) * 1e3
-                        if codes_ok is not None:
-                            codes_ok()
-                        kv, ph = rebuild(self.model, art, codes)
-                        timings["rebuild"], timings["patch"] = ph["rebuild_ms"], ph["patch_ms"]
-                        if art.blocks:                  # the consumer's own layers, run from the residual sent
-                            timings["recompute"] = ph["recompute_ms"]
-                        return kv, ServedInfo("scd", None, version, len(payload), timings, level=codes.level,
-                                              family=family)
+                    kv, codes = built
+                    return kv, ServedInfo("scd", None, version, len(payload), timings, level=codes.level,
+                                          family=family)
         t0 = time.perf_counter()
         kv = self._prefill(ids)
         timings["prefill"] = (time.perf_counter() - t0) * 1e3
         if reason == "oracle":                                   # asked for the reference path on purpose
             return kv, ServedInfo("oracle", None, None, 0, timings)
         return kv, ServedInfo("fallback", reason or FallbackReason.NO_ARTIFACT, self.version, 0, timings)
+
+    def _checked(self, decode: Callable[[], Codes], prefix_ids: list[int]) -> "Codes | str":
+        """Codes decoded and on this device, or CODEC_ERROR when the payload is damaged, does not fit this
+        artifact or holds another prefix."""
+        try:
+            codes = decode().to(self.device)
+        except codec.PayloadError:
+            return FallbackReason.CODEC_ERROR
+        return codes if codes.token_ids.tolist() == [prefix_ids] else FallbackReason.CODEC_ERROR
+
+    def _from_codes(self, art: PairArtifacts, version: str, payload, prefix_ids: list[int], timings: dict,
+                    codes_ok: Callable[[], None] | None) -> "tuple[list, Codes] | str":
+        """(kv, codes) rebuilt from one payload, or the fallback reason."""
+        t0 = time.perf_counter()
+        codes = self._checked(lambda: codec.decode(payload, art.pair, version, art.payload_plan,
+                                                   codec.level_dims(art), art.x_codes), prefix_ids)
+        if isinstance(codes, str):
+            return codes
+        timings["decode"] = (time.perf_counter() - t0) * 1e3
+        if codes_ok is not None:
+            codes_ok()
+        kv, ph = rebuild(self.model, art, codes)
+        timings["rebuild"], timings["patch"] = ph["rebuild_ms"], ph["patch_ms"]
+        if art.blocks:                                  # the consumer's own layers, run from the residual sent
+            timings["recompute"] = ph["recompute_ms"]
+        return kv, codes
+
+    def _e_first(self, art: PairArtifacts, version: str, payload: Arriving, prefix_ids: list[int], timings: dict,
+                 codes_ok: Callable[[], None] | None) -> "tuple[list, Codes] | str":
+        """(kv, codes) from an E-first payload: the blocks start from the entry part while the rest is received,
+        decoded and rebuilt beside them; or the fallback reason."""
+        plans = codec.part_plans(art.payload_plan)
+        if plans is None:                               # parts for a plan that enters no block
+            return FallbackReason.CODEC_ERROR
+        t0 = time.perf_counter()
+        entry = self._checked(lambda: codec.decode(payload.entry, art.pair, version, plans[0],
+                                                   codec.level_dims(art)), prefix_ids)
+        if isinstance(entry, str):
+            return entry
+        timings["decode_entry"] = (time.perf_counter() - t0) * 1e3
+
+        def blocks() -> tuple[dict, float]:
+            t = time.perf_counter()
+            return run_blocks(self.model, art, entry), (time.perf_counter() - t) * 1e3
+        running = self.block_pool.submit(blocks)
+        try:
+            rest, reason, timings["transfer_rest"] = payload.rest()
+            if rest is None:
+                return reason
+            t1 = time.perf_counter()
+            codes = self._checked(lambda: codec.decode(rest, art.pair, version, plans[1], codec.level_dims(art),
+                                                       art.x_codes), prefix_ids)
+            if isinstance(codes, str):
+                return codes
+            timings["decode"] = (time.perf_counter() - t1) * 1e3
+            if codes_ok is not None:
+                codes_ok()
+            kv, ph = rebuild(self.model, art, codes, own=lambda: running.result()[0])
+        finally:
+            timings["recompute"] = running.result()[1]          # a fallback too waits for the block it started
+        timings["rebuild"], timings["patch"], timings["block_wait"] = \
+            ph["rebuild_ms"], ph["patch_ms"], ph["recompute_ms"]
+        return kv, codec.merged(entry, codes, art.payload_plan)
 
     def _prefill(self, ids: torch.Tensor) -> list:
         """The specialist's own K and V of the prefix ids (1, T): the oracle's cache."""

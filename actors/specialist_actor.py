@@ -30,7 +30,7 @@ from actors.drills import hold_until_open
 from actors.messages import FallbackReason, Output, SpecialistRequest
 from actors.producer_actor import PRODUCER_NAME
 from actors.registry import fetch, fetch_family, registry
-from actors.specialist import SpecialistEngine
+from actors.specialist import Arriving, SpecialistEngine
 from actors.transport import TransportError, make_transport
 from artifacts_store import ArtifactNotFound, ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
@@ -159,14 +159,25 @@ class SpecialistActor:
                 "families": {fid: v for fid, (_, v) in self.engine.families.items()},
                 "family_problems": dict(self.family_notes)}
 
-    def _receive(self, req: SpecialistRequest) -> tuple[bytes | None, str | None, float]:
+    def _receive(self, req: SpecialistRequest) -> tuple:
+        """(payload or None, fallback reason or None, ms). An E-first payload's entry part is received here,
+        its rest when the engine asks (Arriving)."""
         if req.reason or req.codes is None or req.codes.ticket is None:
             return None, req.reason or FallbackReason.TRANSPORT_ERROR, 0.0
+        if req.codes.entry_ticket is None:
+            return self._pull(req.codes.ticket)
+        entry, reason, ms = self._pull(req.codes.entry_ticket)
+        if entry is None:
+            self._pull(req.codes.ticket)                     # taken all the same: a staged rest is released
+            return None, reason, ms
+        return Arriving(entry, lambda: self._pull(req.codes.ticket)), None, ms
+
+    def _pull(self, ticket) -> tuple:
         t0 = time.perf_counter()
         try:
-            payload = self.receiver.receive(req.codes.ticket)
+            payload = self.receiver.receive(ticket)
         except (TransportError, ray.exceptions.RayError, ValueError):
-            self._forget_producer(req.codes.ticket.producer)
+            self._forget_producer(ticket.producer)
             return None, FallbackReason.TRANSPORT_ERROR, (time.perf_counter() - t0) * 1e3
         return payload, None, (time.perf_counter() - t0) * 1e3
 
@@ -177,6 +188,8 @@ class SpecialistActor:
         payload, reason, transfer_ms = self._receive(req)
         if payload is not None and req.codes.version:
             reason = self._follow(req.codes.version, req.codes.family)
+            if reason and isinstance(payload, Arriving):
+                payload.close()                             # the rest taken all the same, and dropped
             payload = None if reason else payload
         return payload, reason, {**req.timings, "transfer": transfer_ms}
 
@@ -192,10 +205,14 @@ class SpecialistActor:
             try:
                 self.engine.start(req.prefix_ids, req.suffix_ids, payload, reason, req.params, events.put, timings,
                                   exact=req.exact, cancelled=cancelled)
+                if isinstance(payload, Arriving):
+                    payload.close()                          # its rest taken, whether the engine used it or not
                 while (ev := events.get())[0] == "token":
                     yield Output(ev[1], tokens=ev[3], logprobs=[ev[2]] if ev[2] else [])
             finally:
                 self.running.pop(key)()
+                if isinstance(payload, Arriving):
+                    payload.close()
             if ev[0] == "error":
                 raise RuntimeError(f"specialist {self.name}: {ev[1]}")
             _, info, finish = ev

@@ -96,25 +96,78 @@ def top_folder(tmp_path_factory):
     return out, first
 
 
-def test_calibration_publishes_the_exact_plan_of_a_top_layer_fine_tune(top_folder, tmp_path, capsys):
-    from artifacts_store import ArtifactStore
+@pytest.fixture(scope="module")
+def top_published(top_folder, tmp_path_factory):
+    """base:top calibrated and published by the job (on the demo base and `top_folder`): (config, store, the
+    published ref, the job's output)."""
+    import contextlib
+    import io
     from jobs.calibrate import main as calibrate
-    folder, first = top_folder
-    cfg = write_config(tmp_path, heldout=3, val=3, gate_vs_raw_kv=1.0)
+    folder, _ = top_folder
+    tmp = tmp_path_factory.mktemp("top-published")
+    cfg = write_config(tmp, heldout=3, val=3, gate_vs_raw_kv=1.0)
     doc = yaml.safe_load(cfg.read_text())
     doc["specialists"].append({"name": "top", "path": str(folder)})
     cfg.write_text(yaml.safe_dump(doc))
-    ref = calibrate(["--pair", "base:top", "--config", str(cfg), "--no-actors"])
-    out = capsys.readouterr().out
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ref = calibrate(["--pair", "base:top", "--config", str(cfg), "--no-actors"])
+    return cfg, tmp / "store", ref, out.getvalue()
+
+
+def test_calibration_publishes_the_exact_plan_of_a_top_layer_fine_tune(top_folder, top_published):
+    from artifacts_store import ArtifactStore
+    _, first = top_folder
+    _, store_dir, ref, out = top_published
     assert f"layers 0-{first - 1} of {first + 2} are the producer's exactly" in out, out
     assert "stage traces" not in out, "an exact plan fits nothing: no traces"
-    store = ArtifactStore(tmp_path / "store")
+    store = ArtifactStore(store_dir)
     art, _ = store.load(ref)
     assert art.plan == ["exact"] + ["shared"] * (first - 1) + ["entry", "recompute"], art.plan
     m = store.show(ref)
     assert m.metrics["kl"] < 1e-3 and m.metrics["kl"] < 0.05 * m.metrics["kl_raw_kv"], m.metrics
     assert {"report/summary.md", "report/compute.png"} <= set(m.files), sorted(m.files)
     assert art.info["exact"]["chosen"]["entry"] == first and art.info["structure"]["verified_max_abs"] == 0.0
+
+
+@pytest.mark.parametrize("transport", ["object_store", "nixl"])
+def test_replicas_take_an_exact_plan_entry_first_and_answer_as_the_oracle(top_folder, top_published, ray_cluster,
+                                                                           transport):
+    """Through the real actors: the producer offers the entry part and the rest as two payloads (two tickets),
+    the specialist receives the entry, runs its block while it receives the rest, and answers as its own
+    prefill does; both staged payloads are released."""
+    import ray
+    from actors.messages import SpecialistRequest
+    from actors.producer_actor import ProducerActor
+    from actors.specialist_actor import SpecialistActor
+    folder, _ = top_folder
+    _, store_dir, _, _ = top_published
+    ns = f"scd-test-efirst-{transport}"
+    name = f"producer-efirst-{transport}"
+    producer = ProducerActor.options(name=name, namespace=ns, num_cpus=0).remote(
+        str(DEMO / "base"), {"base:top": "latest"}, str(store_dir), ns, transport=transport, watch_s=0,
+        name=name, inline_bytes=0)
+    replica = SpecialistActor.options(namespace=ns, num_cpus=0).remote(
+        "top", str(folder), "base:top", str(store_dir), ns, transport=transport)
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(DEMO / "base")
+        prefix = tok("Notes on the river: the ferry leaves at nine and returns at noon.")["input_ids"] * 2
+        params = GenParams(max_tokens=8)
+        codes = ray.get(producer.encode.remote(prefix, ["base:top"]))
+        pc = codes.per_pair["base:top"]
+        assert pc.entry_ticket is not None and pc.ticket is not None, pc
+        assert pc.entry_ticket.nbytes < pc.ticket.nbytes, (pc.entry_ticket.nbytes, pc.ticket.nbytes)
+        served = ray.get(replica.generate.remote(SpecialistRequest(prefix, [11], params, pc, producer=name), "a"))
+        oracle = ray.get(replica.generate.remote(SpecialistRequest(prefix, [11], params, reason="oracle"), "b"))
+        assert served.scd["mode"] == "scd", served.scd
+        assert {"transfer", "transfer_rest", "recompute"} <= set(served.scd["timings_ms"]), served.scd
+        assert served.text == oracle.text, (served.text, oracle.text)
+        if transport == "nixl":
+            assert ray.get(producer.stats.remote())["staged"] == 0, "both parts are released once pulled"
+    finally:
+        ray.kill(replica)
+        ray.kill(producer)
 
 
 def test_scd_eval_takes_the_exact_plan_and_marks_what_fails_the_bound(top_folder, tmp_path, capsys):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -172,8 +173,12 @@ def prepare(model, art: PairArtifacts) -> None:
 
 
 @torch.no_grad()
-def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str, float]]:
+def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int, KV]] | None = None
+            ) -> tuple[list[KV], dict[str, float]]:
     """Consumer side: per-layer (K post-RoPE, V) in the consumer's own feature space, plus phase times (ms).
+    `own`: the blocks' layers run elsewhere (`run_blocks` from an E-first payload's entry part, running beside
+    this): a call that returns them, made last; `codes` may then be the rest alone, and "recompute_ms" is the
+    wait for them.
 
     Every kind of layer decodes K before RoPE and V in the (B, T, n_kv, d) layout its matmul writes, and the
     keys are rotated there; the cache holds (B, n_kv, T, d) views of that storage (no transposing copies).
@@ -232,8 +237,8 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         else:
             kv[l] = (dense(codes.layers[l]["k"], dtype), dense(codes.layers[l]["v"], dtype))
     if shared and art.code_dtype == "klt":
-        own = activated.of(model).base if activated.of(model) is not None else model   # an aLoRA's: its base's
-        for l, (k, v) in enumerate(klt.sink_kv(own, codes.token_ids, codes.mask, shared[-1] + 1)):
+        base = activated.of(model).base if activated.of(model) is not None else model   # an aLoRA's: its base's
+        for l, (k, v) in enumerate(klt.sink_kv(base, codes.token_ids, codes.mask, shared[-1] + 1)):
             if l in kv and l in shared:
                 klt.set_sinks(kv[l][0], k, codes.mask)
                 klt.set_sinks(kv[l][1], v, codes.mask)
@@ -244,17 +249,29 @@ def rebuild(model, art: PairArtifacts, codes: Codes) -> tuple[list[KV], dict[str
         k = apply_rope(heads(k), cos, sin)                                      # (P, B, n_kv, T, d)
         kv.update({l: (k[i], heads(v[i])) for i, l in enumerate(patch)})
     t_run = time.perf_counter()
-    if art.blocks:
-        positions = positions_from_mask(codes.mask)
-        for s, e in art.blocks:                         # the consumer's own layers, from the residual sent
-            x = dense(codes.layers[s]["z_e"], dtype).reshape(b, t, -1)
-            if (align := art.entry_align.get(s)) is not None:     # towards the consumer's own residual there
-                x = x + align.decode(align.encode(x)).to(dtype)
-            kv.update(zip(range(s, e), run_layers(model, x, codes.mask, positions, s, e)))
+    kv.update(run_blocks(model, art, codes) if own is None else own())
     t_end = time.perf_counter()
     return [kv[l] for l in range(len(art.plan))], {"rebuild_ms": (t_patch - t0) * 1e3,
                                                       "patch_ms": (t_run - t_patch) * 1e3,
                                                       "recompute_ms": (t_end - t_run) * 1e3}
+
+
+@torch.no_grad()
+def run_blocks(model, art: PairArtifacts, codes: Codes) -> dict[int, KV]:
+    """The consumer's own layers of every block of `art`, run from the residual sent at its entry (through
+    the entry's aligner, if it has one): what needs only the entry part of an E-first payload."""
+    if not art.blocks:
+        return {}
+    dtype = next(model.parameters()).dtype
+    b, t = codes.token_ids.shape
+    positions = positions_from_mask(codes.mask)
+    kv = {}
+    for s, e in art.blocks:
+        x = dense(codes.layers[s]["z_e"], dtype).reshape(b, t, -1)
+        if (align := art.entry_align.get(s)) is not None:     # towards the consumer's own residual there
+            x = x + align.decode(align.encode(x)).to(dtype)
+        kv.update(zip(range(s, e), run_layers(model, x, codes.mask, positions, s, e)))
+    return kv
 
 
 def _decode_stacked(dec: torch.Tensor, mu: torch.Tensor, zs: list[torch.Tensor]) -> torch.Tensor:
