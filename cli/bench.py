@@ -80,7 +80,7 @@ def measure(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str
         for m in chosen:
             built = m.build(consumer, ids, mask, trace)
             r[m.name] = {"producer_ms": built.phases.get("encode_ms", 0.0), "consumer_ms": built.consumer_ms,
-                         "payload_bytes": built.payload_bytes,
+                         "payload_bytes": built.payload_bytes, "entry_bytes": built.entry_bytes,
                          **{k: v for k, v in built.phases.items() if k != "encode_ms"}}
         rounds.append(r)
     rounds = rounds[1:]
@@ -114,11 +114,13 @@ def fanout(m: dict, ns: list[int]) -> list[dict]:
 def ttft(m: dict, gbps: list[float], prefilled: bool = False) -> dict[str, list[float]]:
     """Modeled time to the first token per method at each bandwidth: the producer's prefill (not when
     `prefilled`: the producer holds the prefix already, as for every specialist of a fan-out but the first)
-    and its encode, the payload on the link, the consumer's work. The oracle prefills on the consumer."""
+    and its encode, then the payload on the link and the consumer's work, overlapped for an E-first payload
+    (links.ready_ms). The oracle prefills on the consumer."""
     out = {}
     for name, p in m["methods"].items():
         producer = 0.0 if name == "oracle" else p["producer_ms"] + (0.0 if prefilled else m["producer_prefill_ms"])
-        out[name] = [producer + p["consumer_ms"] + p["payload_bytes"] * 8 / (g * 1e9) * 1e3 for g in gbps]
+        out[name] = [producer + links.ready_ms(p["payload_bytes"], p["consumer_ms"], g, p.get("entry_bytes", 0),
+                                               p.get("recompute_ms", 0.0)) for g in gbps]
     return out
 
 
@@ -135,8 +137,9 @@ def per_link(m: dict, art, gbps: list[float], target_ms: float | None, kls: dict
         name = methods.level_name(art, level)
         p = m["methods"][name]
         rows.append({"gbps": g, "level": level, "method": name, "payload_ratio": p["payload_bytes"] / raw,
-                     "ttft_ms": m["producer_prefill_ms"] + p["producer_ms"] + links.transfer_ms(p["payload_bytes"], g)
-                     + p["consumer_ms"], "kl": kls[name]})
+                     "ttft_ms": m["producer_prefill_ms"] + p["producer_ms"] + links.ready_ms(
+                         p["payload_bytes"], p["consumer_ms"], g, p.get("entry_bytes", 0), p.get("recompute_ms", 0.0)),
+                     "kl": kls[name]})
     return rows
 
 

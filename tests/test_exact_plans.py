@@ -78,6 +78,10 @@ def test_the_entry_chosen_is_the_cheapest_modeled_ttft_that_meets_the_bound():
     assert exact.choose(pts[1:], raw, either, gbps=25)["entry"] == 8
     slow_encode = [pts[1], {**pts[2], "producer_ms": 500.0}]           # the producer's encode counts too
     assert exact.choose(slow_encode, raw, either, gbps=25)["entry"] == 6
+    piped = {**pts[0], "entry_bytes": 100, "block_ms": 48.0}            # E-first: the block runs while the rest
+    one_byte_a_ms = 8e-6                                                  # arrives (1000 bytes take 1000 ms here)
+    assert exact.modeled_ttft_ms(piped, one_byte_a_ms) == pytest.approx(max(100 + 48, 1000 + 2))
+    assert exact.modeled_ttft_ms(pts[0], one_byte_a_ms) == pytest.approx(1000 + 50)
     assert exact.entries(18, 30) == [18, 21, 24, 27, 30] and exact.entries(4, 6) == [4, 5, 6]
     assert exact.entries(18, 30, adapted_until=24) == [18, 20, 21, 22, 30], "above layer 23 it is raw KV again"
 

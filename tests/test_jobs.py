@@ -125,6 +125,10 @@ def test_bench_fanout_and_ttft_arithmetic():
     assert t["scd"] == pytest.approx([90 + 10 + 5 + 10, 90 + 10 + 5 + 1])
     warm = ttft(m, [10.0], prefilled=True)   # the producer holds the prefix: its encode is left, not its prefill
     assert warm["scd"] == pytest.approx([10 + 5 + 10]) and warm["oracle"] == [100.0]
+    # E-first: 1.25 MB of entry (1 ms at 10 Gbps) starts a 40 ms block while the other 11.25 MB arrive (9 ms more)
+    m["methods"]["scd"].update(consumer_ms=45.0, entry_bytes=1_250_000, recompute_ms=40.0)
+    assert ttft(m, [10.0, 1.0], prefilled=True)["scd"] == pytest.approx([10 + max(1 + 40, 10 + 5),
+                                                                          10 + max(10 + 40, 100 + 5)])
 
 
 @pytest.mark.parametrize("argv,msg", [

@@ -43,6 +43,8 @@ class SampleResult:
     oracle_ms: float
     raw_bytes: int
     producer_ms: float = 0.0        # the producer's work after its prefill (SCD's encode)
+    entry_bytes: int = 0            # E-first: the payload's entry part, sent first
+    block_ms: float = 0.0           # the consumer's own layers (of consumer_ms), startable once the entry is in
 
 
 class Evaluator:
@@ -101,7 +103,8 @@ class Evaluator:
                 f1, em = metrics.f1_em(self._answer(built, mask, s.question, model), s.answer)
             out.append(SampleResult(m.name, kl, tv, top1, metrics.nll(logits[0, :-1], s.cont[1:]),
                                     metrics.greedy_agreement(ref_gen, gen), f1, em, built.payload_bytes,
-                                    built.consumer_ms, oracle.consumer_ms, raw, built.phases.get("encode_ms", 0.0)))
+                                    built.consumer_ms, oracle.consumer_ms, raw, built.phases.get("encode_ms", 0.0),
+                                    built.entry_bytes, built.phases.get("recompute_ms", 0.0)))
         return out
 
     def run(self, samples: list[Sample], methods: list[Method], desc: str = "eval", cost_tokens: int = 0,
@@ -154,7 +157,8 @@ def summarize(results: list[SampleResult], order: list[str]) -> list[dict]:
             "f1": statistics.fmean(r.f1 for r in qa) if qa else None,
             "em": statistics.fmean(r.em for r in qa) if qa else None,
             "consumer_ms": consumer, "prefill_ratio": consumer / oracle, "samples": len(rs),
-            "producer_ms": statistics.median(r.producer_ms for r in rs)})
+            "producer_ms": statistics.median(r.producer_ms for r in rs),
+            "entry_bytes": round(mean("entry_bytes")), "block_ms": statistics.median(r.block_ms for r in rs)})
     return retained_gain(rows)
 
 

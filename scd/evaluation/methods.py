@@ -40,6 +40,7 @@ class Built:
     payload_bytes: int
     consumer_ms: float
     phases: dict[str, float] = field(default_factory=dict)
+    entry_bytes: int = 0             # E-first: the payload's entry part (sent first; part of payload_bytes)
 
 
 class Method:
@@ -136,8 +137,8 @@ class DroidSpeak(Method):
         kv[s:e] = block
         ms = (time.perf_counter() - t) * 1e3
         b, _, tok, _ = tr.keys[0].shape
-        payload = _bf16_bytes(tuple(tr.keys[0].shape), len(kv) - self.n) + b * tok * tr.hidden[s].shape[-1] * 2
-        return Built(kv, payload, ms)
+        entry = b * tok * tr.hidden[s].shape[-1] * 2          # the residual at s, sent first (E-first)
+        return Built(kv, _bf16_bytes(tuple(tr.keys[0].shape), len(kv) - self.n) + entry, ms, {"recompute_ms": ms}, entry)
 
 
 class SCDMethod(Method):
@@ -154,15 +155,20 @@ class SCDMethod(Method):
     def build(self, consumer, ids, mask, producer_trace):
         t0 = time.perf_counter()
         dims = codec.artifact_dims(self.art, self.level)
-        payload = codec.encode(encode(self.encoder, producer_trace, ids, self.level), self.art.pair, self.artifact_id,
-                               dims, self.dtype)
+        codes = encode(self.encoder, producer_trace, ids, self.level)
+        # as the producer sends it: E-first (entry part, then the rest) where the plan enters a block
+        e_first = self.encoder is self.art and codec.part_plans(self.art.payload_plan) is not None
+        args = (self.art.pair, self.artifact_id)
+        payload = codec.encode_parts(codes, *args, dims, self.dtype) if e_first else \
+            codec.encode(codes, *args, dims, self.dtype)
         t1 = time.perf_counter()
-        codes = codec.decode(payload, self.art.pair, self.artifact_id, self.art.payload_plan, dims, self.art.x_codes)
+        codes = (codec.decode_parts if e_first else codec.decode)(payload, *args, self.art.payload_plan, dims,
+                                                                   self.art.x_codes)
         t2 = time.perf_counter()
         kv, phases = rebuild(consumer, self.art, codes)
         t3 = time.perf_counter()
         phases = {"encode_ms": (t1 - t0) * 1e3, "decode_ms": (t2 - t1) * 1e3, **phases}
-        return Built(kv, len(payload), (t3 - t1) * 1e3, phases)
+        return Built(kv, len(payload), (t3 - t1) * 1e3, phases, len(payload.entry) if e_first else 0)
 
 
 def level_name(art: PairArtifacts, level: dict[str, int]) -> str:

@@ -69,7 +69,8 @@ def curve(producer, consumer, tok, art: PairArtifacts, aligners: dict[int, Linea
     ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV()] + [
         methods.SCDMethod(a, f"enter@{e}") for e, a in plans.items()]
     rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc)}
-    keys = ("kl", "payload_ratio", "payload_bytes", "consumer_ms", "producer_ms", "greedy", "f1", "retained_gain")
+    keys = ("kl", "payload_ratio", "payload_bytes", "consumer_ms", "producer_ms", "greedy", "f1", "retained_gain",
+            "entry_bytes", "block_ms")
     points = [{"entry": e, "consumer_ratio": (n - e) / n, **{k: rows[f"enter@{e}"].get(k) for k in keys}}
               for e in plans]
     return points, rows["raw_kv"]

@@ -20,7 +20,7 @@ from scd.evaluation.evaluate import Evaluator
 from scd.fitting.gram import JointGram
 from scd.online import klt
 from scd.online.artifacts import PairArtifacts, exact_plan
-from scd.online.links import transfer_ms
+from scd.online.links import ready_ms
 from scd.online.trace import capture
 
 
@@ -108,15 +108,17 @@ def curve(producer, consumer, tok, pair: str, spec, found, samples, code_dtype: 
     rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc)}
     out = [{"entry": e, "consumer_ratio": (spec.num_layers - e) / spec.num_layers, "dtype": code_dtype,
             **{k: rows[f"enter@{e}"][k] for k in ("kl", "payload_ratio", "payload_bytes", "consumer_ms",
-                                                  "producer_ms", "greedy")}}
+                                                  "producer_ms", "greedy", "entry_bytes", "block_ms")}}
            for e in es]
     return out, rows["raw_kv"]
 
 
 def modeled_ttft_ms(point: dict, gbps: float) -> float:
-    """The consumer's time to its cache once the producer holds the prefix: the producer's encode, the payload
-    over the link, the consumer's compute (each measured; an older record without the encode counts none)."""
-    return point.get("producer_ms", 0.0) + transfer_ms(point["payload_bytes"], gbps) + point["consumer_ms"]
+    """The consumer's time to its cache once the producer holds the prefix: the producer's encode, then the
+    payload over the link and the consumer's compute, overlapped where the payload goes E-first (links.ready_ms;
+    each measured; an older record without the encode or the parts counts none)."""
+    return point.get("producer_ms", 0.0) + ready_ms(point["payload_bytes"], point["consumer_ms"], gbps,
+                                                    point.get("entry_bytes", 0), point.get("block_ms", 0.0))
 
 
 def choose(points: list[dict], raw_kl: float, bound: Bound, gbps: float) -> dict | None:
