@@ -424,3 +424,23 @@ def test_the_family_job_publishes_exact_members_as_one_payload_and_the_engines_s
 def _tokenizer_of(folder):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(folder)
+
+
+def test_bench_e_first_times_both_ways_over_an_emulated_link(top_published, tmp_path, capsys):
+    """tools.bench_e_first on the demo base and its top-layer fine-tune: both ways served from codes, neither
+    faster than its bytes over the link allow, the model's E-first never above its whole."""
+    from scd.online.links import transfer_ms
+    from tools.bench_e_first import main as bench
+    cfg, _, _, _ = top_published
+    out = bench(["--config", str(cfg), "--specialist", "top", "--tokens", "64", "--gbps", "0.01,100",
+                 "--repeats", "1", "--json", str(tmp_path / "e.json")])
+    assert out["entry_bytes"] + out["rest_bytes"] > out["payload_bytes"] > out["rest_bytes"], out
+    for row in out["rows"]:
+        link = transfer_ms(out["payload_bytes"], row["gbps"])
+        assert row["whole_ms"] >= link and row["e_first_ms"] >= transfer_ms(out["rest_bytes"], row["gbps"]), row
+        assert row["modeled_e_first_ms"] <= row["modeled_whole_ms"] + 1e-6, row
+    assert "E-first" in capsys.readouterr().out and (tmp_path / "e.json").exists()
+    with pytest.raises(SystemExit, match="--gbps must be positive"):
+        bench(["--config", str(cfg), "--specialist", "top", "--gbps", "0"])
+    with pytest.raises(SystemExit, match="no specialist 'nope'"):
+        bench(["--config", str(cfg), "--specialist", "nope"])
