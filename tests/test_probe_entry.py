@@ -63,3 +63,21 @@ def test_an_entry_trained_end_to_end_lowers_the_consumers_kl_below_its_closed_fo
     before = sum(ev.kl(s, closed) for s in train) / len(train)
     after = sum(ev.kl(s, Entry(2, 4, trained, None, name="e2+trained")) for s in train) / len(train)
     assert after < before, f"trained entry KL {after:.4g}, closed form {before:.4g}"
+
+
+def test_codes_below_are_the_artifacts_rebuilt_cache_as_sent():
+    """--below-artifact: below the entry, the published artifact's cache from its codes as the wire rounds them
+    (here an exact plan's bf16 K and V): with no block of the probe's own, the probe's cache is the artifact's."""
+    from scd.evaluation.methods import SCDMethod
+    from scd.fitting import exact
+    from scd.online.models import ModelSpec
+    from tools.probe_entry import CodesBelow
+    a, b = _pair()
+    art = exact.artifact("a:b", ModelSpec.from_config(a.config), 2, "bf16")
+    ids = _samples(1, 5)[0].prefix[None]
+    mask = torch.ones_like(ids)
+    tr = capture(a, ids, mask, want_hidden=True)
+    got = Entry(4, 4, None, CodesBelow(art)).build(b, ids, mask, tr).kv
+    want = SCDMethod(art).build(b, ids, mask, tr).kv
+    err = max((x - y).abs().max().item() for g, w in zip(got, want) for x, y in zip(g, w))
+    assert err == 0.0, f"codes below differ from the artifact's rebuilt cache by {err:.2e}"

@@ -19,6 +19,10 @@ scored by held-out KL against raw KV reuse's:
 plus `below` alone (no block: every layer 1..L-1 predicted). Layer 0 is always exact. No rounding on the
 wire: the figures are what the maps can do, not a payload. The maps are fitted on --prefixes calibration
 prefixes.
+
+With --below-artifact REF (a published artifact of the pair, e.g. smollm2:qa@latest): below e the consumer
+takes that artifact's rebuilt cache from its codes as sent (rounded as on the wire), instead of the full-rank
+translation; `+below`, `+both` and `+trained` then measure a block over the codes a payload carries.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting.gram import JointGram
-from scd.online import cache
+from scd.online import cache, codec
+from scd.online.rebuild import encode, rebuild
 from scd.online.recompute import layers_kv, run_layers
 from scd.online.reuse import LinearCodec
 from scd.online.rope import apply_rope, cos_sin
@@ -47,12 +52,24 @@ def kv_rows(trace, layer: int) -> torch.Tensor:
     return torch.cat([rows(trace.content[layer]), rows(trace.values[layer])], 1)
 
 
-class Entry(methods.Method):
-    """The producer's K and V (or `below`'s predictions) at layers 1..e-1, the consumer's own from e, entered
-    from the producer's residual (through `align` when given)."""
+class CodesBelow:
+    """`below` from a published artifact: its rebuilt cache from its codes as sent (every layer it codes; its
+    own block, if it has one, runs too and is cut away by the entry above it)."""
 
-    def __init__(self, entry: int, num_layers: int, align: LinearCodec | None, below: dict[int, LinearCodec] | None,
-                 name: str | None = None):
+    def __init__(self, art):
+        self.art = art
+
+    def kv(self, consumer, ids, tr) -> list:
+        codes = codec.as_received(encode(self.art, tr, ids), self.art.code_dtype)
+        return rebuild(consumer, self.art, codes)[0]
+
+
+class Entry(methods.Method):
+    """The producer's K and V (or `below`'s predictions: full-rank maps per layer, or a CodesBelow) at layers
+    1..e-1, the consumer's own from e, entered from the producer's residual (through `align` when given)."""
+
+    def __init__(self, entry: int, num_layers: int, align: LinearCodec | None,
+                 below: "dict[int, LinearCodec] | CodesBelow | None", name: str | None = None):
         self.entry, self.num_layers, self.align, self.below = entry, num_layers, align, below
         self.name = name or ("below" if entry == num_layers else f"e{entry}") + (
             "+both" if align and below and entry < num_layers else "+align" if align else
@@ -60,7 +77,7 @@ class Entry(methods.Method):
 
     def build(self, consumer, ids, mask, tr):
         t0 = time.perf_counter()
-        kv = self.below_kv(consumer, tr)
+        kv = self.below_kv(consumer, ids, tr)
         if self.entry < self.num_layers:
             h = tr.hidden[self.entry]
             if self.align is not None:
@@ -69,8 +86,10 @@ class Entry(methods.Method):
         return methods.Built(kv, 0, (time.perf_counter() - t0) * 1e3)
 
     @torch.no_grad()
-    def below_kv(self, consumer, tr) -> list:
+    def below_kv(self, consumer, ids, tr) -> list:
         """The producer's K and V of every layer, with `below`'s predictions at layers 1..e-1."""
+        if isinstance(self.below, CodesBelow):
+            return list(self.below.kv(consumer, ids, tr))
         kv = list(zip(tr.keys, tr.values))
         _, n_kv, t, d = tr.keys[0].shape
         if self.below:
@@ -99,7 +118,7 @@ def train_entry(producer, consumer, way: Entry, train, epochs: int, lr: float) -
             own = capture(consumer, ids, mask, want_xnorm=False)
             ref = cache.extend(consumer, cache.assemble(consumer, list(zip(own.keys, own.values))), mask,
                                s.cont[None, :-1])[0]
-            fixed.append((tr.hidden[e].float(), mask, tr.positions, way.below_kv(consumer, tr)[:e],
+            fixed.append((tr.hidden[e].float(), mask, tr.positions, way.below_kv(consumer, ids, tr)[:e],
                           s.cont[None, :-1], F.log_softmax(ref.float(), -1)))
     consumer.requires_grad_(False)
     opt = torch.optim.Adam([w, c], lr=lr)
@@ -140,8 +159,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                                  "the e<e>+trained rows (0: none)")
     p.add_argument("--train-epochs", type=int, default=3)
     p.add_argument("--train-lr", type=float, default=1e-4)
+    p.add_argument("--below-artifact", default=None, metavar="REF",
+                   help="below the entry, this published artifact's codes (e.g. smollm2:qa@latest) instead of "
+                        "the full-rank translation")
     args = p.parse_args(argv)
     cfg, name, producer, consumer, tok, spec = config_pair(args.config, args.pair)
+    if args.below_artifact:
+        from artifacts_store import ArtifactStore, ArtifactStoreError
+        try:
+            codes_below = CodesBelow(ArtifactStore(cfg.artifacts.uri).load(args.below_artifact)[0])
+        except (ArtifactStoreError, ValueError) as e:
+            raise SystemExit(f"--below-artifact {args.below_artifact}: {e}") from None
     L, hsize = spec.num_layers, spec.hidden_size
     try:
         entries = sorted({int(e) for e in args.entries.split(",")})
@@ -163,6 +191,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             g.update(a.xnorm[l][0].float(), kv_rows(b, l))
     align = {e: g.fit_regression(hsize, args.ridge) for e, g in entry_grams.items()}
     below = {l: g.fit_regression(kv_width, cfg.calibration.ridge) for l, g in below_grams.items()}
+    if args.below_artifact:
+        below = codes_below
     ways = [methods.RawKV(), Entry(L, L, None, below)] + [
         Entry(e, L, al, bl) for e in entries for al in (None, align[e]) for bl in (None, below)]
     if args.train_samples:
