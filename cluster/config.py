@@ -276,6 +276,11 @@ class CalibrationSettings(CalibConfig):
     min_retained_gain: float | None = Field(None, ge=0, le=1, description=(
         "the quality bound's task figure: a chosen plan keeps at least this share of the specialist's gain over "
         "the base alone on the validation samples (F1 for QA, perplexity for text; unset: KL alone)"))
+    serving_tokens: int = Field(2048, ge=0, description=(
+        "the prefix length plans are chosen for: each candidate plan (exact plans in each wire form, recompute "
+        "blocks) is also timed on one prefix this long (the validation prefixes end to end, at most the "
+        "model's context), and the least modeled TTFT is taken at that length; 0: at the calibration prefixes' "
+        "length"))
     diagnostics: bool = Field(True, description=(
         "the report's diagnostics: the payload-against-KL grid over ranks, where the error lives, the x_norm "
         "error profile (about a third of a small pair's job); off, the report keeps the held-out table, the "

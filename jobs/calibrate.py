@@ -149,13 +149,21 @@ def wire_tag(c) -> str:
     return c.exact_dtype + (f"{c.exact_step:g}" if "klt" in exact.wire_forms(c.exact_dtype) else "")
 
 
+def serving_tokens(cal: Calibration, c) -> int:
+    """The prefix length plans are timed at (c.serving_tokens, at most the consumer's context; 0: none)."""
+    context = getattr(cal.consumer.config, "max_position_embeddings", None) or c.serving_tokens
+    return min(c.serving_tokens, context)
+
+
 def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None, klt_codes=None) -> dict | None:
     """The exact plan chosen under the quality bound (scd.fitting.exact), from its curve measured on the
     validation samples (checkpointed), or None when none meets the bound: then codes are fitted."""
-    path, inputs = cal.trace_dir / f"exact-curve-{wire_tag(c)}.json", {"samples": samples_digest(val)}
+    tokens = serving_tokens(cal, c)
+    path = cal.trace_dir / f"exact-curve-{wire_tag(c)}.json"
+    inputs = {"samples": samples_digest(val), **({"serving_tokens": tokens} if tokens else {})}
     rec = exact.select(cal.producer, cal.consumer, tok, cal.pair, cal.spec, found, val, c.exact_dtype,
                        exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl), gbps or DEFAULT_GBPS,
-                       log, load_record(path, inputs, log), klt_codes=klt_codes)
+                       log, load_record(path, inputs, log), klt_codes=klt_codes, serving_tokens=tokens)
     save_record(path, {k: rec[k] for k in ("points", "raw_kv")}, inputs)
     return rec if rec["chosen"] is not None else None
 
@@ -166,16 +174,19 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None):
     the quality gate decides). The curve is checkpointed and recorded in art.info["blocks"]."""
     bound = exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl, c.min_retained_gain)
     es = blocks.entries(cal.spec.num_layers, c.max_consumer_prefill_ratio)
-    path, inputs = cal.dir / "blocks.json", {"samples": samples_digest(val), "entries": es}
+    tokens = serving_tokens(cal, c)
+    path = cal.dir / "blocks.json"
+    inputs = {"samples": samples_digest(val), "entries": es, **({"serving_tokens": tokens} if tokens else {})}
     tensors = cal.dir / "entry-aligners.safetensors"
     rec = load_record(path, inputs, log)
     if rec is None:
-        points, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}")
+        points, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}",
+                                   serving_tokens=tokens)
         if not bound.meets(points[0], raw["kl"]) and es:
             aligners = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], es)
             save_file({k: v for e, a in aligners.items() for k, v in a.tensors(f"entry.{e}").items()}, str(tensors))
             more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,
-                                   desc=f"recompute blocks {cal.pair}")
+                                   desc=f"recompute blocks {cal.pair}", serving_tokens=tokens)
             points += more
         rec = save_record(path, {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio")}}, inputs)
     raw_kl = rec["raw_kv"]["kl"]
@@ -189,7 +200,8 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None):
     out = blocks.block_artifact(art, chosen["entry"], LinearCodec.from_tensors(t, f"entry.{chosen['entry']}"))
     out.info = art.info
     log(f"recompute block: the consumer runs layers {chosen['entry']}-{cal.spec.num_layers - 1} from the aligned "
-        f"residual (validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill)")
+        f"residual (validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the "
+        f"least modeled TTFT within the bound{exact.at_length(chosen)})")
     return out
 
 

@@ -108,7 +108,8 @@ def write_config(tmp_path, **calibration) -> Path:
     import yaml
     cal = {"prefixes": 16, "val": 3, "heldout": 2, "aligner_epochs": 3, "pool": 2, "prefix_tokens": 96,
            "finetune_samples": 8, "finetune_epochs": 1, "gate_vs_raw_kv": 0, "family_vs_pair": 0,
-           "recompute_blocks": False, "diagnostics": False, "work_dir": str(tmp_path / "work"), **calibration}
+           "recompute_blocks": False, "diagnostics": False, "serving_tokens": 256, "work_dir": str(tmp_path / "work"),
+           **calibration}
     cfg = {"producer": {"name": "base", "path": str(DEMO / "base")},
            "specialists": [{"name": n, "path": str(DEMO / n)} for n in ("qa", "prose", "code")],
            "artifacts": {"uri": str(tmp_path / "store")}, "calibration": cal}

@@ -82,6 +82,8 @@ def test_the_entry_chosen_is_the_cheapest_modeled_ttft_that_meets_the_bound():
     one_byte_a_ms = 8e-6                                                  # arrives (1000 bytes take 1000 ms here)
     assert exact.modeled_ttft_ms(piped, one_byte_a_ms) == pytest.approx(max(100 + 48, 1000 + 2))
     assert exact.modeled_ttft_ms(pts[0], one_byte_a_ms) == pytest.approx(1000 + 50)
+    served = {**pts[0], "serving": {"payload_bytes": 4000, "consumer_ms": 200.0, "producer_ms": 5.0, "tokens": 2048}}
+    assert exact.modeled_ttft_ms(served, one_byte_a_ms) == pytest.approx(5 + 4000 + 200), "timed at serving length"
     assert exact.entries(18, 30) == [18, 21, 24, 27, 30] and exact.entries(4, 6) == [4, 5, 6]
     assert exact.entries(18, 30, adapted_until=24) == [18, 20, 21, 22, 30], "above layer 23 it is raw KV again"
 
@@ -132,6 +134,8 @@ def test_calibration_publishes_the_exact_plan_of_a_top_layer_fine_tune(top_folde
     assert m.metrics["kl"] < 1e-3 and m.metrics["kl"] < 0.05 * m.metrics["kl_raw_kv"], m.metrics
     assert {"report/summary.md", "report/compute.png"} <= set(m.files), sorted(m.files)
     assert art.info["exact"]["chosen"]["entry"] == first and art.info["structure"]["verified_max_abs"] == 0.0
+    assert art.info["exact"]["chosen"]["serving"]["tokens"] == 256, "plans are chosen timed at serving_tokens"
+    assert "timed at 256 tokens" in out, out
 
 
 @pytest.mark.parametrize("transport", ["object_store", "nixl"])

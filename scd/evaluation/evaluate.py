@@ -114,30 +114,48 @@ class Evaluator:
         if cost_tokens:
             costs = self.cost(samples, methods, cost_tokens, cost_repeats)
             for r in rows:
-                r["cost_tokens"], r["cost_ratio"] = cost_tokens, costs[r["method"]]
+                at = costs[r["method"]]
+                r["cost_tokens"], r["cost_ratio"] = cost_tokens, at["ratio"] if at else None
+                r["at_cost_tokens"] = at
         return rows
 
     @torch.no_grad()
-    def cost(self, samples: list[Sample], methods: list[Method], tokens: int, repeats: int = 3) -> dict[str, float]:
-        """Each method's consumer compute over the consumer's own prefill on one prefix of `tokens` tokens (the
-        held-out prefixes end to end), measured side by side: the methods and the oracle's prefill take turns,
-        `repeats` times, and each ratio is of the medians. A method without a model (base) reads None."""
+    def cost(self, samples: list[Sample], methods: list[Method], tokens: int, repeats: int = 3) -> dict:
+        """Each method's costs on one prefix of `tokens` tokens (the held-out prefixes end to end), measured side
+        by side: the methods and the oracle's prefill take turns, `repeats` times; medians. Per method:
+        {"ratio": consumer compute over the consumer's own prefill, "consumer_ms", "producer_ms" (encode),
+        "payload_bytes", "entry_bytes", "block_ms"} (what a modeled TTFT at that length needs); None for a
+        method without a model (base)."""
         ids = torch.cat([s.prefix for s in samples])
         while ids.numel() < tokens:
             ids = torch.cat([ids, ids])
         ids = ids[:tokens][None]
         mask = torch.ones_like(ids)
         ptrace = capture(self.producer, ids, mask, want_hidden=True)
-        times: dict[str, list[float]] = {m.name: [] for m in methods}
+        runs: dict[str, list[Built]] = {m.name: [] for m in methods}
         prefill = []
         for _ in tqdm(range(repeats), desc=f"cost at {tokens} tokens"):
             prefill.append(Oracle().build(self.consumer, ids, mask, ptrace).consumer_ms)
             for m in methods:
                 if m.name not in ("oracle", "base"):
-                    times[m.name].append(m.build(self.consumer, ids, mask, ptrace).consumer_ms)
+                    runs[m.name].append(m.build(self.consumer, ids, mask, ptrace))
         own = statistics.median(prefill)
-        return {name: 1.0 if name == "oracle" else None if not ts else statistics.median(ts) / own
-                for name, ts in times.items()}
+        out = {}
+        for name, built in runs.items():
+            if name == "oracle":
+                out[name] = {"ratio": 1.0, "consumer_ms": own, "producer_ms": 0.0, "payload_bytes": 0,
+                             "entry_bytes": 0, "block_ms": 0.0}
+                continue
+            if not built:
+                out[name] = None
+                continue
+            med = lambda f: statistics.median(map(f, built))                  # noqa: E731
+            consumer = med(lambda b: b.consumer_ms)
+            out[name] = {"ratio": consumer / own, "consumer_ms": consumer,
+                         "producer_ms": med(lambda b: b.phases.get("encode_ms", 0.0)),
+                         "payload_bytes": built[0].payload_bytes, "entry_bytes": built[0].entry_bytes,
+                         "block_ms": med(lambda b: b.phases.get("recompute_ms", 0.0))}
+        return out
 
 
 def summarize(results: list[SampleResult], order: list[str]) -> list[dict]:

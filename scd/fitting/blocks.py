@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
+from scd.fitting import exact
 from scd.fitting.gram import JointGram
 from scd.online.artifacts import PairArtifacts
 from scd.online.reuse import LinearCodec
@@ -60,7 +61,7 @@ def block_artifact(art: PairArtifacts, entry: int, align: LinearCodec | None) ->
 
 
 def curve(producer, consumer, tok, art: PairArtifacts, aligners: dict[int, LinearCodec], samples,
-          with_codes: bool = True, desc: str = "recompute blocks") -> tuple[list[dict], dict]:
+          with_codes: bool = True, desc: str = "recompute blocks", serving_tokens: int = 0) -> tuple[list[dict], dict]:
     """(one point per plan: the codes alone (entry num_layers; with_codes) and each entry of `aligners`, each
     {entry, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms, greedy, f1, retained_gain}; the
     raw-KV row), measured on `samples` beside the oracle and the base alone."""
@@ -68,10 +69,10 @@ def curve(producer, consumer, tok, art: PairArtifacts, aligners: dict[int, Linea
     plans = {**({n: art} if with_codes else {}), **{e: block_artifact(art, e, a) for e, a in sorted(aligners.items())}}
     ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV()] + [
         methods.SCDMethod(a, f"enter@{e}") for e, a in plans.items()]
-    rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc)}
-    keys = ("kl", "payload_ratio", "payload_bytes", "consumer_ms", "producer_ms", "greedy", "f1", "retained_gain",
-            "entry_bytes", "block_ms")
-    points = [{"entry": e, "consumer_ratio": (n - e) / n, **{k: rows[f"enter@{e}"].get(k) for k in keys}}
+    rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc,
+                                                                          cost_tokens=serving_tokens)}
+    keys = exact.POINT_KEYS + ("f1", "retained_gain")
+    points = [{"entry": e, "consumer_ratio": (n - e) / n, **exact.measured_point(rows[f"enter@{e}"], keys)}
               for e in plans]
     return points, rows["raw_kv"]
 

@@ -96,29 +96,44 @@ def artifact(pair: str, spec, entry: int, code_dtype: str, info: dict | None = N
                                klt_codes)
 
 
+POINT_KEYS = ("kl", "payload_ratio", "payload_bytes", "consumer_ms", "producer_ms", "greedy", "entry_bytes",
+              "block_ms")
+
+
+def measured_point(row: dict, keys: tuple[str, ...] = POINT_KEYS) -> dict:
+    """A curve point's figures from its Evaluator row; with the row's costs at a serving length (Evaluator.run's
+    cost_tokens), those too, under "serving" (what modeled_ttft_ms reads first)."""
+    out = {k: row.get(k) for k in keys}
+    if row.get("at_cost_tokens"):
+        out["serving"] = {**row["at_cost_tokens"], "tokens": row["cost_tokens"]}
+    return out
+
+
 def curve(producer, consumer, tok, pair: str, spec, found, samples, code_dtype: str, points: int = 5,
-          desc: str = "exact plans", klt_codes: tuple[dict, dict] | None = None) -> tuple[list[dict], dict]:
-    """(one point per entry layer: {entry, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms}, the
-    raw-KV row measured beside them on `samples`). An aLoRA (found.invocation_tokens) has one plan: its whole
-    prefix shared (entry num_layers)."""
+          desc: str = "exact plans", klt_codes: tuple[dict, dict] | None = None,
+          serving_tokens: int = 0) -> tuple[list[dict], dict]:
+    """(one point per entry layer: {entry, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms, ...},
+    the raw-KV row measured beside them on `samples`). An aLoRA (found.invocation_tokens) has one plan: its whole
+    prefix shared (entry num_layers). `serving_tokens`: each plan's costs timed on a prefix that long too."""
     whole = found.invocation_tokens is not None
     es = [spec.num_layers] if whole else entries(found.first_adapted, spec.num_layers, points, found.adapted_until)
     ms = [methods.RawKV()] + [methods.SCDMethod(artifact(pair, spec, e, code_dtype, whole_prefix=whole,
                                                          klt_codes=klt_codes), f"enter@{e}") for e in es]
-    rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc)}
+    rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc,
+                                                                          cost_tokens=serving_tokens)}
     out = [{"entry": e, "consumer_ratio": (spec.num_layers - e) / spec.num_layers, "dtype": code_dtype,
-            **{k: rows[f"enter@{e}"][k] for k in ("kl", "payload_ratio", "payload_bytes", "consumer_ms",
-                                                  "producer_ms", "greedy", "entry_bytes", "block_ms")}}
-           for e in es]
+            **measured_point(rows[f"enter@{e}"])} for e in es]
     return out, rows["raw_kv"]
 
 
 def modeled_ttft_ms(point: dict, gbps: float) -> float:
     """The consumer's time to its cache once the producer holds the prefix: the producer's encode, then the
     payload over the link and the consumer's compute, overlapped where the payload goes E-first (links.ready_ms;
-    each measured; an older record without the encode or the parts counts none)."""
-    return point.get("producer_ms", 0.0) + ready_ms(point["payload_bytes"], point["consumer_ms"], gbps,
-                                                    point.get("entry_bytes", 0), point.get("block_ms", 0.0))
+    each measured; an older record without the encode or the parts counts none). At the serving length where
+    the point was timed there too ("serving"), else at the samples' length."""
+    p = point.get("serving") or point
+    return p.get("producer_ms", 0.0) + ready_ms(p["payload_bytes"], p["consumer_ms"], gbps, p.get("entry_bytes", 0),
+                                                p.get("block_ms", 0.0))
 
 
 def choose(points: list[dict], raw_kl: float, bound: Bound, gbps: float) -> dict | None:
@@ -135,22 +150,29 @@ def describe(points: list[dict], raw_kl: float) -> str:
         f"; raw KV {raw_kl:.4f}"
 
 
+def at_length(point: dict) -> str:
+    """", timed at N tokens" where the point's costs were timed at a serving length, else nothing."""
+    return f", timed at {point['serving']['tokens']} tokens" if point.get("serving") else ""
+
+
 def wire_forms(code_dtype: str) -> list[str]:
     """The wire forms an exact plan is measured in: "auto" chooses between the lossless bf16 and klt per link."""
     return ["bf16", "klt"] if code_dtype == "auto" else [code_dtype]
 
 
 def select(producer, consumer, tok, pair: str, spec, found, samples, code_dtype: str, bound: Bound,
-           gbps: float, log, measured: dict | None = None, klt_codes: tuple[dict, dict] | None = None) -> dict:
+           gbps: float, log, measured: dict | None = None, klt_codes: tuple[dict, dict] | None = None,
+           serving_tokens: int = 0) -> dict:
     """Measure the curve of a consumer whose structure is `found` (scd.fitting.structure) on `samples`, in each
     of `wire_forms(code_dtype)` (or take `measured`, a record of an earlier measurement) and choose under
-    `bound`: {"points" (each with its "dtype"), "raw_kv", "chosen" (None when no plan meets the bound), "gbps",
+    `bound` at the least modeled TTFT, with each plan's costs timed at `serving_tokens` (0: at the samples'
+    length): {"points" (each with its "dtype"), "raw_kv", "chosen" (None when no plan meets the bound), "gbps",
     "bound"}."""
     if measured is None:
         points = []
         for d in wire_forms(code_dtype):
             more, raw = curve(producer, consumer, tok, pair, spec, found, samples, d, desc=f"exact plans {pair} {d}",
-                              klt_codes=klt_codes if d == "klt" else None)
+                              klt_codes=klt_codes if d == "klt" else None, serving_tokens=serving_tokens)
             points += more
         measured = {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio", "consumer_ms")}}
     raw_kl = measured["raw_kv"]["kl"]
@@ -162,5 +184,5 @@ def select(producer, consumer, tok, pair: str, spec, found, samples, code_dtype:
     else:
         log(f"exact plan: enter at layer {chosen['entry']}, {chosen['dtype']} (validation KL {chosen['kl']:.2e}, payload "
             f"{chosen['payload_ratio']:.3f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the least "
-            f"modeled TTFT at {gbps:g} Gbps within the bound)")
+            f"modeled TTFT at {gbps:g} Gbps within the bound{at_length(chosen)})")
     return {**measured, "chosen": chosen, "gbps": gbps, "bound": vars(bound)}
