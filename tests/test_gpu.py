@@ -90,6 +90,35 @@ def test_a_klt_exact_plan_encoded_and_rebuilt_on_the_gpu_matches_the_host_path()
 
 
 @cuda
+def test_an_e_first_device_payload_starts_the_block_on_the_gpu_and_rebuilds_the_whole_payloads_cache():
+    """E-first with device payloads: the producer's two parts are CUDA Wires; the specialist's engine on the GPU
+    runs its block from the entry part on its thread and rebuilds the cache the whole payload rebuilds."""
+    from actors.producer import ProducerEngine
+    from actors.specialist import SpecialistEngine
+    from scd.fitting import exact
+    from scd.online import codec
+    from scd.online.models import ModelSpec
+    from tests.conftest import tiny_llama
+    from tests.test_exact_plans import _top_adapted
+    from tests.test_models import _tokenizer
+    base = tiny_llama(0, layers=6)
+    art = exact.artifact("a:top", ModelSpec.from_config(base.config), 4, "bf16").to("cuda")
+    tok, top = _tokenizer(97), _top_adapted(base, 4).cuda()
+    base = base.cuda()
+    prefix = torch.randint(2, 97, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    make = lambda e_first: ProducerEngine(base, tok, {"a:top": (art, "v1")}, 0, "cuda", device_payloads=True,  # noqa: E731
+                                          e_first=e_first).encode(prefix, ["a:top"]).per_pair["a:top"].payload
+    parts, whole = make(True), make(False)
+    assert isinstance(parts, codec.Parts) and parts.entry.body.is_cuda and parts.rest.body.is_cuda
+    engine = SpecialistEngine("top", top, tok, art, "v1", device="cuda")
+    kv_parts, info = engine._prefix_kv(prefix, parts, None, {})
+    kv_whole, _ = engine._prefix_kv(prefix, whole, None, {})
+    assert info.mode == "scd" and "block_wait" in info.timings, info
+    err = max((a - b).abs().max().item() for x, y in zip(kv_parts, kv_whole) for a, b in zip(x, y))
+    assert err == 0.0, f"E-first on the GPU differs from the whole payload by {err:.2e}"
+
+
+@cuda
 @pytest.mark.parametrize("kind", ["nixl", "cuda_ipc"])
 def test_rdt_moves_a_device_payload_device_to_device(ray_cluster, kind):
     """A payload encoded on the producer's GPU, pulled by two replicas through Ray Direct Transport: it arrives
