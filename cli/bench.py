@@ -180,7 +180,8 @@ def _plot_dir(text: str) -> Path:
 
 
 def _print_default(pair: str, r: dict) -> None:
-    print(f"{pair} at {r['tokens']} tokens, median of {r['repeats']} interleaved runs, plan {r['plan']}:\n"
+    print(f"{pair} at {r['tokens']} tokens, {r['threads']} torch thread(s), median of {r['repeats']} interleaved "
+          f"runs, plan {r['plan']}:\n"
           f"  consumer prefill            {r['prefill_ms']:8.2f} ms\n"
           f"  SCD decode+rebuild+patch    {r['consumer_ms']:8.2f} ms  (codec {r['decode_ms']:.2f}, "
           f"rebuild {r['rebuild_ms']:.2f}, patch {r['patch_ms']:.2f}, own layers {r['recompute_ms']:.2f})\n"
@@ -244,9 +245,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                  "target less the producer's measured work); prints the level chosen")
     p.add_argument("--kl-samples", type=int, default=8, help="held-out samples scoring each level's KL")
     p.add_argument("--work-dir", default="runs/eval")
+    p.add_argument("--threads", type=int, help="torch threads for every phase (default: torch's, every core); a "
+                                               "replica runs with as many as its num_cpus (1 by default)")
     p.add_argument("--json", action="store_true")
     args = parse(p, argv)
     sizes = _positives(args.tokens, "--tokens")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be positive, got {args.threads}")
+        torch.set_num_threads(args.threads)
     ns = _positives(args.fanout, "--fanout") if args.fanout else None
     gbps = _positives(args.bandwidth, "--bandwidth", float) if args.bandwidth else None
     if args.repeats < 1:
@@ -278,7 +285,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for n in sizes:
         m = measure(producer, consumer, art, torch.tensor(all_ids[:n])[None], args.repeats, args.dtype,
                     every_method=gbps is not None)
-        r = consumer_side(m)
+        r = {**consumer_side(m), "threads": torch.get_num_threads()}
         if ns:
             r["fanout"] = fanout(m, ns)
         if gbps:

@@ -81,11 +81,16 @@ def test_eval_json_on_the_demo_family(tmp_path, capsys):
 
 
 def test_bench_prints_side_by_side_ratio(tmp_path, capsys):
-    scd(["bench", "--pair", "base:qa", "--tokens", "128,256", "--repeats", "2", "--calib", "16", "--val", "2",
-         "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
-         "--work-dir", str(tmp_path), "--json"])
+    import torch
+    threads = torch.get_num_threads()
+    try:                                # --threads 1: as a replica of num_cpus 1 runs
+        scd(["bench", "--pair", "base:qa", "--tokens", "128,256", "--repeats", "2", "--calib", "16", "--val", "2",
+             "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
+             "--work-dir", str(tmp_path), "--threads", "1", "--json"])
+    finally:
+        torch.set_num_threads(threads)
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["tokens"] for r in rows] == [128, 256], rows
+    assert [r["tokens"] for r in rows] == [128, 256] and {r["threads"] for r in rows} == {1}, rows
     for r in rows:
         assert r["prefill_ms"] > 0 and r["ratio"] == pytest.approx(r["consumer_ms"] / r["prefill_ms"])
     assert rows[1]["payload_bytes"] > rows[0]["payload_bytes"]
@@ -138,6 +143,7 @@ def test_bench_fanout_and_ttft_arithmetic():
     (["eval", "--pair", "base:qa", "--methods", "magic"], "unknown method"),
     (["bench", "--pair", "base:qa", "--tokens", "1024,x"], "integers separated by commas"),
     (["bench", "--pair", "base:qa", "--fanout", "0,2"], "--fanout must be positive"),
+    (["bench", "--pair", "base:qa", "--threads", "0"], "--threads must be positive"),
     (["bench", "--pair", "base:qa", "--bandwidth", "10,fast"], "numbers separated by commas"),
     (["bench", "--pair", "base:qa", "--bandwidth", "10", "--plot-dir", __file__], "not a folder"),
     (["bench", "--pair", "base:qa", "--ttft-target", "5"], "need --bandwidth"),
