@@ -288,6 +288,12 @@ class CalibrationSettings(CalibConfig):
     recompute_blocks: bool = Field(True, description=(
         "where the fitted codes miss the quality bound, try plans in which the consumer runs its own top layers "
         "from an aligned residual over the codes below (scd.fitting.blocks), within max_consumer_prefill_ratio"))
+    entry_train_samples: int = Field(0, ge=0, description=(
+        "recompute blocks: train each entry's aligner end to end on this many of the fine-tuning samples (the "
+        "consumer's next-token KL, back through its own layers over the codes below; "
+        "scd.fitting.blocks.train_entry); 0: the closed form only"))
+    entry_train_epochs: int = Field(3, ge=1, description="epochs of entry_train_samples")
+    entry_train_lr: float = Field(1e-4, gt=0, description="Adam's learning rate for the entry's training")
     family_vs_pair: float = Field(1.25, ge=0, description=(
         "a family's quality gate besides gate_vs_raw_kv: publish it only if each member's held-out KL under the "
         "family code is <= this x the KL its published pair artifact recorded (a fan-out to the family gets "

@@ -168,7 +168,7 @@ def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None, klt_cod
     return rec if rec["chosen"] is not None else None
 
 
-def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None):
+def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, tune: list | None = None):
     """The fitted codes where they meet the quality bound on the validation samples; else the recompute block
     over them (scd.fitting.blocks) that meets it at the least modeled TTFT, when one does (else the codes, and
     the quality gate decides). The curve is checkpointed and recorded in art.info["blocks"]."""
@@ -176,7 +176,9 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None):
     es = blocks.entries(cal.spec.num_layers, c.max_consumer_prefill_ratio)
     tokens = serving_tokens(cal, c)
     path = cal.dir / "blocks.json"
-    inputs = {"samples": samples_digest(val), "entries": es, **({"serving_tokens": tokens} if tokens else {})}
+    trained = {k: getattr(c, k) for k in ("entry_train_samples", "entry_train_epochs", "entry_train_lr")}
+    inputs = {"samples": samples_digest(val), "entries": es, **({"serving_tokens": tokens} if tokens else {}),
+              **(trained if c.entry_train_samples else {})}
     tensors = cal.dir / "entry-aligners.safetensors"
     rec = load_record(path, inputs, log)
     if rec is None:
@@ -184,6 +186,16 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None):
                                    serving_tokens=tokens)
         if not bound.meets(points[0], raw["kl"]) and es:
             aligners = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], es)
+            if c.entry_train_samples and not tune:
+                log("entry_train_samples is set but there are no fine-tuning samples (finetune_samples 0): the "
+                    "entries keep their closed form")
+            elif c.entry_train_samples:                 # each entry trained end to end over these codes
+                below = lambda ids, tr: blocks.codes_kv(cal.consumer, art, ids, tr)   # noqa: E731
+                for e in es:
+                    aligners[e], curve = blocks.train_entry(cal.producer, cal.consumer, e, aligners[e], below,
+                                                            tune[:c.entry_train_samples],
+                                                            c.entry_train_epochs, c.entry_train_lr)
+                    log(f"entry {e} trained end to end: training KL {' -> '.join(f'{v:.4f}' for v in curve)}")
             save_file({k: v for e, a in aligners.items() for k, v in a.tensors(f"entry.{e}").items()}, str(tensors))
             more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,
                                    desc=f"recompute blocks {cal.pair}", serving_tokens=tokens)
@@ -343,7 +355,7 @@ def main(argv: list[str] | None = None) -> str:
     art = cal.run(val, capture_pair, tune)
     art.info["structure"] = shared
     if c.recompute_blocks:
-        art = block_plan(cal, art, tok, calib, val, c, cfg.link_gbps().get(args.pair))
+        art = block_plan(cal, art, tok, calib, val, c, cfg.link_gbps().get(args.pair), tune)
     log(f"plan {art.plan}")
     tag = "".join(f"-e{s}" for s, _ in art.blocks)     # the held-out checkpoints of a plan with a block,
     level = art.info.get("level")                       # or served at a level below its fitted ranks

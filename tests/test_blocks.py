@@ -66,10 +66,12 @@ def test_the_job_publishes_a_recompute_block_where_codes_miss_the_bound(tmp_path
     bound at the least modeled TTFT, its aligner inside the artifact; the report draws the curve."""
     from artifacts_store import ArtifactStore
     from jobs.calibrate import main as calibrate
-    cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.45, max_consumer_prefill_ratio=0.875)
+    cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.45, max_consumer_prefill_ratio=0.875,
+                       entry_train_samples=3, entry_train_epochs=1, entry_train_lr=1e-3)
     ref = calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
     out = capsys.readouterr().out
     assert "plans (validation): codes KL" in out, out
+    assert out.count("trained end to end: training KL") == len(blocks.entries(8, 0.875)), out
     art, _ = ArtifactStore(tmp_path / "store").load(ref)
     rec = art.info["blocks"]
     codes, raw = rec["points"][0], rec["raw_kv"]["kl"]

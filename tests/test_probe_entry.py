@@ -53,11 +53,12 @@ def test_an_entry_trained_end_to_end_lowers_the_consumers_kl_below_its_closed_fo
     next-token KL. Its training KL falls, and the trained map scores lower than the closed form on the
     samples it trained on (what the probe's e<e>+trained row then measures held out)."""
     from scd.evaluation.evaluate import Evaluator
-    from tools.probe_entry import train_entry
+    from scd.fitting.blocks import train_entry
     a, b = _pair()
     closed = Entry(2, 4, _closed_form_entry(a, b, 16), None)
     train = _samples(6, 7)
-    trained, curve = train_entry(a, b, closed, train, epochs=4, lr=3e-3)
+    trained, curve = train_entry(a, b, 2, closed.align, lambda ids, tr: closed.below_kv(b, ids, tr), train,
+                                 epochs=4, lr=3e-3)
     assert curve[-1] < 0.9 * curve[0], f"training KL by epoch {curve}"
     ev = Evaluator(a, b)
     before = sum(ev.kl(s, closed) for s in train) / len(train)

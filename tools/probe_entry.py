@@ -30,16 +30,14 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting.gram import JointGram
-from scd.online import cache, codec
-from scd.online.rebuild import encode, rebuild
-from scd.online.recompute import layers_kv, run_layers
+from scd.fitting.blocks import codes_kv, train_entry
+from scd.online.recompute import run_layers
 from scd.online.reuse import LinearCodec
 from scd.online.rope import apply_rope, cos_sin
 from scd.online.trace import capture
@@ -53,15 +51,14 @@ def kv_rows(trace, layer: int) -> torch.Tensor:
 
 
 class CodesBelow:
-    """`below` from a published artifact: its rebuilt cache from its codes as sent (every layer it codes; its
-    own block, if it has one, runs too and is cut away by the entry above it)."""
+    """`below` from a published artifact: its rebuilt cache from its codes as sent (scd.fitting.blocks.codes_kv;
+    its own block, if it has one, is cut away by the entry above it)."""
 
     def __init__(self, art):
         self.art = art
 
     def kv(self, consumer, ids, tr) -> list:
-        codes = codec.as_received(encode(self.art, tr, ids), self.art.code_dtype)
-        return rebuild(consumer, self.art, codes)[0]
+        return codes_kv(consumer, self.art, ids, tr)
 
 
 class Entry(methods.Method):
@@ -99,50 +96,6 @@ class Entry(methods.Method):
                 k, v = (y[:, i * n_kv * d:(i + 1) * n_kv * d].view(t, n_kv, d).transpose(0, 1)[None] for i in (0, 1))
                 kv[l] = (apply_rope(k, cos, sin), v)
         return kv
-
-
-def train_entry(producer, consumer, way: Entry, train, epochs: int, lr: float) -> tuple[LinearCodec, list[float]]:
-    """`way`'s entry map trained end to end: as one affine correction h -> h + h W + c (from its closed form),
-    on KL(oracle || the consumer on the rebuilt cache) of each training sample's teacher-forced continuation,
-    back through the consumer's layers entry..L-1 over the prefix (the consumer itself stays fixed). Returns the
-    trained map (as a LinearCodec, what Entry applies) and the mean training KL before and after each epoch."""
-    e, L = way.entry, way.num_layers
-    w = (way.align.enc @ way.align.dec).detach().clone().requires_grad_(True)
-    c = (way.align.mu_b - way.align.mu_a @ w).detach().clone().requires_grad_(True)
-    fixed = []
-    with torch.no_grad():
-        for s in train:
-            ids = s.prefix[None]
-            mask = torch.ones_like(ids)
-            tr = capture(producer, ids, mask, want_hidden=True)
-            own = capture(consumer, ids, mask, want_xnorm=False)
-            ref = cache.extend(consumer, cache.assemble(consumer, list(zip(own.keys, own.values))), mask,
-                               s.cont[None, :-1])[0]
-            fixed.append((tr.hidden[e].float(), mask, tr.positions, way.below_kv(consumer, ids, tr)[:e],
-                          s.cont[None, :-1], F.log_softmax(ref.float(), -1)))
-    consumer.requires_grad_(False)
-    opt = torch.optim.Adam([w, c], lr=lr)
-
-    def kl(item) -> torch.Tensor:
-        h, mask, positions, below, cont, ref = item
-        block = layers_kv(consumer, h + h @ w + c, mask, positions, e, L)
-        logits, _ = cache.forward_on_cache(consumer, cache.assemble(consumer, below + block), mask, cont)
-        return (ref.exp() * (ref - F.log_softmax(logits.float(), -1))).sum(-1).mean()
-
-    with torch.no_grad():
-        curve = [sum(kl(item).item() for item in fixed) / len(fixed)]
-    for _ in tqdm(range(epochs), desc=f"entry {e} trained end to end"):
-        total = 0.0
-        for i in torch.randperm(len(fixed)).tolist():
-            loss = kl(fixed[i])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total += loss.item()
-        curve.append(total / len(fixed))
-    h = w.shape[0]
-    trained = LinearCodec(torch.zeros(h), w.detach(), c.detach(), torch.eye(h))
-    return trained, curve
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -198,8 +151,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.train_samples:
         train = samples.tune_samples(name, tok, args.train_samples, cfg.calibration.prefix_tokens)
         for e in entries:
-            trained, curve = train_entry(producer, consumer, Entry(e, L, align[e], below), train, args.train_epochs,
-                                         args.train_lr)
+            way = Entry(e, L, align[e], below)
+            trained, curve = train_entry(producer, consumer, e, align[e],
+                                         lambda ids, tr, way=way: way.below_kv(consumer, ids, tr), train,
+                                         args.train_epochs, args.train_lr)
             print(f"entry {e}: training KL by epoch {', '.join(f'{v:.4f}' for v in curve)}")
             ways.append(Entry(e, L, trained, below, name=f"e{e}+trained"))
     rows = Evaluator(producer, consumer, tok).run(held, ways, desc=f"held-out {args.pair}")

@@ -15,14 +15,20 @@ bound at the least modeled time to first token.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting import exact
 from scd.fitting.gram import JointGram
+from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts
+from scd.online.rebuild import encode, rebuild
+from scd.online.recompute import layers_kv
 from scd.online.reuse import LinearCodec
 from scd.online.trace import capture
 
@@ -51,6 +57,58 @@ def fit_aligners(producer, consumer, prefixes: list[torch.Tensor], layers: list[
         for l, g in grams.items():
             g.update(a.hidden[l][0].float(), (b.hidden[l][0] - a.hidden[l][0]).float())
     return {l: g.fit_regression(h, ridge) for l, g in grams.items()}
+
+
+def codes_kv(consumer, art: PairArtifacts, ids: torch.Tensor, trace) -> list:
+    """The consumer's cache rebuilt from `art`'s codes of a producer trace, as the wire rounds them: what a
+    block's entry sits on (every layer `art` codes; its own block, if it has one, runs too)."""
+    return rebuild(consumer, art, codec.as_received(encode(art, trace, ids), art.code_dtype))[0]
+
+
+def train_entry(producer, consumer, entry: int, align: LinearCodec, below: Callable, train, epochs: int,
+                lr: float) -> tuple[LinearCodec, list[float]]:
+    """The entry map at `entry` trained end to end: as one affine correction h -> h + h W + c (from `align`,
+    its closed form), on KL(oracle || the consumer on the rebuilt cache) of each training sample's
+    teacher-forced continuation, back through the consumer's own layers entry..L-1 over the prefix (the
+    consumer itself stays fixed). `below(ids, trace)`: the cache below the entry (e.g. `codes_kv`). Returns
+    the trained map (a LinearCodec, as PairArtifacts.entry_align holds) and the mean training KL before and
+    after each epoch."""
+    L = consumer.config.num_hidden_layers
+    w = (align.enc @ align.dec).detach().clone().requires_grad_(True)
+    c = (align.mu_b - align.mu_a @ w).detach().clone().requires_grad_(True)
+    fixed = []
+    with torch.no_grad():
+        for s in train:
+            ids = s.prefix[None]
+            mask = torch.ones_like(ids)
+            tr = capture(producer, ids, mask, want_hidden=True)
+            own = capture(consumer, ids, mask, want_xnorm=False)
+            ref = cache.extend(consumer, cache.assemble(consumer, list(zip(own.keys, own.values))), mask,
+                               s.cont[None, :-1])[0]
+            fixed.append((tr.hidden[entry].float(), mask, tr.positions, list(below(ids, tr))[:entry],
+                          s.cont[None, :-1], F.log_softmax(ref.float(), -1)))
+    consumer.requires_grad_(False)
+    opt = torch.optim.Adam([w, c], lr=lr)
+
+    def kl(item) -> torch.Tensor:
+        h, mask, positions, kv_below, cont, ref = item
+        block = layers_kv(consumer, h + h @ w + c, mask, positions, entry, L)
+        logits, _ = cache.forward_on_cache(consumer, cache.assemble(consumer, kv_below + block), mask, cont)
+        return (ref.exp() * (ref - F.log_softmax(logits.float(), -1))).sum(-1).mean()
+
+    with torch.no_grad():
+        curve = [sum(kl(item).item() for item in fixed) / len(fixed)]
+    for _ in tqdm(range(epochs), desc=f"entry {entry} trained end to end"):
+        total = 0.0
+        for i in torch.randperm(len(fixed)).tolist():
+            loss = kl(fixed[i])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        curve.append(total / len(fixed))
+    h = w.shape[0]
+    return LinearCodec(torch.zeros(h), w.detach(), c.detach(), torch.eye(h)), curve
 
 
 def block_artifact(art: PairArtifacts, entry: int, align: LinearCodec | None) -> PairArtifacts:
