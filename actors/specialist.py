@@ -206,17 +206,19 @@ class SpecialistEngine:
         return codes if codes.token_ids.tolist() == [prefix_ids] else FallbackReason.CODEC_ERROR
 
     def _from_codes(self, art: PairArtifacts, version: str, payload, prefix_ids: list[int], timings: dict,
-                    codes_ok: Callable[[], None] | None) -> "tuple[list, Codes] | str":
-        """(kv, codes) rebuilt from one payload, or the fallback reason."""
+                    codes_ok: Callable[[], None] | None, plan: list[str] | None = None,
+                    own: Callable[[], dict] | None = None) -> "tuple[list, Codes] | str":
+        """(kv, codes) rebuilt from one payload laid out by `plan` (default: the artifact's), or the fallback
+        reason. `own`: the blocks' layers, running elsewhere (rebuild's `own`; E-first's rest)."""
         t0 = time.perf_counter()
-        codes = self._checked(lambda: codec.decode(payload, art.pair, version, art.payload_plan,
+        codes = self._checked(lambda: codec.decode(payload, art.pair, version, plan or art.payload_plan,
                                                    codec.level_dims(art), art.x_codes), prefix_ids)
         if isinstance(codes, str):
             return codes
         timings["decode"] = (time.perf_counter() - t0) * 1e3
         if codes_ok is not None:
             codes_ok()
-        kv, ph = rebuild(self.model, art, codes)
+        kv, ph = rebuild(self.model, art, codes, own)
         timings["rebuild"], timings["patch"] = ph["rebuild_ms"], ph["patch_ms"]
         if art.blocks:                                  # the consumer's own layers, run from the residual sent
             timings["recompute"] = ph["recompute_ms"]
@@ -244,19 +246,14 @@ class SpecialistEngine:
             rest, reason, timings["transfer_rest"] = payload.rest()
             if rest is None:
                 return reason
-            t1 = time.perf_counter()
-            codes = self._checked(lambda: codec.decode(rest, art.pair, version, plans[1], codec.level_dims(art),
-                                                       art.x_codes), prefix_ids)
-            if isinstance(codes, str):
-                return codes
-            timings["decode"] = (time.perf_counter() - t1) * 1e3
-            if codes_ok is not None:
-                codes_ok()
-            kv, ph = rebuild(self.model, art, codes, own=lambda: running.result()[0])
+            built = self._from_codes(art, version, rest, prefix_ids, timings, codes_ok, plans[1],
+                                     own=lambda: running.result()[0])
+            if isinstance(built, str):
+                return built
+            timings["block_wait"] = timings["recompute"]        # rebuild's "recompute": its wait for the block
         finally:
             timings["recompute"] = running.result()[1]          # a fallback too waits for the block it started
-        timings["rebuild"], timings["patch"], timings["block_wait"] = \
-            ph["rebuild_ms"], ph["patch_ms"], ph["recompute_ms"]
+        kv, codes = built
         return kv, codec.merged(entry, codes, art.payload_plan)
 
     def _prefill(self, ids: torch.Tensor) -> list:
