@@ -38,7 +38,7 @@ from scd.online.models import is_adapter, load_pair
 from scd.online.trace import capture
 
 
-def _positives(text: str, flag: str, kind: type = int) -> list:
+def positives(text: str, flag: str, kind: type = int) -> list:
     """A flag's comma-separated positive integers (or numbers, kind=float); a clear exit otherwise."""
     try:
         values = [kind(t) for t in text.split(",")]
@@ -249,13 +249,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                "replica runs with as many as its num_cpus (1 by default)")
     p.add_argument("--json", action="store_true")
     args = parse(p, argv)
-    sizes = _positives(args.tokens, "--tokens")
+    sizes = positives(args.tokens, "--tokens")
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"--threads must be positive, got {args.threads}")
         torch.set_num_threads(args.threads)
-    ns = _positives(args.fanout, "--fanout") if args.fanout else None
-    gbps = _positives(args.bandwidth, "--bandwidth", float) if args.bandwidth else None
+    ns = positives(args.fanout, "--fanout") if args.fanout else None
+    gbps = positives(args.bandwidth, "--bandwidth", float) if args.bandwidth else None
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be positive, got {args.repeats}")
     sweep = args.ttft_target is not None or args.link_ms is not None

@@ -28,21 +28,12 @@ import torch
 from actors.messages import GenParams, pair_id
 from actors.producer import ProducerEngine
 from actors.specialist import Arriving, SpecialistEngine
+from cli.bench import positives
 from cluster.config import load_config
 from scd.data import demo_data, samples
 from scd.fitting import exact, structure
 from scd.online import codec, links
 from scd.online.models import ModelSpec, load
-
-
-def floats(text: str, flag: str) -> list[float]:
-    try:
-        values = [float(t) for t in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"{flag} takes numbers separated by commas, got {text!r}") from None
-    if any(v <= 0 for v in values):
-        raise SystemExit(f"{flag} must be positive, got {text!r}")
-    return values
 
 
 def first_token_ms(engine: SpecialistEngine, prefix: list[int], payload, wait_s: float) -> tuple[float, dict]:
@@ -65,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    gbps = floats(args.gbps, "--gbps")
+    gbps = positives(args.gbps, "--gbps", float)
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be positive, got {args.repeats}")
     cfg = load_config(args.config)
