@@ -11,7 +11,7 @@ import torch
 
 from actors.messages import FallbackReason
 from actors.prefix_cache import PrefixCodeCache, prefix_key
-from scd.online import codec, links
+from scd.online import codec, e_first, links
 from scd.online.artifacts import PairArtifacts, level_tag
 from scd.online.family_artifacts import FamilyArtifacts
 from scd.online.rebuild import encode
@@ -21,7 +21,7 @@ from scd.online.trace import capture
 @dataclass
 class Encoded:
     """Codes for one pair, or why there are none."""
-    payload: "bytes | codec.Wire | codec.Parts | None"     # Parts: E-first (the entry part goes first)
+    payload: "bytes | codec.Wire | e_first.Parts | None"     # Parts: E-first (the entry part goes first)
     version: str | None
     error: str | None = None          # fallback reason for the specialist when payload is None
     cache_hit: bool = False
@@ -43,7 +43,7 @@ class ProducerEngine:
     sent at the largest level of its artifact that reaches the consumer within the target, counting this
     request's prefill and encode (scd.online.links); without them, at the full ranks. `e_first`: a pair whose
     consumer runs a block of its own layers gets its codes as two payloads, the block's entry first
-    (codec.Parts), so that it starts the block while the rest arrives; a family's payload goes whole."""
+    (e_first.Parts), so that it starts the block while the rest arrives; a family's payload goes whole."""
 
     def __init__(self, model, tokenizer, artifacts: dict[str, tuple[PairArtifacts, str]],
                  cache_bytes: int = 64 << 20, device: str = "cpu", link_gbps: dict[str, float] | None = None,
@@ -119,8 +119,8 @@ class ProducerEngine:
             level = self._level(art, served, len(prefix_ids), (time.perf_counter() - t0) * 1e3)
             codes = encode(art, trace, ids if self.device_payloads else ids.cpu(), level)
             dims = codec.artifact_dims(art, level)
-            if self.e_first and fid is None and codec.part_plans(art.payload_plan) is not None:
-                payload = codec.encode_parts(codes, uid, version, dims, art.code_dtype, wire=self.device_payloads)
+            if self.e_first and fid is None and e_first.part_plans(art.payload_plan) is not None:
+                payload = e_first.encode_parts(codes, uid, version, dims, art.code_dtype, wire=self.device_payloads)
             elif self.device_payloads:
                 payload = codec.encode_wire(codes, uid, version, dims, art.code_dtype)
             else:

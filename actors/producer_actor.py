@@ -30,7 +30,7 @@ from actors.registry import fetch, fetch_family, registry
 from actors.transport import INLINE_BYTES, RDT_TRANSPORTS, TransportError, make_transport
 from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device
-from scd.online import codec
+from scd.online import codec, e_first
 from scd.online.models import load
 
 PRODUCER_NAME = "scd-producer"        # members of the pool are scd-producer-0, scd-producer-1, ...
@@ -240,9 +240,9 @@ class ProducerActor:
         if e.payload is None:
             return PairCodes(e.version, reason=e.error, cache_hit=e.cache_hit)
         payload = e.payload
+        parts = [payload.entry, payload.rest] if isinstance(payload, e_first.Parts) else [payload]
         if self.fault == "corrupt":
-            payload = codec.corrupted(payload)
-        parts = [payload.entry, payload.rest] if isinstance(payload, codec.Parts) else [payload]
+            parts = [codec.corrupted(p) for p in parts]
         try:                                                 # E-first: the entry part goes first
             tickets = [self.transport.offer(p, receivers) for p in parts]
         except TransportError:

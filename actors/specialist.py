@@ -18,7 +18,7 @@ import torch
 from actors.batching import BatchDecoder
 from actors.messages import FallbackReason
 from actors.prefix_cache import PrefixCodeCache, prefix_key
-from scd.online import activated, cache, codec
+from scd.online import activated, cache, codec, e_first
 from scd.online.artifacts import PairArtifacts
 from scd.online.decode import GenParams, Row, TokenLogprobs, token_logprobs, verify
 from scd.online.rebuild import Codes, prepare, rebuild, run_blocks
@@ -92,7 +92,7 @@ class TextStream:
 
 
 class Arriving:
-    """An E-first payload (codec.Parts) as a replica receives it: the entry part in hand, the rest a receive
+    """An E-first payload (e_first.Parts) as a replica receives it: the entry part in hand, the rest a receive
     away. `receive()` -> (the rest or None, the fallback reason when None, ms it took) runs once, from
     `rest()` or from `close()` when nothing asked for it (a staged payload is released when taken)."""
 
@@ -101,7 +101,7 @@ class Arriving:
         self._lock = threading.Lock()
 
     @classmethod
-    def of(cls, parts: codec.Parts) -> "Arriving":
+    def of(cls, parts: e_first.Parts) -> "Arriving":
         """Both parts already in hand (in process)."""
         return cls(parts.entry, lambda: (parts.rest, None, 0.0))
 
@@ -164,7 +164,7 @@ class SpecialistEngine:
     def _prefix_kv(self, prefix_ids: list[int], payload, reason: str | None, timings: dict,
                    codes_ok: Callable[[], None] | None = None):
         """(kv, ServedInfo). Uses the codes when it can (calling codes_ok() once they check out, before the
-        rebuild); otherwise prefills and says why. `payload`: bytes or a codec.Wire, or E-first (codec.Parts
+        rebuild); otherwise prefills and says why. `payload`: bytes or a codec.Wire, or E-first (e_first.Parts
         in hand, or Arriving: the rest still on its way)."""
         if not prefix_ids:                                      # nothing to cache: the suffix is the whole input
             return [], ServedInfo("fallback", FallbackReason.PREFIX_TOO_SHORT, self.version, 0, timings)
@@ -174,7 +174,7 @@ class SpecialistEngine:
         if payload is not None and reason is None and activated.of(self.model) is not None and \
                 activated.switch(self.model, ids) < len(prefix_ids):
             reason = FallbackReason.INVOCATION_IN_PREFIX    # the codes hold the base's cache: not past that point
-        if isinstance(payload, codec.Parts):
+        if isinstance(payload, e_first.Parts):
             payload = Arriving.of(payload)
         if payload is not None and reason is None:
             art, version, family = self._artifact_for(payload.entry if isinstance(payload, Arriving) else payload)
@@ -228,7 +228,7 @@ class SpecialistEngine:
                  codes_ok: Callable[[], None] | None) -> "tuple[list, Codes] | str":
         """(kv, codes) from an E-first payload: the blocks start from the entry part while the rest is received,
         decoded and rebuilt beside them; or the fallback reason."""
-        plans = codec.part_plans(art.payload_plan)
+        plans = e_first.part_plans(art.payload_plan)
         if plans is None:                               # parts for a plan that enters no block
             return FallbackReason.CODEC_ERROR
         t0 = time.perf_counter()
@@ -254,7 +254,7 @@ class SpecialistEngine:
         finally:
             timings["recompute"] = running.result()[1]          # a fallback too waits for the block it started
         kv, codes = built
-        return kv, codec.merged(entry, codes, art.payload_plan)
+        return kv, e_first.merged(entry, codes, art.payload_plan)
 
     def _prefill(self, ids: torch.Tensor) -> list:
         """The specialist's own K and V of the prefix ids (1, T): the oracle's cache."""

@@ -11,7 +11,7 @@ from actors.messages import FallbackReason, GenParams
 from actors.producer import ProducerEngine
 from actors.specialist import Arriving, SpecialistEngine
 from scd.fitting import exact
-from scd.online import codec
+from scd.online import codec, e_first
 from scd.online.models import ModelSpec
 from tests.conftest import tiny_llama
 from tests.test_exact_plans import _top_adapted
@@ -38,11 +38,11 @@ def _prefix(n: int = 24, seed: int = 0) -> list[int]:
 
 def test_part_plans_put_each_entry_in_the_first_part_and_everything_else_in_the_rest():
     plan = ["exact", "shared", "shared", "entry", "recompute", "hidden", "entry", "recompute"]
-    entry, rest = codec.part_plans(plan)
+    entry, rest = e_first.part_plans(plan)
     assert entry == ["recompute", "recompute", "recompute", "entry", "recompute", "recompute", "entry", "recompute"]
     assert rest == ["exact", "shared", "shared", "recompute", "recompute", "hidden", "recompute", "recompute"]
-    assert codec.part_plans(["exact", "hidden", "patch"]) is None
-    assert codec.part_plans(["shared", "shared_entry", "recompute"]) is None     # a family's payload goes whole
+    assert e_first.part_plans(["exact", "hidden", "patch"]) is None
+    assert e_first.part_plans(["shared", "shared_entry", "recompute"]) is None     # a family's payload goes whole
 
 
 def test_the_parts_decode_to_the_codes_the_whole_payload_carries(served):
@@ -50,9 +50,9 @@ def test_the_parts_decode_to_the_codes_the_whole_payload_carries(served):
     prefix = _prefix()
     parts = producer.encode(prefix, [PAIR]).per_pair[PAIR].payload
     whole = whole_producer.encode(prefix, [PAIR]).per_pair[PAIR].payload
-    assert isinstance(parts, codec.Parts) and isinstance(whole, bytes)
+    assert isinstance(parts, e_first.Parts) and isinstance(whole, bytes)
     dims = codec.level_dims(art)
-    got = codec.decode_parts(parts, PAIR, "v1", art.payload_plan, dims)
+    got = e_first.decode_parts(parts, PAIR, "v1", art.payload_plan, dims)
     want = codec.decode(whole, PAIR, "v1", art.payload_plan, dims)
     assert got.plan == want.plan and sorted(got.layers) == sorted(want.layers)
     for l, fields in want.layers.items():
@@ -62,7 +62,7 @@ def test_the_parts_decode_to_the_codes_the_whole_payload_carries(served):
     t, h = len(prefix), art.spec.hidden_size
     assert codec.body_bytes(parts.entry) == 5 * t + 2 * t * h, codec.body_bytes(parts.entry)
     assert codec.body_bytes(parts.entry) + codec.body_bytes(parts.rest) == codec.body_bytes(whole) + 5 * t
-    entry_plan, rest_plan = codec.part_plans(art.payload_plan)
+    entry_plan, rest_plan = e_first.part_plans(art.payload_plan)
     with pytest.raises(codec.PayloadError, match="plan"):          # each part checked against its own plan
         codec.decode(parts.entry, PAIR, "v1", rest_plan, dims)
 

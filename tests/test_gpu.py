@@ -96,7 +96,7 @@ def test_an_e_first_device_payload_starts_the_block_on_the_gpu_and_rebuilds_the_
     from actors.producer import ProducerEngine
     from actors.specialist import SpecialistEngine
     from scd.fitting import exact
-    from scd.online import codec
+    from scd.online import e_first
     from scd.online.models import ModelSpec
     from tests.conftest import tiny_llama
     from tests.test_exact_plans import _top_adapted
@@ -106,10 +106,10 @@ def test_an_e_first_device_payload_starts_the_block_on_the_gpu_and_rebuilds_the_
     tok, top = _tokenizer(97), _top_adapted(base, 4).cuda()
     base = base.cuda()
     prefix = torch.randint(2, 97, (48,), generator=torch.Generator().manual_seed(0)).tolist()
-    make = lambda e_first: ProducerEngine(base, tok, {"a:top": (art, "v1")}, 0, "cuda", device_payloads=True,  # noqa: E731
-                                          e_first=e_first).encode(prefix, ["a:top"]).per_pair["a:top"].payload
+    make = lambda split: ProducerEngine(base, tok, {"a:top": (art, "v1")}, 0, "cuda", device_payloads=True,  # noqa: E731
+                                        e_first=split).encode(prefix, ["a:top"]).per_pair["a:top"].payload
     parts, whole = make(True), make(False)
-    assert isinstance(parts, codec.Parts) and parts.entry.body.is_cuda and parts.rest.body.is_cuda
+    assert isinstance(parts, e_first.Parts) and parts.entry.body.is_cuda and parts.rest.body.is_cuda
     engine = SpecialistEngine("top", top, tok, art, "v1", device="cuda")
     kv_parts, info = engine._prefix_kv(prefix, parts, None, {})
     kv_whole, _ = engine._prefix_kv(prefix, whole, None, {})

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scd.online import codec
+from scd.online import codec, e_first
 from scd.online.artifacts import PairArtifacts, exact_plan, level_tag
 from scd.online.rebuild import encode, rebuild
 from scd.online.recompute import run_layers
@@ -157,18 +157,18 @@ class SCDMethod(Method):
         dims = codec.artifact_dims(self.art, self.level)
         codes = encode(self.encoder, producer_trace, ids, self.level)
         # as the producer sends it: E-first (entry part, then the rest) where the plan enters a block
-        e_first = self.encoder is self.art and codec.part_plans(self.art.payload_plan) is not None
+        split = self.encoder is self.art and e_first.part_plans(self.art.payload_plan) is not None
         args = (self.art.pair, self.artifact_id)
-        payload = codec.encode_parts(codes, *args, dims, self.dtype) if e_first else \
+        payload = e_first.encode_parts(codes, *args, dims, self.dtype) if split else \
             codec.encode(codes, *args, dims, self.dtype)
         t1 = time.perf_counter()
-        codes = (codec.decode_parts if e_first else codec.decode)(payload, *args, self.art.payload_plan, dims,
+        codes = (e_first.decode_parts if split else codec.decode)(payload, *args, self.art.payload_plan, dims,
                                                                    self.art.x_codes)
         t2 = time.perf_counter()
         kv, phases = rebuild(consumer, self.art, codes)
         t3 = time.perf_counter()
         phases = {"encode_ms": (t1 - t0) * 1e3, "decode_ms": (t2 - t1) * 1e3, **phases}
-        return Built(kv, len(payload), (t3 - t1) * 1e3, phases, len(payload.entry) if e_first else 0)
+        return Built(kv, len(payload), (t3 - t1) * 1e3, phases, len(payload.entry) if split else 0)
 
 
 def level_name(art: PairArtifacts, level: dict[str, int]) -> str:
