@@ -149,9 +149,10 @@ class SpecialistSettings(ModelSettings):
         "rest come from that section"))
 
 
-# besides fit settings, a specialist may calibrate on text of its own, and have its own bound and exact-plan
-# wire form (what it may be served at differs per specialist; the deployment's gate and budgets do not)
-PAIR_DATA = {"text_file", "max_kl", "max_kl_ratio", "max_consumer_prefill_ratio", "min_retained_gain",
+# besides fit settings, a specialist may calibrate on text of its own, choose its plans on more validation
+# samples, and have its own bound and exact-plan wire form (what it may be served at differs per specialist;
+# the deployment's gate and budgets do not)
+PAIR_DATA = {"text_file", "val", "max_kl", "max_kl_ratio", "max_consumer_prefill_ratio", "min_retained_gain",
              "exact_dtype", "exact_step", "entry_train_samples", "entry_train_epochs", "entry_train_lr"}
 
 

@@ -238,8 +238,9 @@ def test_a_specialist_overrides_fit_settings_for_its_own_pair_only_and_bad_overr
     assert qa.work_dir == code.work_dir == cfg.calibration.work_dir and qa.r_h == code.r_h
     assert (cfg.calibration.pool, cfg.calibration.patch_cost) == (4, 0.1), "the section itself must not change"
     own = parse({**two, "specialists": [{"name": "qa", "path": "q", "calibration": {
-        "exact_dtype": "auto", "exact_step": 0.2, "max_kl": 0.002}}]}).calibration_for("qa")
+        "exact_dtype": "auto", "exact_step": 0.2, "max_kl": 0.002, "val": 24}}]}).calibration_for("qa")
     assert (own.exact_dtype, own.exact_step, own.max_kl) == ("auto", 0.2, 0.002), "a pair's own bound and wire form"
+    assert (own.val, cfg.calibration_for("code").val) == (24, cfg.calibration.val), "a pair's own validation samples"
     for bad, msg in (({"pool": 0}, "specialists[0].calibration.pool"),
                      ({"exact_dtype": "int3"}, "specialists[0].calibration.exact_dtype"),
                      ({"prefixes": 64, "colour": 1}, "['colour', 'prefixes'] are not fit settings"),
