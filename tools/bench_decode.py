@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from cli.bench import positives
 from scd.online import codec
 from scd.online.cache import assemble, extend
 from scd.online.decode import Decoder, GenParams, Row
@@ -26,16 +27,6 @@ from scd.online.rebuild import encode, rebuild
 from scd.online.trace import capture
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"{flag} takes integers separated by commas, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise SystemExit(f"{flag} must be positive, got {text!r}")
-    return values
 
 
 def prefix_rows(producer, consumer, art, lengths: list[int], n: int, vocab: int, seed: int = 0) -> list[tuple]:
@@ -88,7 +79,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
-    batches, lengths = int_list(args.batches, "--batches"), int_list(args.lengths, "--lengths")
+    batches, lengths = positives(args.batches, "--batches"), positives(args.lengths, "--lengths")
     if args.tokens < 1 or args.repeats < 1:
         raise SystemExit("--tokens and --repeats must be positive")
     producer, consumer = load(args.producer)[0].to(args.device), load(args.specialist)[0].to(args.device)

@@ -31,10 +31,10 @@ from actors.messages import GenParams, pair_id
 from actors.producer import ProducerEngine
 from actors.specialist import SpecialistEngine
 from artifacts_store import ArtifactStore
+from cli.bench import positives
 from cluster.config import load_config
 from scd.data import demo_data, samples
 from scd.online.models import load
-from tools.bench_decode import int_list
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
     names = args.specialists.split(",") if args.specialists else [s.name for s in cfg.specialists]
-    tokens, answers = int_list(args.tokens, "--tokens"), int_list(args.answers, "--answers")
+    tokens, answers = positives(args.tokens, "--tokens"), positives(args.answers, "--answers")
     store = ArtifactStore(cfg.artifacts.uri)
     producer_model, tok, _ = load(cfg.producer.path)
     pairs, engines = {}, {}
