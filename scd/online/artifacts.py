@@ -253,8 +253,8 @@ class PairArtifacts:
     def hidden_decoders(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Decoders of the given hidden layers (a grouped code's decoder columns of each layer) split into
         their K and V halves and stacked, made once: (dec_k (L, r_x, n_kv d), mu_k (L, n_kv d), dec_v, mu_v).
-        With token tables mu_k and mu_v are each layer's biases, (L, K + 1, n_kv d): index them with
-        reuse_x[code].table_rows(token_ids)."""
+        With token tables mu_k and mu_v are each layer's biases, (L, K + 1 [+ K2], n_kv d): index them with
+        reuse_x[code].bias_rows(token_ids, bigram keys)."""
         key = ("hidden", layers, dtype)
         if key not in self.derived:
             tabled = self._all_or_none(layers, "table", "token tables")
@@ -263,15 +263,9 @@ class PairArtifacts:
             self.derived[key] = (dec_k, mu_k, dec_v, mu_v)
         return self.derived[key]
 
-    def hidden_bigrams(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The given hidden layers' bigram rows split into K and V halves and stacked, made once: (L, K2 + 1,
-        n_kv d) each, the last row zero; index them with reuse_x[code].bigram_rows(keys). None without
-        bigram tables."""
-        key = ("bigrams", layers, dtype)
-        if key not in self.derived:
-            self.derived[key] = (self._hidden_halves(layers, dtype, LinearCodec.bigram_biases)
-                                 if self._all_or_none(layers, "bigram", "bigram tables") else None)
-        return self.derived[key]
+    def hidden_bigrams(self, layers: tuple[int, ...]) -> bool:
+        """Whether the given hidden layers' codes carry bigram tables (all of them or none)."""
+        return self._all_or_none(layers, "bigram", "bigram tables")
 
     @property
     def reuse_ranks(self) -> dict[str, int]:

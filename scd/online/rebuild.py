@@ -209,24 +209,18 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
         kv.update({l: (k[i], v[i]) for i, l in enumerate(reuse)})
     if hidden := by_kind["hidden"]:                     # one code per token -> K and V of every head
         dec_k, mu_k, dec_v, mu_v = art.hidden_decoders(tuple(hidden), dtype)
-        bigrams = art.hidden_bigrams(tuple(hidden), dtype)
-        keys = bigram_keys(codes.token_ids, codes.mask).reshape(-1) if bigrams else None
+        keys = bigram_keys(codes.token_ids, codes.mask).reshape(-1) if art.hidden_bigrams(tuple(hidden)) else None
         r = codes.layers[art.hidden_source(hidden[0])[0]]["z_x"].shape[-1]
         buf = torch.empty(b * t, r, dtype=dtype, device=cos.device)           # every code, in turn
-        src = rows = pair_rows = None
+        src = rows = None
         for i, l in enumerate(hidden):
             if (s := art.hidden_source(l)[0]) != src:   # the layers of a group share their code: dequantised once
                 src = s
                 z = dense(codes.layers[src]["z_x"], dtype, buf).reshape(b * t, -1)
-                if mu_k.dim() == 3:                     # token tables: each token's bias row
-                    rows = art.reuse_x[src].table_rows(codes.token_ids.reshape(-1))
-                if bigrams:                             # and each (previous token, token) pair's on top
-                    pair_rows = art.reuse_x[src].bigram_rows(keys)
+                if mu_k.dim() == 3:                     # token (and bigram) tables: each position's bias row
+                    rows = art.reuse_x[src].bias_rows(codes.token_ids.reshape(-1), keys)
             bias_k, bias_v = (mu_k[i], mu_v[i]) if rows is None else (mu_k[i].index_select(0, rows),
                                                                       mu_v[i].index_select(0, rows))
-            if pair_rows is not None:                   # added in place to the rows just gathered
-                bias_k.add_(bigrams[0][i].index_select(0, pair_rows))
-                bias_v.add_(bigrams[1][i].index_select(0, pair_rows))
             k = torch.addmm(bias_k, z, dec_k[i, :r]).view(b, t, -1)
             kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(bias_v, z, dec_v[i, :r]).view(b, t, -1)))
     shared = [l for l, k in enumerate(art.plan) if k == "shared"]

@@ -96,28 +96,30 @@ class LinearCodec:
             return self.mu_b
         if token_ids is None:
             raise ValueError("this codec has a token table: decoding needs the token ids")
-        out = self.biases()[self.table_rows(token_ids)]
-        if self.bigram is None:
-            return out
-        if keys is None:
+        if self.bigram is not None and keys is None:
             raise ValueError("this codec has a bigram table: decoding needs the tokens' bigram keys")
-        return out + self.bigram_biases()[self.bigram_rows(keys)]
+        return self.biases()[self.bias_rows(token_ids, keys)]
 
-    def bigram_rows(self, keys: torch.Tensor) -> torch.Tensor:
-        """Each key's row of bigram_biases(): its bigram row, or the last (zero) row if it has none."""
-        return rows_of(self.bigram_ids.to(keys.device), keys)
-
-    def bigram_biases(self) -> torch.Tensor:
-        """(K2 + 1, d_b): each bigram row, then a zero row."""
-        return torch.cat([self.bigram, torch.zeros_like(self.bigram[:1])])
+    def bias_rows(self, token_ids: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """Each position's row of biases(): its bigram's row where the codec has one for its key, else its
+        token's (one gather per layer, where a token row and a bigram row on top took two and an add)."""
+        rows = self.table_rows(token_ids)
+        if self.bigram is None:
+            return rows
+        pair = rows_of(self.bigram_ids.to(keys.device), keys)
+        return torch.where(pair < len(self.bigram_ids), pair + len(self.table_ids) + 1, rows)
 
     def table_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Each token's row of biases(): its table row, or the last row (mu_b alone) if it has none."""
         return rows_of(self.table_ids.to(token_ids.device), token_ids)
 
     def biases(self) -> torch.Tensor:
-        """(K + 1, d_b): mu_b plus each table row, then mu_b alone."""
-        return torch.cat([self.table + self.mu_b, self.mu_b[None]])
+        """(K + 1 [+ K2], d_b): mu_b plus each table row, then mu_b alone, then (with a bigram table) each
+        bigram's token row plus its bigram row. Index it with bias_rows()."""
+        tokens = torch.cat([self.table + self.mu_b, self.mu_b[None]])
+        if self.bigram is None:
+            return tokens
+        return torch.cat([tokens, tokens[self.table_rows(self.bigram_ids & TOKEN)] + self.bigram])
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "LinearCodec":
         """The same codec with fn applied to each of its float tensors (table ids are kept as they are)."""
