@@ -43,6 +43,7 @@ from scd.online.trace import capture
 PARETO_GRID = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 24), (16, 24), (24, 32)]
 STRUCTURE_NOISE = 1e-3          # the most a shared layer's K, V or residual may differ, run by both models
 DEFAULT_GBPS = 25.0             # the link an exact plan is chosen for when the config names none
+BOUND_FIELDS = ("max_kl_ratio", "max_consumer_prefill_ratio", "max_kl", "min_retained_gain")   # a pair's quality bound
 
 
 def log(msg: str) -> None:
@@ -323,8 +324,10 @@ def main(argv: list[str] | None = None) -> str:
     store_uri = args.store or cfg.artifacts.uri
     # published to this store after an evaluation on these held-out samples: nothing left (another store or
     # other held-out samples: evaluate and publish again, from the checkpoints)
-    # (and served at the level the level stage chooses now: a changed rule publishes again)
-    publish_key = {"store": store_uri, "heldout": samples_digest(held), "level": ccfg.choose_level and LEVEL_RULE}
+    # (and served at the level the level stage chooses now: a changed rule publishes again; a changed quality
+    # bound chooses the plan again from the checkpointed curves and publishes what it chooses)
+    publish_key = {"store": store_uri, "heldout": samples_digest(held), "level": ccfg.choose_level and LEVEL_RULE,
+                   "bound": {k: getattr(c, k) for k in BOUND_FIELDS}}
     done = load_record(published, publish_key) or {}
     ref = done.get("ref")
     if ref:

@@ -171,6 +171,20 @@ def test_eval_with_the_config_resumes_the_jobs_checkpoints_and_can_load_the_publ
         evaluate(["--config", str(cfg), "--pair", "base:nope", "--samples", "1"])
 
 
+def test_a_changed_quality_bound_chooses_the_plan_again_from_the_checkpoints(job, capsys):
+    """The bound is part of what was published: a pair whose bound changed is chosen and published again,
+    without fitting anything again."""
+    tmp_path, _, ref, _ = job
+    (tmp_path / "bound").mkdir()
+    cfg = write_config(tmp_path / "bound", diagnostics=True, work_dir=str(tmp_path / "work"), min_retained_gain=0.5)
+    store = str(tmp_path / "store")
+    ref2 = calibrate(["--pair", "base:qa", "--config", str(cfg), "--store", store])
+    out = capsys.readouterr().out
+    assert "already published" not in out and "stage policy: resumed" in out and ref2 != ref, out
+    assert calibrate(["--pair", "base:qa", "--config", str(cfg), "--store", store]) == ref2
+    assert "already published" in capsys.readouterr().out
+
+
 def test_a_finished_calibration_is_published_to_another_store_from_its_checkpoints(job, capsys):
     tmp_path, cfg, _, _ = job
     other = tmp_path / "store-other"
