@@ -408,7 +408,7 @@ class Calibration:
         res = policy.plan_layers(layers, lambda l: scorer.kl(self.base_plan, restore=l),
                                  lambda ls: scorer.kl(self.plan_with(ls)), base_kl, min(self.cfg.pool, len(layers)),
                                  self.cfg.patch_cost, train_pool=lambda pool: [self.aligner(l) for l in pool],
-                                 fits=self.fits_budget)
+                                 fits=self.fits_budget, progress=self.progress)
         record = {"base_kl": res.base_kl, "sensitivity": {str(k): v for k, v in res.sensitivity.items()},
                   "pool": res.pool, "order": res.order, "curve": res.curve, "k_star": res.k_star,
                   "efficiency": res.efficiency, "chosen": res.chosen,

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tqdm import tqdm
+
 
 @dataclass
 class PolicyResult:
@@ -28,18 +30,25 @@ class PolicyResult:
         return sorted(self.order[:self.k_star])
 
 
-def restore_one(layers: list[int], kl_restored: Callable[[int], float], base_kl: float) -> dict[int, float]:
-    return {l: base_kl - kl_restored(l) for l in layers}
+def restore_one(layers: list[int], kl_restored: Callable[[int], float], base_kl: float,
+                progress: bool = False) -> dict[int, float]:
+    return {l: base_kl - kl_restored(l) for l in tqdm(layers, desc="policy: restore one", disable=not progress)}
 
 
-def greedy(pool: list[int], kl_patched: Callable[[list[int]], float], base_kl: float) -> tuple[list[int], list[float]]:
+def greedy(pool: list[int], kl_patched: Callable[[list[int]], float], base_kl: float,
+           progress: bool = False) -> tuple[list[int], list[float]]:
     order, curve, left = [], [base_kl], list(pool)
+    bar = tqdm(total=len(pool) * (len(pool) + 1) // 2, desc="policy: greedy", disable=not progress)
     while left:
-        scores = {l: kl_patched(sorted(order + [l])) for l in left}
+        scores = {}
+        for l in left:
+            scores[l] = kl_patched(sorted(order + [l]))
+            bar.update()
         best = min(scores, key=scores.get)
         order.append(best)
         curve.append(scores[best])
         left.remove(best)
+    bar.close()
     return order, curve
 
 
@@ -53,14 +62,15 @@ def choose_k(curve: list[float], cost: float, base_cost: float = 1.0,
 
 def plan_layers(layers: list[int], kl_restored: Callable[[int], float], kl_patched: Callable[[list[int]], float],
                 base_kl: float, pool_size: int, cost: float, train_pool: Callable[[list[int]], None] | None = None,
-                fits: Callable[[list[int]], bool] | None = None) -> PolicyResult:
+                fits: Callable[[list[int]], bool] | None = None, progress: bool = False) -> PolicyResult:
     """Run the whole policy. `train_pool` is called once with the pool before greedy (to train aligners);
-    `fits(layers)`: whether Patching those layers keeps the payload within its budget."""
-    sens = restore_one(layers, kl_restored, base_kl)
+    `fits(layers)`: whether Patching those layers keeps the payload within its budget; `progress`: a bar
+    for each search."""
+    sens = restore_one(layers, kl_restored, base_kl, progress)
     pool = sorted(sorted(sens, key=sens.get, reverse=True)[:pool_size])
     if train_pool is not None:
         train_pool(pool)
-    order, curve = greedy(pool, kl_patched, base_kl)
+    order, curve = greedy(pool, kl_patched, base_kl, progress)
     allowed = [k for k in range(len(curve)) if fits is None or fits(sorted(order[:k]))]
     k_star, eff = choose_k(curve, cost, allowed=allowed)
     return PolicyResult(base_kl, sens, pool, order, curve, k_star, eff)
