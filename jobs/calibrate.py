@@ -43,7 +43,6 @@ from scd.online.trace import capture
 PARETO_GRID = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 24), (16, 24), (24, 32)]
 STRUCTURE_NOISE = 1e-3          # the most a shared layer's K, V or residual may differ, run by both models
 DEFAULT_GBPS = 25.0             # the link an exact plan is chosen for when the config names none
-BOUND_FIELDS = ("max_kl_ratio", "max_consumer_prefill_ratio", "max_kl", "min_retained_gain")   # a pair's quality bound
 
 
 def log(msg: str) -> None:
@@ -169,11 +168,16 @@ def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None, klt_cod
     return rec if rec["chosen"] is not None else None
 
 
+def quality_bound(c) -> exact.Bound:
+    """A pair's quality bound from its calibration settings."""
+    return exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl, c.min_retained_gain)
+
+
 def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, tune: list | None = None):
     """The fitted codes where they meet the quality bound on the validation samples; else the recompute block
     over them (scd.fitting.blocks) that meets it at the least modeled TTFT, when one does (else the codes, and
     the quality gate decides). The curve is checkpointed and recorded in art.info["blocks"]."""
-    bound = exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl, c.min_retained_gain)
+    bound = quality_bound(c)
     es = blocks.entries(cal.spec.num_layers, c.max_consumer_prefill_ratio)
     tokens = serving_tokens(cal, c)
     path = cal.dir / "blocks.json"
@@ -327,7 +331,7 @@ def main(argv: list[str] | None = None) -> str:
     # (and served at the level the level stage chooses now: a changed rule publishes again; a changed quality
     # bound chooses the plan again from the checkpointed curves and publishes what it chooses)
     publish_key = {"store": store_uri, "heldout": samples_digest(held), "level": ccfg.choose_level and LEVEL_RULE,
-                   "bound": {k: getattr(c, k) for k in BOUND_FIELDS}}
+                   "bound": vars(quality_bound(c))}
     done = load_record(published, publish_key) or {}
     ref = done.get("ref")
     if ref:
