@@ -42,13 +42,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cluster.config import load_config
+from jobs.family_report import plot, report
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting import family
 from scd.fitting.aligners import patch_aligner
-from scd.fitting.calibrate import ALIGNER_FIELDS, TUNE_FIELDS, keyed
-from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
+from scd.fitting.checkpoints import (ALIGNER_FIELDS, TUNE_FIELDS, key_dir, keyed, load_record, samples_digest,
+                                     save_record)
 from scd.fitting.finetune import Progress, finetune_scored
 from scd.fitting.scoring import KEEP_RULE, wire_factor
 from scd.online import codec
@@ -246,29 +247,6 @@ def fanout_cost(producer, fam: FamilyArtifacts, pairs: list[PairArtifacts], ids:
             ms[name].append((time.perf_counter() - t) * 1e3)
     return {"tokens": ids.shape[1], "family_bytes": nbytes["family"], "pairs_bytes": nbytes["pairs"],
             "family_encode_ms": statistics.median(ms["family"]), "pairs_encode_ms": statistics.median(ms["pairs"])}
-
-
-BARS = (("raw_kv", "raw KV reuse"), ("pair", "pair code, Reuse-only"), ("family_reuse", "family code, Reuse-only"),
-        ("family", "family as served"), ("served_pair", "published pair artifact"))
-
-
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7.2, 3.8))
-    bars = [(k, label) for k, label in BARS if any(r.get(k) is not None for r in rows)]
-    w = 0.8 / len(bars)
-    for i, (key, label) in enumerate(bars):
-        ax.bar([v + (i - (len(bars) - 1) / 2) * w for v in range(len(rows))],
-               [r.get(key) or 0.0 for r in rows], w, label=label)
-    ax.set_xticks(list(range(len(rows))), [r["member"] for r in rows])
-    ax.set_ylabel("held-out KL(oracle ‖ method)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(frameon=False, fontsize=8)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
 
 
 def budget_ranks(spec: ModelSpec, hidden: bool, budget: float, dtype: str, given: dict[str, int],
@@ -470,24 +448,6 @@ def exact_family(args, cfg, family_id: str, names: list[str], served: list[dict]
               "heldout": len(held[names[0]]), "kl": rows, "fanout": cost}
     return finish(args, cfg, fam, result, f"exact plans, {fam.encoder.code_dtype}",
                   f"exact plans in {fam.encoder.code_dtype}", producer, consumers, tok, store, every, 0)
-
-
-def report(rows: list[dict], cost: dict, codes: str) -> None:
-    print(f"\nheld-out KL, {codes} (family payload {rows[0]['payload_ratio']:.3f} of raw KV):")
-    print(f"  {'member':<10}{'raw_kv':>9}{'pair':>9}{'fam-reuse':>10}{'family':>9}{'published':>11}"
-          f"{'greedy pair/family':>21}")
-    for r in rows:
-        pub = f"{r['served_pair']:.4f}" + ("*" if r["served_pair_source"] == "recorded" else " ") \
-            if r["served_pair"] is not None else "-"
-        kl = lambda key, w: f"{r[key]:{w}.4f}" if r[key] is not None else f"{'-':>{w}}"   # noqa: E731
-        print(f"  {r['member']:<10}{r['raw_kv']:9.4f}{kl('pair', 9)}{kl('family_reuse', 10)}{r['family']:9.4f}"
-              f"{pub:>11}{r['greedy_pair']:11.3f} / {r['greedy_family']:.3f}")
-    print("  (pair, fam-reuse: Reuse-only codes of one pair / of the family; family: as served; published: the "
-          "member's published pair artifact, * its recorded KL)")
-    print(f"fan-out to {len(rows)} at {cost['tokens']} tokens: wire {cost['family_bytes'] / 1024:.1f} KB (family) vs "
-          f"{cost['pairs_bytes'] / 1024:.1f} KB ({cost['pairs_are']}), {cost['family_bytes'] / cost['pairs_bytes']:.2f}x; "
-          f"producer encode {cost['family_encode_ms']:.2f} vs {cost['pairs_encode_ms']:.2f} ms, "
-          f"{cost['family_encode_ms'] / cost['pairs_encode_ms']:.2f}x")
 
 
 def publish(store: ArtifactStore, fam: FamilyArtifacts, producer, consumers: list, tok, rows: list[dict], c,

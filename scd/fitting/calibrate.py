@@ -31,7 +31,8 @@ from tqdm import tqdm
 
 from scd.fitting import policy, scoring
 from scd.fitting.aligners import patch_aligner
-from scd.fitting.checkpoints import key_dir, load_record, samples_digest, save_record
+from scd.fitting.checkpoints import (ALIGNER_FIELDS, CHECKPOINT_FORMAT, TRACE_FIELDS, TUNE_FIELDS, key_dir, keyed,
+                                     load_record, samples_digest, save_record)
 from scd.fitting.gram import JointGram, TokenStats
 from scd.fitting.scoring import KEEP_RULE, PlanScorer, cheapest_within_noise
 from scd.fitting.finetune import Progress, finetune_scored
@@ -43,22 +44,6 @@ from scd.online.patch import Aligner
 from scd.online.reuse import LinearCodec, bigram_keys
 from scd.online.trace import capture
 from scd.settings import CalibConfig
-
-# bumped whenever what a checkpoint holds changes shape (e.g. the aligner's layers), so old work directories
-# are not resumed into new code
-CHECKPOINT_FORMAT = 3
-# the CalibConfig fields each stage folder is keyed by (see the module docstring); the plan folder takes the rest
-TRACE_FIELDS = ("batch",)
-ALIGNER_FIELDS = ("r_h", "ridge", "aligner_width", "aligner_epochs", "aligner_context", "aligner_window",
-                  "aligner_tokens", "aligner_loss", "aligner_prefixes", "seed")
-TUNE_FIELDS = ("finetune_samples", "finetune_epochs", "finetune_lr", "finetune_encoders", "finetune_tokens")
-# fields added after checkpoints existed: left out of the plan folder's key while they keep these values
-KEYED_WHEN_SET = {"bigram_table": 0, "bigram_shrink": 16.0, "aligner_prefixes": 0}
-
-
-def keyed(config: dict, fields) -> dict:
-    """The settings among `fields` that a checkpoint folder is keyed by: KEYED_WHEN_SET's only when set."""
-    return {k: config[k] for k in fields if not (k in KEYED_WHEN_SET and config[k] == KEYED_WHEN_SET[k])}
 
 # capture_pair(ids, mask) -> (producer rows, consumer rows) as named by scd.online.trace.trace_rows
 CapturePair = Callable[[torch.Tensor, torch.Tensor], tuple[dict, dict]]

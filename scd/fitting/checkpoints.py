@@ -10,6 +10,23 @@ from typing import Callable
 from scd.online.models import data_digest
 
 
+# bumped whenever what a checkpoint holds changes shape (e.g. the aligner's layers), so old work directories
+# are not resumed into new code
+CHECKPOINT_FORMAT = 3
+# the CalibConfig fields each stage folder is keyed by (scd.fitting.calibrate's docstring); the plan folder takes the rest
+TRACE_FIELDS = ("batch",)
+ALIGNER_FIELDS = ("r_h", "ridge", "aligner_width", "aligner_epochs", "aligner_context", "aligner_window",
+                  "aligner_tokens", "aligner_loss", "aligner_prefixes", "seed")
+TUNE_FIELDS = ("finetune_samples", "finetune_epochs", "finetune_lr", "finetune_encoders", "finetune_tokens")
+# fields added after checkpoints existed: left out of the plan folder's key while they keep these values
+KEYED_WHEN_SET = {"bigram_table": 0, "bigram_shrink": 16.0, "aligner_prefixes": 0}
+
+
+def keyed(config: dict, fields) -> dict:
+    """The settings among `fields` that a checkpoint folder is keyed by: KEYED_WHEN_SET's only when set."""
+    return {k: config[k] for k in fields if not (k in KEYED_WHEN_SET and config[k] == KEYED_WHEN_SET[k])}
+
+
 def samples_digest(samples) -> str:
     """data_digest of (prefix, continuation) samples, in order."""
     return data_digest([t for s in samples for t in (s.prefix, s.cont)])
