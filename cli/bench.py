@@ -29,25 +29,13 @@ from pathlib import Path
 import torch
 
 from scd.data import demo_data, samples
-from cli.evaluate import add_pair_args, calibrated, exact_artifact, parse, resolve_pair
+from cli.evaluate import add_pair_args, calibrated, exact_artifact, parse, positives, resolve_pair
 from scd.evaluation import methods
 from scd.online import codec, links
 from scd.online.artifacts import level_tag
 from scd.fitting import scoring, structure
 from scd.online.models import is_adapter, load_pair
 from scd.online.trace import capture
-
-
-def positives(text: str, flag: str, kind: type = int) -> list:
-    """A flag's comma-separated positive integers (or numbers, kind=float); a clear exit otherwise."""
-    try:
-        values = [kind(t) for t in text.split(",")]
-    except ValueError:
-        what = "integers" if kind is int else "numbers"
-        raise SystemExit(f"{flag} takes {what} separated by commas, got {text!r}") from None
-    if any(not v > 0 for v in values):
-        raise SystemExit(f"{flag} must be positive, got {text!r}")
-    return values
 
 
 def _ms(fn) -> tuple[float, object]:

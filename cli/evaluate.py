@@ -176,6 +176,18 @@ def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
                        log=lambda line: print(line, file=sys.stderr)).run(val, tune_samples=tune)
 
 
+def positives(text: str, flag: str, kind: type = int) -> list:
+    """A flag's comma-separated positive integers (or numbers, kind=float); a clear exit otherwise."""
+    try:
+        values = [kind(t) for t in text.split(",")]
+    except ValueError:
+        what = "integers" if kind is int else "numbers"
+        raise SystemExit(f"{flag} takes {what} separated by commas, got {text!r}") from None
+    if any(not v > 0 for v in values):
+        raise SystemExit(f"{flag} must be positive, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="scd eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_args(p)
@@ -184,6 +196,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", choices=codec.DTYPES,
                    help="code precision on the wire (default: the one the artifact was calibrated for)")
     p.add_argument("--droidspeak-layers", type=int, default=2)
+    p.add_argument("--droidspeak-entries", metavar="E,E,...", help=(
+        "also DroidSpeak entered at each layer E: the consumer runs its layers E..L-1 from the producer's residual "
+        "over the producer's K and V below (rows droidspeak@E; its curve against the consumer's compute)"))
     p.add_argument("--work-dir", default="runs/eval", help="traces and the calibrated artifact are kept here")
     p.add_argument("--cost-tokens", type=int, default=0, metavar="N",
                    help="also time each method's consumer compute over the consumer's own prefill on one prefix "
@@ -200,6 +215,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
     pair = f"{na}:{nb}"
+    entries = positives(args.droidspeak_entries, "--droidspeak-entries") if args.droidspeak_entries else []
+    if any(e >= spec.num_layers for e in entries):
+        raise SystemExit(f"--droidspeak-entries must be below {pair}'s {spec.num_layers} layers, got "
+                         f"{args.droidspeak_entries!r}")
     context = getattr(consumer.config, "max_position_embeddings", None)
     if context and args.cost_tokens > context:       # refused before any fitting or profiling
         raise SystemExit(f"--cost-tokens {args.cost_tokens} is longer than {pair}'s context of {context} tokens")
@@ -229,7 +248,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                    klt_codes(args, producer, spec, tok, pair) if d == "klt" else None)
                for name, dtype in (("exact", "bf16"), ("exact_int8", "int8"), ("exact_kivi4", "kivi4"),
                                    ("exact_klt", "klt"))}}
-    ms = [make[m]() for m in wanted]
+    ms = [make[m]() for m in wanted] + [methods.DroidSpeak.entering(e, spec.num_layers) for e in entries]
     rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}", cost_tokens=args.cost_tokens)
     # the consumer's compute the bound's ceiling counts: the share of its layers it runs over the prefix (a
     # count, not a timing: the same on a busy machine as on a quiet one)

@@ -198,6 +198,24 @@ def test_scd_eval_takes_the_exact_plan_and_marks_what_fails_the_bound(top_folder
                   "--cost-tokens", "100000"])
 
 
+def test_scd_eval_draws_droidspeak_at_each_entry(top_folder, tmp_path, capsys):
+    from cli.evaluate import main as evaluate
+    folder, first = top_folder
+    args = ["--producer", str(DEMO / "base"), "--consumer", str(folder), "--samples", "2", "--val", "3",
+            "--prefix-tokens", "64", "--methods", "raw_kv", "--work-dir", str(tmp_path), "--json"]
+    rows = {r["method"]: r for r in evaluate(args + ["--droidspeak-entries", f"{first},{first + 1}"])}
+    at, above = rows[f"droidspeak@{first}"], rows[f"droidspeak@{first + 1}"]
+    # entered where the residual is still the base's, DroidSpeak is the exact plan: the oracle's cache
+    assert at["kl"] < 1e-4 and above["kl"] > 100 * max(at["kl"], 1e-7), (at, above)
+    assert at["meets_bound"] is True, at                  # 2 of the layers run, within 0.2 x raw KV
+    assert above["payload_bytes"] > at["payload_bytes"], "one more layer's K and V below the entry"
+    layers = first + 2
+    with pytest.raises(SystemExit, match=f"below .*{layers} layers"):
+        evaluate(args + ["--droidspeak-entries", str(layers)])
+    with pytest.raises(SystemExit, match="integers"):
+        evaluate(args + ["--droidspeak-entries", "x"])
+
+
 def test_scd_eval_measures_bf16_and_klt_with_exact_dtype_auto(top_folder, tmp_path, capsys):
     from cli.evaluate import main as evaluate
     folder, first = top_folder

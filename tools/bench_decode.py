@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from cli.bench import positives
+from cli.evaluate import positives
 from scd.online import codec
 from scd.online.cache import assemble, extend
 from scd.online.decode import Decoder, GenParams, Row

@@ -28,7 +28,7 @@ import torch
 from actors.messages import GenParams, pair_id
 from actors.producer import ProducerEngine
 from actors.specialist import Arriving, SpecialistEngine
-from cli.bench import positives
+from cli.evaluate import positives
 from cluster.config import load_config
 from scd.data import demo_data, samples
 from scd.fitting import exact, structure

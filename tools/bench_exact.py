@@ -31,7 +31,7 @@ from actors.messages import GenParams, pair_id
 from actors.producer import ProducerEngine
 from actors.specialist import SpecialistEngine
 from artifacts_store import ArtifactStore
-from cli.bench import positives
+from cli.evaluate import positives
 from cluster.config import load_config
 from scd.data import demo_data, samples
 from scd.online.models import load

@@ -122,6 +122,14 @@ class DroidSpeak(Method):
         self.n, self.start = n_layers, start
         self.profile: dict[int, float] = {}
 
+    @classmethod
+    def entering(cls, entry: int, num_layers: int) -> "DroidSpeak":
+        """DroidSpeak entered at `entry`: the consumer runs its layers entry..num_layers-1 from the producer's
+        residual (a recompute block's entry without an aligner), named droidspeak@<entry>."""
+        ds = cls(num_layers - entry, entry)
+        ds.name = f"droidspeak@{entry}"
+        return ds
+
     def recompute(self, consumer, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """Run the consumer's layers of the block over the prefix from the producer's hidden state."""
         return run_layers(consumer, hidden, mask, positions, self.start, self.start + self.n)
