@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(p, argv)
     if args.cost_tokens < 0:
         p.error("--cost-tokens must be >= 0")
+    entries = positives(args.droidspeak_entries, "--droidspeak-entries") if args.droidspeak_entries else []
     wanted = args.methods.split(",")
     unknown = [m for m in wanted if m not in methods.METHODS]
     if unknown:
@@ -215,7 +216,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
     pair = f"{na}:{nb}"
-    entries = positives(args.droidspeak_entries, "--droidspeak-entries") if args.droidspeak_entries else []
     if any(e >= spec.num_layers for e in entries):
         raise SystemExit(f"--droidspeak-entries must be below {pair}'s {spec.num_layers} layers, got "
                          f"{args.droidspeak_entries!r}")
