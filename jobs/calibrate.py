@@ -43,6 +43,8 @@ from scd.online.trace import capture
 PARETO_GRID = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 24), (16, 24), (24, 32)]
 STRUCTURE_NOISE = 1e-3          # the most a shared layer's K, V or residual may differ, run by both models
 DEFAULT_GBPS = 25.0             # the link an exact plan is chosen for when the config names none
+HELD_OUT_CURVE = "each entry beside droidspeak@entry"   # what a block plan's held-out curve holds (a changed
+                                                        # curve publishes again, from the checkpoints)
 
 
 def log(msg: str) -> None:
@@ -96,6 +98,32 @@ def tradeoff(cal: Calibration, art, tok, val, held) -> list[dict]:
     ds.start = profile_droidspeak(ds, cal.producer, cal.consumer, val)
     return Evaluator(cal.producer, cal.consumer, tok).run(held, [methods.Int4KV(), ds, *methods.at_levels(art)],
                                                           desc=f"held-out baselines and levels {cal.pair}")
+
+
+def entry_curve(cal: Calibration, codes, tok, held, chosen: int | None) -> list[dict]:
+    """Held-out rows of the block stage's curve, like for like: SCD entering at each entry the stage tried
+    (`enter@<e>`: the published codes below e, the consumer's layers from e through the trained entry) beside
+    DroidSpeak entered at the same layer (`droidspeak@<e>`: the producer's residual and K, V below). The
+    chosen entry is the `scd` row already and is not run again."""
+    n = cal.spec.num_layers
+    t = load_file(str(cal.dir / "entry-aligners.safetensors"))
+    es = sorted(p["entry"] for p in codes.info["blocks"]["points"] if p["entry"] < n)
+    ms = [methods.SCDMethod(blocks.block_artifact(codes, e, LinearCodec.from_tensors(t, f"entry.{e}")), f"enter@{e}")
+          for e in es if e != chosen] + [methods.DroidSpeak.entering(e, n) for e in es]
+    return Evaluator(cal.producer, cal.consumer, tok).run(held, ms, desc=f"held-out curve {cal.pair}")
+
+
+def against_droidspeak(rows: list[dict], chosen: int | None) -> dict[int, float]:
+    """Per entry of a held-out curve (entry_curve's rows with the `scd` row): SCD's KL over DroidSpeak's
+    entered at the same layer."""
+    by = {r["method"]: r for r in rows}
+    out = {}
+    for name, r in by.items():
+        if name.startswith("droidspeak@"):
+            e = int(name.removeprefix("droidspeak@"))
+            ours = by["scd" if e == chosen else f"enter@{e}"]
+            out[e] = ours["kl"] / max(r["kl"], 1e-12)
+    return dict(sorted(out.items()))
 
 
 def quality_gate(by: dict, c) -> dict:
@@ -209,7 +237,8 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, tu
     raw_kl = rec["raw_kv"]["kl"]
     log(f"plans (validation): {blocks.describe(rec['points'], raw_kl)}")
     chosen = exact.choose(rec["points"], raw_kl, bound, gbps or DEFAULT_GBPS)
-    art.info["blocks"] = {**rec, "chosen": chosen, "bound": vars(bound), "gbps": gbps or DEFAULT_GBPS}
+    art.info["blocks"] = {**rec, "chosen": chosen, "bound": vars(bound), "gbps": gbps or DEFAULT_GBPS,
+                          "num_layers": cal.spec.num_layers}
     if chosen is None or chosen["entry"] == cal.spec.num_layers:
         log("codes alone" + (" (within the quality bound)" if chosen else ": no plan meets the quality bound"))
         return art
@@ -331,7 +360,7 @@ def main(argv: list[str] | None = None) -> str:
     # (and served at the level the level stage chooses now: a changed rule publishes again; a changed quality
     # bound chooses the plan again from the checkpointed curves and publishes what it chooses)
     publish_key = {"store": store_uri, "heldout": samples_digest(held), "level": ccfg.choose_level and LEVEL_RULE,
-                   "bound": vars(quality_bound(c))}
+                   "bound": vars(quality_bound(c)), "curve": HELD_OUT_CURVE}
     done = load_record(published, publish_key) or {}
     ref = done.get("ref")
     if ref:
@@ -359,7 +388,7 @@ def main(argv: list[str] | None = None) -> str:
                                  codes)
     tune = samples.tune_samples(cons_name, tok, c.finetune_samples, c.prefix_tokens, c.finetune_tokens,
                                 text_file=c.text_file)
-    art = cal.run(val, capture_pair, tune)
+    art = codes = cal.run(val, capture_pair, tune)
     art.info["structure"] = shared
     if c.recompute_blocks:
         art = block_plan(cal, art, tok, calib, val, c, cfg.link_gbps().get(args.pair), tune)
@@ -386,6 +415,14 @@ def main(argv: list[str] | None = None) -> str:
         raise SystemExit(3)
     log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
     rows += checkpointed(cal.dir / f"tradeoff{tag}.json", lambda: tradeoff(cal, art, tok, val, held), held)
+    chosen = art.blocks[0][0] if art.blocks else None
+    tried = [p for p in art.info.get("blocks", {}).get("points", []) if p["entry"] < cal.spec.num_layers]
+    vs_ds = {}
+    if tried:                                          # the curve held out, beside DroidSpeak at each entry
+        rows += checkpointed(cal.dir / f"curve{tag}.json", lambda: entry_curve(cal, codes, tok, held, chosen), held)
+        vs_ds = against_droidspeak(rows, chosen)
+        log("held-out curve, SCD's KL over DroidSpeak's entered at the same layer: "
+            + ", ".join(f"enter@{e} {v:.2f}" for e, v in vs_ds.items()))
     # every level's held-out figures, and whether it passes the same quality gate (a link never gets a level
     # known to be worse than raw KV reuse; the full code passed it to be published)
     by.update((r["method"], r) for r in rows)
@@ -416,6 +453,9 @@ def main(argv: list[str] | None = None) -> str:
             f"{t['payload_ratio']:.3f}" for t in art.info["ranks"]["tried"])
         if "wire_factor" in art.info["ranks"]:
             extra["wire"] = f"sends {art.info['ranks']['wire_factor']:.3f} of the code bytes (zstd), counted in the budget"
+    if vs_ds:
+        extra["against DroidSpeak entered alike (held out)"] = "; ".join(
+            f"enter@{e}: {v:.2f} x droidspeak@{e}'s KL" for e, v in vs_ds.items())
     if art.blocks:
         s, _ = art.blocks[0]
         extra["plan"] = (f"codes below layer {s}, the consumer's own layers {s}-{cal.spec.num_layers - 1} from the "

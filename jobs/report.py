@@ -16,7 +16,8 @@ The figures mirror the SCD paper's Figures 4-7:
   full code circled, the baselines (raw KV, INT4 KV, DroidSpeak, Reuse-only) as labelled points.
 - `compute.png` (exact plans, and codes with recompute blocks tried): validation KL against the consumer's
   compute over the prefix (the share of its layers it runs), one point per entry layer, the chosen one circled, raw KV reuse and
-  DroidSpeak at its best block as labelled points, the quality bound as a dashed line.
+  DroidSpeak at its best block as labelled points, the quality bound as a dashed line; with a block plan's
+  held-out curve (rows `enter@<e>`, `droidspeak@<e>`), SCD and DroidSpeak entering at each layer, held out.
 - `xnorm_error.png` (Fig. 7, optional): relative error of the consumer's pre-attention input x_norm per layer
   (list index = layer number), Reuse-only vs SCD; the patch layers are shaded, showing where SCD resets the error.
 
@@ -258,12 +259,31 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
         if r["method"] == "droidspeak":
             ax.scatter([r["prefill_ratio"]], [max(r["kl"], floor)], marker="^", color="tab:purple", s=40,
                        label="DroidSpeak, best block (held-out)", zorder=4)
+    held = _held_out_curves(rows, c, compute["num_layers"]) if "num_layers" in compute else {}
+    for name, (color, marker) in {"SCD": ("tab:blue", "s"), "DroidSpeak": ("tab:purple", "^")}.items():
+        if held.get(name):
+            xs, ys = zip(*held[name])
+            ax.plot(xs, [max(y, floor) for y in ys], marker=marker, ls="--", color=color, ms=5,
+                    label=f"{name} entering at each e (held-out)")
     ax.set_yscale("log")
     ax.set(xlabel="consumer compute over the prefix (share of its own prefill)", ylabel="KL(oracle ‖ plan)",
            title=f"Quality against consumer compute — {pair}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(frameon=False, fontsize=7)
     return fig
+
+
+def _held_out_curves(rows: list[dict], chosen: dict | None, n: int) -> dict[str, list[tuple[float, float]]]:
+    """The held-out curve rows (jobs.calibrate.entry_curve: `enter@<e>` and `droidspeak@<e>`, the chosen entry
+    the `scd` row) as (share of the consumer's layers, KL) points, by method."""
+    out: dict[str, list] = {"SCD": [], "DroidSpeak": []}
+    for r in rows:
+        for prefix, name in (("enter@", "SCD"), ("droidspeak@", "DroidSpeak")):
+            if r["method"].startswith(prefix):
+                out[name].append(((n - int(r["method"].removeprefix(prefix))) / n, r["kl"]))
+    if out["DroidSpeak"] and chosen is not None and chosen["entry"] < n:
+        out["SCD"] += [((n - chosen["entry"]) / n, r["kl"]) for r in rows if r["method"] == "scd"]
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def _fig_xnorm(pair: str, xnorm: dict, chosen: list[int]):

@@ -1,6 +1,7 @@
 """Recompute blocks over codes (scd.fitting.blocks): an entry aligner moves the residual the consumer runs its
 own top layers from; it survives a save and load; and the calibration job publishes a block where the codes
 alone miss the quality bound."""
+import pytest
 import torch
 
 from scd.evaluation.methods import DroidSpeak
@@ -87,3 +88,24 @@ def test_the_job_publishes_a_recompute_block_where_codes_miss_the_bound(tmp_path
     assert chosen in within and all(ttft(chosen) <= ttft(p) for p in within), (chosen, within)
     m = ArtifactStore(tmp_path / "store").show(ref)
     assert "report/compute.png" in m.files, sorted(m.files)
+    # the curve held out, like for like: SCD entering at every entry tried (the chosen one is the scd row)
+    # beside DroidSpeak entered at the same layer, each SCD KL over DroidSpeak's in the log and the report
+    tried = sorted(p["entry"] for p in rec["points"] if p["entry"] < 8)
+    summary = next((tmp_path / "store").rglob("summary.md")).read_text()
+    for e in tried:
+        assert f"| droidspeak@{e} |" in summary and (e == s) != (f"| enter@{e} |" in summary), (e, summary)
+    line = next(x for x in out.splitlines() if "held-out curve" in x)
+    assert [int(w.removeprefix("enter@")) for w in line.split() if w.startswith("enter@")] == tried, line
+    assert "against DroidSpeak entered alike (held out)" in summary, summary
+
+
+def test_against_droidspeak_divides_each_entrys_kl_by_droidspeaks_at_the_same_layer():
+    from jobs.calibrate import against_droidspeak
+    from jobs.report import _held_out_curves
+    rows = [{"method": "scd", "kl": 0.1}, {"method": "enter@6", "kl": 0.3}, {"method": "raw_kv", "kl": 1.0},
+            {"method": "droidspeak@4", "kl": 0.4}, {"method": "droidspeak@6", "kl": 0.5},
+            {"method": "droidspeak", "kl": 0.9}]
+    got = against_droidspeak(rows, chosen=4)
+    assert got == pytest.approx({4: 0.25, 6: 0.6}), got
+    curves = _held_out_curves(rows, {"entry": 4}, 8)
+    assert curves == {"SCD": [(0.25, 0.3), (0.5, 0.1)], "DroidSpeak": [(0.25, 0.5), (0.5, 0.4)]}, curves
