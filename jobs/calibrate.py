@@ -33,7 +33,7 @@ from scd.fitting import blocks, exact, structure
 from scd.fitting.exact import LOSSLESS_KL
 from scd.fitting.calibrate import LEVEL_RULE, CalibConfig, Calibration
 from scd.fitting.scoring import PlanScorer
-from scd.fitting.checkpoints import load_record, samples_digest, save_record
+from scd.fitting.checkpoints import artifact_digest, load_record, samples_digest, save_record
 from scd.online.artifacts import level_tag
 from scd.online.models import is_adapter, load_pair
 from scd.online.rebuild import encode, rebuild
@@ -51,10 +51,10 @@ def log(msg: str) -> None:
     print(f"[calibrate] {msg}", flush=True)
 
 
-def checkpointed(path: Path, compute, samples_):
-    """JSON stage checkpoint of a result computed on `samples_`: loaded if present for the same samples, else
-    computed, written, returned."""
-    inputs = {"samples": samples_digest(samples_)}
+def checkpointed(path: Path, compute, samples_, art_digest: str | None = None):
+    """JSON stage checkpoint of a result computed on `samples_` (and, given its digest, of one artifact):
+    loaded if present for the same inputs, else computed, written, returned."""
+    inputs = {"samples": samples_digest(samples_), **({"artifact": art_digest} if art_digest else {})}
     record = load_record(path, inputs, log)
     if record is not None:
         log(f"stage {path.stem}: resumed from checkpoint")
@@ -100,15 +100,16 @@ def tradeoff(cal: Calibration, art, tok, val, held) -> list[dict]:
                                                           desc=f"held-out baselines and levels {cal.pair}")
 
 
-def entry_curve(cal: Calibration, codes, tok, held, chosen: int | None) -> list[dict]:
+def entry_curve(cal: Calibration, codes, entries: dict, tok, held, chosen: int | None) -> list[dict]:
     """Held-out rows of the block stage's curve, like for like: SCD entering at each entry the stage tried
-    (`enter@<e>`: the published codes below e, the consumer's layers from e through the trained entry) beside
+    (`enter@<e>`: the published codes below e, the consumer's layers from e through its trained entry, from
+    `entries`, the tensors of entry-aligners.safetensors) beside
     DroidSpeak entered at the same layer (`droidspeak@<e>`: the producer's residual and K, V below). The
     chosen entry is the `scd` row already and is not run again."""
     n = cal.spec.num_layers
-    t = load_file(str(cal.dir / "entry-aligners.safetensors"))
     es = sorted(p["entry"] for p in codes.info["blocks"]["points"] if p["entry"] < n)
-    ms = [methods.SCDMethod(blocks.block_artifact(codes, e, LinearCodec.from_tensors(t, f"entry.{e}")), f"enter@{e}")
+    ms = [methods.SCDMethod(blocks.block_artifact(codes, e, LinearCodec.from_tensors(entries, f"entry.{e}")),
+                            f"enter@{e}")
           for e in es if e != chosen] + [methods.DroidSpeak.entering(e, n) for e in es]
     return Evaluator(cal.producer, cal.consumer, tok).run(held, ms, desc=f"held-out curve {cal.pair}")
 
@@ -402,7 +403,8 @@ def main(argv: list[str] | None = None) -> str:
         ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV(), methods.reuse_only(art),
               methods.SCDMethod(art)]
         return Evaluator(producer, consumer, tok).run(held, ms, desc=f"held-out {args.pair}")
-    rows = checkpointed(cal.dir / f"eval{tag}.json", evaluate, held)
+    digest = artifact_digest(art)                       # a plan refitted under the same tag is evaluated again
+    rows = checkpointed(cal.dir / f"eval{tag}.json", evaluate, held, digest)
     by = {r["method"]: r for r in rows}
     log("held-out: " + ", ".join(f"{m} kl={r['kl']:.4f} ratio={r['payload_ratio']:.3f}"
                                  + (f" f1={r['f1']:.3f}" if r["f1"] is not None else "") for m, r in by.items()))
@@ -414,12 +416,14 @@ def main(argv: list[str] | None = None) -> str:
             f"quality_gate. Figures in {cal.dir / 'gate.json'}")
         raise SystemExit(3)
     log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
-    rows += checkpointed(cal.dir / f"tradeoff{tag}.json", lambda: tradeoff(cal, art, tok, val, held), held)
+    rows += checkpointed(cal.dir / f"tradeoff{tag}.json", lambda: tradeoff(cal, art, tok, val, held), held, digest)
     chosen = art.blocks[0][0] if art.blocks else None
     tried = [p for p in art.info.get("blocks", {}).get("points", []) if p["entry"] < cal.spec.num_layers]
     vs_ds = {}
     if tried:                                          # the curve held out, beside DroidSpeak at each entry
-        rows += checkpointed(cal.dir / f"curve{tag}.json", lambda: entry_curve(cal, codes, tok, held, chosen), held)
+        entries = load_file(str(cal.dir / "entry-aligners.safetensors"))
+        rows += checkpointed(cal.dir / f"curve{tag}.json", lambda: entry_curve(cal, codes, entries, tok, held, chosen),
+                             held, artifact_digest(codes, entries))
         vs_ds = against_droidspeak(rows, chosen)
         log("held-out curve, SCD's KL over DroidSpeak's entered at the same layer: "
             + ", ".join(f"enter@{e} {v:.2f}" for e, v in vs_ds.items()))
@@ -433,8 +437,8 @@ def main(argv: list[str] | None = None) -> str:
     split = {}
     if c.diagnostics:
         grid = checkpointed(cal.dir / "pareto.json", lambda: pareto(cal, val), val)
-        xn = checkpointed(cal.dir / f"xnorm{tag}.json", lambda: xnorm_profile(cal, art, held[:8]), held[:8])
-        split = checkpointed(cal.dir / f"split{tag}.json", lambda: error_split(cal, art, val), val)
+        xn = checkpointed(cal.dir / f"xnorm{tag}.json", lambda: xnorm_profile(cal, art, held[:8]), held[:8], digest)
+        split = checkpointed(cal.dir / f"split{tag}.json", lambda: error_split(cal, art, val), val, digest)
 
     info = art.info["calibration"]
     ranks = {"r_x": art.r_x} if art.reuse_x else {"r_k": art.r_k, "r_v": art.r_v}

@@ -109,3 +109,27 @@ def test_against_droidspeak_divides_each_entrys_kl_by_droidspeaks_at_the_same_la
     assert got == pytest.approx({4: 0.25, 6: 0.6}), got
     curves = _held_out_curves(rows, {"entry": 4}, 8)
     assert curves == {"SCD": [(0.25, 0.3), (0.5, 0.1)], "DroidSpeak": [(0.25, 0.5), (0.5, 0.4)]}, curves
+
+
+def test_a_held_out_checkpoint_is_keyed_by_the_artifact_so_an_entry_trained_anew_is_evaluated_again(tmp_path):
+    """The held-out evaluation's checkpoint is named by the plan's tag (entry, level), which an entry trained
+    anew (e.g. over more samples) keeps: the artifact's digest in its inputs makes that a recomputation."""
+    from jobs.calibrate import checkpointed
+    from scd.fitting.checkpoints import artifact_digest
+    from scd.online.reuse import LinearCodec
+    spec = ModelSpec.from_config(tiny_llama(0, layers=4).config)
+    h = spec.hidden_size
+    art = PairArtifacts.exact("a:b", spec, ["exact", "shared", "entry", "recompute"], "bf16")
+    one = art.with_plan(art.plan, {2: LinearCodec(torch.zeros(h), torch.eye(h), torch.zeros(h), torch.eye(h))})
+    other = art.with_plan(art.plan, {2: LinearCodec(torch.zeros(h), 1.01 * torch.eye(h), torch.zeros(h), torch.eye(h))})
+    assert artifact_digest(one) == artifact_digest(one.with_plan(one.plan, dict(one.entry_align)))
+    assert artifact_digest(one) != artifact_digest(other)
+    assert artifact_digest(art, {"e": torch.ones(2)}) != artifact_digest(art, {"e": torch.zeros(2)})
+    held = _samples(2, 3)
+    calls = []
+    run = lambda value: lambda: calls.append(value) or value            # noqa: E731
+    path = tmp_path / "eval-e2.json"
+    assert checkpointed(path, run(1), held, artifact_digest(one)) == 1
+    assert checkpointed(path, run(2), held, artifact_digest(one)) == 1             # resumed
+    assert checkpointed(path, run(3), held, artifact_digest(other)) == 3           # the entry changed
+    assert calls == [1, 3], calls

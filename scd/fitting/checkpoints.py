@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from scd.online.models import data_digest
 
 
@@ -30,6 +32,20 @@ def keyed(config: dict, fields) -> dict:
 def samples_digest(samples) -> str:
     """data_digest of (prefix, continuation) samples, in order."""
     return data_digest([t for s in samples for t in (s.prefix, s.cont)])
+
+
+def artifact_digest(art, extra: dict | None = None) -> str:
+    """sha256 (32 hex) over an artifact's plan, ranks and tensors (names, dtypes, shapes, bytes; sorted by name),
+    and `extra` tensors (e.g. entry aligners not inside it): what a held-out evaluation of it depends on, so a
+    refitted piece under the same plan (an entry trained anew) is evaluated again, not resumed."""
+    desc = {k: v for k, v in art.description().items() if k != "info"}
+    h = hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode())
+    tensors = {**art.tensors(), **{f"extra.{k}": v for k, v in (extra or {}).items()}}
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()[:32]
 
 
 def key_dir(parent: Path, prefix: str, key: dict) -> Path:
