@@ -7,9 +7,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from scd.online.models import data_digest
+from scd.online.models import data_digest, weights_digest
 
 
 # bumped whenever what a checkpoint holds changes shape (e.g. the aligner's layers), so old work directories
@@ -39,13 +37,8 @@ def artifact_digest(art, extra: dict | None = None) -> str:
     and `extra` tensors (e.g. entry aligners not inside it): what a held-out evaluation of it depends on, so a
     refitted piece under the same plan (an entry trained anew) is evaluated again, not resumed."""
     desc = {k: v for k, v in art.description().items() if k != "info"}
-    h = hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode())
-    tensors = {**art.tensors(), **{f"extra.{k}": v for k, v in (extra or {}).items()}}
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()[:32]
+    tensors = weights_digest({**art.tensors(), **{f"extra.{k}": v for k, v in (extra or {}).items()}})
+    return hashlib.sha256(f"{json.dumps(desc, sort_keys=True, default=str)}\n{tensors}".encode()).hexdigest()[:32]
 
 
 def key_dir(parent: Path, prefix: str, key: dict) -> Path:
