@@ -100,14 +100,13 @@ def tradeoff(cal: Calibration, art, tok, val, held) -> list[dict]:
                                                           desc=f"held-out baselines and levels {cal.pair}")
 
 
-def entry_curve(cal: Calibration, codes, entries: dict, tok, held, chosen: int | None) -> list[dict]:
+def entry_curve(cal: Calibration, codes, entries: dict, es: list[int], tok, held, chosen: int | None) -> list[dict]:
     """Held-out rows of the block stage's curve, like for like: SCD entering at each entry the stage tried
-    (`enter@<e>`: the published codes below e, the consumer's layers from e through its trained entry, from
-    `entries`, the tensors of entry-aligners.safetensors) beside
-    DroidSpeak entered at the same layer (`droidspeak@<e>`: the producer's residual and K, V below). The
-    chosen entry is the `scd` row already and is not run again."""
+    (`es`; `enter@<e>`: the published codes below e, the consumer's layers from e through its trained entry,
+    from `entries`, the tensors of entry-aligners.safetensors) beside DroidSpeak entered at the same layer
+    (`droidspeak@<e>`: the producer's residual and K, V below). The chosen entry is the `scd` row already
+    and is not run again."""
     n = cal.spec.num_layers
-    es = sorted(p["entry"] for p in codes.info["blocks"]["points"] if p["entry"] < n)
     ms = [methods.SCDMethod(blocks.block_artifact(codes, e, LinearCodec.from_tensors(entries, f"entry.{e}")),
                             f"enter@{e}")
           for e in es if e != chosen] + [methods.DroidSpeak.entering(e, n) for e in es]
@@ -117,14 +116,7 @@ def entry_curve(cal: Calibration, codes, entries: dict, tok, held, chosen: int |
 def against_droidspeak(rows: list[dict], chosen: int | None) -> dict[int, float]:
     """Per entry of a held-out curve (entry_curve's rows with the `scd` row): SCD's KL over DroidSpeak's
     entered at the same layer."""
-    by = {r["method"]: r for r in rows}
-    out = {}
-    for name, r in by.items():
-        if name.startswith("droidspeak@"):
-            e = int(name.removeprefix("droidspeak@"))
-            ours = by["scd" if e == chosen else f"enter@{e}"]
-            out[e] = ours["kl"] / max(r["kl"], 1e-12)
-    return dict(sorted(out.items()))
+    return {e: kl["SCD"] / max(kl["DroidSpeak"], 1e-12) for e, kl in report.entry_kls(rows, chosen).items()}
 
 
 def quality_gate(by: dict, c) -> dict:
@@ -418,11 +410,12 @@ def main(argv: list[str] | None = None) -> str:
     log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
     rows += checkpointed(cal.dir / f"tradeoff{tag}.json", lambda: tradeoff(cal, art, tok, val, held), held, digest)
     chosen = art.blocks[0][0] if art.blocks else None
-    tried = [p for p in art.info.get("blocks", {}).get("points", []) if p["entry"] < cal.spec.num_layers]
+    tried = sorted(p["entry"] for p in art.info.get("blocks", {}).get("points", []) if p["entry"] < cal.spec.num_layers)
     vs_ds = {}
     if tried:                                          # the curve held out, beside DroidSpeak at each entry
         entries = load_file(str(cal.dir / "entry-aligners.safetensors"))
-        rows += checkpointed(cal.dir / f"curve{tag}.json", lambda: entry_curve(cal, codes, entries, tok, held, chosen),
+        rows += checkpointed(cal.dir / f"curve{tag}.json",
+                             lambda: entry_curve(cal, codes, entries, tried, tok, held, chosen),
                              held, artifact_digest(codes, entries))
         vs_ds = against_droidspeak(rows, chosen)
         log("held-out curve, SCD's KL over DroidSpeak's entered at the same layer: "

@@ -273,17 +273,23 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     return fig
 
 
+def entry_kls(rows: list[dict], chosen: int | None) -> dict[int, dict[str, float]]:
+    """A block plan's held-out curve rows (jobs.calibrate.entry_curve: `enter@<e>` and `droidspeak@<e>`; the
+    chosen entry's SCD figure is the `scd` row) as {entry: {"SCD": KL, "DroidSpeak": KL}}, for each entry
+    DroidSpeak was entered at."""
+    by = {r["method"]: r["kl"] for r in rows}
+    out = {}
+    for name, kl in by.items():
+        if name.startswith("droidspeak@"):
+            e = int(name.removeprefix("droidspeak@"))
+            out[e] = {"SCD": by["scd" if e == chosen else f"enter@{e}"], "DroidSpeak": kl}
+    return dict(sorted(out.items()))
+
+
 def _held_out_curves(rows: list[dict], chosen: dict | None, n: int) -> dict[str, list[tuple[float, float]]]:
-    """The held-out curve rows (jobs.calibrate.entry_curve: `enter@<e>` and `droidspeak@<e>`, the chosen entry
-    the `scd` row) as (share of the consumer's layers, KL) points, by method."""
-    out: dict[str, list] = {"SCD": [], "DroidSpeak": []}
-    for r in rows:
-        for prefix, name in (("enter@", "SCD"), ("droidspeak@", "DroidSpeak")):
-            if r["method"].startswith(prefix):
-                out[name].append(((n - int(r["method"].removeprefix(prefix))) / n, r["kl"]))
-    if out["DroidSpeak"] and chosen is not None and chosen["entry"] < n:
-        out["SCD"] += [((n - chosen["entry"]) / n, r["kl"]) for r in rows if r["method"] == "scd"]
-    return {k: sorted(v) for k, v in out.items()}
+    """entry_kls as (share of the consumer's layers, KL) points, by method."""
+    kls = entry_kls(rows, chosen["entry"] if chosen is not None else None)
+    return {name: sorted(((n - e) / n, kl[name]) for e, kl in kls.items()) for name in ("SCD", "DroidSpeak")}
 
 
 def _fig_xnorm(pair: str, xnorm: dict, chosen: list[int]):
