@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -153,7 +153,7 @@ class SpecialistSettings(ModelSettings):
 # samples, and have its own bound and exact-plan wire form (what it may be served at differs per specialist;
 # the deployment's gate and budgets do not)
 PAIR_DATA = {"text_file", "val", "max_kl", "max_kl_ratio", "max_consumer_prefill_ratio", "min_retained_gain",
-             "exact_dtype", "exact_step", "entry_train_samples", "entry_train_epochs", "entry_train_lr"}
+             "exact_dtype", "exact_step", "entries", "entry_train_samples", "entry_train_epochs", "entry_train_lr"}
 
 
 class FamilySettings(_Strict):
@@ -289,6 +289,9 @@ class CalibrationSettings(CalibConfig):
     recompute_blocks: bool = Field(True, description=(
         "where the fitted codes miss the quality bound, try plans in which the consumer runs its own top layers "
         "from an aligned residual over the codes below (scd.fitting.blocks), within max_consumer_prefill_ratio"))
+    entries: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=1, description=(
+        "recompute blocks: the entry layers tried, each within max_consumer_prefill_ratio (unset: four evenly "
+        "spaced up to it); each entry is checkpointed on its own, so adding one measures only that one"))
     entry_train_samples: int = Field(0, ge=0, description=(
         "recompute blocks: train each entry's aligner end to end on this many of the fine-tuning samples (the "
         "consumer's next-token KL, back through its own layers over the codes below; "

@@ -194,39 +194,60 @@ def quality_bound(c) -> exact.Bound:
     return exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl, c.min_retained_gain)
 
 
+def block_entries(cal: Calibration, c) -> list[int]:
+    """The entry layers the block stage tries: the configured ones (calibration.entries), else four evenly
+    spaced up to the ceiling on the consumer's compute."""
+    n, ceiling = cal.spec.num_layers, c.max_consumer_prefill_ratio
+    if c.entries is None:
+        return blocks.entries(n, ceiling)
+    over = [e for e in c.entries if e >= n or (n - e) / n > ceiling + 1e-9]
+    if over:
+        raise SystemExit(f"calibration.entries of {cal.pair}: {over} not below {n} layers within "
+                         f"max_consumer_prefill_ratio {ceiling:g} (entering at e costs ({n} - e) / {n} of a prefill)")
+    return sorted(set(c.entries))
+
+
 def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, tune: list | None = None):
     """The fitted codes where they meet the quality bound on the validation samples; else the recompute block
     over them (scd.fitting.blocks) that meets it at the least modeled TTFT, when one does (else the codes, and
-    the quality gate decides). The curve is checkpointed and recorded in art.info["blocks"]."""
+    the quality gate decides). The curve is checkpointed point by point and recorded in art.info["blocks"]: a
+    new entry (a raised ceiling, calibration.entries) measures only itself; its consumer time is then timed
+    in another run than the others'."""
     bound = quality_bound(c)
-    es = blocks.entries(cal.spec.num_layers, c.max_consumer_prefill_ratio)
+    n, es = cal.spec.num_layers, block_entries(cal, c)
     tokens = serving_tokens(cal, c)
     path = cal.dir / "blocks.json"
     trained = {k: getattr(c, k) for k in ("entry_train_samples", "entry_train_epochs", "entry_train_lr")}
-    inputs = {"samples": samples_digest(val), "entries": es, **({"serving_tokens": tokens} if tokens else {}),
+    inputs = {"samples": samples_digest(val), **({"serving_tokens": tokens} if tokens else {}),
               **(trained if c.entry_train_samples else {})}
     tensors = cal.dir / "entry-aligners.safetensors"
     rec = load_record(path, inputs, log)
     if rec is None:
         points, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}",
                                    serving_tokens=tokens)
-        if not bound.meets(points[0], raw["kl"]) and es:
-            aligners = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], es)
-            if c.entry_train_samples and not tune:
-                log("entry_train_samples is set but there are no fine-tuning samples (finetune_samples 0): the "
-                    "entries keep their closed form")
-            elif c.entry_train_samples:                 # each entry trained end to end over these codes
-                below = lambda ids, tr: blocks.codes_kv(cal.consumer, art, ids, tr)   # noqa: E731
-                for e in es:
-                    aligners[e], curve = blocks.train_entry(cal.producer, cal.consumer, e, aligners[e], below,
-                                                            tune[:c.entry_train_samples],
-                                                            c.entry_train_epochs, c.entry_train_lr)
-                    log(f"entry {e} trained end to end: training KL {' -> '.join(f'{v:.4f}' for v in curve)}")
-            save_file({k: v for e, a in aligners.items() for k, v in a.tensors(f"entry.{e}").items()}, str(tensors))
-            more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,
-                                   desc=f"recompute blocks {cal.pair}", serving_tokens=tokens)
-            points += more
         rec = save_record(path, {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio")}}, inputs)
+    have = {p["entry"] for p in rec["points"]}
+    todo = [e for e in es if e not in have] if not bound.meets(rec["points"][0], rec["raw_kv"]["kl"]) else []
+    if todo:
+        aligners = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], todo)
+        if c.entry_train_samples and not tune:
+            log("entry_train_samples is set but there are no fine-tuning samples (finetune_samples 0): the "
+                "entries keep their closed form")
+        elif c.entry_train_samples:                     # each entry trained end to end over these codes
+            below = lambda ids, tr: blocks.codes_kv(cal.consumer, art, ids, tr)   # noqa: E731
+            for e in todo:
+                aligners[e], curve = blocks.train_entry(cal.producer, cal.consumer, e, aligners[e], below,
+                                                        tune[:c.entry_train_samples],
+                                                        c.entry_train_epochs, c.entry_train_lr)
+                log(f"entry {e} trained end to end: training KL {' -> '.join(f'{v:.4f}' for v in curve)}")
+        kept = load_file(str(tensors)) if tensors.is_file() else {}
+        save_file({**kept, **{k: v for e, a in aligners.items() for k, v in a.tensors(f"entry.{e}").items()}},
+                  str(tensors))
+        more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,
+                               desc=f"recompute blocks {cal.pair}", serving_tokens=tokens)
+        rec = save_record(path, {**rec, "points": sorted(rec["points"] + more, key=lambda p: (p["entry"] < n,
+                                                                                               p["entry"]))}, inputs)
+    rec = {**rec, "points": [p for p in rec["points"] if p["entry"] == n or p["entry"] in es]}
     raw_kl = rec["raw_kv"]["kl"]
     log(f"plans (validation): {blocks.describe(rec['points'], raw_kl)}")
     chosen = exact.choose(rec["points"], raw_kl, bound, gbps or DEFAULT_GBPS)
@@ -353,7 +374,8 @@ def main(argv: list[str] | None = None) -> str:
     # (and served at the level the level stage chooses now: a changed rule publishes again; a changed quality
     # bound chooses the plan again from the checkpointed curves and publishes what it chooses)
     publish_key = {"store": store_uri, "heldout": samples_digest(held), "level": ccfg.choose_level and LEVEL_RULE,
-                   "bound": vars(quality_bound(c)), "curve": HELD_OUT_CURVE}
+                   "bound": vars(quality_bound(c)), "curve": HELD_OUT_CURVE,
+                   **({"entries": c.entries} if c.entries else {})}
     done = load_record(published, publish_key) or {}
     ref = done.get("ref")
     if ref:

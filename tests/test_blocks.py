@@ -133,3 +133,30 @@ def test_a_held_out_checkpoint_is_keyed_by_the_artifact_so_an_entry_trained_anew
     assert checkpointed(path, run(2), held, artifact_digest(one)) == 1             # resumed
     assert checkpointed(path, run(3), held, artifact_digest(other)) == 3           # the entry changed
     assert calls == [1, 3], calls
+
+
+def test_an_entry_added_to_the_curve_is_measured_alone_and_the_others_resume(tmp_path, capsys, monkeypatch):
+    """calibration.entries: the block stage checkpoints each entry's point, so a second run with one entry more
+    fits and measures only that one (the first entry's point resumed as it was) and publishes again; an entry
+    above the ceiling is refused in one line."""
+    from artifacts_store import ArtifactStore
+    from jobs.calibrate import main as calibrate
+    fitted = []
+    fit = blocks.fit_aligners
+    monkeypatch.setattr(blocks, "fit_aligners", lambda p, c, pre, layers: fitted.append(list(layers)) or
+                        fit(p, c, pre, layers))
+    kw = dict(recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.75)
+    first = calibrate(["--pair", "base:prose", "--config", str(write_config(tmp_path, entries=[6], **kw)),
+                       "--no-actors"])
+    second = calibrate(["--pair", "base:prose", "--config", str(write_config(tmp_path, entries=[4, 6], **kw)),
+                        "--no-actors"])
+    assert fitted == [[6], [4]], fitted
+    assert first != second, "a changed list of entries publishes again"
+    store = ArtifactStore(tmp_path / "store")
+    one, two = (store.load(r)[0].info["blocks"]["points"] for r in (first, second))
+    assert [p["entry"] for p in one] == [8, 6] and [p["entry"] for p in two] == [8, 4, 6], (one, two)
+    assert two[0] == one[0] and two[2] == one[1], "the codes' and entry 6's points resume from the checkpoint"
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match=r"\[1\] not below 8 layers within max_consumer_prefill_ratio 0.75"):
+        calibrate(["--pair", "base:prose", "--config", str(write_config(tmp_path, entries=[1, 4], **kw)),
+                   "--no-actors"])
