@@ -200,7 +200,7 @@ def block_entries(cal: Calibration, c) -> list[int]:
     n, ceiling = cal.spec.num_layers, c.max_consumer_prefill_ratio
     if c.entries is None:
         return blocks.entries(n, ceiling)
-    over = [e for e in c.entries if e >= n or (n - e) / n > ceiling + 1e-9]
+    over = [e for e in c.entries if not n - blocks.most_layers(n, ceiling) <= e < n]
     if over:
         raise SystemExit(f"calibration.entries of {cal.pair}: {over} not below {n} layers within "
                          f"max_consumer_prefill_ratio {ceiling:g} (entering at e costs ({n} - e) / {n} of a prefill)")

@@ -35,10 +35,15 @@ from scd.online.trace import capture
 ENTRY_RIDGE = 1e-2          # relative to the residual's mean variance: 1e-2 and 1e-3 score alike on smollm2:qa
 
 
+def most_layers(num_layers: int, ceiling: float) -> int:
+    """How many of its layers the consumer may run under `ceiling` (a share of its prefill's layers)."""
+    return int(ceiling * num_layers + 1e-9)
+
+
 def entries(num_layers: int, ceiling: float, points: int = 4) -> list[int]:
     """Entry layers whose blocks cost the consumer up to `ceiling` of its layers, evenly spaced from one layer
     to the ceiling."""
-    most = int(ceiling * num_layers + 1e-9)
+    most = most_layers(num_layers, ceiling)
     if most < 1:
         return []
     return sorted({num_layers - max(1, round(most * (i + 1) / points)) for i in range(points)} - {0})
