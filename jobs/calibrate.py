@@ -19,12 +19,13 @@ from pathlib import Path
 
 import ray
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from artifacts_store import ArtifactStore, CalibrationData, Fingerprints, calibration_digest
 from cluster.config import load_config
 from cluster.runtime import actor_options, connect
 from jobs import report
+from jobs.plans import block_plan, exact_plan, quality_bound
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.diagnostics import xnorm_errors
@@ -42,7 +43,6 @@ from scd.online.trace import capture
 
 PARETO_GRID = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 24), (16, 24), (24, 32)]
 STRUCTURE_NOISE = 1e-3          # the most a shared layer's K, V or residual may differ, run by both models
-DEFAULT_GBPS = 25.0             # the link an exact plan is chosen for when the config names none
 HELD_OUT_CURVE = "each entry beside droidspeak@entry"   # what a block plan's held-out curve holds (a changed
                                                         # curve publishes again, from the checkpoints)
 
@@ -163,106 +163,6 @@ def xnorm_profile(cal: Calibration, art, samples_) -> dict[str, list[float]]:
             errs = torch.tensor(xnorm_errors(cal.consumer, kv, oracle, mask, s.cont[None]))
             sums[name] = errs if sums[name] is None else sums[name] + errs
     return {k: (v / len(samples_)).tolist() for k, v in sums.items()}
-
-
-def wire_tag(c) -> str:
-    """An exact plan's wire form as a checkpoint name: its dtype, and klt's step."""
-    return c.exact_dtype + (f"{c.exact_step:g}" if "klt" in exact.wire_forms(c.exact_dtype) else "")
-
-
-def serving_tokens(cal: Calibration, c) -> int:
-    """The prefix length plans are timed at (c.serving_tokens, at most the consumer's context; 0: none)."""
-    context = getattr(cal.consumer.config, "max_position_embeddings", None) or c.serving_tokens
-    return min(c.serving_tokens, context)
-
-
-def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None, klt_codes=None) -> dict | None:
-    """The exact plan chosen under the quality bound (scd.fitting.exact), from its curve measured on the
-    validation samples (checkpointed), or None when none meets the bound: then codes are fitted."""
-    tokens = serving_tokens(cal, c)
-    path = cal.trace_dir / f"exact-curve-{wire_tag(c)}.json"
-    inputs = {"samples": samples_digest(val), **({"serving_tokens": tokens} if tokens else {})}
-    rec = exact.select(cal.producer, cal.consumer, tok, cal.pair, cal.spec, found, val, c.exact_dtype,
-                       exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl), gbps or DEFAULT_GBPS,
-                       log, load_record(path, inputs, log), klt_codes=klt_codes, serving_tokens=tokens)
-    save_record(path, {k: rec[k] for k in ("points", "raw_kv")}, inputs)
-    return rec if rec["chosen"] is not None else None
-
-
-def quality_bound(c) -> exact.Bound:
-    """A pair's quality bound from its calibration settings."""
-    return exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl, c.min_retained_gain)
-
-
-def block_entries(cal: Calibration, c) -> list[int]:
-    """The entry layers the block stage tries: the configured ones (calibration.entries), else four evenly
-    spaced up to the ceiling on the consumer's compute."""
-    n, ceiling = cal.spec.num_layers, c.max_consumer_prefill_ratio
-    if c.entries is None:
-        return blocks.entries(n, ceiling)
-    over = [e for e in c.entries if not n - blocks.most_layers(n, ceiling) <= e < n]
-    if over:
-        raise SystemExit(f"calibration.entries of {cal.pair}: {over} not below {n} layers within "
-                         f"max_consumer_prefill_ratio {ceiling:g} (entering at e costs ({n} - e) / {n} of a prefill)")
-    return sorted(set(c.entries))
-
-
-def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, tune: list | None = None):
-    """The fitted codes where they meet the quality bound on the validation samples; else the recompute block
-    over them (scd.fitting.blocks) that meets it at the least modeled TTFT, when one does (else the codes, and
-    the quality gate decides). The curve is checkpointed point by point and recorded in art.info["blocks"]: a
-    new entry (a raised ceiling, calibration.entries) measures only itself; its consumer time is then timed
-    in another run than the others'."""
-    bound = quality_bound(c)
-    n, es = cal.spec.num_layers, block_entries(cal, c)
-    tokens = serving_tokens(cal, c)
-    path = cal.dir / "blocks.json"
-    trained = {k: getattr(c, k) for k in ("entry_train_samples", "entry_train_epochs", "entry_train_lr")}
-    inputs = {"samples": samples_digest(val), **({"serving_tokens": tokens} if tokens else {}),
-              **(trained if c.entry_train_samples else {})}
-    tensors = cal.dir / "entry-aligners.safetensors"
-    rec = load_record(path, inputs, log)
-    if rec is None:
-        points, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}",
-                                   serving_tokens=tokens)
-        rec = save_record(path, {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio")}}, inputs)
-    have = {p["entry"] for p in rec["points"]}
-    todo = [e for e in es if e not in have] if not bound.meets(rec["points"][0], rec["raw_kv"]["kl"]) else []
-    if todo:
-        aligners = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], todo)
-        if c.entry_train_samples and not tune:
-            log("entry_train_samples is set but there are no fine-tuning samples (finetune_samples 0): the "
-                "entries keep their closed form")
-        elif c.entry_train_samples:                     # each entry trained end to end over these codes
-            below = lambda ids, tr: blocks.codes_kv(cal.consumer, art, ids, tr)   # noqa: E731
-            for e in todo:
-                aligners[e], curve = blocks.train_entry(cal.producer, cal.consumer, e, aligners[e], below,
-                                                        tune[:c.entry_train_samples],
-                                                        c.entry_train_epochs, c.entry_train_lr)
-                log(f"entry {e} trained end to end: training KL {' -> '.join(f'{v:.4f}' for v in curve)}")
-        kept = load_file(str(tensors)) if tensors.is_file() else {}
-        save_file({**kept, **{k: v for e, a in aligners.items() for k, v in a.tensors(f"entry.{e}").items()}},
-                  str(tensors))
-        more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,
-                               desc=f"recompute blocks {cal.pair}", serving_tokens=tokens)
-        rec = save_record(path, {**rec, "points": sorted(rec["points"] + more, key=lambda p: (p["entry"] < n,
-                                                                                               p["entry"]))}, inputs)
-    rec = {**rec, "points": [p for p in rec["points"] if p["entry"] == n or p["entry"] in es]}
-    raw_kl = rec["raw_kv"]["kl"]
-    log(f"plans (validation): {blocks.describe(rec['points'], raw_kl)}")
-    chosen = exact.choose(rec["points"], raw_kl, bound, gbps or DEFAULT_GBPS)
-    art.info["blocks"] = {**rec, "chosen": chosen, "bound": vars(bound), "gbps": gbps or DEFAULT_GBPS,
-                          "num_layers": cal.spec.num_layers}
-    if chosen is None or chosen["entry"] == cal.spec.num_layers:
-        log("codes alone" + (" (within the quality bound)" if chosen else ": no plan meets the quality bound"))
-        return art
-    t = load_file(str(tensors))
-    out = blocks.block_artifact(art, chosen["entry"], LinearCodec.from_tensors(t, f"entry.{chosen['entry']}"))
-    out.info = art.info
-    log(f"recompute block: the consumer runs layers {chosen['entry']}-{cal.spec.num_layers - 1} from the aligned "
-        f"residual (validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the "
-        f"least modeled TTFT within the bound{exact.at_length(chosen)})")
-    return out
 
 
 def publish_exact(args, cal: Calibration, tok, chosen: dict, found, shared: dict, held, val, store, store_uri: str,
@@ -395,7 +295,7 @@ def main(argv: list[str] | None = None) -> str:
     if c.exact_plans and found.exact_plan and shared["verified_max_abs"] <= STRUCTURE_NOISE:
         codes = exact.klt_codecs(producer, cal.prefixes, spec.num_layers, c.exact_step) \
             if "klt" in exact.wire_forms(c.exact_dtype) else None
-        chosen = exact_plan(cal, tok, found, val, c, cfg.link_gbps().get(args.pair), codes)
+        chosen = exact_plan(cal, tok, found, val, c, cfg.link_gbps().get(args.pair), log, codes)
         if chosen is None:
             log("fitting codes instead")
         else:
@@ -406,7 +306,7 @@ def main(argv: list[str] | None = None) -> str:
     art = codes = cal.run(val, capture_pair, tune)
     art.info["structure"] = shared
     if c.recompute_blocks:
-        art = block_plan(cal, art, tok, calib, val, c, cfg.link_gbps().get(args.pair), tune)
+        art = block_plan(cal, art, tok, calib, val, c, cfg.link_gbps().get(args.pair), log, tune)
     log(f"plan {art.plan}")
     tag = "".join(f"-e{s}" for s, _ in art.blocks)     # the held-out checkpoints of a plan with a block,
     level = art.info.get("level")                       # or served at a level below its fitted ranks

@@ -49,7 +49,7 @@ def build_report(pair: str, policy: dict | None, eval_rows: list[dict], pareto: 
                  compute: dict | None = None) -> dict[str, bytes]:
     """Render the report. Raises ValueError on malformed inputs; optional figures are skipped when absent.
     policy: the layer policy's record (None for an exact plan, which has none); compute: an exact plan's
-    curve and choice (jobs.calibrate.exact_plan)."""
+    curve and choice (jobs.plans.exact_plan)."""
     _check_rows(eval_rows)
     extra = dict(extra or {})
     files: dict[str, bytes] = {}
