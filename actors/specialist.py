@@ -222,6 +222,8 @@ class SpecialistEngine:
         timings["rebuild"], timings["patch"] = ph["rebuild_ms"], ph["patch_ms"]
         if art.blocks:                                  # the consumer's own layers, run from the residual sent
             timings["recompute"] = ph["recompute_ms"]
+        if art.tail_tokens:                             # and its own run of the prefix's last tokens
+            timings["tail"] = ph["tail_ms"]
         return kv, codes
 
     def _e_first(self, art: PairArtifacts, version: str, payload: Arriving, prefix_ids: list[int], timings: dict,

@@ -88,7 +88,7 @@ def consumer_side(m: dict) -> dict:
             "consumer_ms": s["consumer_ms"], "ratio": s["consumer_ms"] / m["prefill_ms"],
             "payload_bytes": s["payload_bytes"], "plan": m["plan"], "decode_ms": s.get("decode_ms", 0.0),
             "rebuild_ms": s.get("rebuild_ms", 0.0), "patch_ms": s.get("patch_ms", 0.0),
-            "recompute_ms": s.get("recompute_ms", 0.0)}
+            "recompute_ms": s.get("recompute_ms", 0.0), "tail_ms": s.get("tail_ms", 0.0)}
 
 
 def fanout(m: dict, ns: list[int]) -> list[dict]:
@@ -172,7 +172,8 @@ def _print_default(pair: str, r: dict) -> None:
           f"runs, plan {r['plan']}:\n"
           f"  consumer prefill            {r['prefill_ms']:8.2f} ms\n"
           f"  SCD decode+rebuild+patch    {r['consumer_ms']:8.2f} ms  (codec {r['decode_ms']:.2f}, "
-          f"rebuild {r['rebuild_ms']:.2f}, patch {r['patch_ms']:.2f}, own layers {r['recompute_ms']:.2f})\n"
+          f"rebuild {r['rebuild_ms']:.2f}, patch {r['patch_ms']:.2f}, own layers {r['recompute_ms']:.2f}, "
+          f"own last tokens {r.get('tail_ms', 0.0):.2f})\n"
           f"  ratio                       {r['ratio']:8.3f}\n"
           f"  payload                     {r['payload_bytes'] / 1024:8.1f} KB", flush=True)
 

@@ -51,7 +51,7 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
 # text_file: --text; min_retained_gain, recompute_blocks: the calibration job's recompute-block stage only;
 # diagnostics: its report only
 NOT_FLAGS = {"heldout", "gate_vs_raw_kv", "work_dir", "text_file", "min_retained_gain", "recompute_blocks", "diagnostics",
-             "entries"}
+             "entries", "tails"}
 SETTING_FLAGS = set(CalibrationSettings.model_fields) - NOT_FLAGS     # the settings that are flags too
 
 

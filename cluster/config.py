@@ -153,7 +153,7 @@ class SpecialistSettings(ModelSettings):
 # samples, and have its own bound and exact-plan wire form (what it may be served at differs per specialist;
 # the deployment's gate and budgets do not)
 PAIR_DATA = {"text_file", "val", "max_kl", "max_kl_ratio", "max_consumer_prefill_ratio", "min_retained_gain",
-             "exact_dtype", "exact_step", "entries", "entry_train_samples", "entry_train_epochs", "entry_train_lr"}
+             "exact_dtype", "exact_step", "entries", "tails", "entry_train_samples", "entry_train_epochs", "entry_train_lr"}
 
 
 class FamilySettings(_Strict):
@@ -292,6 +292,10 @@ class CalibrationSettings(CalibConfig):
     entries: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=1, description=(
         "recompute blocks: the entry layers tried, each within max_consumer_prefill_ratio (unset: four evenly "
         "spaced up to it); each entry is checkpointed on its own, so adding one measures only that one"))
+    tails: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description=(
+        "recompute blocks: also measure each plan (the codes alone, each entry) with the consumer running the "
+        "prefix's last k tokens itself through every layer, for each k listed (a share k / prefix_tokens of a "
+        "prefill at the calibration's length; the continuation reads those tokens most)"))
     entry_train_samples: int = Field(0, ge=0, description=(
         "recompute blocks: train each entry's aligner end to end on this many of the fine-tuning samples (the "
         "consumer's next-token KL, back through its own layers over the codes below; "

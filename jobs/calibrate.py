@@ -30,7 +30,7 @@ from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak
-from scd.fitting import blocks, exact, structure
+from scd.fitting import blocks, exact, points, structure
 from scd.fitting.exact import LOSSLESS_KL
 from scd.fitting.calibrate import LEVEL_RULE, CalibConfig, Calibration
 from scd.fitting.scoring import PlanScorer
@@ -100,23 +100,30 @@ def tradeoff(cal: Calibration, art, tok, val, held) -> list[dict]:
                                                           desc=f"held-out baselines and levels {cal.pair}")
 
 
-def entry_curve(cal: Calibration, codes, entries: dict, es: list[int], tok, held, chosen: int | None) -> list[dict]:
-    """Held-out rows of the block stage's curve, like for like: SCD entering at each entry the stage tried
-    (`es`; `enter@<e>`: the published codes below e, the consumer's layers from e through its trained entry,
-    from `entries`, the tensors of entry-aligners.safetensors) beside DroidSpeak entered at the same layer
-    (`droidspeak@<e>`: the producer's residual and K, V below). The chosen entry is the `scd` row already
-    and is not run again."""
+def entry_curve(cal: Calibration, codes, entries: dict, tried: list[dict], tok, held, chosen: str | None) -> list[dict]:
+    """Held-out rows of the block stage's curve: SCD at each plan of `tried` (the validation points the stage
+    measured beyond the codes alone, named by scd.fitting.points.point_name: the published codes below an entry,
+    the consumer's layers from there through its trained entry, from `entries` (the tensors of
+    entry-aligners.safetensors), and the prefix's last tokens where the point has a tail), beside DroidSpeak
+    entered at each entry tried (`droidspeak@<e>`: the producer's residual and K, V below), to compare at the
+    same consumer compute. The chosen plan (named `chosen`) is the `scd` row already and is not run again."""
     n = cal.spec.num_layers
-    ms = [methods.SCDMethod(blocks.block_artifact(codes, e, LinearCodec.from_tensors(entries, f"entry.{e}")),
-                            f"enter@{e}")
-          for e in es if e != chosen] + [methods.DroidSpeak.entering(e, n) for e in es]
+    plans = {}
+    for p in tried:
+        e, k = p["entry"], p.get("tail", 0)
+        art = codes if e == n else blocks.block_artifact(codes, e, LinearCodec.from_tensors(entries, f"entry.{e}"))
+        plans[points.point_name(e, k, n)] = art.with_tail(k)
+    ms = [methods.SCDMethod(a, name) for name, a in plans.items() if name != chosen] + [
+        methods.DroidSpeak.entering(e, n) for e in sorted({p["entry"] for p in tried if p["entry"] < n})]
     return Evaluator(cal.producer, cal.consumer, tok).run(held, ms, desc=f"held-out curve {cal.pair}")
 
 
-def against_droidspeak(rows: list[dict], chosen: int | None) -> dict[int, float]:
-    """Per entry of a held-out curve (entry_curve's rows with the `scd` row): SCD's KL over DroidSpeak's
-    entered at the same layer."""
-    return {e: kl["SCD"] / max(kl["DroidSpeak"], 1e-12) for e, kl in report.entry_kls(rows, chosen).items()}
+def curve_tried(blocks_info: dict, n: int) -> list[dict]:
+    """The validation points a held-out curve measures again: every entry without a tail, and the tails on the
+    validation curve's Pareto front (a tail no cheaper plan beats)."""
+    pts = blocks_info.get("points", [])
+    front = points.pareto(pts)
+    return [p for p in pts if (p["entry"] < n and not p.get("tail")) or (p.get("tail") and p in front)]
 
 
 def quality_gate(by: dict, c) -> dict:
@@ -275,7 +282,7 @@ def main(argv: list[str] | None = None) -> str:
     # bound chooses the plan again from the checkpointed curves and publishes what it chooses)
     publish_key = {"store": store_uri, "heldout": samples_digest(held), "level": ccfg.choose_level and LEVEL_RULE,
                    "bound": vars(quality_bound(c)), "curve": HELD_OUT_CURVE,
-                   **({"entries": c.entries} if c.entries else {})}
+                   **({"entries": c.entries} if c.entries else {}), **({"tails": c.tails} if c.tails else {})}
     done = load_record(published, publish_key) or {}
     ref = done.get("ref")
     if ref:
@@ -308,8 +315,9 @@ def main(argv: list[str] | None = None) -> str:
     if c.recompute_blocks:
         art = block_plan(cal, art, tok, calib, val, c, cfg.link_gbps().get(args.pair), log, tune)
     log(f"plan {art.plan}")
-    tag = "".join(f"-e{s}" for s, _ in art.blocks)     # the held-out checkpoints of a plan with a block,
-    level = art.info.get("level")                       # or served at a level below its fitted ranks
+    # the held-out checkpoints of a plan with a block or a tail, or served at a level below its fitted ranks
+    tag = "".join(f"-e{s}" for s, _ in art.blocks) + (f"-t{art.tail_tokens}" if art.tail_tokens else "")
+    level = art.info.get("level")
     if level and level["chosen"] != {k: level["tried"][-1][k] for k in level["chosen"]}:
         tag += "-" + level_tag(level["chosen"])
 
@@ -331,17 +339,21 @@ def main(argv: list[str] | None = None) -> str:
         raise SystemExit(3)
     log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
     rows += checkpointed(cal.dir / f"tradeoff{tag}.json", lambda: tradeoff(cal, art, tok, val, held), held, digest)
-    chosen = art.blocks[0][0] if art.blocks else None
-    tried = sorted(p["entry"] for p in art.info.get("blocks", {}).get("points", []) if p["entry"] < cal.spec.num_layers)
+    n = cal.spec.num_layers
+    picked = art.info.get("blocks", {}).get("chosen")
+    chosen = points.point_name(picked["entry"], picked.get("tail", 0), n) if picked and (
+        picked["entry"] < n or picked.get("tail")) else None
+    tried = curve_tried(art.info.get("blocks", {}), n)
     vs_ds = {}
-    if tried:                                          # the curve held out, beside DroidSpeak at each entry
-        entries = load_file(str(cal.dir / "entry-aligners.safetensors"))
+    if tried:                                          # the curve held out, beside DroidSpeak at the same compute
+        entries = load_file(str(cal.dir / "entry-aligners.safetensors")) if any(p["entry"] < n for p in tried) else {}
         rows += checkpointed(cal.dir / f"curve{tag}.json",
                              lambda: entry_curve(cal, codes, entries, tried, tok, held, chosen),
-                             held, artifact_digest(codes, entries))
-        vs_ds = against_droidspeak(rows, chosen)
-        log("held-out curve, SCD's KL over DroidSpeak's entered at the same layer: "
-            + ", ".join(f"enter@{e} {v:.2f}" for e, v in vs_ds.items()))
+                             held, artifact_digest(codes, entries) + "".join(
+                                 f"-{p['entry']}+{p['tail']}" for p in tried if p.get("tail")))
+        vs_ds = report.against_droidspeak(rows, chosen, n, c.prefix_tokens)
+        log("held-out curve, SCD's KL over DroidSpeak's at the same consumer compute: "
+            + ", ".join(f"{name} {v:.2f}" for name, v in vs_ds.items()))
     # every level's held-out figures, and whether it passes the same quality gate (a link never gets a level
     # known to be worse than raw KV reuse; the full code passed it to be published)
     by.update((r["method"], r) for r in rows)
@@ -373,12 +385,15 @@ def main(argv: list[str] | None = None) -> str:
         if "wire_factor" in art.info["ranks"]:
             extra["wire"] = f"sends {art.info['ranks']['wire_factor']:.3f} of the code bytes (zstd), counted in the budget"
     if vs_ds:
-        extra["against DroidSpeak entered alike (held out)"] = "; ".join(
-            f"enter@{e}: {v:.2f} x droidspeak@{e}'s KL" for e, v in vs_ds.items())
+        extra["against DroidSpeak at the same compute (held out)"] = "; ".join(
+            f"{name}: {v:.2f} x DroidSpeak's KL" for name, v in vs_ds.items())
     if art.blocks:
         s, _ = art.blocks[0]
         extra["plan"] = (f"codes below layer {s}, the consumer's own layers {s}-{cal.spec.num_layers - 1} from the "
                          f"producer's residual through an aligner (a recompute block)")
+    if art.tail_tokens:
+        extra["plan"] = extra.get("plan", "the codes") + (f"; the consumer runs the prefix's last {art.tail_tokens} "
+                                                          f"tokens itself through every layer")
     files = report.build_report(args.pair, art.info["policy"], rows, grid, xn, extra, compute=art.info.get("blocks"))
     metrics = {"kl": by["scd"]["kl"], "kl_reuse_only": by["reuse_only"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"],
                "payload_bytes": float(by["scd"]["payload_bytes"]), "payload_ratio": by["scd"]["payload_ratio"],

@@ -8,7 +8,7 @@ from typing import Callable
 
 from safetensors.torch import load_file, save_file
 
-from scd.fitting import blocks, exact
+from scd.fitting import blocks, exact, points
 from scd.fitting.calibrate import Calibration
 from scd.fitting.checkpoints import load_record, samples_digest, save_record
 from scd.online.reuse import LinearCodec
@@ -60,13 +60,19 @@ def block_entries(cal: Calibration, c) -> list[int]:
     return sorted(set(c.entries))
 
 
+def sorted_points(points: list[dict], num_layers: int) -> list[dict]:
+    """A curve's points in its record's order: the codes alone first, then by entry, each by its tail."""
+    return sorted(points, key=lambda p: (p["entry"] < num_layers, p["entry"], p.get("tail", 0)))
+
+
 def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, log: Log,
                tune: list | None = None):
     """The fitted codes where they meet the quality bound on the validation samples; else the recompute block
     over them (scd.fitting.blocks) that meets it at the least modeled TTFT, when one does (else the codes, and
     the quality gate decides). The curve is checkpointed point by point and recorded in art.info["blocks"]: a
     new entry (a raised ceiling, calibration.entries) measures only itself; its consumer time is then timed
-    in another run than the others'."""
+    in another run than the others'. With calibration.tails each plan (the codes alone, each entry) is measured
+    with the consumer running the prefix's last k tokens too, for each k, and may be chosen so."""
     bound = quality_bound(c)
     n, es = cal.spec.num_layers, block_entries(cal, c)
     tokens = serving_tokens(cal, c)
@@ -77,11 +83,12 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
     tensors = cal.dir / "entry-aligners.safetensors"
     rec = load_record(path, inputs, log)
     if rec is None:
-        points, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}",
-                                   serving_tokens=tokens)
-        rec = save_record(path, {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio")}}, inputs)
-    have = {p["entry"] for p in rec["points"]}
-    todo = [e for e in es if e not in have] if not bound.meets(rec["points"][0], rec["raw_kv"]["kl"]) else []
+        codes_pts, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}",
+                                      serving_tokens=tokens)
+        rec = save_record(path, {"points": codes_pts, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio")}}, inputs)
+    have = {(p["entry"], p.get("tail", 0)) for p in rec["points"]}
+    meets = bound.meets(rec["points"][0], rec["raw_kv"]["kl"])
+    todo = [e for e in es if (e, 0) not in have] if not meets else []
     if todo:
         aligners = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], todo)
         if c.entry_train_samples and not tune:
@@ -99,21 +106,42 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
                   str(tensors))
         more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,
                                desc=f"recompute blocks {cal.pair}", serving_tokens=tokens)
-        rec = save_record(path, {**rec, "points": sorted(rec["points"] + more, key=lambda p: (p["entry"] < n,
-                                                                                               p["entry"]))}, inputs)
-    rec = {**rec, "points": [p for p in rec["points"] if p["entry"] == n or p["entry"] in es]}
+        rec = save_record(path, {**rec, "points": sorted_points(rec["points"] + more, n)}, inputs)
+    tails = sorted(set(c.tails) - {0})
+    t_val = val[0].prefix.shape[-1]
+    want = [(e, k) for e in [n] + es for k in tails
+            if points.consumer_ratio(e, k, n, t_val) <= c.max_consumer_prefill_ratio + 1e-9]
+    missing = [x for x in want if x not in have] if not meets else []
+    if missing:                                         # the consumer runs the prefix's last tokens too
+        ins = sorted({e for e, _ in missing})
+        t = load_file(str(tensors)) if any(e < n for e in ins) else {}
+        more, _ = blocks.curve(cal.producer, cal.consumer, tok, art,
+                               {e: LinearCodec.from_tensors(t, f"entry.{e}") for e in ins if e < n}, val,
+                               with_codes=n in ins, desc=f"tails {cal.pair}", serving_tokens=tokens,
+                               tails=tuple(sorted({k for _, k in missing})), only=missing)
+        rec = save_record(path, {**rec, "points": sorted_points(rec["points"] + more, n)}, inputs)
+    rec = {**rec, "points": [p for p in rec["points"] if (p["entry"] == n or p["entry"] in es)
+                             and (not p.get("tail") or (p["entry"], p["tail"]) in want)]}
     raw_kl = rec["raw_kv"]["kl"]
-    log(f"plans (validation): {blocks.describe(rec['points'], raw_kl)}")
+    log(f"plans (validation): {blocks.describe(rec['points'], raw_kl, n)}")
     chosen = exact.choose(rec["points"], raw_kl, bound, gbps or DEFAULT_GBPS)
     art.info["blocks"] = {**rec, "chosen": chosen, "bound": vars(bound), "gbps": gbps or DEFAULT_GBPS,
-                          "num_layers": cal.spec.num_layers}
-    if chosen is None or chosen["entry"] == cal.spec.num_layers:
-        log("codes alone" + (" (within the quality bound)" if chosen else ": no plan meets the quality bound"))
+                          "num_layers": n, "prefix_tokens": val[0].prefix.shape[-1]}
+    tail = chosen.get("tail", 0) if chosen else 0
+    tail_note = f", and the prefix's last {tail} tokens through every layer" if tail else ""
+    if chosen is None or chosen["entry"] == n:
+        log(("codes alone" + tail_note + " (within the quality bound)") if chosen
+            else "codes alone: no plan meets the quality bound")
+        if tail:
+            out = art.with_tail(tail)
+            out.info = art.info
+            return out
         return art
     t = load_file(str(tensors))
     out = blocks.block_artifact(art, chosen["entry"], LinearCodec.from_tensors(t, f"entry.{chosen['entry']}"))
+    out = out.with_tail(tail)
     out.info = art.info
     log(f"recompute block: the consumer runs layers {chosen['entry']}-{cal.spec.num_layers - 1} from the aligned "
-        f"residual (validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the "
+        f"residual{tail_note} (validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the "
         f"least modeled TTFT within the bound{exact.at_length(chosen)})")
     return out

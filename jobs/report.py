@@ -17,12 +17,13 @@ The figures mirror the SCD paper's Figures 4-7:
 - `compute.png` (exact plans, and codes with recompute blocks tried): validation KL against the consumer's
   compute over the prefix (the share of its layers it runs), one point per entry layer, the chosen one circled, raw KV reuse and
   DroidSpeak at its best block as labelled points, the quality bound as a dashed line; with a block plan's
-  held-out curve (rows `enter@<e>`, `droidspeak@<e>`), SCD and DroidSpeak entering at each layer, held out.
+  held-out curve (rows `enter@<e>`, `codes+tail<k>`, `enter@<e>+tail<k>`, `droidspeak@<e>`): SCD's plans and
+  DroidSpeak entering at each layer, held out, by the consumer's compute.
 - `xnorm_error.png` (Fig. 7, optional): relative error of the consumer's pre-attention input x_norm per layer
   (list index = layer number), Reuse-only vs SCD; the patch layers are shaded, showing where SCD resets the error.
 
 `summary.md` has the evaluation table, the layer plan, the `extra` items and links to the figures produced.
-Only stdlib, numpy and matplotlib (Agg backend) are used.
+Only stdlib, numpy, matplotlib (Agg backend) and scd.fitting.points (torch-free) are used.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+
+from scd.fitting import points  # noqa: E402  (torch-free)
 
 DPI = 110
 METHOD_ORDER = ["oracle", "base", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd", "exact", "exact_int8",
@@ -241,11 +244,17 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     fig, ax = plt.subplots(figsize=(6.8, 4.2))
     pts = sorted(compute["points"], key=lambda p: p["consumer_ratio"])
     floor = 1e-7                                # a lossless plan's KL is 0 up to rounding: drawn at the floor
-    ax.plot([p["consumer_ratio"] for p in pts], [max(p["kl"], floor) for p in pts], "o-", color="tab:blue", ms=5,
-            label="plans entering at layer e (validation; e = L: none)")
+    front = points.pareto(pts)                  # the curve: no plan costs less at a lower KL
+    ax.plot([p["consumer_ratio"] for p in front], [max(p["kl"], floor) for p in front], "o-", color="tab:blue", ms=5,
+            label="plans entering at layer e (+k: the last k tokens too; validation; e = L: none)")
+    rest = [p for p in pts if p not in front]
+    if rest:
+        ax.scatter([p["consumer_ratio"] for p in rest], [max(p["kl"], floor) for p in rest], s=25,
+                   facecolors="none", edgecolors="tab:blue", label="plans beaten at no more compute")
     for p in pts:
-        ax.annotate(f"e={p['entry']}", (p["consumer_ratio"], max(p["kl"], floor)), textcoords="offset points",
-                    xytext=(4, 3), fontsize=7, color="tab:blue")
+        ax.annotate(f"e={p['entry']}" + (f"+{p['tail']}" if p.get("tail") else ""),
+                    (p["consumer_ratio"], max(p["kl"], floor)), textcoords="offset points", xytext=(4, 3),
+                    fontsize=7, color="tab:blue")
     c = compute["chosen"]
     if c is not None:
         ax.scatter([c["consumer_ratio"]], [max(c["kl"], floor)], s=160, facecolors="none", edgecolors="tab:red",
@@ -259,12 +268,17 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
         if r["method"] == "droidspeak":
             ax.scatter([r["prefill_ratio"]], [max(r["kl"], floor)], marker="^", color="tab:purple", s=40,
                        label="DroidSpeak, best block (held-out)", zorder=4)
-    held = _held_out_curves(rows, c, compute["num_layers"]) if "num_layers" in compute else {}
+    n = compute.get("num_layers")
+    chosen = None if c is None else points.point_name(c["entry"], c.get("tail", 0), n) if n else None
+    held = held_out_curve(rows, chosen, n, compute.get("prefix_tokens", 1)) if n else {}
+    labels = {"SCD": "SCD's plans (held-out, Pareto front)", "DroidSpeak": "DroidSpeak entering at each e (held-out)"}
     for name, (color, marker) in {"SCD": ("tab:blue", "s"), "DroidSpeak": ("tab:purple", "^")}.items():
         if held.get(name):
-            xs, ys = zip(*held[name])
-            ax.plot(xs, [max(y, floor) for y in ys], marker=marker, ls="--", color=color, ms=5,
-                    label=f"{name} entering at each e (held-out)")
+            pts_ = held[name] if name == "DroidSpeak" else [
+                (x, y, m) for x, y, m in held[name]
+                if not any(x2 <= x and y2 < y for x2, y2, _ in held[name])]
+            xs, ys, _ = zip(*pts_)
+            ax.plot(xs, [max(y, floor) for y in ys], marker=marker, ls="--", color=color, ms=5, label=labels[name])
     ax.set_yscale("log")
     ax.set(xlabel="consumer compute over the prefix (share of its own prefill)", ylabel="KL(oracle ‖ plan)",
            title=f"Quality against consumer compute — {pair}")
@@ -273,23 +287,35 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     return fig
 
 
-def entry_kls(rows: list[dict], chosen: int | None) -> dict[int, dict[str, float]]:
-    """A block plan's held-out curve rows (jobs.calibrate.entry_curve: `enter@<e>` and `droidspeak@<e>`; the
-    chosen entry's SCD figure is the `scd` row) as {entry: {"SCD": KL, "DroidSpeak": KL}}, for each entry
-    DroidSpeak was entered at."""
+def held_out_curve(rows: list[dict], chosen: str | None, n: int, tokens: int) -> dict[str, list[tuple]]:
+    """A block plan's held-out curve (jobs.calibrate.entry_curve's rows: SCD's `enter@<e>`, `codes+tail<k>`,
+    `enter@<e>+tail<k>`, the chosen plan being the `scd` row, named `chosen`; DroidSpeak's `droidspeak@<e>`, with
+    raw KV's at cost 0) as {"SCD": [...], "DroidSpeak": [...]}, each (consumer compute over its own prefill of
+    `tokens`, KL, name), by compute."""
     by = {r["method"]: r["kl"] for r in rows}
-    out = {}
+    if chosen and "scd" in by:
+        by[chosen] = by["scd"]
+    out = {"SCD": [], "DroidSpeak": []}
     for name, kl in by.items():
-        if name.startswith("droidspeak@"):
-            e = int(name.removeprefix("droidspeak@"))
-            out[e] = {"SCD": by["scd" if e == chosen else f"enter@{e}"], "DroidSpeak": kl}
-    return dict(sorted(out.items()))
+        if (point := points.parse_point(name, n)) is not None and point != (n, 0):
+            out["DroidSpeak" if name.startswith("droidspeak@") else "SCD"].append(
+                (points.consumer_ratio(*point, n, tokens), kl, name))
+    if out["DroidSpeak"] and "raw_kv" in by:
+        out["DroidSpeak"].append((0.0, by["raw_kv"], "raw_kv"))
+    return {k: sorted(v) for k, v in out.items()}
 
 
-def _held_out_curves(rows: list[dict], chosen: dict | None, n: int) -> dict[str, list[tuple[float, float]]]:
-    """entry_kls as (share of the consumer's layers, KL) points, by method."""
-    kls = entry_kls(rows, chosen["entry"] if chosen is not None else None)
-    return {name: sorted(((n - e) / n, kl[name]) for e, kl in kls.items()) for name in ("SCD", "DroidSpeak")}
+def against_droidspeak(rows: list[dict], chosen: str | None, n: int, tokens: int) -> dict[str, float]:
+    """Per SCD point of a held-out curve: its KL over DroidSpeak's at the same consumer compute (linear between
+    the entries DroidSpeak was measured at; entering at the same layer, that entry's), by compute; points
+    beyond DroidSpeak's measured range are left out."""
+    curve = held_out_curve(rows, chosen, n, tokens)
+    ds = [(c, kl) for c, kl, _ in curve["DroidSpeak"]]
+    out = {}
+    for c, kl, name in curve["SCD"]:
+        if (ref := points.droidspeak_at(c, ds)) is not None:
+            out[name] = kl / max(ref, 1e-12)
+    return out
 
 
 def _fig_xnorm(pair: str, xnorm: dict, chosen: list[int]):

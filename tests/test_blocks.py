@@ -95,20 +95,8 @@ def test_the_job_publishes_a_recompute_block_where_codes_miss_the_bound(tmp_path
     for e in tried:
         assert f"| droidspeak@{e} |" in summary and (e == s) != (f"| enter@{e} |" in summary), (e, summary)
     line = next(x for x in out.splitlines() if "held-out curve" in x)
-    assert [int(w.removeprefix("enter@")) for w in line.split() if w.startswith("enter@")] == tried, line
-    assert "against DroidSpeak entered alike (held out)" in summary, summary
-
-
-def test_against_droidspeak_divides_each_entrys_kl_by_droidspeaks_at_the_same_layer():
-    from jobs.calibrate import against_droidspeak
-    from jobs.report import _held_out_curves
-    rows = [{"method": "scd", "kl": 0.1}, {"method": "enter@6", "kl": 0.3}, {"method": "raw_kv", "kl": 1.0},
-            {"method": "droidspeak@4", "kl": 0.4}, {"method": "droidspeak@6", "kl": 0.5},
-            {"method": "droidspeak", "kl": 0.9}]
-    got = against_droidspeak(rows, chosen=4)
-    assert got == pytest.approx({4: 0.25, 6: 0.6}), got
-    curves = _held_out_curves(rows, {"entry": 4}, 8)
-    assert curves == {"SCD": [(0.25, 0.3), (0.5, 0.1)], "DroidSpeak": [(0.25, 0.5), (0.5, 0.4)]}, curves
+    assert [int(w.removeprefix("enter@")) for w in line.split() if w.startswith("enter@")] == tried[::-1], line
+    assert "against DroidSpeak at the same compute (held out)" in summary, summary
 
 
 def test_a_held_out_checkpoint_is_keyed_by_the_artifact_so_an_entry_trained_anew_is_evaluated_again(tmp_path):
@@ -156,6 +144,24 @@ def test_an_entry_added_to_the_curve_is_measured_alone_and_the_others_resume(tmp
     one, two = (store.load(r)[0].info["blocks"]["points"] for r in (first, second))
     assert [p["entry"] for p in one] == [8, 6] and [p["entry"] for p in two] == [8, 4, 6], (one, two)
     assert two[0] == one[0] and two[2] == one[1], "the codes' and entry 6's points resume from the checkpoint"
+    # calibration.tails: each plan measured again with the consumer running the prefix's last k tokens; a
+    # tail added later measures only itself, and the held-out curve takes the tails on the Pareto front
+    measured = []
+    curve = blocks.curve
+    monkeypatch.setattr(blocks, "curve", lambda *a, **k: measured.append((k.get("with_codes", True), sorted(a[4]),
+                                                                          k.get("tails", (0,)))) or curve(*a, **k))
+    third = calibrate(["--pair", "base:prose", "--config",
+                       str(write_config(tmp_path, entries=[4, 6], tails=[16], **kw)), "--no-actors"])
+    fourth = calibrate(["--pair", "base:prose", "--config",
+                        str(write_config(tmp_path, entries=[4, 6], tails=[16, 48], **kw)), "--no-actors"])
+    # (entering at 4 with the last 48 of 96 tokens would cost 0.5 + 0.5 of a prefill, over the ceiling: not tried)
+    assert fitted == [[6], [4]] and measured == [(True, [4, 6], (16,)), (True, [6], (48,))], (fitted, measured)
+    three, four = (store.load(r)[0].info["blocks"] for r in (third, fourth))
+    assert [(p["entry"], p["tail"]) for p in four["points"]] == [(8, 0), (8, 16), (8, 48), (4, 0), (4, 16), (6, 0),
+                                                                  (6, 16), (6, 48)], four["points"]
+    assert [p for p in four["points"] if p["tail"] != 48] == three["points"], "the first tails resume"
+    tail = next(p for p in four["points"] if p["entry"] == 8 and p["tail"] == 48)
+    assert tail["consumer_ratio"] == pytest.approx(48 / 96), tail
     capsys.readouterr()
     with pytest.raises(SystemExit, match=r"\[1\] not below 8 layers within max_consumer_prefill_ratio 0.75"):
         calibrate(["--pair", "base:prose", "--config", str(write_config(tmp_path, entries=[1, 4], **kw)),

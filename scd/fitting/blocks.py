@@ -25,6 +25,7 @@ from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting import exact
 from scd.fitting.gram import JointGram
+from scd.fitting.points import consumer_ratio, point_name
 from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.rebuild import encode, rebuild
@@ -124,26 +125,32 @@ def block_artifact(art: PairArtifacts, entry: int, align: LinearCodec | None) ->
 
 
 def curve(producer, consumer, tok, art: PairArtifacts, aligners: dict[int, LinearCodec], samples,
-          with_codes: bool = True, desc: str = "recompute blocks", serving_tokens: int = 0) -> tuple[list[dict], dict]:
+          with_codes: bool = True, desc: str = "recompute blocks", serving_tokens: int = 0,
+          tails: tuple[int, ...] = (0,), only: list[tuple[int, int]] | None = None) -> tuple[list[dict], dict]:
     """(one point per plan: the codes alone (entry num_layers; with_codes) and each entry of `aligners`, each
-    {entry, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms, greedy, f1, retained_gain}; the
-    raw-KV row), measured on `samples` beside the oracle and the base alone."""
+    with each tail of `tails` (0: none; k: the consumer runs the prefix's last k tokens, PairArtifacts.tail_tokens),
+    each {entry, tail, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms, greedy, f1,
+    retained_gain}; the raw-KV row), measured on `samples` beside the oracle and the base alone; `only`: just these
+    (entry, tail) plans of them. A tail's share of the compute is counted at the samples' length (at a longer
+    serving length the same tail costs less)."""
     n = art.spec.num_layers
     plans = {**({n: art} if with_codes else {}), **{e: block_artifact(art, e, a) for e, a in sorted(aligners.items())}}
+    plans = {(e, k): a.with_tail(k) for e, a in plans.items() for k in tails if only is None or (e, k) in only}
     ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV()] + [
-        methods.SCDMethod(a, f"enter@{e}") for e, a in plans.items()]
+        methods.SCDMethod(a, point_name(e, k, n)) for (e, k), a in plans.items()]
     rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc,
                                                                           cost_tokens=serving_tokens)}
     keys = exact.POINT_KEYS + ("f1", "retained_gain")
-    points = [{"entry": e, "consumer_ratio": (n - e) / n, **exact.measured_point(rows[f"enter@{e}"], keys)}
-              for e in plans]
+    t = samples[0].prefix.shape[-1]
+    points = [{"entry": e, "tail": k, "consumer_ratio": consumer_ratio(e, k, n, t),
+               **exact.measured_point(rows[point_name(e, k, n)], keys)} for e, k in plans]
     return points, rows["raw_kv"]
 
 
-def describe(points: list[dict], raw_kl: float) -> str:
+def describe(points: list[dict], raw_kl: float, num_layers: int) -> str:
     """One line of a curve: each plan's KL, retained gain and consumer compute, and raw KV's KL."""
     def gain(p):
         return "" if p.get("retained_gain") is None else f" gain {p['retained_gain']:.2f}"
-    return ", ".join(("codes" if p["consumer_ratio"] == 0 else f"enter@{p['entry']}") +
+    return ", ".join(point_name(p["entry"], p.get("tail", 0), num_layers) +
                      f" KL {p['kl']:.4f}{gain(p)} consumer {p['consumer_ratio']:.2f}" for p in points) + \
         f"; raw KV {raw_kl:.4f}"

@@ -113,6 +113,9 @@ class PairArtifacts:
     # code_dtype "klt": each shared layer's transform codes of its keys (before RoPE) and values (scd.online.klt)
     klt_k: dict[int, LinearCodec] = field(default_factory=dict)
     klt_v: dict[int, LinearCodec] = field(default_factory=dict)
+    # the consumer runs the prefix's last tail_tokens tokens itself, through every layer, over the cache rebuilt
+    # for the tokens before them (scd.online.rebuild.run_tail): the recent window a continuation reads most
+    tail_tokens: int = 0
 
     def __post_init__(self):
         exact_only = all(k in EXACT_KINDS + ("shared_entry",) for k in self.plan)
@@ -144,6 +147,8 @@ class PairArtifacts:
             if missing or "shared_entry" in self.plan:
                 raise ValueError(f"klt sends a pair's shared layers by their own transform codes: layers {missing} "
                                  f"have none" if missing else "klt is a pair's wire form, not a family's")
+        if self.tail_tokens < 0:
+            raise ValueError(f"tail_tokens must be 0 or more, got {self.tail_tokens}")
         covered = [l for g in self.x_groups for l in g]
         if len(covered) != len(set(covered)) or any(g != list(range(g[0], g[0] + len(g))) for g in self.x_groups):
             raise ValueError(f"x_groups must be disjoint runs of adjacent layers: {self.x_groups}")
@@ -306,6 +311,10 @@ class PairArtifacts:
         return dataclasses.replace(self, plan=list(plan), wire_plan=[], wire_x_codes=None, derived={},
                                    entry_align=dict(entry_align))
 
+    def with_tail(self, tokens: int) -> "PairArtifacts":
+        """The same artifact with the consumer running the prefix's last `tokens` tokens itself (tail_tokens)."""
+        return dataclasses.replace(self, tail_tokens=tokens)
+
     def at_level(self, level: dict[str, int]) -> "PairArtifacts":
         """The artifact whose full code is `level` of this one's (one of self.levels): the encoders' leading
         columns and the decoders' leading rows, which is what a link sent that level decodes with (nested
@@ -352,7 +361,8 @@ class PairArtifacts:
                 "r_k": self.r_k, "r_v": self.r_v, "r_h": self.r_h, "aligner_width": self.aligner_width,
                 "aligner_context": self.aligner_context, "aligner_tokens": self.aligner_tokens,
                 "aligner_window": self.aligner_window, "r_x": self.r_x, "code_dtype": self.code_dtype,
-                "x_groups": self.x_groups, "plan": self.plan, "info": self.info}
+                "x_groups": self.x_groups, "plan": self.plan, "info": self.info,
+                **({"tail_tokens": self.tail_tokens} if self.tail_tokens else {})}
 
     def save(self, directory: str | Path) -> None:
         d = Path(directory)
@@ -387,7 +397,7 @@ class PairArtifacts:
                    reuse_k, reuse_v, patch_enc, aligners, desc.get("info", {}), desc.get("aligner_context", 1),
                    desc.get("aligner_tokens", 0), desc.get("aligner_window", 8), desc.get("r_x", 0), reuse_x,
                    desc.get("code_dtype", "fp16"), [list(g) for g in desc.get("x_groups", [])],
-                   entry_align=entry_align, klt_k=klt_k, klt_v=klt_v)
+                   entry_align=entry_align, klt_k=klt_k, klt_v=klt_v, tail_tokens=desc.get("tail_tokens", 0))
 
     @classmethod
     def load(cls, directory: str | Path) -> "PairArtifacts":

@@ -12,6 +12,9 @@ Codes for one request (batch B, prefix length T), per layer by the artifact's pl
          runs its own layers up to the next that is not "recompute" (scd.online.recompute)
   shared_entry: k, v and z_e (a family's payload: one member shares the layer, another enters there)
 plus token ids and the left-padding mask, both (B, T).
+
+An artifact with tail_tokens k has the consumer run the prefix's last k tokens itself after the rebuild,
+through every layer, over the cache rebuilt for the tokens before them (run_tail).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from scd.online import activated, klt
+from scd.online import activated, cache, klt
 from scd.online.artifacts import PairArtifacts
 from scd.online.patch import regenerate_kv
 from scd.online.recompute import run_layers
@@ -245,9 +248,27 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
     t_run = time.perf_counter()
     kv.update(run_blocks(model, art, codes) if own is None else own())
     t_end = time.perf_counter()
-    return [kv[l] for l in range(len(art.plan))], {"rebuild_ms": (t_patch - t0) * 1e3,
-                                                      "patch_ms": (t_run - t_patch) * 1e3,
-                                                      "recompute_ms": (t_end - t_run) * 1e3}
+    out = [kv[l] for l in range(len(art.plan))]
+    if art.tail_tokens:
+        out = run_tail(model, out, codes.token_ids, codes.mask, art.tail_tokens)
+    return out, {"rebuild_ms": (t_patch - t0) * 1e3, "patch_ms": (t_run - t_patch) * 1e3,
+                 "recompute_ms": (t_end - t_run) * 1e3, "tail_ms": (time.perf_counter() - t_end) * 1e3}
+
+
+@torch.no_grad()
+def run_tail(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, tokens: int) -> list[KV]:
+    """The cache `kv` of a (B, T) prefix with its last `tokens` positions (at most T - 1: the first comes from
+    `kv`) replaced by the consumer's own: it runs them through every layer, attending to `kv` before them,
+    as it runs a request's suffix. A prefix the codes translate imperfectly at every layer (a specialist
+    adapted on every layer) is then exact where a continuation looks most: the recent tokens' K and V carry
+    only what attending to the translated ones passes on. Costs about tokens / T of a prefill."""
+    t = token_ids.shape[1]
+    s = t - min(tokens, t - 1)
+    if s >= t:
+        return kv
+    c = cache.assemble(model, [(k[..., :s, :], v[..., :s, :]) for k, v in kv])
+    cache.extend(model, c, mask[:, :s], token_ids[:, s:], mask[:, s:])
+    return [(layer.keys, layer.values) for layer in c.layers]
 
 
 @torch.no_grad()

@@ -1,0 +1,48 @@
+"""A plan curve's points by name and cost: what the block stage, the held-out curve and the report share
+(no torch here: the report reads these too).
+
+A point is a plan the consumer pays for in compute: entering a recompute block at layer `entry` (num_layers:
+no block, the codes alone) and running the prefix's last `tail` tokens itself (0: none)."""
+from __future__ import annotations
+
+
+def point_name(entry: int, tail: int, num_layers: int) -> str:
+    """A curve point's method name: codes, enter@<e>, each with +tail<k> when the consumer runs the prefix's
+    last k tokens too."""
+    return ("codes" if entry == num_layers else f"enter@{entry}") + (f"+tail{tail}" if tail else "")
+
+
+def parse_point(name: str, num_layers: int) -> tuple[int, int] | None:
+    """(entry, tail) of a curve point's method name (point_name's, or droidspeak@<e>); None for another."""
+    head, _, tail = name.partition("+tail")
+    if head == "codes":
+        entry = num_layers
+    elif head.startswith(("enter@", "droidspeak@")) and head.partition("@")[2].isdigit():
+        entry = int(head.partition("@")[2])
+    else:
+        return None
+    if not tail:
+        return entry, 0
+    return (entry, int(tail)) if tail.isdigit() else None
+
+
+def consumer_ratio(entry: int, tail: int, num_layers: int, tokens: int) -> float:
+    """A plan's compute over the consumer's own prefill of `tokens`, by count: its block's layers, plus the
+    tail's tokens through every layer."""
+    return (num_layers - entry) / num_layers + min(tail, tokens) / tokens
+
+
+def pareto(points: list[dict]) -> list[dict]:
+    """The points no other beats: none at most as costly (consumer_ratio) with a lower KL."""
+    return [p for p in points if not any(q["consumer_ratio"] <= p["consumer_ratio"] and q["kl"] < p["kl"]
+                                         for q in points)]
+
+
+def droidspeak_at(cost: float, curve: list[tuple[float, float]]) -> float | None:
+    """DroidSpeak's KL at a consumer cost, linear between the (cost, KL) points it was measured at (raw KV's
+    at cost 0 among them); None beyond them."""
+    curve = sorted(curve)
+    for (c0, k0), (c1, k1) in zip(curve, curve[1:]):
+        if c0 - 1e-9 <= cost <= c1 + 1e-9:
+            return k0 if c1 == c0 else k0 + (k1 - k0) * (cost - c0) / (c1 - c0)
+    return curve[0][1] if len(curve) == 1 and abs(cost - curve[0][0]) < 1e-9 else None

@@ -1,0 +1,112 @@
+"""The consumer's own last tokens (PairArtifacts.tail_tokens, scd.online.rebuild.run_tail): over its own cache the
+tail changes nothing; over another model's it makes the last positions the consumer's, left padding and all;
+an artifact keeps its tail through a save and load and serves it; a held-out curve compares plans with tails
+against DroidSpeak at the same compute."""
+import pytest
+import torch
+
+from scd.fitting import points
+from scd.online import codec
+from scd.online.artifacts import PairArtifacts
+from scd.online.models import ModelSpec
+from scd.online.rebuild import encode, rebuild, run_tail
+from scd.online.trace import capture
+from tests.conftest import left_padded_batch, perturbed, tiny_llama
+
+
+def _err(kv, want, positions=slice(None)) -> float:
+    return max((g[..., positions, :] - w[..., positions, :]).abs().max().item()
+               for (gk, gv), (wk, wv) in zip(kv, want) for g, w in ((gk, wk), (gv, wv)))
+
+
+def test_a_tail_over_the_consumers_own_cache_is_its_own_cache_and_over_another_it_replaces_the_last_tokens():
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    ids, mask = left_padded_batch(lengths=(12, 7, 9))
+    own = capture(b, ids, mask, want_xnorm=False)
+    own_kv = list(zip(own.keys, own.values))
+    got = run_tail(b, own_kv, ids, mask, 4)
+    assert _err(got, own_kv) < 1e-5, f"the tail over the consumer's own cache moved it by {_err(got, own_kv):.2e}"
+    raw = capture(a, ids, mask, want_xnorm=False)
+    raw_kv = list(zip(raw.keys, raw.values))
+    got = run_tail(b, raw_kv, ids, mask, 4)
+    assert _err(got, raw_kv, slice(None, -4)) == 0, "positions before the tail are the cache's as given"
+    assert _err(got, raw_kv, slice(-4, None)) > 1e-2, "the tail's K and V are the consumer's, not the producer's"
+    # each row as if alone: the left padding changes nothing (row 1 has 7 tokens, its tail its last 4)
+    for row in range(3):
+        n = int(mask[row].sum())
+        alone = run_tail(b, [(k[row:row + 1, :, -n:], v[row:row + 1, :, -n:]) for k, v in raw_kv],
+                         ids[row:row + 1, -n:], mask[row:row + 1, -n:], 4)
+        mine = [(k[row:row + 1, :, -n:], v[row:row + 1, :, -n:]) for k, v in got]
+        assert _err(mine, alone) < 1e-5, f"row {row} differs from itself alone by {_err(mine, alone):.2e}"
+    # a tail as long as the prefix keeps its first position from the cache (layer 0 of position 0 is exact anyway)
+    first = [(k[:1], v[:1]) for k, v in raw_kv]
+    whole = run_tail(b, first, ids[:1], mask[:1], 100)
+    assert _err(whole, first, slice(0, 1)) == 0 and _err(whole, first, slice(1, None)) > 1e-2
+
+
+def test_an_artifact_keeps_its_tail_through_a_save_and_load_and_rebuilds_with_it(tmp_path):
+    a = tiny_llama(0, layers=4)
+    b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
+    spec = ModelSpec.from_config(a.config)
+    art = PairArtifacts.exact("a:b", spec, ["exact", "shared", "shared", "shared"], "bf16").with_tail(5)
+    art.save(tmp_path / "art")
+    loaded = PairArtifacts.load(tmp_path / "art")
+    assert loaded.tail_tokens == 5
+    assert PairArtifacts.load(tmp_path / "art").with_tail(0).description() == \
+        PairArtifacts.exact("a:b", spec, ["exact", "shared", "shared", "shared"], "bf16").description()
+    with pytest.raises(ValueError, match="tail_tokens must be 0 or more"):
+        art.with_tail(-1)
+    ids = torch.randint(2, 97, (1, 16), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    tr = capture(a, ids, mask)
+    codes = codec.as_received(encode(loaded, tr, ids), "bf16")
+    kv, phases = rebuild(b, loaded, codes)
+    plain, _ = rebuild(b, loaded.with_tail(0), codes)
+    want = run_tail(b, plain, ids, mask, 5)
+    assert _err(kv, want) < 1e-6 and "tail_ms" in phases, _err(kv, want)
+
+
+def test_the_tail_is_served_by_a_specialist():
+    from actors.messages import GenParams
+    from actors.producer import ProducerEngine
+    from actors.specialist import SpecialistEngine
+    from tests.test_models import _tokenizer
+    a = tiny_llama(0, layers=4)
+    b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
+    spec = ModelSpec.from_config(a.config)
+    art = PairArtifacts.exact("a:b", spec, ["exact", "shared", "shared", "shared"], "bf16").with_tail(3)
+    tok = _tokenizer(97)
+    ids = list(range(5, 25))
+    payload = ProducerEngine(a, tok, {"a:b": (art, "v1")}, cache_bytes=1 << 20).encode(ids, ["a:b"]).per_pair["a:b"].payload
+    _, info, _ = SpecialistEngine("b", b, tok, art, "v1").complete(ids, [11], payload, None,
+                                                                      GenParams(max_tokens=4))
+    assert info.mode == "scd" and "tail" in info.timings, info
+    _, plain, _ = SpecialistEngine("b", b, tok, art.with_tail(0), "v1").complete(ids, [11], payload, None,
+                                                                                GenParams(max_tokens=4))
+    assert plain.mode == "scd" and "tail" not in plain.timings, plain
+
+
+
+def test_points_are_named_costed_and_compared_with_droidspeak_at_the_same_compute():
+    from jobs.report import against_droidspeak, held_out_curve
+    n, t = 8, 100
+    assert points.point_name(8, 0, n) == "codes" and points.point_name(6, 20, n) == "enter@6+tail20"
+    assert [points.parse_point(s, n) for s in ("codes+tail20", "enter@6", "droidspeak@4", "raw_kv", "enter@x")] == \
+        [(8, 20), (6, 0), (4, 0), None, None]
+    assert points.consumer_ratio(6, 20, n, t) == pytest.approx(0.25 + 0.2)
+    rows = [{"method": "scd", "kl": 0.1}, {"method": "enter@6", "kl": 0.3}, {"method": "codes+tail25", "kl": 0.2},
+            {"method": "raw_kv", "kl": 1.0}, {"method": "droidspeak@4", "kl": 0.4},
+            {"method": "droidspeak@6", "kl": 0.5}, {"method": "droidspeak", "kl": 0.9}]
+    # entering at a layer DroidSpeak entered at compares with it there; a tail of 25 of 100 tokens costs 0.25,
+    # DroidSpeak's entry at 6: the same; the chosen plan (the scd row) is enter@4
+    got = against_droidspeak(rows, "enter@4", n, t)
+    assert got == pytest.approx({"enter@6": 0.6, "codes+tail25": 0.4, "enter@4": 0.25}), got
+    curve = held_out_curve(rows, "enter@4", n, t)
+    assert [x[:2] for x in curve["DroidSpeak"]] == [(0.0, 1.0), (0.25, 0.5), (0.5, 0.4)], curve
+    # between two DroidSpeak points: linear in compute; beyond the deepest entry measured: not compared
+    assert points.droidspeak_at(0.125, [(0.0, 1.0), (0.25, 0.5)]) == pytest.approx(0.75)
+    assert points.droidspeak_at(0.6, [(0.0, 1.0), (0.25, 0.5)]) is None
+    assert points.pareto([{"consumer_ratio": 0.2, "kl": 0.3}, {"consumer_ratio": 0.3, "kl": 0.4},
+                          {"consumer_ratio": 0.5, "kl": 0.1}]) == [{"consumer_ratio": 0.2, "kl": 0.3},
+                                                                   {"consumer_ratio": 0.5, "kl": 0.1}]
