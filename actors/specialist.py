@@ -435,7 +435,7 @@ class SpecialistEngine:
             kv, info = self._prefix_kv(prefix_ids, payload, reason, timings, codes_ok)
         c = cache.assemble(self.model, kv)
         mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
-        logits, _ = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device))
+        logits, _ = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device), last_only=True)
         gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
         row = Row([layer.keys for layer in c.layers], [layer.values for layer in c.layers], logits[0, -1], params,
                   generator=gen)

@@ -255,17 +255,23 @@ class PairArtifacts:
             raise ValueError(f"{self.pair}: some hidden-state codecs have {what} and some do not")
         return have == {True}
 
-    def hidden_decoders(self, layers: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Decoders of the given hidden layers (a grouped code's decoder columns of each layer) split into
-        their K and V halves and stacked, made once: (dec_k (L, r_x, n_kv d), mu_k (L, n_kv d), dec_v, mu_v).
-        With token tables mu_k and mu_v are each layer's biases, (L, K + 1 [+ K2], n_kv d): index them with
+    def hidden_decoders(self, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Decoders of the plan's hidden layers, one set per code (hidden_codes), made once: {code: (dec_k
+        (r_x, G n_kv d), mu_k (G n_kv d), dec_v, mu_v)}, the G layers decoded from that code side by side in
+        its layers' order, so that one matmul decodes the keys of all of them and one their values. With token
+        tables mu_k and mu_v are the biases, (K + 1 [+ K2], G n_kv d): index them with
         reuse_x[code].bias_rows(token_ids, bigram keys)."""
-        key = ("hidden", layers, dtype)
+        key = ("hidden", tuple(self.plan), dtype)
         if key not in self.derived:
+            layers = tuple(l for ls in self.hidden_codes().values() for l in ls)
             tabled = self._all_or_none(layers, "table", "token tables")
-            dec_k, dec_v = self._hidden_halves(layers, dtype, lambda c: c.dec)
-            mu_k, mu_v = self._hidden_halves(layers, dtype, lambda c: c.biases() if tabled else c.mu_b)
-            self.derived[key] = (dec_k, mu_k, dec_v, mu_v)
+            out = {}
+            for code, ls in self.hidden_codes().items():
+                dec_k, dec_v = self._hidden_halves(tuple(ls), dtype, lambda c: c.dec)
+                mu_k, mu_v = self._hidden_halves(tuple(ls), dtype, lambda c: c.biases() if tabled else c.mu_b)
+                side = lambda x: x.movedim(0, -2).flatten(-2).contiguous()   # noqa: E731  (G, ..., m) -> (..., G m)
+                out[code] = (side(dec_k), side(mu_k), side(dec_v), side(mu_v))
+            self.derived[key] = out
         return self.derived[key]
 
     def hidden_bigrams(self, layers: tuple[int, ...]) -> bool:

@@ -42,29 +42,35 @@ def assemble(model, kv: list[KV]) -> DynamicCache:
     return cache
 
 
-def forward_on_cache(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor, ids_mask: torch.Tensor | None = None):
-    """Run ids (B, S) on top of the cache (mutated in place). Returns (logits (B, S, V), full mask (B, T+S)).
-    Differentiable (calibration fine-tunes through it); serving code calls `extend`, its no-grad form."""
+def forward_on_cache(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor, ids_mask: torch.Tensor | None = None,
+                     last_only: bool = False):
+    """Run ids (B, S) on top of the cache (mutated in place). Returns (logits (B, S, V), full mask (B, T+S));
+    last_only: the last position's logits alone, (B, 1, V) (the head over every position of a long run is a
+    quarter of its compute on a 49k vocabulary). Differentiable (calibration fine-tunes through it); serving
+    code calls `extend`, its no-grad form."""
     if ids_mask is None:
         ids_mask = torch.ones_like(ids)
     full = torch.cat([prefix_mask, ids_mask], dim=1)
     start = prefix_mask.long().sum(-1, keepdim=True)                                 # (B, 1) next position
     pos = start + (ids_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=full, position_ids=pos, use_cache=True, **cache_arg(model, cache))
+    out = model(input_ids=ids, attention_mask=full, position_ids=pos, use_cache=True, **cache_arg(model, cache),
+                **({"logits_to_keep": 1} if last_only else {}))
     return out.logits, full
 
 
 @torch.no_grad()
-def extend(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor, ids_mask: torch.Tensor | None = None):
+def extend(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor, ids_mask: torch.Tensor | None = None,
+           last_only: bool = False):
     """forward_on_cache without gradients, for serving and evaluation. An activated LoRA (scd.online.activated)
-    runs the ids before its invocation on its base weights and the rest on the adapted ones."""
+    runs the ids before its invocation on its base weights and the rest on the adapted ones (with last_only,
+    each part's last logits)."""
     at = activated.switch(model, ids)
     if at == 0:
-        return forward_on_cache(model, cache, prefix_mask, ids, ids_mask)
+        return forward_on_cache(model, cache, prefix_mask, ids, ids_mask, last_only)
     base = activated.of(model).base
     if at == ids.shape[1]:
-        return forward_on_cache(base, cache, prefix_mask, ids, ids_mask)
+        return forward_on_cache(base, cache, prefix_mask, ids, ids_mask, last_only)
     ids_mask = torch.ones_like(ids) if ids_mask is None else ids_mask
-    head, mask = forward_on_cache(base, cache, prefix_mask, ids[:, :at], ids_mask[:, :at])
-    tail, mask = forward_on_cache(model, cache, mask, ids[:, at:], ids_mask[:, at:])
+    head, mask = forward_on_cache(base, cache, prefix_mask, ids[:, :at], ids_mask[:, :at], last_only)
+    tail, mask = forward_on_cache(model, cache, mask, ids[:, at:], ids_mask[:, at:], last_only)
     return torch.cat([head, tail], 1), mask

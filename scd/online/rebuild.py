@@ -168,9 +168,8 @@ def prepare(model, art: PairArtifacts) -> None:
     reuse = [l for l, k in enumerate(art.plan) if k == "reuse"]
     if reuse:
         art.reuse_decoders(tuple(reuse), dtype)
-    hidden = [l for l, k in enumerate(art.plan) if k == "hidden"]
-    if hidden:
-        art.hidden_decoders(tuple(hidden), dtype)
+    if any(k == "hidden" for k in art.plan):
+        art.hidden_decoders(dtype)
     if art.patch_layers:
         tables.patches(art, art.patch_layers)
 
@@ -185,9 +184,10 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
 
     Every kind of layer decodes K before RoPE and V in the (B, T, n_kv, d) layout its matmul writes, and the
     keys are rotated there; the cache holds (B, n_kv, T, d) views of that storage (no transposing copies).
-    Hidden layers (most of a real family's plan) go layer by layer, keys rotated while the matmul's output
-    is still in cache: per-layer tensors come from the allocator's free lists, where one buffer for all
-    layers is fresh pages on every request (measured 1.3-1.6x slower at 2048 tokens). Per-head Reuse
+    Hidden layers (most of a real family's plan) go code by code: the layers of a group (x_groups) decode
+    from their one code by one matmul for their keys and one for their values (the demo's 6 layers at 1024
+    tokens: 1.8-1.9 ms against 2.7-3.0 layer by layer; one buffer for all 29 layers of the real family was
+    1.3-1.6x slower at 2048 tokens, fresh pages on every request, so a buffer stays a group's). Per-head Reuse
     layers decode in one batched matmul each for K and V; all Patch layers run together. Reuse codes of a
     lower level (fewer columns than the artifact's ranks) decode with the decoders' leading rows."""
     t0 = time.perf_counter()
@@ -210,22 +210,23 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
                        cos, sin)
         v = _decode_stacked(dec_v[:, :r_v], mu_v, [dense(codes.layers[l]["z_v"], dtype) for l in reuse])
         kv.update({l: (k[i], v[i]) for i, l in enumerate(reuse)})
-    if hidden := by_kind["hidden"]:                     # one code per token -> K and V of every head
-        dec_k, mu_k, dec_v, mu_v = art.hidden_decoders(tuple(hidden), dtype)
-        keys = bigram_keys(codes.token_ids, codes.mask).reshape(-1) if art.hidden_bigrams(tuple(hidden)) else None
-        r = codes.layers[art.hidden_source(hidden[0])[0]]["z_x"].shape[-1]
-        buf = torch.empty(b * t, r, dtype=dtype, device=cos.device)           # every code, in turn
-        src = rows = None
-        for i, l in enumerate(hidden):
-            if (s := art.hidden_source(l)[0]) != src:   # the layers of a group share their code: dequantised once
-                src = s
-                z = dense(codes.layers[src]["z_x"], dtype, buf).reshape(b * t, -1)
-                if mu_k.dim() == 3:                     # token (and bigram) tables: each position's bias row
-                    rows = art.reuse_x[src].bias_rows(codes.token_ids.reshape(-1), keys)
-            bias_k, bias_v = (mu_k[i], mu_v[i]) if rows is None else (mu_k[i].index_select(0, rows),
-                                                                      mu_v[i].index_select(0, rows))
-            k = torch.addmm(bias_k, z, dec_k[i, :r]).view(b, t, -1)
-            kv[l] = (apply_rope(heads(k), cos, sin), heads(torch.addmm(bias_v, z, dec_v[i, :r]).view(b, t, -1)))
+    if by_kind["hidden"]:                               # one code per token -> K and V of every head
+        keys = bigram_keys(codes.token_ids, codes.mask).reshape(-1) if art.hidden_bigrams(tuple(by_kind["hidden"])) \
+            else None
+        for src, (dec_k, mu_k, dec_v, mu_v) in art.hidden_decoders(dtype).items():
+            layers = art.hidden_codes()[src]             # the layers of a group share their code: dequantised once,
+            z = dense(codes.layers[src]["z_x"], dtype)   # decoded by one matmul for their keys, one for values
+            r, g = z.shape[-1], len(layers)
+            z = z.reshape(b * t, r)
+            if mu_k.dim() == 2:                         # token (and bigram) tables: each position's bias row
+                rows = art.reuse_x[src].bias_rows(codes.token_ids.reshape(-1), keys)
+                mu_k, mu_v = mu_k.index_select(0, rows), mu_v.index_select(0, rows)
+            # (B, T, G, n_kv, d) -> (G, B, n_kv, T, d) views; the keys rotated into one tensor, the values kept
+            # where the matmul wrote them
+            split = lambda y: y.view(b, t, g, n_kv, d_h).permute(2, 0, 3, 1, 4)  # noqa: E731
+            k = apply_rope(split(torch.addmm(mu_k, z, dec_k[:r])), cos, sin)
+            v = split(torch.addmm(mu_v, z, dec_v[:r]))
+            kv.update({l: (k[i], v[i]) for i, l in enumerate(layers)})
     shared = [l for l, k in enumerate(art.plan) if k == "shared"]
     for l in shared:                                    # the producer's own K and V, as sent
         if art.code_dtype == "klt":                     # or as transform codes, their sinks computed here
@@ -267,7 +268,7 @@ def run_tail(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, t
     if s >= t:
         return kv
     c = cache.assemble(model, [(k[..., :s, :], v[..., :s, :]) for k, v in kv])
-    cache.extend(model, c, mask[:, :s], token_ids[:, s:], mask[:, s:])
+    cache.extend(model, c, mask[:, :s], token_ids[:, s:], mask[:, s:], last_only=True)
     return [(layer.keys, layer.values) for layer in c.layers]
 
 
