@@ -125,7 +125,7 @@ class FusedPatches:
         f = torch.stack(zs).to(self.w_f.dtype).view(p, b * t, -1)
         if self.token_table is not None or self.w_tok is not None:
             if self.token_table is not None:
-                tok = self.token_table[token_ids]
+                tok = F.embedding(token_ids, self.token_table)
             elif x0 is None:
                 raise ValueError("these aligners read the consumer's layer-0 input x0 (token features); pass it")
             else:

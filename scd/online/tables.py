@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.nn.functional as F
 
 from scd.online.patch import FusedPatches, key_norm
 from scd.online.rope import cos_sin
@@ -62,14 +63,14 @@ class ConsumerTables:
     @torch.no_grad()
     def x0(self, token_ids: torch.Tensor) -> torch.Tensor:
         """layer0_input(model, ids), (B, T, H)."""
-        return self._vocab_tables()[0][token_ids] if self.vocab_kept else layer0_input(self.model, token_ids)
+        return F.embedding(token_ids, self._vocab_tables()[0]) if self.vocab_kept else layer0_input(self.model, token_ids)
 
     @torch.no_grad()
     def layer0(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer 0's K before RoPE and V, each (B, T, n_kv * d_h): exact, from the token ids alone."""
         if self.vocab_kept:
             _, k, v = self._vocab_tables()
-            return k[token_ids], v[token_ids]
+            return F.embedding(token_ids, k), F.embedding(token_ids, v)   # a gather: 6x t[ids] on a CPU
         x0 = layer0_input(self.model, token_ids)
         attn = self.model.model.layers[0].self_attn
         return key_norm(attn, attn.k_proj(x0), self.head_dim), attn.v_proj(x0)
