@@ -292,7 +292,7 @@ class CalibrationSettings(CalibConfig):
     entries: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=1, description=(
         "recompute blocks: the entry layers tried, each within max_consumer_prefill_ratio (unset: four evenly "
         "spaced up to it); each entry is checkpointed on its own, so adding one measures only that one"))
-    tails: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description=(
+    tails: list[Annotated[int, Field(ge=1)]] = Field([], description=(
         "recompute blocks: also measure each plan (the codes alone, each entry) with the consumer running the "
         "prefix's last k tokens itself through every layer, for each k listed (a share k / prefix_tokens of a "
         "prefill at the calibration's length; the continuation reads those tokens most)"))

@@ -243,6 +243,7 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     DroidSpeak (held-out rows, at their measured share of a prefill)."""
     fig, ax = plt.subplots(figsize=(6.8, 4.2))
     pts = sorted(compute["points"], key=lambda p: p["consumer_ratio"])
+    n = compute.get("num_layers")
     floor = 1e-7                                # a lossless plan's KL is 0 up to rounding: drawn at the floor
     front = points.pareto(pts)                  # the curve: no plan costs less at a lower KL
     ax.plot([p["consumer_ratio"] for p in front], [max(p["kl"], floor) for p in front], "o-", color="tab:blue", ms=5,
@@ -252,7 +253,7 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
         ax.scatter([p["consumer_ratio"] for p in rest], [max(p["kl"], floor) for p in rest], s=25,
                    facecolors="none", edgecolors="tab:blue", label="plans beaten at no more compute")
     for p in pts:
-        ax.annotate(f"e={p['entry']}" + (f"+{p['tail']}" if p.get("tail") else ""),
+        ax.annotate(("codes" if p["entry"] == n else f"e={p['entry']}") + (f"+{p['tail']}" if p.get("tail") else ""),
                     (p["consumer_ratio"], max(p["kl"], floor)), textcoords="offset points", xytext=(4, 3),
                     fontsize=7, color="tab:blue")
     c = compute["chosen"]
@@ -268,7 +269,6 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
         if r["method"] == "droidspeak":
             ax.scatter([r["prefill_ratio"]], [max(r["kl"], floor)], marker="^", color="tab:purple", s=40,
                        label="DroidSpeak, best block (held-out)", zorder=4)
-    n = compute.get("num_layers")
     chosen = None if c is None else points.point_name(c["entry"], c.get("tail", 0), n) if n else None
     held = held_out_curve(rows, chosen, n, compute.get("prefix_tokens", 1)) if n else {}
     labels = {"SCD": "SCD's plans (held-out, Pareto front)", "DroidSpeak": "DroidSpeak entering at each e (held-out)"}
@@ -283,7 +283,7 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     ax.set(xlabel="consumer compute over the prefix (share of its own prefill)", ylabel="KL(oracle ‖ plan)",
            title=f"Quality against consumer compute — {pair}")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(frameon=False, fontsize=7)
+    ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
 

@@ -143,7 +143,7 @@ def _other_value(name, field):
         return next(v for v in get_args(field.annotation) if v != field.default)
     if isinstance(field.default, bool):
         return not field.default
-    if field.default is None:
+    if field.default is None or field.default == []:
         return [2] if "list" in str(field.annotation) else 0.5
     return field.default + 1 if not isinstance(field.default, float) else min(field.default * 0.5 + 0.01, 1.0)
 
