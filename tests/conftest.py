@@ -131,10 +131,10 @@ def real_family() -> Path:
 # the modules whose tests start Ray (the session's cluster, `scd serve`, the multinode drill, Serve apps) or the
 # jobs that run on it: under pytest-xdist they all go to one worker, in order, since two Ray clusters on one
 # machine would fight over the dashboard agent's port
-# (a module that only imports Ray, or runs a job with --no-actors, stays out: the other worker takes it)
-RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_calibrate_job.py", "test_cli_calibrate.py",
-               "test_cli_serve.py", "test_exact_plans.py", "test_faults.py", "test_gpu.py", "test_multinode.py",
-               "test_producer_pool.py", "test_quickstart.py", "test_serve.py", "test_serve_nixl.py", "test_transport.py"}
+RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_blocks.py", "test_calibrate_job.py",
+               "test_cli_calibrate.py", "test_cli_serve.py", "test_config.py", "test_exact_plans.py", "test_faults.py",
+               "test_gpu.py", "test_loadtest.py", "test_multinode.py", "test_pool_policy.py", "test_producer_pool.py",
+               "test_quickstart.py", "test_serve.py", "test_serve_nixl.py", "test_transport.py"}
 
 
 @pytest.hookimpl(tryfirst=True)              # before xdist's own hook reads the groups

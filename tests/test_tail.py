@@ -110,3 +110,28 @@ def test_points_are_named_costed_and_compared_with_droidspeak_at_the_same_comput
     assert points.pareto([{"consumer_ratio": 0.2, "kl": 0.3}, {"consumer_ratio": 0.3, "kl": 0.4},
                           {"consumer_ratio": 0.5, "kl": 0.1}]) == [{"consumer_ratio": 0.2, "kl": 0.3},
                                                                    {"consumer_ratio": 0.5, "kl": 0.1}]
+
+
+def test_the_job_publishes_a_tail_where_it_is_the_cheapest_plan_within_the_bound(tmp_path, capsys, monkeypatch):
+    """The block stage's choice with tails: a tail point that meets the bound at the least modeled TTFT (its KL
+    set to 0 here, so that the choice does not hang on what a tiny budget fits) is published as the codes with
+    tail_tokens, which the held-out evaluation rebuilds with."""
+    from artifacts_store import ArtifactStore
+    from jobs.calibrate import main as calibrate
+    from scd.fitting import blocks
+    from tests.conftest import write_config
+    curve = blocks.curve
+
+    def tails_meet(*a, **k):
+        pts, raw = curve(*a, **k)
+        return [{**p, "kl": 0.0} if p["tail"] else p for p in pts], raw
+    monkeypatch.setattr(blocks, "curve", tails_meet)
+    cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.1,
+                       tails=[8])
+    ref = calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
+    out = capsys.readouterr().out
+    assert "codes alone, and the prefix's last 8 tokens through every layer (within the quality bound)" in out, out
+    art, _ = ArtifactStore(tmp_path / "store").load(ref)
+    assert art.tail_tokens == 8 and not art.blocks, (art.tail_tokens, art.plan)
+    chosen = art.info["blocks"]["chosen"]
+    assert (chosen["entry"], chosen["tail"]) == (8, 8) and chosen["consumer_ratio"] == pytest.approx(8 / 96), chosen
