@@ -126,7 +126,7 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
     log(f"plans (validation): {blocks.describe(rec['points'], raw_kl, n)}")
     chosen = exact.choose(rec["points"], raw_kl, bound, gbps or DEFAULT_GBPS)
     art.info["blocks"] = {**rec, "chosen": chosen, "bound": vars(bound), "gbps": gbps or DEFAULT_GBPS,
-                          "num_layers": n, "prefix_tokens": val[0].prefix.shape[-1]}
+                          "num_layers": n, "prefix_tokens": t_val}
     tail = chosen.get("tail", 0) if chosen else 0
     tail_note = f", and the prefix's last {tail} tokens through every layer" if tail else ""
     if chosen is None or chosen["entry"] == n:
