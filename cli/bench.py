@@ -173,7 +173,7 @@ def _print_default(pair: str, r: dict) -> None:
           f"  consumer prefill            {r['prefill_ms']:8.2f} ms\n"
           f"  SCD decode+rebuild+patch    {r['consumer_ms']:8.2f} ms  (codec {r['decode_ms']:.2f}, "
           f"rebuild {r['rebuild_ms']:.2f}, patch {r['patch_ms']:.2f}, own layers {r['recompute_ms']:.2f}, "
-          f"own last tokens {r.get('tail_ms', 0.0):.2f})\n"
+          f"own last tokens {r['tail_ms']:.2f})\n"
           f"  ratio                       {r['ratio']:8.3f}\n"
           f"  payload                     {r['payload_bytes'] / 1024:8.1f} KB", flush=True)
 

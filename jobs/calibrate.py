@@ -340,9 +340,7 @@ def main(argv: list[str] | None = None) -> str:
     log(f"quality gate: passed (KL {gate['kl_scd']:.4f} vs raw KV {gate['kl_raw_kv']:.4f})")
     rows += checkpointed(cal.dir / f"tradeoff{tag}.json", lambda: tradeoff(cal, art, tok, val, held), held, digest)
     n = cal.spec.num_layers
-    picked = art.info.get("blocks", {}).get("chosen")
-    chosen = points.point_name(picked["entry"], picked.get("tail", 0), n) if picked and (
-        picked["entry"] < n or picked.get("tail")) else None
+    chosen = points.chosen_name(art.info.get("blocks", {}).get("chosen"), n)
     tried = curve_tried(art.info.get("blocks", {}), n)
     vs_ds = {}
     if tried:                                          # the curve held out, beside DroidSpeak at the same compute

@@ -132,15 +132,10 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
     if chosen is None or chosen["entry"] == n:
         log(("codes alone" + tail_note + " (within the quality bound)") if chosen
             else "codes alone: no plan meets the quality bound")
-        if tail:
-            out = art.with_tail(tail)
-            out.info = art.info
-            return out
-        return art
+        return art.with_tail(tail) if tail else art      # (a copy shares art.info)
     t = load_file(str(tensors))
     out = blocks.block_artifact(art, chosen["entry"], LinearCodec.from_tensors(t, f"entry.{chosen['entry']}"))
     out = out.with_tail(tail)
-    out.info = art.info
     log(f"recompute block: the consumer runs layers {chosen['entry']}-{cal.spec.num_layers - 1} from the aligned "
         f"residual{tail_note} (validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the "
         f"least modeled TTFT within the bound{exact.at_length(chosen)})")

@@ -269,15 +269,12 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
         if r["method"] == "droidspeak":
             ax.scatter([r["prefill_ratio"]], [max(r["kl"], floor)], marker="^", color="tab:purple", s=40,
                        label="DroidSpeak, best block (held-out)", zorder=4)
-    chosen = None if c is None else points.point_name(c["entry"], c.get("tail", 0), n) if n else None
-    held = held_out_curve(rows, chosen, n, compute.get("prefix_tokens", 1)) if n else {}
+    held = held_out_curve(rows, points.chosen_name(c, n), n, compute.get("prefix_tokens", 1)) if n else {}
     labels = {"SCD": "SCD's plans (held-out, Pareto front)", "DroidSpeak": "DroidSpeak entering at each e (held-out)"}
     for name, (color, marker) in {"SCD": ("tab:blue", "s"), "DroidSpeak": ("tab:purple", "^")}.items():
         if held.get(name):
-            pts_ = held[name] if name == "DroidSpeak" else [
-                (x, y, m) for x, y, m in held[name]
-                if not any(x2 <= x and y2 < y for x2, y2, _ in held[name])]
-            xs, ys, _ = zip(*pts_)
+            drawn = held[name] if name == "DroidSpeak" else points.pareto(held[name], lambda h: h[0], lambda h: h[1])
+            xs, ys, _ = zip(*drawn)
             ax.plot(xs, [max(y, floor) for y in ys], marker=marker, ls="--", color=color, ms=5, label=labels[name])
     ax.set_yscale("log")
     ax.set(xlabel="consumer compute over the prefix (share of its own prefill)", ylabel="KL(oracle ‖ plan)",

@@ -32,10 +32,18 @@ def consumer_ratio(entry: int, tail: int, num_layers: int, tokens: int) -> float
     return (num_layers - entry) / num_layers + min(tail, tokens) / tokens
 
 
-def pareto(points: list[dict]) -> list[dict]:
-    """The points no other beats: none at most as costly (consumer_ratio) with a lower KL."""
-    return [p for p in points if not any(q["consumer_ratio"] <= p["consumer_ratio"] and q["kl"] < p["kl"]
-                                         for q in points)]
+def chosen_name(chosen: dict | None, num_layers: int) -> str | None:
+    """The method name a chosen curve point is evaluated under elsewhere (its `scd` row), or None when no plan
+    was chosen or the choice is the codes alone (which spend no compute)."""
+    if chosen is None or (chosen["entry"] == num_layers and not chosen.get("tail")):
+        return None
+    return point_name(chosen["entry"], chosen.get("tail", 0), num_layers)
+
+
+def pareto(points: list, cost=lambda p: p["consumer_ratio"], kl=lambda p: p["kl"]) -> list:
+    """The points no other beats: none at most as costly with a lower KL (curve points by default; pass
+    `cost` and `kl` for other records)."""
+    return [p for p in points if not any(cost(q) <= cost(p) and kl(q) < kl(p) for q in points)]
 
 
 def droidspeak_at(cost: float, curve: list[tuple[float, float]]) -> float | None:

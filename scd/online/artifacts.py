@@ -255,22 +255,22 @@ class PairArtifacts:
             raise ValueError(f"{self.pair}: some hidden-state codecs have {what} and some do not")
         return have == {True}
 
-    def hidden_decoders(self, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, ...]]:
-        """Decoders of the plan's hidden layers, one set per code (hidden_codes), made once: {code: (dec_k
-        (r_x, G n_kv d), mu_k (G n_kv d), dec_v, mu_v)}, the G layers decoded from that code side by side in
-        its layers' order, so that one matmul decodes the keys of all of them and one their values. With token
+    def hidden_decoders(self, dtype: torch.dtype) -> dict[int, tuple]:
+        """Decoders of the plan's hidden layers, one set per code, made once: {code: (its layers (hidden_codes),
+        dec_k (r_x, G n_kv d), mu_k (G n_kv d), dec_v, mu_v)}, the G layers decoded from that code side by side
+        in that order, so that one matmul decodes the keys of all of them and one their values. With token
         tables mu_k and mu_v are the biases, (K + 1 [+ K2], G n_kv d): index them with
         reuse_x[code].bias_rows(token_ids, bigram keys)."""
         key = ("hidden", tuple(self.plan), dtype)
         if key not in self.derived:
-            layers = tuple(l for ls in self.hidden_codes().values() for l in ls)
-            tabled = self._all_or_none(layers, "table", "token tables")
+            codes = self.hidden_codes()
+            tabled = self._all_or_none(tuple(l for ls in codes.values() for l in ls), "table", "token tables")
+            side = lambda x: x.movedim(0, -2).flatten(-2).contiguous()   # noqa: E731  (G, ..., m) -> (..., G m)
             out = {}
-            for code, ls in self.hidden_codes().items():
+            for code, ls in codes.items():
                 dec_k, dec_v = self._hidden_halves(tuple(ls), dtype, lambda c: c.dec)
                 mu_k, mu_v = self._hidden_halves(tuple(ls), dtype, lambda c: c.biases() if tabled else c.mu_b)
-                side = lambda x: x.movedim(0, -2).flatten(-2).contiguous()   # noqa: E731  (G, ..., m) -> (..., G m)
-                out[code] = (side(dec_k), side(mu_k), side(dec_v), side(mu_v))
+                out[code] = (ls, side(dec_k), side(mu_k), side(dec_v), side(mu_v))
             self.derived[key] = out
         return self.derived[key]
 

@@ -213,19 +213,18 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
     if by_kind["hidden"]:                               # one code per token -> K and V of every head
         keys = bigram_keys(codes.token_ids, codes.mask).reshape(-1) if art.hidden_bigrams(tuple(by_kind["hidden"])) \
             else None
-        for src, (dec_k, mu_k, dec_v, mu_v) in art.hidden_decoders(dtype).items():
-            layers = art.hidden_codes()[src]             # the layers of a group share their code: dequantised once,
-            z = dense(codes.layers[src]["z_x"], dtype)   # decoded by one matmul for their keys, one for values
-            r, g = z.shape[-1], len(layers)
+        # (B, T, G, n_kv, d) -> (G, B, n_kv, T, d) views; the keys rotated into one tensor, the values kept where
+        # the matmul wrote them
+        split = lambda y, g: y.view(b, t, g, n_kv, d_h).permute(2, 0, 3, 1, 4)  # noqa: E731
+        for src, (layers, dec_k, mu_k, dec_v, mu_v) in art.hidden_decoders(dtype).items():
+            z = dense(codes.layers[src]["z_x"], dtype)   # the layers of a group share their code: dequantised once,
+            r = z.shape[-1]                              # decoded by one matmul for their keys, one for values
             z = z.reshape(b * t, r)
             if mu_k.dim() == 2:                         # token (and bigram) tables: each position's bias row
                 rows = art.reuse_x[src].bias_rows(codes.token_ids.reshape(-1), keys)
                 mu_k, mu_v = mu_k.index_select(0, rows), mu_v.index_select(0, rows)
-            # (B, T, G, n_kv, d) -> (G, B, n_kv, T, d) views; the keys rotated into one tensor, the values kept
-            # where the matmul wrote them
-            split = lambda y: y.view(b, t, g, n_kv, d_h).permute(2, 0, 3, 1, 4)  # noqa: E731
-            k = apply_rope(split(torch.addmm(mu_k, z, dec_k[:r])), cos, sin)
-            v = split(torch.addmm(mu_v, z, dec_v[:r]))
+            k = apply_rope(split(torch.addmm(mu_k, z, dec_k[:r]), len(layers)), cos, sin)
+            v = split(torch.addmm(mu_v, z, dec_v[:r]), len(layers))
             kv.update({l: (k[i], v[i]) for i, l in enumerate(layers)})
     shared = [l for l, k in enumerate(art.plan) if k == "shared"]
     for l in shared:                                    # the producer's own K and V, as sent
