@@ -147,3 +147,32 @@ def test_the_cache_goes_by_the_name_the_installed_transformers_takes():
     assert cache.cache_arg(OldStyle(), "c") == {"past_key_values": "c"}
     assert list(cache.cache_arg(model, "c")) == [next(n for n in ("cache", "past_key_values")
                                                        if n in inspect.signature(type(model).forward).parameters)]
+
+
+def test_an_assembled_cache_holds_the_given_tensors_and_leaves_them_as_they_were():
+    model = tiny_llama()
+    ids, mask = left_padded_batch()
+    tr = trace.capture(model, ids[:, :-2], mask[:, :-2])
+    kv = list(zip(tr.keys, tr.values))
+    before = [(k.clone(), v.clone()) for k, v in kv]
+    c = cache.assemble(model, kv)
+    assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(c.layers, kv)), \
+        "assemble copied the tensors it was given"
+    cache.extend(model, c, mask[:, :-2], ids[:, -2:], mask[:, -2:])
+    err = max(max((k - k0).abs().max().item(), (v - v0).abs().max().item()) for (k, v), (k0, v0) in zip(kv, before))
+    assert err == 0, f"extending an assembled cache changed the tensors it was assembled from by {err:.2e}"
+    assert c.layers[0].keys.shape[-2] == ids.shape[1], "the extended cache does not hold the two new positions"
+
+
+def test_filling_a_cache_without_logits_fills_it_as_the_full_forward_does():
+    model = tiny_llama()
+    ids, mask = left_padded_batch()
+    tr = trace.capture(model, ids[:, :-3], mask[:, :-3])
+    filled = []
+    for logits in (True, False):
+        c = cache.assemble(model, list(zip(tr.keys, tr.values)))
+        out, full = cache.extend(model, c, mask[:, :-3], ids[:, -3:], mask[:, -3:], logits=logits)
+        assert (out is None) == (not logits) and full.shape == mask.shape
+        filled.append([(layer.keys, layer.values) for layer in c.layers])
+    err = max(max((a[0] - b[0]).abs().max().item(), (a[1] - b[1]).abs().max().item()) for a, b in zip(*filled))
+    assert err < 1e-6, f"the cache filled without the head differs from the full forward's by {err:.2e}"

@@ -11,6 +11,7 @@ import inspect
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from scd.online import activated
 
@@ -35,24 +36,38 @@ def cache_of(out):
 
 
 def assemble(model, kv: list[KV]) -> DynamicCache:
-    """A fresh DynamicCache holding the given per-layer (K post-RoPE, V), each (B, n_kv, T, d_h)."""
+    """A fresh DynamicCache holding the given per-layer (K post-RoPE, V), each (B, n_kv, T, d_h). A plain
+    dynamic layer takes the tensors as they are (its first update would copy them, by concatenation, into
+    a cache that the next forward copies again: at 2048 tokens of the real family 47 MB twice); the
+    tensors are not written to (every later update concatenates into new ones)."""
     cache = DynamicCache(config=model.config)
     for l, (k, v) in enumerate(kv):
-        cache.update(k, v, l)
+        layer = cache.layers[l] if l < len(cache.layers) else None
+        if type(layer) is DynamicLayer:
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        else:                                           # sliding-window and other layers keep their own update
+            cache.update(k, v, l)
     return cache
 
 
 def forward_on_cache(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor, ids_mask: torch.Tensor | None = None,
-                     last_only: bool = False):
+                     last_only: bool = False, logits: bool = True):
     """Run ids (B, S) on top of the cache (mutated in place). Returns (logits (B, S, V), full mask (B, T+S));
     last_only: the last position's logits alone, (B, 1, V) (the head over every position of a long run is a
-    quarter of its compute on a 49k vocabulary). Differentiable (calibration fine-tunes through it); serving
-    code calls `extend`, its no-grad form."""
+    quarter of its compute on a 49k vocabulary); logits=False: none (None), the decoder's layers alone fill
+    the cache (even one position's head reads the whole embedding matrix: 11 ms of a 32-token tail at 2048
+    tokens of the real family). Differentiable (calibration fine-tunes through it); serving code calls
+    `extend`, its no-grad form."""
     if ids_mask is None:
         ids_mask = torch.ones_like(ids)
     full = torch.cat([prefix_mask, ids_mask], dim=1)
     start = prefix_mask.long().sum(-1, keepdim=True)                                 # (B, 1) next position
     pos = start + (ids_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if not logits:
+        body = model.get_decoder()
+        body(input_ids=ids, attention_mask=full, position_ids=pos, use_cache=True, **cache_arg(body, cache))
+        return None, full
     out = model(input_ids=ids, attention_mask=full, position_ids=pos, use_cache=True, **cache_arg(model, cache),
                 **({"logits_to_keep": 1} if last_only else {}))
     return out.logits, full
@@ -60,17 +75,17 @@ def forward_on_cache(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor,
 
 @torch.no_grad()
 def extend(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor, ids_mask: torch.Tensor | None = None,
-           last_only: bool = False):
+           last_only: bool = False, logits: bool = True):
     """forward_on_cache without gradients, for serving and evaluation. An activated LoRA (scd.online.activated)
     runs the ids before its invocation on its base weights and the rest on the adapted ones (with last_only,
     each part's last logits)."""
     at = activated.switch(model, ids)
     if at == 0:
-        return forward_on_cache(model, cache, prefix_mask, ids, ids_mask, last_only)
+        return forward_on_cache(model, cache, prefix_mask, ids, ids_mask, last_only, logits)
     base = activated.of(model).base
     if at == ids.shape[1]:
-        return forward_on_cache(base, cache, prefix_mask, ids, ids_mask, last_only)
+        return forward_on_cache(base, cache, prefix_mask, ids, ids_mask, last_only, logits)
     ids_mask = torch.ones_like(ids) if ids_mask is None else ids_mask
-    head, mask = forward_on_cache(base, cache, prefix_mask, ids[:, :at], ids_mask[:, :at], last_only)
-    tail, mask = forward_on_cache(model, cache, mask, ids[:, at:], ids_mask[:, at:], last_only)
-    return torch.cat([head, tail], 1), mask
+    head, mask = forward_on_cache(base, cache, prefix_mask, ids[:, :at], ids_mask[:, :at], last_only, logits)
+    tail, mask = forward_on_cache(model, cache, mask, ids[:, at:], ids_mask[:, at:], last_only, logits)
+    return (torch.cat([head, tail], 1) if logits else None), mask

@@ -267,7 +267,7 @@ def run_tail(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, t
     if s >= t:
         return kv
     c = cache.assemble(model, [(k[..., :s, :], v[..., :s, :]) for k, v in kv])
-    cache.extend(model, c, mask[:, :s], token_ids[:, s:], mask[:, s:], last_only=True)
+    cache.extend(model, c, mask[:, :s], token_ids[:, s:], mask[:, s:], logits=False)
     return [(layer.keys, layer.values) for layer in c.layers]
 
 
