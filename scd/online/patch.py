@@ -136,8 +136,9 @@ class FusedPatches:
         if self.window is not None:        # padding rows zeroed, the last `context` rows side by side, one matmul
             wd = self.sizes[2]
             q = F.pad(q[0].view(p, b, t, wd) * mask.view(1, b, t, 1).to(u.dtype), (0, 0, self.context - 1, 0))
-            h = torch.baddbmm(h, q.unfold(2, self.context, 1).reshape(p, b * t, -1), self.window)
-        kv = torch.baddbmm(s, F.gelu(h), self.w_out)                                 # (P, B*T, m)
+            h = h.baddbmm_(q.unfold(2, self.context, 1).reshape(p, b * t, -1), self.window)
+        # in place: u's columns are this call's own, and baddbmm would first copy its input into a new output
+        kv = s.baddbmm_(F.gelu(h), self.w_out)                                       # (P, B*T, m)
         k = kv[..., :self.m_k].view(p, b, t, -1)
         if self.attns is not None:                    # a per-head key norm is not affine: applied after the map
             k = torch.stack([key_norm(a, k[i], self.head_dim) for i, a in enumerate(self.attns)])
