@@ -294,8 +294,8 @@ class CalibrationSettings(CalibConfig):
         "spaced up to it); each entry is checkpointed on its own, so adding one measures only that one"))
     tails: list[Annotated[int, Field(ge=1)]] = Field([], description=(
         "recompute blocks: also measure each plan (the codes alone, each entry) with the consumer running the "
-        "prefix's last k tokens itself through every layer, for each k listed (a share k / prefix_tokens of a "
-        "prefill at the calibration's length; the continuation reads those tokens most)"))
+        "prefix's last k tokens itself through every layer, for each k listed (the continuation reads those "
+        "tokens most); a tail chosen is served as the same share k / prefix_tokens of every prefix"))
     entry_train_samples: int = Field(0, ge=0, description=(
         "recompute blocks: train each entry's aligner end to end on this many of the fine-tuning samples (the "
         "consumer's next-token KL, back through its own layers over the codes below; "

@@ -108,11 +108,12 @@ def entry_curve(cal: Calibration, codes, entries: dict, tried: list[dict], tok, 
     entered at each entry tried (`droidspeak@<e>`: the producer's residual and K, V below), to compare at the
     same consumer compute. The chosen plan (named `chosen`) is the `scd` row already and is not run again."""
     n = cal.spec.num_layers
+    of = codes.info.get("blocks", {}).get("prefix_tokens") or held[0].prefix.shape[-1]   # where tails were counted
     plans = {}
     for p in tried:
         e, k = p["entry"], p.get("tail", 0)
         art = codes if e == n else blocks.block_artifact(codes, e, LinearCodec.from_tensors(entries, f"entry.{e}"))
-        plans[points.point_name(e, k, n)] = art.with_tail(k)
+        plans[points.point_name(e, k, n)] = art.with_tail(k, of)
     ms = [methods.SCDMethod(a, name) for name, a in plans.items() if name != chosen] + [
         methods.DroidSpeak.entering(e, n) for e in sorted({p["entry"] for p in tried if p["entry"] < n})]
     return Evaluator(cal.producer, cal.consumer, tok).run(held, ms, desc=f"held-out curve {cal.pair}")
@@ -390,8 +391,10 @@ def main(argv: list[str] | None = None) -> str:
         extra["plan"] = (f"codes below layer {s}, the consumer's own layers {s}-{cal.spec.num_layers - 1} from the "
                          f"producer's residual through an aligner (a recompute block)")
     if art.tail_tokens:
-        extra["plan"] = extra.get("plan", "the codes") + (f"; the consumer runs the prefix's last {art.tail_tokens} "
-                                                          f"tokens itself through every layer")
+        extra["plan"] = extra.get("plan", "the codes") + (
+            f"; the consumer runs the prefix's last {art.tail_tokens} tokens itself through every layer"
+            + (f" (that share of a prefix of {art.tail_of}: {art.tail_tokens / art.tail_of:.3g} of its tokens at "
+               f"every length)" if art.tail_of else ""))
     files = report.build_report(args.pair, art.info["policy"], rows, grid, xn, extra, compute=art.info.get("blocks"))
     metrics = {"kl": by["scd"]["kl"], "kl_reuse_only": by["reuse_only"]["kl"], "kl_raw_kv": by["raw_kv"]["kl"],
                "payload_bytes": float(by["scd"]["payload_bytes"]), "payload_ratio": by["scd"]["payload_ratio"],

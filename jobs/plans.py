@@ -82,6 +82,8 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
               **(trained if c.entry_train_samples else {})}
     tensors = cal.dir / "entry-aligners.safetensors"
     rec = load_record(path, inputs, log)
+    if rec is not None:     # a tail timed as a fixed count of tokens at the serving length (before tail_of): again
+        rec["points"] = [p for p in rec["points"] if not p.get("tail") or p.get("tail_of")]
     if rec is None:
         codes_pts, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}",
                                       serving_tokens=tokens)
@@ -132,10 +134,10 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
     if chosen is None or chosen["entry"] == n:
         log(("codes alone" + tail_note + " (within the quality bound)") if chosen
             else "codes alone: no plan meets the quality bound")
-        return art.with_tail(tail) if tail else art      # (a copy shares art.info)
+        return art.with_tail(tail, t_val) if tail else art      # (a copy shares art.info)
     t = load_file(str(tensors))
     out = blocks.block_artifact(art, chosen["entry"], LinearCodec.from_tensors(t, f"entry.{chosen['entry']}"))
-    out = out.with_tail(tail)
+    out = out.with_tail(tail, t_val)
     log(f"recompute block: the consumer runs layers {chosen['entry']}-{cal.spec.num_layers - 1} from the aligned "
         f"residual{tail_note} (validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the "
         f"least modeled TTFT within the bound{exact.at_length(chosen)})")

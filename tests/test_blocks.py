@@ -162,6 +162,7 @@ def test_an_entry_added_to_the_curve_is_measured_alone_and_the_others_resume(tmp
     assert [p for p in four["points"] if p["tail"] != 48] == three["points"], "the first tails resume"
     tail = next(p for p in four["points"] if p["entry"] == 8 and p["tail"] == 48)
     assert tail["consumer_ratio"] == pytest.approx(48 / 96), tail
+    assert {p.get("tail_of") for p in four["points"] if p["tail"]} == {96}, "a tail is a share of the samples' length"
     capsys.readouterr()
     with pytest.raises(SystemExit, match=r"\[1\] not below 8 layers within max_consumer_prefill_ratio 0.75"):
         calibrate(["--pair", "base:prose", "--config", str(write_config(tmp_path, entries=[1, 4], **kw)),

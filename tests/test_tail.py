@@ -55,8 +55,14 @@ def test_an_artifact_keeps_its_tail_through_a_save_and_load_and_rebuilds_with_it
     assert loaded.tail_tokens == 5
     assert PairArtifacts.load(tmp_path / "art").with_tail(0).description() == \
         PairArtifacts.exact("a:b", spec, ["exact", "shared", "shared", "shared"], "bf16").description()
-    with pytest.raises(ValueError, match="tail_tokens must be 0 or more"):
+    with pytest.raises(ValueError, match="tail_tokens and tail_of must be 0 or more"):
         art.with_tail(-1)
+    share = art.with_tail(5, 20)                    # the last quarter of every prefix
+    share.save(tmp_path / "share")
+    again = PairArtifacts.load(tmp_path / "share")
+    assert (again.tail_tokens, again.tail_of) == (5, 20) and "tail_of" not in art.description()
+    assert [again.tail_for(t) for t in (20, 16, 80, 2)] == [5, 4, 20, 1]
+    assert [art.tail_for(t) for t in (16, 80)] == [5, 5]           # a count without tail_of
     ids = torch.randint(2, 97, (1, 16), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     tr = capture(a, ids, mask)
@@ -65,6 +71,9 @@ def test_an_artifact_keeps_its_tail_through_a_save_and_load_and_rebuilds_with_it
     plain, _ = rebuild(b, loaded.with_tail(0), codes)
     want = run_tail(b, plain, ids, mask, 5)
     assert _err(kv, want) < 1e-6 and "tail_ms" in phases, _err(kv, want)
+    kv, _ = rebuild(b, again, codes)                # 5 of 20 tokens: the last 4 of these 16
+    want = run_tail(b, plain, ids, mask, 4)
+    assert _err(kv, want) < 1e-6 and _err(kv, run_tail(b, plain, ids, mask, 5)) > 1e-3, _err(kv, want)
 
 
 def test_the_tail_is_served_by_a_specialist():

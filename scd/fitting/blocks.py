@@ -128,21 +128,22 @@ def curve(producer, consumer, tok, art: PairArtifacts, aligners: dict[int, Linea
           with_codes: bool = True, desc: str = "recompute blocks", serving_tokens: int = 0,
           tails: tuple[int, ...] = (0,), only: list[tuple[int, int]] | None = None) -> tuple[list[dict], dict]:
     """(one point per plan: the codes alone (entry num_layers; with_codes) and each entry of `aligners`, each
-    with each tail of `tails` (0: none; k: the consumer runs the prefix's last k tokens, PairArtifacts.tail_tokens),
+    with each tail of `tails` (0: none; k: the consumer runs the prefix's last k tokens of the samples' length, the
+    same share at another: PairArtifacts.tail_for),
     each {entry, tail, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms, greedy, f1,
     retained_gain}; the raw-KV row), measured on `samples` beside the oracle and the base alone; `only`: just these
-    (entry, tail) plans of them. A tail's share of the compute is counted at the samples' length (at a longer
-    serving length the same tail costs less)."""
+    (entry, tail) plans of them. A tail's point records the length its share is of ("tail_of"): served, it is
+    that share of every prefix, timed at `serving_tokens` so."""
     n = art.spec.num_layers
     plans = {**({n: art} if with_codes else {}), **{e: block_artifact(art, e, a) for e, a in sorted(aligners.items())}}
-    plans = {(e, k): a.with_tail(k) for e, a in plans.items() for k in tails if only is None or (e, k) in only}
+    t = samples[0].prefix.shape[-1]
+    plans = {(e, k): a.with_tail(k, t) for e, a in plans.items() for k in tails if only is None or (e, k) in only}
     ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV()] + [
         methods.SCDMethod(a, point_name(e, k, n)) for (e, k), a in plans.items()]
     rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc,
                                                                           cost_tokens=serving_tokens)}
     keys = exact.POINT_KEYS + ("f1", "retained_gain")
-    t = samples[0].prefix.shape[-1]
-    points = [{"entry": e, "tail": k, "consumer_ratio": consumer_ratio(e, k, n, t),
+    points = [{"entry": e, "tail": k, **({"tail_of": t} if k else {}), "consumer_ratio": consumer_ratio(e, k, n, t),
                **exact.measured_point(rows[point_name(e, k, n)], keys)} for e, k in plans]
     return points, rows["raw_kv"]
 

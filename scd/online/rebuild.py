@@ -13,8 +13,9 @@ Codes for one request (batch B, prefix length T), per layer by the artifact's pl
   shared_entry: k, v and z_e (a family's payload: one member shares the layer, another enters there)
 plus token ids and the left-padding mask, both (B, T).
 
-An artifact with tail_tokens k has the consumer run the prefix's last k tokens itself after the rebuild,
-through every layer, over the cache rebuilt for the tokens before them (run_tail).
+An artifact with a tail has the consumer run the prefix's last tokens itself after the rebuild (k of them,
+or k / tail_of of the prefix: PairArtifacts.tail_for), through every layer, over the cache rebuilt for the
+tokens before them (run_tail).
 """
 from __future__ import annotations
 
@@ -253,7 +254,7 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
     t_end = time.perf_counter()
     out = [kv[l] for l in range(len(art.plan))]
     if art.tail_tokens:
-        out = run_tail(model, out, codes.token_ids, codes.mask, art.tail_tokens)
+        out = run_tail(model, out, codes.token_ids, codes.mask, art.tail_for(t))
     return out, {"rebuild_ms": (t_patch - t0) * 1e3, "patch_ms": (t_run - t_patch) * 1e3,
                  "recompute_ms": (t_end - t_run) * 1e3, "tail_ms": (time.perf_counter() - t_end) * 1e3}
 
