@@ -117,8 +117,7 @@ class PairArtifacts:
     # for the tokens before them (scd.online.rebuild.run_tail): the recent window a continuation reads most.
     # With tail_of, the tail is that share of a prefix measured at tail_of tokens, and a prefix of T tokens
     # runs its last tail_tokens * T / tail_of (tail_for): the same share of the compute, and what that share
-    # buys held at other lengths where a fixed count's did not (code: the last 64 of 512 tokens read 0.48 x
-    # raw KV, the last 64 of 2048 0.49 x from codes alone 0.86 x and 0.85 x; the last 256 of 2048 0.39 x)
+    # buys held at other lengths where a fixed count's did not (docs/method.md, "tails")
     tail_tokens: int = 0
     tail_of: int = 0
 
