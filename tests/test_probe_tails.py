@@ -40,8 +40,10 @@ def test_the_codes_alone_of_a_block_plan_rebuild_as_the_codes_did(pair):
 def test_rows_compare_each_plan_with_raw_kv_and_droidspeak_at_its_counted_compute(pair):
     a, b, art = pair
     held = _samples(3, 9, t=20)
-    rows = {r["method"]: r for r in curve_rows(Evaluator(a, b), held, art, [0, 5], [2], repeats=1)}
-    assert set(rows) == {"raw_kv", "droidspeak@2", "codes", "codes+tail5"}
+    rows = {r["method"]: r for r in curve_rows(Evaluator(a, b), held, art, [0, 5], [2], repeats=1, heads=(20,))}
+    assert set(rows) == {"raw_kv", "droidspeak@2", "codes", "codes+tail5", "codes+head20", "codes+tail5+head20"}
+    # the consumer's own first 20 of 20 tokens is its own cache: the oracle's KL (float noise), at a whole prefill
+    assert rows["codes+head20"]["kl"] < 1e-6 and rows["codes+head20"]["consumer_ratio"] == 1, rows["codes+head20"]
     assert rows["raw_kv"]["over_raw"] == 1 and rows["raw_kv"]["consumer_ratio"] == 0
     assert all(r["timed"] > 0 for r in rows.values()), rows
     assert rows["droidspeak@2"]["consumer_ratio"] == 0.5 and rows["codes+tail5"]["consumer_ratio"] == 5 / 20
