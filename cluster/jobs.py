@@ -18,15 +18,57 @@ def _client(address: str):
     return JobSubmissionClient(address)
 
 
-async def _follow(client, job_id: str, pair: str) -> None:
+# Ray lost the job's working-dir package: jobs submitted from one working dir share it (by its content hash), and
+# on a busy cluster Ray has deleted it under a job that found it present, before the job started (error type
+# RUNTIME_ENV_SETUP_FAILURE) or under the actors it starts (this line in its log). Nothing of the calibration is
+# lost (it resumes from its checkpoints): submit it again, which uploads the package anew.
+RESUBMIT = {"RUNTIME_ENV_SETUP_FAILURE"}
+LOST_PACKAGE = "Failed to download runtime_env file package"
+
+
+async def _follow(client, job_id: str, pair: str) -> bool:
+    """Print the job's log lines prefixed by its pair until it ends; whether Ray lost its package (LOST_PACKAGE)."""
+    lost = False
     async for chunk in client.tail_job_logs(job_id):
         for line in chunk.splitlines():
             if line.strip():
                 print(f"[{pair}] {line}", flush=True)
+                lost |= LOST_PACKAGE in line
+    return lost
 
 
-async def _follow_all(client, jobs: dict[str, str]) -> None:
-    await asyncio.gather(*(_follow(client, job_id, pair) for pair, job_id in jobs.items()))
+async def _ended(client, job_id: str) -> str:
+    """The job's terminal status, once it has one."""
+    while True:
+        status = client.get_job_status(job_id)
+        name = str(getattr(status, "value", status))
+        if name in TERMINAL:
+            return name
+        await asyncio.sleep(1)
+
+
+async def _run(client, pair: str, entry: str, env: dict, attempts: int = 2) -> str:
+    """Submit one pair's job, follow its log to its end, and submit it again (up to `attempts` in all) when Ray
+    lost its working-dir package (RESUBMIT, LOST_PACKAGE). Returns its last status."""
+    for attempt in range(attempts):
+        job_id = _submit(client, entry, env, f"calibrate-{pair.replace(':', '-')}-{int(time.time())}"
+                                             + (f"-{attempt}" if attempt else ""))
+        print(f"submitted {job_id} for {pair}", flush=True)
+        lost = await _follow(client, job_id, pair)
+        status = await _ended(client, job_id)
+        if status != "FAILED" or attempt == attempts - 1:
+            return status
+        kind = str(getattr(client.get_job_info(job_id), "error_type", None) or "")
+        if kind not in RESUBMIT and not lost:
+            return status
+        print(f"[{pair}] Ray lost the job's working-dir package ({kind or LOST_PACKAGE}); submitting it again "
+              f"(it resumes from its checkpoints)", flush=True)
+    return status
+
+
+async def _run_all(client, entries: dict[str, str], env: dict) -> dict[str, str]:
+    statuses = await asyncio.gather(*(_run(client, pair, entry, env) for pair, entry in entries.items()))
+    return dict(zip(entries, statuses))
 
 
 def _submit(client, entry: str, env: dict, submission_id: str, wait_s: float = 120.0) -> str:
@@ -56,19 +98,9 @@ def submit_and_follow(address: str, pairs: list[str], config_path: str, working_
               "--work-dir", cfg.calibration.work_dir, *(extra or [])]
     client = _client(address)
     env = {"working_dir": working_dir, "excludes": ["/runs/", "/.git/", "__pycache__"]}
-    jobs = {}
-    for pair in pairs:
-        entry = " ".join(["python -m jobs.calibrate --pair", pair, *common])
-        jobs[pair] = _submit(client, entry, env, f"calibrate-{pair.replace(':', '-')}-{int(time.time())}")
-        print(f"submitted {jobs[pair]} for {pair}", flush=True)
-    asyncio.run(_follow_all(client, jobs))
+    entries = {pair: " ".join(["python -m jobs.calibrate --pair", pair, *common]) for pair in pairs}
     failed = 0
-    for pair, job_id in jobs.items():
-        status = client.get_job_status(job_id)
-        while str(getattr(status, "value", status)) not in TERMINAL:
-            time.sleep(1)
-            status = client.get_job_status(job_id)
-        name = str(getattr(status, "value", status))
-        print(f"{pair}: {name}", flush=True)
-        failed += name != "SUCCEEDED"
+    for pair, status in asyncio.run(_run_all(client, entries, env)).items():
+        print(f"{pair}: {status}", flush=True)
+        failed += status != "SUCCEEDED"
     return failed

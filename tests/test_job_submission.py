@@ -1,0 +1,56 @@
+"""Calibration jobs as submitted through the Jobs API (cluster.jobs), against a stand-in client: a job for which
+Ray lost its working-dir package (before it started, or under its actors, as its log says) is submitted again;
+any other failure is not."""
+from types import SimpleNamespace
+
+from cluster import jobs
+from tests.conftest import write_config
+
+LOST = "OSError: Failed to download runtime_env file package gcs://_ray_pkg_8f62.zip from the GCS to the Ray worker"
+
+
+class FakeClient:
+    """Scripted outcomes per pair, one per submission: (status, error_type, log lines...)."""
+
+    def __init__(self, outcomes: dict[str, list[tuple]]):
+        self.outcomes, self.submitted, self.jobs = outcomes, [], {}
+
+    def submit_job(self, entrypoint, runtime_env, submission_id):
+        pair = entrypoint.split("--pair ")[1].split()[0]
+        self.jobs[submission_id] = self.outcomes[pair].pop(0)
+        self.submitted.append((pair, submission_id))
+        return submission_id
+
+    async def tail_job_logs(self, job_id):
+        yield "".join(line + "\n" for line in (f"log of {job_id}", *self.jobs[job_id][2:]))
+
+    def get_job_status(self, job_id):
+        return self.jobs[job_id][0]
+
+    def get_job_info(self, job_id):
+        return SimpleNamespace(status=self.jobs[job_id][0], error_type=self.jobs[job_id][1])
+
+
+def _run(tmp_path, monkeypatch, outcomes):
+    client = FakeClient(outcomes)
+    monkeypatch.setattr(jobs, "_client", lambda address: client)
+    failed = jobs.submit_and_follow("http://x", list(outcomes), str(write_config(tmp_path)))
+    return failed, [p for p, _ in client.submitted], client
+
+
+def test_a_job_whose_package_ray_lost_is_submitted_again_and_other_failures_are_not(tmp_path, monkeypatch, capsys):
+    failed, pairs, client = _run(tmp_path, monkeypatch, {
+        "base:qa": [("FAILED", "RUNTIME_ENV_SETUP_FAILURE"), ("SUCCEEDED", None)],          # before it started
+        "base:prose": [("FAILED", "JOB_ENTRYPOINT_COMMAND_ERROR", LOST), ("SUCCEEDED", None)],  # under its actors
+        "base:code": [("FAILED", "JOB_ENTRYPOINT_COMMAND_ERROR", "ValueError: a bad setting")]})
+    assert (pairs.count("base:qa"), pairs.count("base:prose"), pairs.count("base:code")) == (2, 2, 1), pairs
+    assert len({job for _, job in client.submitted}) == len(pairs), "a resubmission reused a submission id"
+    assert failed == 1, f"{failed} failures counted (only code's own error)"
+    out = capsys.readouterr().out
+    assert "base:qa: SUCCEEDED" in out and "base:prose: SUCCEEDED" in out and "base:code: FAILED" in out, out
+    assert out.count("submitting it again") == 2, out
+
+
+def test_a_job_is_submitted_again_once_at_most(tmp_path, monkeypatch):
+    failed, pairs, _ = _run(tmp_path, monkeypatch, {"base:qa": [("FAILED", "RUNTIME_ENV_SETUP_FAILURE")] * 2})
+    assert pairs == ["base:qa", "base:qa"] and failed == 1, (pairs, failed)
