@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         lengths, tails, entries, heads = ([int(x) for x in v.split(",") if x]
                                           for v in (args.tokens, args.tails, args.entries, args.heads))
     except ValueError as e:
-        raise SystemExit(f"--tokens, --tails and --entries take comma-separated integers: {e}") from None
+        raise SystemExit(f"--tokens, --tails, --entries and --heads take comma-separated integers: {e}") from None
     if args.samples < 1 or args.repeats < 0 or not lengths or min(lengths) < 2 or min(tails, default=0) < 0 \
             or min(heads, default=1) < 1:
         raise SystemExit("--samples must be >= 1, --repeats >= 0, --tokens >= 2, --tails >= 0 and --heads >= 1")
@@ -123,9 +123,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cfg, name, producer, consumer, tok, spec = config_pair(args.config, args.artifact.split("@")[0])
     if any(not 0 < e < spec.num_layers for e in entries):
         raise SystemExit(f"--entries must lie in 1..{spec.num_layers - 1}")
-    uri = cfg.artifacts.uri if "://" in cfg.artifacts.uri else str(Path(cfg.artifacts.uri).expanduser())
-    try:
-        art, manifest = ArtifactStore(uri).load(
+    try:                                                # (load_config resolved the store's path already)
+        art, manifest = ArtifactStore(cfg.artifacts.uri).load(
             args.artifact, expect=Fingerprints.of(producer=producer, consumer=consumer, tokenizer=tok))
     except ArtifactStoreError as e:
         raise SystemExit(f"--artifact {args.artifact}: {e}") from None

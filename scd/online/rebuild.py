@@ -221,11 +221,13 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
             z = dense(codes.layers[src]["z_x"], dtype)   # the layers of a group share their code: dequantised once,
             r = z.shape[-1]                              # decoded by one matmul for their keys, one for values
             z = z.reshape(b * t, r)
-            if mu_k.dim() == 2:                         # token (and bigram) tables: each position's bias row,
-                rows = art.reuse_x[src].bias_rows(codes.token_ids.reshape(-1), keys)   # gathered into the
-                k = mu_k.index_select(0, rows).addmm_(z, dec_k[:r])   # output the matmul adds to (addmm would
-                v = mu_v.index_select(0, rows).addmm_(z, dec_v[:r])   # copy them there first: 0.25 ms a
-            else:                                                       # matmul of the demo at 1024 tokens)
+            # token (and bigram) tables: each position's bias row, gathered into the output the matmul adds to
+            # (addmm would copy them there first: 0.25 ms a matmul of the demo at 1024 tokens)
+            if mu_k.dim() == 2:
+                rows = art.reuse_x[src].bias_rows(codes.token_ids.reshape(-1), keys)
+                k = mu_k.index_select(0, rows).addmm_(z, dec_k[:r])
+                v = mu_v.index_select(0, rows).addmm_(z, dec_v[:r])
+            else:
                 k, v = torch.addmm(mu_k, z, dec_k[:r]), torch.addmm(mu_v, z, dec_v[:r])
             k = apply_rope(split(k, len(layers)), cos, sin)
             v = split(v, len(layers))
