@@ -25,7 +25,8 @@ class _Strict(BaseModel):
 
 
 class RaySettings(_Strict):
-    address: str = Field("", description="Ray address to connect to; empty starts an embedded local cluster")
+    address: str = Field("", description="Ray address to join (`auto`: the cluster `ray start` runs on this "
+                         "machine); empty: $RAY_ADDRESS where set (inside a Ray Job), else an embedded local cluster")
     namespace: str = Field("scd", description="Ray namespace of the named actors and jobs")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the embedded cluster (default: all)")
     num_gpus: int | None = Field(None, ge=0, description="GPUs of the embedded cluster (default: detected)")
@@ -45,9 +46,9 @@ _RAY_RESOURCES = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": None, "object_
 class ModelSettings(_Strict):
     name: str = Field(pattern=NAME, description="short name used in URLs, pair ids and artifact refs")
     path: str = Field(description="local HF model folder (config.json, weights, tokenizer), or a PEFT adapter "
-                      "folder merged into its base at load")
-    base: str | None = Field(None, description="an adapter's base model folder; default: the folder its "
-                             "adapter_config.json names (base_model_name_or_path)")
+                      "folder merged into its base at load; relative to the config file's folder")
+    base: str | None = Field(None, description="an adapter's base model folder, relative to the config file's "
+                             "folder; default: the folder its adapter_config.json names (base_model_name_or_path)")
     num_gpus: float = Field(0, ge=0, description="GPUs per replica; 0 runs on CPU")
     num_cpus: float = Field(1, gt=0, description="logical CPUs per replica when it runs on CPU")
     resources: dict[str, float] = Field(default_factory=dict, description=(
@@ -103,21 +104,25 @@ class _ReplicaRange(_Strict):
 
 
 class Autoscaling(_ReplicaRange):
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(2.0, gt=0)
-    upscale_delay_s: float = Field(2.0, ge=0)
-    downscale_delay_s: float = Field(10.0, ge=0)
+    min_replicas: int = Field(1, ge=0, description="fewest replicas (0: none while idle; it starts with one)")
+    max_replicas: int = Field(1, ge=1, description="most replicas")
+    target_ongoing_requests: float = Field(2.0, gt=0, description="requests each replica should hold on average; "
+                                           "more adds replicas (Serve's autoscaling)")
+    upscale_delay_s: float = Field(2.0, ge=0, description="how long more replicas must be wanted before one is added")
+    downscale_delay_s: float = Field(10.0, ge=0, description="how long fewer replicas must be wanted before one "
+                                                             "is removed")
 
 
 class ProducerAutoscaling(_ReplicaRange):
     """Producers added and removed from their prefill load, as Serve scales specialists from their queues."""
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int = Field(2, ge=1)
+    min_replicas: int = Field(1, ge=1, description="fewest producers")
+    max_replicas: int = Field(2, ge=1, description="most producers")
     target_busy: float = Field(0.7, gt=0, le=1, description="the fraction of its time each producer should spend "
                                "prefilling and encoding (averaged over 10 s); more in total adds producers")
-    upscale_delay_s: float = Field(5.0, ge=0)
-    downscale_delay_s: float = Field(30.0, ge=0)
+    upscale_delay_s: float = Field(5.0, ge=0, description="how long more producers must be wanted before one is "
+                                                           "added")
+    downscale_delay_s: float = Field(30.0, ge=0, description="how long fewer producers must be wanted before one "
+                                                             "is removed")
 
 
 class ProducerSettings(ModelSettings):
@@ -140,13 +145,14 @@ class SpecialistSettings(ModelSettings):
     artifact: str = Field("latest", description="artifact version of the producer->this pair, or 'latest'")
     exact: bool = Field(False, description="answer requests that do not say (`exact`) in exact mode: the "
                                           "specialist's own output, codes only drafting it")
-    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="this specialist's replicas, "
+                                     "scaled by Serve from the requests they hold")
     link_gbps: float | None = Field(None, gt=0, description="bandwidth from the producer to this specialist "
                                                             "(Gbps); default: link.bandwidth_gbps")
     calibration: dict[str, object] = Field(default_factory=dict, description=(
-        "fit settings of this pair that differ from the `calibration:` section's (any of scd.settings.CalibConfig, "
-        "e.g. more Patch layers for a specialist whose gap sits in a few layers), and its own `text_file`; the "
-        "rest come from that section"))
+        "this pair's own values of the `calibration:` section's keys marked per pair: every fit setting "
+        "(scd.settings.CalibConfig, e.g. more Patch layers for a specialist whose gap sits in a few layers), its own "
+        "`text_file`, quality bound and plan settings (PAIR_DATA); the rest come from that section"))
 
 
 # besides fit settings, a specialist may calibrate on text of its own, choose its plans on more validation
@@ -176,7 +182,7 @@ class LinkSettings(_Strict):
 
 class HttpSettings(_Strict):
     host: str = Field("127.0.0.1", description="bind address of the HTTP proxy")
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(8000, ge=1, le=65535, description="port of the HTTP proxy")
 
     def is_loopback(self) -> bool:
         import ipaddress
@@ -224,7 +230,8 @@ class LimitSettings(_Strict):
     request_timeout_s: float = Field(120.0, gt=0, description="a specialist call (whole answer) gives up after this")
     first_token_timeout_s: float = Field(60.0, gt=0, description="a stream gives up when no token came for this long")
     control_timeout_s: float = Field(5.0, gt=0, description="status/tokenize/register calls give up after this")
-    router_replicas: int = Field(1, ge=1)
+    router_replicas: int = Field(1, ge=1, description="replicas of the router, which admits requests and calls "
+                                                       "the producer and the specialists")
     router_max_ongoing: int = Field(64, ge=1, description="requests a router replica answers at once; beyond, "
                                                           "503 with Retry-After")
     specialist_max_ongoing: int = Field(4, ge=1, description="requests one specialist replica runs at once; "
@@ -237,7 +244,8 @@ class LimitSettings(_Strict):
 
 
 class ArtifactSettings(_Strict):
-    uri: str = Field("runs/artifacts", description="artifact store: local path or pyarrow URI (s3://, gs://, hdfs://)")
+    uri: str = Field("runs/artifacts", description="artifact store: local path (relative to the config file's "
+                     "folder) or pyarrow URI (s3://, gs://, hdfs://)")
     watch_s: float = Field(10.0, ge=0, description="the producer checks for newly published versions this often "
                                                    "and renews its leases on the versions it serves (0 = never)")
 
@@ -306,16 +314,19 @@ class CalibrationSettings(CalibConfig):
         "a family's quality gate besides gate_vs_raw_kv: publish it only if each member's held-out KL under the "
         "family code is <= this x the KL its published pair artifact recorded (a fan-out to the family gets "
         "the family code instead of the pair's; 0 = off)"))
-    work_dir: str = Field("runs/calibrate", description="checkpoints of running/finished calibrations")
+    work_dir: str = Field("runs/calibrate", description="checkpoints of running/finished calibrations (relative to "
+                          "the config file's folder)")
     text_file: str | None = Field(None, description=(
-        "your own text (UTF-8, paragraphs split on blank lines; the last fifth held out) that the pair is "
-        "calibrated and evaluated on; default: the demo corpora chosen by the specialist's name (qa*, code*, "
-        "else the reference manual's prose)"))
+        "your own text (UTF-8, paragraphs split on blank lines; the last fifth held out; relative to the config "
+        "file's folder) that the pair is calibrated and evaluated on; default: the demo corpora chosen by the "
+        "specialist's name (qa*, code*, else the reference manual's prose)"))
 
 
 class TelemetrySettings(_Strict):
-    exporter: Literal["none", "console", "file", "otlp"] = "none"
-    path: str | None = Field(None, description="file exporter: where spans are appended (JSON lines)")
+    exporter: Literal["none", "console", "file", "otlp"] = Field("none", description="where request spans go: "
+                                                              "nowhere, stdout, a file (path), a collector (endpoint)")
+    path: str | None = Field(None, description="file exporter: where spans are appended (JSON lines), by every "
+                             "process that records them; taken as given, not against the config's folder")
     endpoint: str | None = Field(None, description="otlp exporter: collector endpoint")
 
     @model_validator(mode="after")
@@ -328,9 +339,10 @@ class TelemetrySettings(_Strict):
 
 
 class DeploymentConfig(_Strict):
-    ray: RaySettings = Field(default_factory=RaySettings)
-    producer: ProducerSettings
-    specialists: list[SpecialistSettings] = Field(min_length=1)
+    ray: RaySettings = Field(default_factory=RaySettings, description="the Ray cluster to join or start")
+    producer: ProducerSettings = Field(description="the base model: it prefills each prefix once and sends codes")
+    specialists: list[SpecialistSettings] = Field(min_length=1, description=(
+        "the fine-tuned models served from the producer's codes, each a Serve deployment"))
     families: list[FamilySettings] = Field(default_factory=list, description=(
         "families of specialists that share one code (python -m jobs.family --publish); a fan-out to members "
         "of one family sends one payload, any other request each pair's own"))
@@ -345,13 +357,14 @@ class DeploymentConfig(_Strict):
         "travels by the transport itself"))
     producer_timeout_s: float = Field(10.0, gt=0, description="router waits this long for codes, then the "
                                                                 "specialists prefill themselves (fallback)")
-    http: HttpSettings = Field(default_factory=HttpSettings)
-    auth: AuthSettings = Field(default_factory=AuthSettings)
-    limits: LimitSettings = Field(default_factory=LimitSettings)
-    artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
-    link: LinkSettings = Field(default_factory=LinkSettings)
-    calibration: CalibrationSettings = Field(default_factory=CalibrationSettings)
-    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    http: HttpSettings = Field(default_factory=HttpSettings, description="where the HTTP API listens")
+    auth: AuthSettings = Field(default_factory=AuthSettings, description="the API key, if any")
+    limits: LimitSettings = Field(default_factory=LimitSettings, description="bounds on requests and remote calls")
+    artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings, description="the artifact store")
+    link: LinkSettings = Field(default_factory=LinkSettings, description="code levels chosen per link")
+    calibration: CalibrationSettings = Field(default_factory=CalibrationSettings, description=(
+        "how pairs are calibrated: every fit setting, the quality gate, plans, checkpoints"))
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings, description="where request spans go")
 
     @model_validator(mode="after")
     def _unique(self):

@@ -29,7 +29,7 @@ class CalibConfig(BaseModel):
     r_h: int = Field(32, ge=1, description="rank of the Patch layers' hidden-state codes")
     ridge: float = Field(1e-4, ge=0, description="ridge of the producer-side encoders, relative to the mean variance")
     aligner_width: int = Field(128, ge=1, description="hidden width of the Patch aligners' MLP")
-    aligner_epochs: int = Field(100, ge=1)
+    aligner_epochs: int = Field(100, ge=1, description="training epochs of each Patch aligner")
     aligner_context: int = Field(8, ge=1, description="codes per Patch aligner input (1 = the paper's per-token aligner)")
     aligner_window: int = Field(8, ge=1, description="per-position width of the squeezed features the window reads")
     aligner_tokens: int = Field(32, ge=0, description="width of the aligner's token features from the consumer's "
@@ -41,10 +41,10 @@ class CalibConfig(BaseModel):
     pool: int = Field(4, ge=1, description="Patch candidates: the most sensitive layers kept for the greedy policy")
     finetune_samples: int = Field(512, ge=0, description="(prefix, continuation) samples for end-to-end fine-tuning "
                                                          "on the consumer's next-token KL (0 = off)")
-    finetune_epochs: int = Field(3, ge=1)
+    finetune_epochs: int = Field(3, ge=1, description="epochs of end-to-end fine-tuning")
     finetune_tokens: int = Field(32, ge=2, description="continuation tokens of each text-window fine-tuning sample "
                                                        "(LM specialists; a QA sample is as long as its turns)")
-    finetune_lr: float = Field(1e-4, gt=0)
+    finetune_lr: float = Field(1e-4, gt=0, description="Adam's learning rate for fine-tuning")
     finetune_encoders: bool = Field(False, description=(
         "fine-tuning also moves the producer-side encoders of the hidden-state codes (the codes themselves "
         "learn what the consumer needs), not only the consumer-side decoders and aligners"))
@@ -83,7 +83,7 @@ class CalibConfig(BaseModel):
         "scales, two values a byte) four times; mixed: a code's first third (its widest columns) in int8, the "
         "rest in int4, three times"))
     batch: int = Field(8, ge=1, description="prefixes per tracing and fine-tuning batch")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the Patch aligners' initialisation and the fine-tuning's batch order")
 
     @classmethod
     def of(cls, settings: BaseModel) -> "CalibConfig":
