@@ -18,6 +18,9 @@ fallbacks after it, and how long until requests issued after it were served by `
 timings report (producer prefill + encode, the slowest specialist's cache build to last token).
 `--compare` runs the same requests twice against the one service, first as they are (SCD) and then with
 `"oracle": true` (every specialist prefills the prefix itself), and reports both with their ratios.
+`machine` (when the service runs on this machine, else null): the local Ray cluster's processes and their
+threads at the run's start and at its peak, by role (`cli/processes.py`), the 1-minute load average (at the end
+and the highest), and the CPU milliseconds each role spent per request: where the cores went.
 `--prefix-tokens N` pads every prefix with further notes to about N tokens (4 characters a token; the report's
 `prompt_tokens` is what the service counted). `--prefixes K` makes request i ask prefix number i % K.
 Exit code 0 when no request failed or got lost, else 1.
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from cli import processes
 from serve_app.schemas import model_compute_ms
 
 KINDS = ("completions", "streams", "fanouts")
@@ -99,9 +103,11 @@ def plan(n: int, mix: dict[str, float], seed: int = 0) -> list[str]:
 @dataclass(frozen=True)
 class Shape:
     """What the prompts look like: prefixes padded to about `prefix_tokens` tokens; `prefixes` > 0: request i
-    uses prefix number i % prefixes (each asked requests / prefixes times: a prefix-heavy mix)."""
+    uses prefix number i % prefixes (each asked requests / prefixes times: a prefix-heavy mix); `salt` makes the
+    requests' own prefixes new to a service that saw a run with another salt (its producer prefills them)."""
     prefix_tokens: int = 0
     prefixes: int = 0
+    salt: str = ""
 
 
 def prompt(i: int, shape: Shape = Shape()) -> tuple[str, str]:
@@ -121,7 +127,7 @@ def prompt(i: int, shape: Shape = Shape()) -> tuple[str, str]:
     if shape.prefixes:
         prefix += f"Entry {key}.\n"
     elif i % 2:
-        prefix += f"Entry {i}.\n"
+        prefix += f"Entry {shape.salt}{i}.\n"
     return prefix, QUESTIONS[i % len(QUESTIONS)].format(name)
 
 
@@ -136,6 +142,11 @@ class Client:
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def local(self) -> bool:
+        """Whether the service runs on this machine (its processes can then be counted)."""
+        from urllib.parse import urlparse
+        return urlparse(self.url).hostname in ("127.0.0.1", "localhost", "0.0.0.0", "::1")
 
     def open(self, path: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode()
@@ -229,9 +240,12 @@ def segments(samples: list[tuple[float, object]]) -> list[list]:
     return [[round(t, 1), s] for i, (t, s) in enumerate(samples) if i == 0 or samples[i - 1][1] != s]
 
 
-def poll_health(client: Client, t0: float, stop: threading.Event, out: list) -> None:
-    """Once a second until stopped: (seconds since start at the poll, status or HTTP code or "unreachable")."""
+def poll_health(client: Client, t0: float, stop: threading.Event, out: list, sampler=None) -> None:
+    """Once a second until stopped: (seconds since start at the poll, status or HTTP code or "unreachable"), and
+    a sample of the machine's Ray processes when `sampler` is given."""
     while True:
+        if sampler is not None:
+            sampler.sample()
         t = time.monotonic() - t0
         try:
             with client.open("/healthz") as resp:
@@ -270,6 +284,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ray-address", default="auto", help="default: %(default)s")
     p.add_argument("--compare", action="store_true", help="run the requests as SCD, then as the oracle, and compare")
     p.add_argument("--prefix-tokens", type=int, default=0, metavar="N", help="pad prefixes to about N tokens")
+    p.add_argument("--salt", default="", help="text in every request's own prefix: a run with a new salt finds none "
+                   "of them in the producer's cache (default: none)")
     p.add_argument("--prefixes", type=_positive, default=0, metavar="K",
                    help="request i asks prefix number i %% K (default: four shared prefixes, and one of its own "
                         "for every odd request)")
@@ -304,6 +320,7 @@ def run(client: Client, models: list[str], kinds: list[str], concurrency: int, k
     None)."""
     issued, lock, killed_at = itertools.count(1), threading.Lock(), []
     stop, health, t0 = threading.Event(), [], time.monotonic()
+    sampler = processes.Sampler() if client.local() else None
 
     def one(i: int, kind: str) -> Result:
         path, body, items = request(i, kind, models, shape, oracle)
@@ -317,7 +334,7 @@ def run(client: Client, models: list[str], kinds: list[str], concurrency: int, k
                     print(f"scd loadtest: killing the producer failed: {type(e).__name__}: {e}", file=sys.stderr)
         return client.run(r, body, path, items, t0)
 
-    poller = threading.Thread(target=poll_health, args=(client, t0, stop, health), daemon=True)
+    poller = threading.Thread(target=poll_health, args=(client, t0, stop, health, sampler), daemon=True)
     poller.start()
     with ThreadPoolExecutor(concurrency) as pool, tqdm(total=len(kinds), file=sys.stderr, unit="req") as bar:
         results = []
@@ -327,7 +344,7 @@ def run(client: Client, models: list[str], kinds: list[str], concurrency: int, k
     wall = time.monotonic() - t0
     stop.set()
     poller.join()
-    return results, health, wall, (killed_at or [None])[0]
+    return results, health, wall, (killed_at or [None])[0], sampler and sampler.report(len(kinds))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,11 +377,13 @@ def _main(args) -> dict:
         kill, disconnect = producer_killer(args.ray_address, namespace)   # connected before the load starts
 
     kinds = plan(args.requests, args.mix)
-    shape = Shape(args.prefix_tokens, args.prefixes)
+    shape = Shape(args.prefix_tokens, args.prefixes, args.salt)
     if args.compare:
-        reports = {mode: summary(args, kinds, *run(client, models, kinds, args.concurrency, None, None,
-                                                   shape, mode == "oracle")[:3])
-                   for mode in ("scd", "oracle")}
+        reports = {}
+        for mode in ("scd", "oracle"):
+            results, health, wall, _, machine = run(client, models, kinds, args.concurrency, None, None, shape,
+                                                    mode == "oracle")
+            reports[mode] = summary(args, kinds, results, health, wall, machine)
         s, o = reports["scd"], reports["oracle"]
         ratio = lambda a, b: round(a / b, 3) if a and b else None       # noqa: E731
         report = {**reports, "scd_over_oracle": {
@@ -374,11 +393,11 @@ def _main(args) -> dict:
         print(comparison_table(report), file=sys.stderr)
         return report
     try:
-        results, health, wall, killed = run(client, models, kinds, args.concurrency, args.kill_producer_at, kill,
-                                            shape)
+        results, health, wall, killed, machine = run(client, models, kinds, args.concurrency,
+                                                     args.kill_producer_at, kill, shape)
     finally:
         disconnect()
-    report = summary(args, kinds, results, health, wall)
+    report = summary(args, kinds, results, health, wall, machine)
     if args.kill_producer_at:
         report.update(after_kill(results, killed))
     return report
@@ -404,7 +423,8 @@ def after_kill(results: list[Result], killed: tuple[float, str] | None) -> dict:
             "fallbacks_after_kill": sum(m.startswith("fallback") for r in ok if r.done >= at for m in r.modes)}
 
 
-def summary(args, kinds: list[str], results: list[Result], health: list, wall: float) -> dict:
+def summary(args, kinds: list[str], results: list[Result], health: list, wall: float,
+            machine: dict | None = None) -> dict:
     """One run's report (see the module docstring)."""
     count = lambda xs: dict(sorted(((str(k), xs.count(k)) for k in set(xs)), key=lambda kv: -kv[1]))  # noqa: E731
     ok = [r for r in results if r.outcome == "ok"]
@@ -420,7 +440,8 @@ def summary(args, kinds: list[str], results: list[Result], health: list, wall: f
         "first_token_ms": percentiles([r.first_token() for r in ok]),
         "overhead_ms": percentiles([r.overhead for r in ok if r.overhead is not None]),
         "prompt_tokens": round(sum(prompt_tokens) / len(prompt_tokens), 1) if prompt_tokens else None,
-        "health": segments(health), "wall_s": round(wall, 3), "requests_per_s": round(args.requests / wall, 2)}
+        "health": segments(health), "wall_s": round(wall, 3), "requests_per_s": round(args.requests / wall, 2),
+        "machine": machine}
 
 
 def comparison_table(report: dict) -> str:

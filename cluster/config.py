@@ -328,6 +328,8 @@ class TelemetrySettings(_Strict):
     path: str | None = Field(None, description="file exporter: where spans are appended (JSON lines), by every "
                              "process that records them; taken as given, not against the config's folder")
     endpoint: str | None = Field(None, description="otlp exporter: collector endpoint")
+    access_log: bool = Field(False, description="Serve's log line per request in every replica (shipped to the "
+                             "driver's terminal: CPU on a small machine); metrics and spans count requests anyway")
 
     @model_validator(mode="after")
     def _needs(self):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import ray
 
-from cluster.config import RaySettings
+from cluster.config import DeploymentConfig, RaySettings
 
 
 def connect(settings: RaySettings, **overrides) -> dict:
@@ -74,10 +74,57 @@ def lower_cpu_priority(niceness: int = 5) -> None:
             pass
 
 
+def machine_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or a taskset's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                       # no affinity on this platform
+        return os.cpu_count() or 1
+
+
+def threads_for(assigned_cpus: float, node_cpus: float, cores: int) -> int:
+    """Compute threads for a process granted `assigned_cpus` of a node that declares `node_cpus` logical CPUs
+    on `cores` real ones: its share of the real cores (a node declaring more CPUs than it has, to fit several
+    models on a small machine, must not run a thread per declared CPU), at least one."""
+    share = assigned_cpus * min(1.0, cores / node_cpus) if node_cpus > 0 else assigned_cpus
+    return max(1, int(share))
+
+
 def cpu_threads() -> int:
-    """Inside an actor: the CPU cores Ray granted (torch would otherwise use every core of the node)."""
+    """Inside an actor: threads for its compute, from the CPUs Ray granted it, as a share of this node's real
+    cores (torch would otherwise use every core of the node in every process)."""
     ctx = ray.get_runtime_context()
-    return max(1, int(ctx.get_assigned_resources().get("CPU", 1)))
+    assigned = ctx.get_assigned_resources().get("CPU", 1)
+    node = next((n for n in ray.nodes() if n.get("NodeID") == ctx.get_node_id()), {})
+    return threads_for(assigned, node.get("Resources", {}).get("CPU", 0.0), machine_cores())
+
+
+def replica_caps(cfg: DeploymentConfig, cores: int | None) -> dict[str, int]:
+    """The most replicas each specialist may autoscale to. With `cores` (an embedded cluster: one machine whose
+    cores are known) every model process on CPU computes on cores of its own: the producers and the replicas
+    each CPU specialist starts with take theirs first (`num_cpus` each, at least one), and autoscaling adds a
+    CPU replica only while the cores left hold it, one specialist after the other in config order. A replica
+    beyond the cores adds no compute: its start (a process, a model load) and its smaller batches take the
+    cores the running ones need. GPU specialists, and every specialist on a cluster of declared resources
+    (`cores` None: Ray places replicas where nodes have CPUs to grant), keep their configured maximum."""
+    caps = {s.name: s.autoscaling.max_replicas for s in cfg.specialists}
+    if cores is None:
+        return caps
+    cost = lambda m: max(1, int(m.num_cpus))                                  # noqa: E731
+    on_cpu = [s for s in cfg.specialists if s.num_gpus <= 0]
+    spare = cores - (cost(cfg.producer) * cfg.producer.initial_replicas() if cfg.producer.num_gpus <= 0 else 0)
+    for s in on_cpu:
+        caps[s.name] = max(1, s.autoscaling.min_replicas)
+        spare -= cost(s) * caps[s.name]
+    grew = True
+    while grew:
+        grew = False
+        for s in on_cpu:
+            if caps[s.name] < s.autoscaling.max_replicas and spare >= cost(s):
+                caps[s.name] += 1
+                spare -= cost(s)
+                grew = True
+    return caps
 
 
 def use_token_auth(environ=os.environ) -> None:

@@ -11,7 +11,7 @@ from ray import serve
 
 from actors.messages import pair_id
 from cluster.config import ConfigError, DeploymentConfig
-from cluster.runtime import actor_options, connect
+from cluster.runtime import actor_options, connect, machine_cores, replica_caps
 from serve_app.errors import key_digest
 from actors.producer_pool import start_pool, stop_pool
 from serve_app.router import Router
@@ -23,23 +23,39 @@ APP_NAME = "scd"
 
 
 def telemetry_settings(cfg: DeploymentConfig) -> dict:
-    return cfg.telemetry.model_dump()
+    """What serve_app.telemetry.setup takes: where spans go (Serve's access log is set on the deployments)."""
+    return cfg.telemetry.model_dump(exclude={"access_log"})
 
 
-def specialist_options(cfg: DeploymentConfig, name: str) -> dict:
+def specialist_options(cfg: DeploymentConfig, name: str, max_replicas: int | None = None) -> dict:
+    """The specialist's Serve deployment options; `max_replicas` caps its autoscaling (cluster.runtime.replica_caps)."""
     s = cfg.specialist(name)
     a = s.autoscaling
+    top = a.max_replicas if max_replicas is None else min(a.max_replicas, max_replicas)
     # the replica is a thin shim: it needs no CPU of its own, and goes where the labels say its engine may go
     replica = {"num_cpus": 0, **({"label_selector": dict(s.node_labels)} if s.node_labels else {})}
     return {"name": f"specialist-{s.name}",
             "ray_actor_options": replica,
-            "autoscaling_config": {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+            "autoscaling_config": {"min_replicas": min(a.min_replicas, top), "max_replicas": top,
                                    "initial_replicas": max(1, a.min_replicas),
                                    "target_ongoing_requests": a.target_ongoing_requests,
                                    "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s},
             "max_ongoing_requests": cfg.limits.specialist_max_ongoing,
             "max_queued_requests": cfg.limits.specialist_max_queued,
+            "logging_config": logging_config(cfg),
             "user_config": {"artifact": s.artifact, "families": cfg.family_refs()}}
+
+
+def logging_config(cfg: DeploymentConfig) -> dict:
+    """Serve's logging of our deployments: its per-request access log only when the config asks for it."""
+    return {"enable_access_log": cfg.telemetry.access_log}
+
+
+def embedded_cores(cfg: DeploymentConfig) -> int | None:
+    """This machine's cores when the deployment starts its own Ray cluster here, else None (a cluster's nodes
+    declare their resources, and Ray places replicas by them)."""
+    import os
+    return None if cfg.ray.address or os.environ.get("RAY_ADDRESS") else machine_cores()
 
 
 def engine_options(cfg: DeploymentConfig, name: str) -> dict:
@@ -61,7 +77,15 @@ def build(cfg: DeploymentConfig):
                           "serve it open on purpose")
     ns, base, lim = cfg.ray.namespace, cfg.producer.name, cfg.limits
     transport = cfg.resolved_transport()
-    handles = {s.name: serve.deployment(SpecialistServer).options(**specialist_options(cfg, s.name)).bind(
+    cores = embedded_cores(cfg)
+    caps = replica_caps(cfg, cores)
+    capped = [s.name for s in cfg.specialists if caps[s.name] < s.autoscaling.max_replicas]
+    if capped:
+        log.warning("autoscaling capped by this machine's %d cores (the producer and each specialist's engine "
+                    "compute on cores of their own): %s", cores,
+                    ", ".join(f"{n} at {caps[n]} replica(s)" for n in capped))
+    handles = {s.name: serve.deployment(SpecialistServer).options(**specialist_options(cfg, s.name,
+                                                                                       caps[s.name])).bind(
         s.name, s.path, pair_id(base, s.name), cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
         lim.control_timeout_s, s.base, lim.specialist_max_ongoing, engine_options(cfg, s.name))
         for s in cfg.specialists}
@@ -69,6 +93,7 @@ def build(cfg: DeploymentConfig):
     # an overload, not Serve's plain-text one: a request waits in the proxy's queue until a router replica is
     # assigned, so a burst arriving at once is queued there whole, however quickly the router refuses it
     return Router.options(ray_actor_options={"num_cpus": 0}, num_replicas=lim.router_replicas,
+                          logging_config=logging_config(cfg),
                           max_ongoing_requests=lim.router_max_ongoing + 16,
                           max_queued_requests=ROUTER_QUEUE_FACTOR * (lim.router_max_ongoing + 16)).bind(
         handles, cfg.model_dump(), key_digest(key))
@@ -123,7 +148,8 @@ def start_proxy(cfg: DeploymentConfig, tries: int = 3) -> None:
     import ray
     for attempt in range(1, tries + 1):
         try:
-            serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+            serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port},
+                        logging_config=logging_config(cfg))
             return
         except (ray.exceptions.RayActorError, TimeoutError) as e:
             if attempt == tries:

@@ -75,7 +75,7 @@ class Router:
         from transformers import AutoConfig, AutoTokenizer
         self.cfg = cfg = DeploymentConfig.model_validate(config)
         self.limits = cfg.limits
-        telemetry.setup(**cfg.telemetry.model_dump(), service="router")
+        telemetry.setup(**cfg.telemetry.model_dump(exclude={"access_log"}), service="router")
         Guard.configure(key_sha, cfg.limits.max_body_bytes)
         self.handles = specialists                              # name -> DeploymentHandle
         self.base = cfg.producer.name

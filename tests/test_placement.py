@@ -1,0 +1,76 @@
+"""Placement by the machine's cores (no Ray started): autoscaling caps, compute threads per process, and how
+`scd loadtest` tells the processes of a Ray cluster apart."""
+from pathlib import Path
+
+import pytest
+
+from cli.processes import Proc, counts, cpu_by_role, role_of
+from cluster.config import load_config, parse
+from cluster.runtime import replica_caps, threads_for
+from serve_app.app import specialist_options
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config(specialists: list[dict], producer: dict | None = None):
+    return parse({"producer": {"name": "base", "path": "demo_models/base", **(producer or {})},
+                  "specialists": [{"path": f"demo_models/{s['name']}", **s} for s in specialists]}, REPO)
+
+
+def test_the_demo_config_scales_nowhere_on_two_cores_and_as_configured_on_sixteen():
+    cfg = load_config(REPO / "ray_config.yaml")
+    assert replica_caps(cfg, 2) == {"qa": 1, "prose": 1, "code": 1}      # producer + 3 engines > 2 cores
+    assert replica_caps(cfg, 16) == {"qa": 2, "prose": 2, "code": 2}
+    assert replica_caps(cfg, None) == {"qa": 2, "prose": 2, "code": 2}   # a cluster places by its resources
+    opts = specialist_options(cfg, "qa", replica_caps(cfg, 2)["qa"])["autoscaling_config"]
+    assert (opts["min_replicas"], opts["max_replicas"], opts["initial_replicas"]) == (1, 1, 1)
+
+
+def test_spare_cores_go_round_robin_in_config_order_up_to_each_maximum():
+    auto = lambda lo, hi: {"autoscaling": {"min_replicas": lo, "max_replicas": hi}}      # noqa: E731
+    cfg = config([{"name": "qa", **auto(1, 4)}, {"name": "prose", **auto(1, 2)}, {"name": "code", **auto(1, 4)}])
+    # 8 cores: producer 1 + three engines 3 = 4; the 4 left go qa, prose, code, qa
+    assert replica_caps(cfg, 8) == {"qa": 3, "prose": 2, "code": 2}
+    # a specialist of 2 CPUs an engine takes two cores a replica; a GPU specialist keeps its maximum
+    cfg = config([{"name": "qa", "num_cpus": 2, **auto(1, 3)}, {"name": "code", "num_gpus": 1, **auto(1, 5)}])
+    assert replica_caps(cfg, 6) == {"qa": 2, "code": 5}                  # 6 - 1 (producer) - 2 = 3: one more qa
+    # min_replicas 0 still starts one replica (Serve's initial replica), which takes its core
+    cfg = config([{"name": "qa", **auto(0, 3)}])
+    assert replica_caps(cfg, 3) == {"qa": 2}
+
+
+@pytest.mark.parametrize("assigned, node, cores, want", [
+    (1, 8, 2, 1),        # the demo: 8 CPUs declared on 2 cores
+    (4, 8, 2, 1),        # a quarter of the node is half a core: one thread, not four
+    (4, 16, 16, 4),      # a node declaring its real cores: what was granted
+    (8, 16, 32, 8),      # more cores than declared: still what was granted
+    (0.5, 2, 2, 1),      # a fraction: at least one
+    (2, 0, 2, 2),        # no node figure: what was granted
+])
+def test_threads_are_the_granted_share_of_the_real_cores(assigned, node, cores, want):
+    assert threads_for(assigned, node, cores) == want
+
+
+@pytest.mark.parametrize("cmdline, name, role", [
+    (["ray::SpecialistActor.generate"], "ray::Specialist", "SpecialistActor"),
+    (["ray::ServeReplica:scd:specialist-qa"], "ray::ServeRepli", "replica:specialist"),
+    (["ray::ServeReplica:scd:Router.handle_request_with_rejection"], "ray::ServeRepli", "replica:Router"),
+    (["ray::IDLE"], "ray::IDLE", "idle worker"),
+    (["/x/site-packages/ray/core/src/ray/raylet/raylet", "--python_worker_command=default_worker.py"], "raylet",
+     "ray:raylet"),
+    (["/x/bin/python3", "-u", "/x/site-packages/ray/autoscaler/_private/monitor.py"], "python3", "ray:monitor.py"),
+    (["/x/bin/python", "-m", "cli.main", "serve"], "python", "driver"),
+    (["/usr/bin/vim", "notes.txt"], "vim", None),
+    (["/x/bin/python", "-m", "pytest"], "python", None),
+])
+def test_processes_are_told_apart_by_their_title(cmdline, name, role):
+    assert role_of(cmdline, name) == role
+
+
+def test_cpu_is_counted_by_role_from_the_first_snapshot_and_new_processes_from_zero():
+    before = {1: Proc(1, "SpecialistActor", 91, 10.0), 2: Proc(2, "replica:Router", 40, 3.0)}
+    after = {1: Proc(1, "SpecialistActor", 91, 12.5), 2: Proc(2, "replica:Router", 41, 3.5),
+             3: Proc(3, "SpecialistActor", 80, 4.0)}                # a replica started during the run
+    assert cpu_by_role(before, after) == {"SpecialistActor": 6.5, "replica:Router": 0.5}
+    assert counts(after) == {"processes": 3, "threads": 212,
+                             "by_role": {"SpecialistActor": [2, 171], "replica:Router": [1, 41]}}
