@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from scd.online import fast_decode
 from scd.online.cache import assemble, cache_arg, extend
 
 
@@ -171,15 +172,21 @@ class Batch:
         self.rows = [self.rows[i] for i in idx]
 
     def step(self, model, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed each row its token (B,); returns the next logits (B, V)."""
-        cache = assemble(model, list(zip(self.keys, self.values)))
+        """Feed each row its token (B,); returns the next logits (B, V). A model fast_decode covers steps in
+        plain torch, any other through transformers' forward."""
         mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=self.pos[:, None], use_cache=True,
-                    **cache_arg(model, cache))
-        self.keys = [layer.keys for layer in cache.layers]
-        self.values = [layer.values for layer in cache.layers]
+        fast = fast_decode.step_for(model)
+        if fast is not None:
+            logits, self.keys, self.values = fast(self.keys, self.values, mask, self.pos, tokens)
+        else:
+            cache = assemble(model, list(zip(self.keys, self.values)))
+            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=self.pos[:, None],
+                        use_cache=True, **cache_arg(model, cache))
+            self.keys = [layer.keys for layer in cache.layers]
+            self.values = [layer.values for layer in cache.layers]
+            logits = out.logits[:, -1]
         self.mask, self.pos = mask, self.pos + 1
-        return out.logits[:, -1]
+        return logits
 
 
 class Decoder:

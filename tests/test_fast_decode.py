@@ -1,0 +1,74 @@
+"""fast_decode's step equals transformers' forward over one new token per row of a left-padded batch (fp32),
+for Llama and Qwen2 (attention biases), and models it does not cover fall back to transformers."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from scd.online import fast_decode
+from scd.online.cache import assemble, cache_arg
+from scd.online.decode import Batch
+from tests.conftest import left_padded_batch, tiny_llama
+
+
+def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def _reference(model, keys, values, mask, pos, tokens):
+    """transformers' own forward of the step, on a cache holding the same tensors."""
+    c = assemble(model, list(zip(keys, values)))
+    out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos[:, None], use_cache=True,
+                **cache_arg(model, c))
+    return out.logits[:, -1], [layer.keys for layer in c.layers], [layer.values for layer in c.layers]
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_a_step_equals_transformers_on_a_left_padded_batch(make):
+    model = make()
+    ids, mask = left_padded_batch()                                   # (3, 12), rows of 12, 7 and 9 tokens
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                    use_cache=True)
+    keys = [layer.keys for layer in out.past_key_values.layers]
+    values = [layer.values for layer in out.past_key_values.layers]
+    step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    pos, tokens = mask.sum(1), torch.tensor([5, 17, 42])
+    fast = fast_decode.step_for(model)
+    assert fast is not None
+    logits, k, v = fast(keys, values, step_mask, pos, tokens)
+    with torch.no_grad():
+        ref, rk, rv = _reference(model, keys, values, step_mask, pos, tokens)
+    err = (logits - ref).abs().max().item()
+    assert err < 1e-5, f"logits differ from transformers' by {err:.2e}"
+    for layer, (a, b) in enumerate(zip(k + v, rk + rv)):
+        kv_err = (a - b).abs().max().item()
+        assert a.shape == b.shape and kv_err < 1e-5, f"layer {layer % len(k)}: K/V differ by {kv_err:.2e}"
+
+
+def test_the_batch_steps_through_it_and_a_model_it_does_not_cover_through_transformers():
+    llama = tiny_llama()
+    dynamic = LlamaForCausalLM(LlamaConfig(**{**llama.config.to_dict(), "rope_parameters": {
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}})).eval()
+    assert fast_decode.supported(llama) and not fast_decode.supported(dynamic)
+    assert fast_decode.step_for(dynamic) is None
+    for model in (llama, dynamic):                    # both paths give transformers' next tokens
+        ids = torch.tensor([[3, 9, 27, 4]])
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+        batch = Batch([layer.keys for layer in out.past_key_values.layers],
+                      [layer.values for layer in out.past_key_values.layers], torch.ones_like(ids), torch.tensor([4]))
+        with torch.no_grad():
+            got = batch.step(model, torch.tensor([11]))
+            want = model(input_ids=torch.tensor([[3, 9, 27, 4, 11]])).logits[:, -1]
+        err = (got - want).abs().max().item()
+        assert err < 1e-5, f"{model.config.rope_parameters['rope_type']}: the step's logits differ by {err:.2e}"
+        assert batch.keys[0].shape[2] == 5 and batch.pos.tolist() == [5]
+
+
+def test_a_peft_model_is_not_covered():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert not fast_decode.supported(model)
