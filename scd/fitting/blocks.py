@@ -5,9 +5,9 @@ A consumer that shares nothing exactly with its producer (an adapter on every la
 e..L-1 over the prefix, entered from the producer's residual stream at e, and takes the codes' K and V below
 e. The producer's residual is not the consumer's (every adapted layer below moved it), so it enters through
 an aligner: a linear map fitted in closed form (ridge) from the producer's residual at e to the difference
-between the two models' residuals there, on the calibration prefixes. On `smollm2:qa` (`tools.probe_entry`),
-entering at 20 through the aligner, with full-rank hidden-state translation below, scores 0.18 x raw KV
-reuse's KL where the producer's own residual scores 0.48 x.
+between the two models' residuals there, on the calibration prefixes. Entering through the aligner, with the
+codes below, reaches KL the producer's own residual does not (`tools.probe_entry`; docs/results.md, "What a
+recompute block can reach").
 
 `curve` scores the codes alone and each entry on the validation samples beside the oracle, the base alone and
 raw KV (retained gain needs the first two); `choose` (scd.fitting.exact's) keeps the point that meets the

@@ -411,7 +411,7 @@ class Calibration:
         inputs = {"tune": samples_digest(tune_samples), "val": samples_digest(val_samples), "keep": KEEP_RULE,
                   **self.chosen_ranks()}
         done = load_record(d / "record.json", inputs, self.log)
-        if done is not None and done.get("plan", art.plan) != art.plan:      # (records before 2026-11 had none)
+        if done is not None and done.get("plan", art.plan) != art.plan:      # (an older record names no plan)
             self.log("stage finetune: the checkpoint was fine-tuned for another plan; recomputing")
             done = None
         if done is not None:

@@ -114,8 +114,8 @@ def _kl(consumer, art: PairArtifacts, b: dict) -> torch.Tensor:
 
 def _release_freed_memory() -> None:
     """Hand the memory freed by building a batch back to the OS (glibc's malloc_trim; a no-op elsewhere).
-    Building a batch frees about 2 GB of temporaries around the 60 MB it keeps; without this the heap's
-    free pages stayed resident and a 768-sample fine-tuning grew by about 200 MB per 60 MB batch."""
+    Building a batch frees many times the temporaries it keeps; without this the heap's free pages stay
+    resident and a long fine-tuning's memory grows by several times each batch's size."""
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
     if libc is not None and hasattr(libc, "malloc_trim"):

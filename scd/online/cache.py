@@ -38,7 +38,7 @@ def cache_of(out):
 def assemble(model, kv: list[KV]) -> DynamicCache:
     """A fresh DynamicCache holding the given per-layer (K post-RoPE, V), each (B, n_kv, T, d_h). A plain
     dynamic layer takes the tensors as they are (its first update would copy them, by concatenation, into
-    a cache that the next forward copies again: at 2048 tokens of the real family 47 MB twice); the
+    a cache that the next forward copies again: a long prefix's whole cache, twice); the
     tensors are not written to (every later update concatenates into new ones)."""
     cache = DynamicCache(config=model.config)
     for l, (k, v) in enumerate(kv):
@@ -55,10 +55,9 @@ def forward_on_cache(model, cache, prefix_mask: torch.Tensor, ids: torch.Tensor,
                      last_only: bool = False, logits: bool = True):
     """Run ids (B, S) on top of the cache (mutated in place). Returns (logits (B, S, V), full mask (B, T+S));
     last_only: the last position's logits alone, (B, 1, V) (the head over every position of a long run is a
-    quarter of its compute on a 49k vocabulary); logits=False: none (None), the decoder's layers alone fill
-    the cache (even one position's head reads the whole embedding matrix: 11 ms of a 32-token tail at 2048
-    tokens of the real family). Differentiable (calibration fine-tunes through it); serving code calls
-    `extend`, its no-grad form."""
+    large share of its compute on a large vocabulary); logits=False: none (None), the decoder's layers alone
+    fill the cache (even one position's head reads the whole embedding matrix). Differentiable (calibration
+    fine-tunes through it); serving code calls `extend`, its no-grad form."""
     if ids_mask is None:
         ids_mask = torch.ones_like(ids)
     full = torch.cat([prefix_mask, ids_mask], dim=1)

@@ -12,7 +12,7 @@ One step for every axis is the optimal bit allocation for squared error (reverse
 large variance gets many levels, an axis below the step sends zeros, which zstd packs into almost nothing.
 
 The first token is an attention sink: most of every head's attention lands on it, so the step that suits the
-other tokens leaves too large an error on it (measured on qa_alora: KL halved when it is exact). It attends to
+other tokens leaves too large an error on it (sending it exactly lowers the whole prefix's KL). It attends to
 itself only, so its K and V depend on that token alone: the consumer computes them itself, one token through
 the shared layers (`sink_kv`), and its symbols travel as zeros.
 """

@@ -54,7 +54,7 @@ class ModelSpec:
 
     def fingerprint(self) -> str:
         fields = asdict(self)
-        if not fields["rope_scaling"]:       # plain RoPE hashes as before the field existed (artifacts stay valid)
+        if not fields["rope_scaling"]:       # plain RoPE hashes without the field: artifacts stay valid
             del fields["rope_scaling"]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 

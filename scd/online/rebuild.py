@@ -41,8 +41,8 @@ KV = tuple[torch.Tensor, torch.Tensor]
 class QuantCode:
     """A code as it arrives quantised (per-row fp16 scales; int8 values, or int4 ones packed two to a byte as
     uint8, low nibble first, offset by 8), dequantised where it is used: one layer at a time into a buffer
-    that stays in cache, instead of the whole payload into fresh memory first (at 2048 tokens the up-front
-    conversion of ~10 MB of codes cost as much as a third of the rebuild)."""
+    that stays in cache, instead of the whole payload into fresh memory first (an up-front conversion of a
+    long prefix's codes is a large share of its rebuild)."""
     scale: torch.Tensor                                 # (rows,) fp16
     q: torch.Tensor                                     # (rows, r) int8, or (rows, ceil(r / 2)) uint8 for int4
     shape: tuple[int, ...]                              # of the code it stands for; rows * r elements
@@ -186,11 +186,10 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
     Every kind of layer decodes K before RoPE and V in the (B, T, n_kv, d) layout its matmul writes, and the
     keys are rotated there; the cache holds (B, n_kv, T, d) views of that storage (no transposing copies).
     Hidden layers (most of a real family's plan) go code by code: the layers of a group (x_groups) decode
-    from their one code by one matmul for their keys and one for their values (the demo's 6 layers at 1024
-    tokens: 1.8-1.9 ms against 2.7-3.0 layer by layer; one buffer for all 29 layers of the real family was
-    1.3-1.6x slower at 2048 tokens, fresh pages on every request, so a buffer stays a group's). Per-head Reuse
-    layers decode in one batched matmul each for K and V; all Patch layers run together. Reuse codes of a
-    lower level (fewer columns than the artifact's ranks) decode with the decoders' leading rows."""
+    from their one code by one matmul for their keys and one for their values (faster than layer by layer; a
+    buffer stays a group's: one for every layer of a long prefix is fresh pages on every request, and slower).
+    Per-head Reuse layers decode in one batched matmul each for K and V; all Patch layers run together. Reuse
+    codes of a lower level (fewer columns than the artifact's ranks) decode with the decoders' leading rows."""
     t0 = time.perf_counter()
     dtype = next(model.parameters()).dtype
     b, t = codes.token_ids.shape
@@ -222,7 +221,7 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
             r = z.shape[-1]                              # decoded by one matmul for their keys, one for values
             z = z.reshape(b * t, r)
             # token (and bigram) tables: each position's bias row, gathered into the output the matmul adds to
-            # (addmm would copy them there first: 0.25 ms a matmul of the demo at 1024 tokens)
+            # (addmm would copy them there first)
             if mu_k.dim() == 2:
                 rows = art.reuse_x[src].bias_rows(codes.token_ids.reshape(-1), keys)
                 k = mu_k.index_select(0, rows).addmm_(z, dec_k[:r])

@@ -102,7 +102,7 @@ class LinearCodec:
 
     def bias_rows(self, token_ids: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
         """Each position's row of biases(): its bigram's row where the codec has one for its key, else its
-        token's (one gather per layer, where a token row and a bigram row on top took two and an add)."""
+        token's (one gather per layer, not a gather of each and an add)."""
         rows = self.table_rows(token_ids)
         if self.bigram is None:
             return rows

@@ -70,7 +70,7 @@ class ConsumerTables:
         """Layer 0's K before RoPE and V, each (B, T, n_kv * d_h): exact, from the token ids alone."""
         if self.vocab_kept:
             _, k, v = self._vocab_tables()
-            return F.embedding(token_ids, k), F.embedding(token_ids, v)   # a gather: 6x t[ids] on a CPU
+            return F.embedding(token_ids, k), F.embedding(token_ids, v)   # a gather: faster than t[ids] on a CPU
         x0 = layer0_input(self.model, token_ids)
         attn = self.model.model.layers[0].self_attn
         return key_norm(attn, attn.k_proj(x0), self.head_dim), attn.v_proj(x0)
