@@ -1,6 +1,6 @@
 """Ray-free training job for the demo model family: a base LM and specialists fine-tuned from it.
 
-    python -m jobs.train_family --out demo_models            # the committed family (~30 min on 2 cores)
+    python -m jobs.train_family --out demo_models            # the committed family
     python -m jobs.train_family --out /tmp/f --base-steps 3 --specialist-steps 2 --tiny   # smoke run
 
 Every model is a Llama decoder (GQA, RoPE) with one shared byte-level BPE tokenizer trained here. The
@@ -133,8 +133,8 @@ class CopyTask:
 def grow_induction_heads(model, cfg: TrainConfig, vocab: int, lr: float) -> int:
     """Train on the copy task until copying works (loss on the repeat < 1 nat) or the step cap.
 
-    Induction heads form in a sudden phase change whose onset varied between 200 and 400+ steps across
-    seeds here, so the phase runs to a measured criterion instead of a fixed step count. Returns steps used."""
+    Induction heads form in a sudden phase change whose onset varies by hundreds of steps across seeds, so
+    the phase runs to a measured criterion instead of a fixed step count. Returns steps used."""
     task = CopyTask(vocab, cfg.seed)
     stopped_at = [cfg.copy_max_steps]
 
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     for i, name in enumerate(SPECIALISTS):
         base.load_state_dict(base_state)
         if name == "qa":
-            # The base keeps no induction heads through plain-text training (measured: copy loss back at
+            # The base keeps no induction heads through plain-text training (its copy loss is back at
             # chance), and extractive QA is in-context retrieval. So the QA specialist grows them first,
             # then trains on dense QA with a quarter of each batch still copy rows to keep them.
             report["induction_steps"]["qa"] = grow_induction_heads(base, cfg, len(tokenizer), cfg.qa_lr)
