@@ -38,10 +38,35 @@ from scd.online import activated
 from scd.online.models import load
 from serve_app import telemetry
 
-MAX_CONCURRENCY = 64          # requests receiving, rebuilding or waiting on their tokens at once (threads)
+CONTROL_CALLS = 8             # status, ready, cancel, reconfigure and drills beside the requests (threads)
 
 
-@ray.remote(max_concurrency=MAX_CONCURRENCY)
+def concurrency(max_ongoing: int) -> int:
+    """The engine actor's threads: each request its replica runs at once blocks one while it receives, rebuilds
+    and waits on its tokens, twice that many allowing for requests whose thread is still ending (a cancelled
+    stream), and the control calls beside them. Idle threads cost nothing but memory, and a count a replica
+    cannot fill is noise in every thread count of the process."""
+    return 2 * max_ongoing + CONTROL_CALLS
+
+
+def _coalesced(ev: tuple, events: queue.Queue) -> tuple[Output, tuple | None]:
+    """A token event and every token event already queued behind it, as one Output, and the event after them
+    (None: none queued yet). Tokens the decode loop made while the last piece was handed on travel together:
+    under load one Ray stream item (and one chunk at every hop) carries several tokens, not one each."""
+    text, logprobs, tokens = [ev[1]], [ev[2]] if ev[2] else [], ev[3]
+    while True:
+        try:
+            ev = events.get_nowait()
+        except queue.Empty:
+            return Output("".join(text), tokens=tokens, logprobs=logprobs), None
+        if ev[0] != "token":
+            return Output("".join(text), tokens=tokens, logprobs=logprobs), ev
+        text.append(ev[1])
+        logprobs += [ev[2]] if ev[2] else []
+        tokens = ev[3]
+
+
+@ray.remote(max_concurrency=concurrency(16))       # the replica sets it from its own limit (concurrency())
 class SpecialistActor:
     def __init__(self, name: str, model_path: str, pair: str, store_uri: str, namespace: str | None,
                  telemetry_settings: dict | None = None, transport: str = "object_store",
@@ -207,8 +232,11 @@ class SpecialistActor:
                                   exact=req.exact, cancelled=cancelled)
                 if isinstance(payload, Arriving):
                     payload.close()                          # its rest taken, whether the engine used it or not
-                while (ev := events.get())[0] == "token":
-                    yield Output(ev[1], tokens=ev[3], logprobs=[ev[2]] if ev[2] else [])
+                ev = events.get()
+                while ev[0] == "token":
+                    piece, ev = _coalesced(ev, events)
+                    yield piece
+                    ev = ev or events.get()
             finally:
                 self.running.pop(key)()
                 if isinstance(payload, Arriving):

@@ -18,7 +18,7 @@ from ray.serve.metrics import Counter, Histogram
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.messages import Output, SpecialistRequest
-from actors.specialist_actor import SpecialistActor
+from actors.specialist_actor import SpecialistActor, concurrency
 
 PHASE_BOUNDS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
 
@@ -31,7 +31,8 @@ class SpecialistServer:
         """engine_options: the engine actor's Ray options (cluster.runtime.actor_options of the specialist)."""
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.name = name
-        self.engine = SpecialistActor.options(scheduling_strategy=here, **(engine_options or {})).remote(
+        self.engine = SpecialistActor.options(scheduling_strategy=here, max_concurrency=concurrency(max_batch),
+                                              **(engine_options or {})).remote(
             name, model_path, pair, store_uri, namespace, telemetry_settings, transport, control_timeout_s,
             model_base, max_batch)
         ray.get(self.engine.ready.remote())              # a model that cannot load fails the replica's start

@@ -126,3 +126,19 @@ def test_generate_runs_the_serving_decode_loop_over_a_left_padded_batch_and_pads
                           torch.tensor([[3], [4]]), 6, eos_id=eos)
     row0 = want[0][:want[0].index(eos) + 1]
     assert got[0].tolist() == row0 + [eos] * (got.shape[1] - len(row0)), got.tolist()
+
+
+def test_tokens_queued_behind_one_another_travel_as_one_piece_and_the_end_is_kept():
+    """The engine actor's stream: tokens already queued when one is handed on go in the same Output (text,
+    logprobs and the token count of the last), and an end event queued behind them is returned, not lost;
+    with nothing queued the piece goes at once (no wait for the next token)."""
+    import queue
+    from actors.specialist_actor import _coalesced
+    events = queue.Queue()
+    for ev in [("token", " Hy", {"token": " Hy"}, 2), ("token", "the", None, 3), ("done", "info", "stop")]:
+        events.put(ev)
+    piece, nxt = _coalesced(("token", " in", {"token": " in"}, 1), events)
+    assert (piece.text, piece.tokens, piece.logprobs) == (" in Hythe", 3, [{"token": " in"}, {"token": " Hy"}])
+    assert nxt == ("done", "info", "stop")
+    piece, nxt = _coalesced(("token", "!", None, 4), events)
+    assert (piece.text, piece.tokens, piece.logprobs, nxt) == ("!", 4, [], None)
