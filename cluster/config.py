@@ -30,6 +30,9 @@ class RaySettings(_Strict):
     namespace: str = Field("scd", description="Ray namespace of the named actors and jobs")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the embedded cluster (default: all)")
     num_gpus: int | None = Field(None, ge=0, description="GPUs of the embedded cluster (default: detected)")
+    cores: int | None = Field(None, ge=1, description="the real cores the embedded cluster's model processes share "
+                              "(default: this machine's); autoscaling adds a CPU specialist's replica only while "
+                              "they hold its engine beyond the producers and every specialist's first replicas")
     dashboard_port: int | None = Field(None, ge=1, le=65535, description="the embedded cluster's dashboard (the "
                                        "Jobs API that `ray job submit` talks to) on this port; null: no dashboard")
 

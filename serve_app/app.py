@@ -52,10 +52,10 @@ def logging_config(cfg: DeploymentConfig) -> dict:
 
 
 def embedded_cores(cfg: DeploymentConfig) -> int | None:
-    """This machine's cores when the deployment starts its own Ray cluster here, else None (a cluster's nodes
-    declare their resources, and Ray places replicas by them)."""
+    """The cores of this machine (or `ray.cores`) when the deployment starts its own Ray cluster here, else None
+    (a cluster's nodes declare their resources, and Ray places replicas by them)."""
     import os
-    return None if cfg.ray.address or os.environ.get("RAY_ADDRESS") else machine_cores()
+    return None if cfg.ray.address or os.environ.get("RAY_ADDRESS") else cfg.ray.cores or machine_cores()
 
 
 def engine_options(cfg: DeploymentConfig, name: str) -> dict:

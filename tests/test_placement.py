@@ -7,7 +7,7 @@ import pytest
 from cli.processes import Proc, counts, cpu_by_role, role_of
 from cluster.config import load_config, parse
 from cluster.runtime import replica_caps, threads_for
-from serve_app.app import specialist_options
+from serve_app.app import embedded_cores, specialist_options
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,6 +22,9 @@ def test_the_demo_config_scales_nowhere_on_two_cores_and_as_configured_on_sixtee
     assert replica_caps(cfg, 2) == {"qa": 1, "prose": 1, "code": 1}      # producer + 3 engines > 2 cores
     assert replica_caps(cfg, 16) == {"qa": 2, "prose": 2, "code": 2}
     assert replica_caps(cfg, None) == {"qa": 2, "prose": 2, "code": 2}   # a cluster places by its resources
+    assert embedded_cores(cfg) >= 1
+    assert embedded_cores(cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"cores": 16})})) == 16
+    assert embedded_cores(cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"address": "auto"})})) is None
     opts = specialist_options(cfg, "qa", replica_caps(cfg, 2)["qa"])["autoscaling_config"]
     assert (opts["min_replicas"], opts["max_replicas"], opts["initial_replicas"]) == (1, 1, 1)
 

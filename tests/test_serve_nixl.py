@@ -28,7 +28,9 @@ def serve_family(tmp_path_factory, demo_store, demo_work_dir, transport: str, na
     place = {"num_cpus": 0.25, "num_gpus": gpus}
     raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), **place, **(qa or {})},
                           {"name": "prose", "path": str(DEMO / "prose"), **place}]
-    raw.update(transport=transport, transport_inline_bytes=0, ray={"namespace": namespace}, http={"port": free_port()},
+    # ray.cores: autoscaling's mechanics on any machine (on 2 real cores the engines would stay at one replica)
+    raw.update(transport=transport, transport_inline_bytes=0, ray={"namespace": namespace, "cores": 16},
+               http={"port": free_port()},
                producer_timeout_s=5,
                limits={"request_timeout_s": 600, "specialist_max_ongoing": 8}, families=[{"name": "fam"}])
     raw["producer"].update(place)
