@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 from artifacts_store import CalibrationData, Fingerprints, calibration_digest
 from jobs import report
 from scd.fitting import exact
-from scd.fitting.checkpoints import samples_digest, save_record
+from scd.fitting.checkpoints import save_record
 from scd.fitting.exact import LOSSLESS_KL
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ def publish_exact(job: PairJob, art, chosen: dict, rows: list[dict], gate: dict,
                                  CalibrationData(digest=digest, n_prefixes=len(job.val), rows=0), metrics,
                                  {f"report/{k}": v for k, v in files.items()})
     ref = f"{job.pair}@{manifest.version}"
-    save_record(job.published, {"ref": ref}, {"store": job.store_uri, "heldout": samples_digest(job.held)})
+    save_record(job.published, {"ref": ref}, job.publish_key)
     log(f"published {ref} (exact plan, {cost(t0)['wall_s']:.0f} s)")
     return ref
 

@@ -138,6 +138,20 @@ def test_calibration_publishes_the_exact_plan_of_a_top_layer_fine_tune(top_folde
     assert "timed at 256 tokens" in out, out
 
 
+def test_a_resubmitted_exact_plan_job_finds_its_pair_published_and_publishes_nothing(top_published):
+    import contextlib
+    import io
+    from artifacts_store import ArtifactStore
+    from jobs.calibrate import main as calibrate
+    cfg, store_dir, ref, _ = top_published
+    versions = [v.version for v in ArtifactStore(store_dir).list("base:top")]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        again = calibrate(["--pair", "base:top", "--config", str(cfg), "--no-actors"])
+    assert again == ref and f"already published as {ref}" in out.getvalue(), out.getvalue()
+    assert [v.version for v in ArtifactStore(store_dir).list("base:top")] == versions, "published again"
+
+
 @pytest.mark.parametrize("transport", ["object_store", "nixl"])
 def test_replicas_take_an_exact_plan_entry_first_and_answer_as_the_oracle(top_folder, top_published, ray_cluster,
                                                                            transport):
