@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from ray import serve
@@ -54,7 +55,6 @@ def logging_config(cfg: DeploymentConfig) -> dict:
 def embedded_cores(cfg: DeploymentConfig) -> int | None:
     """The cores of this machine (or `ray.cores`) when the deployment starts its own Ray cluster here, else None
     (a cluster's nodes declare their resources, and Ray places replicas by them)."""
-    import os
     return None if cfg.ray.address or os.environ.get("RAY_ADDRESS") else cfg.ray.cores or machine_cores()
 
 
