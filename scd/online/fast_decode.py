@@ -19,12 +19,12 @@ STATIC_ROPE = {"default", "linear", "llama3"}          # inverse frequencies fix
 
 
 class FastStep:
-    """Steps one model; built once per model (`step_for`). Holds references to the model's own weights."""
+    """Steps one model; built once per model (`step_for`). Holds references to the model's own weights, never to
+    the model itself (`step_for`'s table is keyed weakly by it)."""
 
     def __init__(self, model):
         inner = model.model
         cfg = model.config
-        self.model = model
         self.embed, self.norm, self.head = inner.embed_tokens, inner.norm, model.lm_head
         self.eps = cfg.rms_norm_eps
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
