@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 FIRST_MINUTE_S = 60.0
 
 
-def start_service(config: str, timeout_s: float = 600) -> tuple[subprocess.Popen, float]:
-    """`scd serve --config` in a session of its own; returns (the process, monotonic time it said ready)."""
+def start_service(config: str, timeout_s: float = 600) -> subprocess.Popen:
+    """`scd serve --config` in a session of its own, returned once it said ready."""
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", config], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline, said = time.monotonic() + timeout_s, []
@@ -43,7 +43,7 @@ def start_service(config: str, timeout_s: float = 600) -> tuple[subprocess.Popen
         if line.startswith("SCD Serve ready"):
             print(line.rstrip(), file=sys.stderr)
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()   # keep it drained
-            return proc, time.monotonic()
+            return proc
         said = (said + [line])[-20:]
         if time.monotonic() > deadline:
             break
@@ -72,9 +72,10 @@ def loadtest_report(url: str, requests: int, concurrency: int, prefix_tokens: in
     return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
-def first_minute(report: dict, started_s: float) -> dict:
-    """What the cold run saw within FIRST_MINUTE_S of ready: health states other than ok, and fallbacks."""
-    bad = [[round(t + started_s, 1), s] for t, s in report["health"] if s != "ok" and t + started_s < FIRST_MINUTE_S]
+def first_minute(report: dict) -> dict:
+    """What the cold run (started at ready) saw within FIRST_MINUTE_S: health states other than ok, and
+    fallbacks."""
+    bad = [[t, s] for t, s in report["health"] if s != "ok" and t < FIRST_MINUTE_S]
     fallbacks = sum(n for m, n in report["modes"].items() if m.startswith("fallback"))
     return {"not_ok_health": bad, "fallbacks": fallbacks, "errors": report["errors"], "lost": report["lost"],
             "requests_per_s": report["requests_per_s"], "modes": report["modes"]}
@@ -121,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.config import load_config
     cfg = load_config(args.config)
     url = f"http://{cfg.http.host.replace('0.0.0.0', '127.0.0.1')}:{cfg.http.port}"
-    proc, ready = start_service(args.config)
+    proc = start_service(args.config)
     try:
         cold = loadtest_report(url, args.requests, max(levels), args.prefix_tokens, compare=False, salt="cold-")
-        cold_first = first_minute(cold, 0.0)
+        cold_first = first_minute(cold)
         reports = {c: loadtest_report(url, args.requests, c, args.prefix_tokens, compare=True, salt="cold-" if args.same_prefixes else f"c{c}-")
                    for c in levels}
     finally:
