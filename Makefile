@@ -5,8 +5,9 @@ PY ?= python3
 install:
 	$(PY) -m pip install -q -e '.[dev]'
 
-demo: install
-	$(PY) -m cli.main demo
+# the demo prints its phases' wall-clock times at the end, the install's included
+demo:
+	@t0=$$(date +%s.%N); $(MAKE) --no-print-directory install PY=$(PY) && SCD_DEMO_T0=$$t0 $(PY) -m cli.main demo
 
 # the real family (SmolLM2-135M-Instruct + LoRA specialists): builds the producer and calibrates on first run
 demo-real: install

@@ -3,6 +3,7 @@ followed side by side, the count of failures returned. `scd calibrate` and the d
 from __future__ import annotations
 
 import asyncio
+import shlex
 import time
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def submit_and_follow(address: str, pairs: list[str], config_path: str, working_
               "--work-dir", cfg.calibration.work_dir, *(extra or [])]
     client = _client(address)
     env = {"working_dir": working_dir, "excludes": ["/runs/", "/.git/", "__pycache__"]}
-    entries = {pair: " ".join(["python -m jobs.calibrate --pair", pair, *common]) for pair in pairs}
+    entries = {pair: shlex.join(["python", "-m", "jobs.calibrate", "--pair", pair, *common]) for pair in pairs}
     failed = 0
     for pair, status in asyncio.run(_run_all(client, entries, env)).items():
         print(f"{pair}: {status}", flush=True)

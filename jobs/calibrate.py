@@ -18,10 +18,12 @@ from pathlib import Path
 
 import ray
 import torch
+import yaml
+from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from artifacts_store import ArtifactStore, calibration_digest
-from cluster.config import load_config
+from cluster.config import CalibrationSettings, load_config
 from cluster.runtime import actor_options, connect
 from jobs import report
 from jobs.measures import curve_tried, entry_curve, error_split, pareto, tradeoff, xnorm_profile
@@ -116,12 +118,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", help="checkpoint folder (default: the config's calibration.work_dir)")
     p.add_argument("--prefixes", type=int, help="override calibration.prefixes (e.g. a reduced test budget)")
     p.add_argument("--heldout", type=int, help="override calibration.heldout")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override one calibration setting (a key of the config's calibration: section, the value "
+                        "as YAML), e.g. --set finetune_samples=0; repeatable")
     p.add_argument("--no-actors", action="store_true", help="trace in this process instead of two Ray actors")
     args = p.parse_args(argv)
     for flag in ("prefixes", "heldout"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SystemExit(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     return args
+
+
+def with_overrides(c: CalibrationSettings, overrides: list[str]) -> CalibrationSettings:
+    """The settings with each KEY=VALUE of --set over them, validated as the config's are."""
+    update = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in CalibrationSettings.model_fields:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY a calibration setting "
+                             f"(docs/config-reference.md), e.g. --set finetune_samples=0")
+        update[key] = yaml.safe_load(value)
+    try:
+        return CalibrationSettings.model_validate({**c.model_dump(), **update})
+    except ValidationError as e:
+        raise SystemExit(f"--set: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
 
 
 def prepare(args: argparse.Namespace, t0: float) -> PairJob:
@@ -137,7 +157,7 @@ def prepare(args: argparse.Namespace, t0: float) -> PairJob:
         member = cfg.specialist(cons_name)
     except KeyError as e:
         raise SystemExit(str(e.args[0])) from None
-    c = cfg.calibration_for(cons_name)
+    c = with_overrides(cfg.calibration_for(cons_name), args.overrides)
     n_prefixes, n_held = args.prefixes or c.prefixes, args.heldout or c.heldout
     store = ArtifactStore(args.store or cfg.artifacts.uri)
 
