@@ -57,13 +57,19 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> str:
-    """One embedded Ray cluster for the whole test session; yields its dashboard URL (the Jobs API).
-    4 logical CPUs so two calibration jobs (two model actors each) can run side by side."""
+    """One Ray cluster for the test session (each pytest-xdist worker has its own); yields its dashboard URL (the
+    Jobs API). 4 logical CPUs so two calibration jobs (two model actors each) can run side by side. Its dashboard
+    agent listens on a free port, not Ray's fixed 52365: the Jobs API of a cluster that `scd serve` starts in
+    another test (which takes 52365) works alongside it."""
     import ray
-    ctx = ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_port=free_port(), namespace="scd-test",
-                   log_to_driver=False, _metrics_export_port=free_port())
+    from ray.cluster_utils import Cluster
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "include_dashboard": True, "dashboard_port": free_port(),
+        "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port()})
+    ctx = ray.init(address=cluster.address, namespace="scd-test", log_to_driver=False)
     yield "http://" + ctx.dashboard_url
     ray.shutdown()
+    cluster.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -128,25 +134,22 @@ def real_family() -> Path:
     return folder
 
 
-# the modules whose tests start Ray (the session's cluster, `scd serve`, the multinode drill, Serve apps) or the
-# jobs that run on it: under pytest-xdist they all go to one worker, in order, since two Ray clusters on one
-# machine would fight over the dashboard agent's port
-RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_blocks.py", "test_calibrate_job.py",
-               "test_cli_calibrate.py", "test_cli_serve.py", "test_config.py", "test_exact_plans.py", "test_faults.py",
-               "test_gpu.py", "test_loadtest.py", "test_multinode.py", "test_pool_policy.py", "test_producer_pool.py",
-               "test_quickstart.py", "test_serve.py", "test_serve_nixl.py", "test_transport.py"}
+# the modules whose tests start a Ray cluster through `scd serve`, as a user does: its dashboard agent takes
+# Ray's fixed port 52365, so two of them at once would leave one without a Jobs API. Under pytest-xdist they
+# are one group, which one worker runs in order; the session's own cluster (ray_cluster) and the multinode
+# drill's listen elsewhere, so every other module is a group of its own.
+OWN_CLUSTER_MODULES = ("test_quickstart.py", "test_byom.py", "test_cli_serve.py")
 
 
 @pytest.hookimpl(tryfirst=True)              # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
-    """The README's quickstart runs first. It starts a Ray cluster of its own through `scd serve`, whose Jobs
-    API needs the machine's dashboard agent port (52365; `ray.init` cannot move it): the session's cluster,
-    started by the first test that asks for it, would hold that port. Under pytest-xdist (`--dist loadgroup`)
-    every test of RAY_MODULES is one group, which one worker runs in this order, and every other module is a
-    group of its own (its tests share module fixtures and may read what an earlier test wrote)."""
-    items.sort(key=lambda item: item.path.name != "test_quickstart.py")
+    """Under pytest-xdist (`--dist loadgroup`) the modules of OWN_CLUSTER_MODULES form one group, the longest,
+    sent out first; every other module is a group of its own (its tests share module fixtures and may read
+    what an earlier test wrote)."""
+    items.sort(key=lambda item: item.path.name not in OWN_CLUSTER_MODULES)
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("ray" if item.path.name in RAY_MODULES else item.path.stem))
+        own = item.path.name in OWN_CLUSTER_MODULES
+        item.add_marker(pytest.mark.xdist_group("own-cluster" if own else item.path.stem))
 
 
 def pytest_configure(config):

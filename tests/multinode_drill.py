@@ -175,7 +175,8 @@ def drill(seen: dict, bound_s: float, threads: int, store: Path | None = None) -
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "include_dashboard": True, "dashboard_port": free_port(), "_system_config": FAST_HEALTH})
+            "num_cpus": 2, "include_dashboard": True, "dashboard_port": free_port(),
+            "dashboard_agent_listen_port": free_port(), "_system_config": FAST_HEALTH})
         ctx = ray.init(address=cluster.address, namespace=cfg.ray.namespace, log_to_driver=False)
         names = {cluster.head_node.node_id: "head"}
         where = Placement("http://" + ctx.dashboard_url, names)

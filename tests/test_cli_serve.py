@@ -39,10 +39,20 @@ def _processes(name: str) -> set[int]:
     return pids
 
 
-def _raylets() -> set[int]:
+def _session(pid: int) -> int | None:
+    """The session id of a process (field 6 of /proc/PID/stat), None once it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _raylets(session: int) -> set[int]:
+    """The raylets of a process session: `_scd` starts `scd serve` as a session of its own (its id the server's
+    pid), and the cluster it starts stays in it, so other tests' clusters running meanwhile are not counted."""
     me = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
     assert os.getpid() in _processes(me), "cannot list processes here: every raylet check would pass unseen"
-    return _processes("raylet")
+    return {pid for pid in _processes("raylet") if _session(pid) == session}
 
 
 # `scd serve` with ray.init replaced by a refusal: a start that reaches Ray exits 1 saying so, even when it
@@ -57,19 +67,17 @@ NO_RAY = ("import sys, ray\n"
 
 def test_open_address_without_a_key_is_refused_before_anything_starts(tmp_path):
     cfg = _config(tmp_path, http={"host": "0.0.0.0", "port": free_port()})
-    before = _raylets()
     p = subprocess.Popen([sys.executable, "-c", NO_RAY, "serve", "--config", cfg], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     out, err = p.communicate(timeout=120)
     assert "RAY WAS STARTED" not in err, f"a refused start still started Ray: {err[-2000:]}"
     assert p.returncode == 2 and "no API key is set" in err, (p.returncode, err)
-    assert _raylets() <= before, "a refused start left a raylet running"
+    assert not _raylets(p.pid), "a refused start left a raylet running"
 
 
 def test_serve_ready_refuses_a_taken_port_and_stops_everything_on_sigterm(tmp_path):
     cfg = _config(tmp_path)
     port = yaml.safe_load(open(cfg))["http"]["port"]
-    before = _raylets()
     server = _scd("serve", "--config", cfg)
     try:
         lines = []
@@ -84,7 +92,7 @@ def test_serve_ready_refuses_a_taken_port_and_stops_everything_on_sigterm(tmp_pa
         # ready once the producer and qa answer; degraded, as this store holds no artifact for base:qa
         assert any("ready on" in line and "health: degraded" in line for line in lines), \
             f"never ready: rc={server.poll()} out={lines[-5:]} err={server.stderr.read() if server.poll() else ''}"
-        started = _raylets() - before
+        started = _raylets(server.pid)
         assert started, "scd serve did not start an embedded cluster"
 
         second = _scd("serve", "--config", cfg)                  # same port: refused at once, nothing started
@@ -97,9 +105,9 @@ def test_serve_ready_refuses_a_taken_port_and_stops_everything_on_sigterm(tmp_pa
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
     deadline = time.monotonic() + 30                              # Ray's head processes exit with the driver
-    while time.monotonic() < deadline and started & _raylets():
+    while time.monotonic() < deadline and _raylets(server.pid):
         time.sleep(0.5)
-    assert not started & _raylets(), "the embedded cluster outlived scd serve"
+    assert not _raylets(server.pid), "the embedded cluster outlived scd serve"
     from cli.serve import port_taken
     assert not port_taken("127.0.0.1", port), f"port {port} still held after scd serve stopped"
 
