@@ -134,22 +134,23 @@ def real_family() -> Path:
     return folder
 
 
-# the modules whose tests start a Ray cluster through `scd serve`, as a user does: its dashboard agent takes
-# Ray's fixed port 52365, so two of them at once would leave one without a Jobs API. Under pytest-xdist they
-# are one group, which one worker runs in order; the session's own cluster (ray_cluster) and the multinode
-# drill's listen elsewhere, so every other module is a group of its own.
-OWN_CLUSTER_MODULES = ("test_quickstart.py", "test_byom.py", "test_cli_serve.py")
+# the modules whose tests start Ray (the session's cluster, `scd serve`, the multinode drill, Serve apps) or the
+# jobs that run on it: under pytest-xdist they all go to one worker, in order. On two cores, two workers each
+# running Ray clusters with model actors took longer in all than one (20.5 min against 17.5: a load average of
+# 11), and a second live cluster makes `ray.init(address="auto")` ambiguous.
+RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_blocks.py", "test_byom.py", "test_calibrate_job.py",
+               "test_cli_calibrate.py", "test_cli_serve.py", "test_config.py", "test_exact_plans.py", "test_faults.py",
+               "test_gpu.py", "test_loadtest.py", "test_multinode.py", "test_pool_policy.py", "test_producer_pool.py",
+               "test_quickstart.py", "test_serve.py", "test_serve_nixl.py", "test_transport.py"}
 
 
 @pytest.hookimpl(tryfirst=True)              # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (`--dist loadgroup`) the modules of OWN_CLUSTER_MODULES form one group, the longest,
-    sent out first; every other module is a group of its own (its tests share module fixtures and may read
-    what an earlier test wrote)."""
-    items.sort(key=lambda item: item.path.name not in OWN_CLUSTER_MODULES)
+    """Under pytest-xdist (`--dist loadgroup`) every test of RAY_MODULES is one group, which one worker runs in
+    order, and every other module is a group of its own (its tests share module fixtures and may read what an
+    earlier test wrote)."""
     for item in items:
-        own = item.path.name in OWN_CLUSTER_MODULES
-        item.add_marker(pytest.mark.xdist_group("own-cluster" if own else item.path.stem))
+        item.add_marker(pytest.mark.xdist_group("ray" if item.path.name in RAY_MODULES else item.path.stem))
 
 
 def pytest_configure(config):

@@ -41,7 +41,7 @@ def test_the_walkthrough_runs_as_written(tmp_path):
     r, chat = run.namespace["r"], run.namespace["chat"]
     assert r.model_extra["scd"]["mode"] == "scd" and r.usage.completion_tokens > 0, r
     assert chat.model_extra["scd"]["mode"] == "scd", chat
-    job = run.output_of("scd calibrate")
+    job = run.output_of("scd calibrate --config")
     assert "already published as mybase:support@" in job and "SUCCEEDED" in job, job[-3000:]
 
 

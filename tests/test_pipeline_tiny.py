@@ -478,3 +478,12 @@ def test_quantised_codes_rebuild_from_the_payload_exactly_as_calibration_scores_
     want = rebuild(b, art, codec.as_received(codes, dtype))[0]
     err = max((x - y).abs().max().item() for g, w in zip(got, want) for x, y in zip(g, w))
     assert err < 1e-5, f"{dtype}: rebuild from the payload differs from the as-received codes by {err:.2e}"
+
+
+def test_droidspeak_profiles_a_block_on_a_two_layer_model():
+    """Its default block is two layers from layer 1 at the earliest: on two layers it is one, at layer 1."""
+    from scd.evaluation.evaluate import profile_droidspeak
+    a = tiny_llama(0, layers=2)
+    ds = methods.DroidSpeak()
+    start = profile_droidspeak(ds, a, perturbed(a, 0.3), _samples(2, 5))
+    assert (start, ds.n, list(ds.profile)) == (1, 1, [1]), (start, ds.n, ds.profile)

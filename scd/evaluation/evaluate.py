@@ -215,7 +215,9 @@ def table(rows: list[dict], title: str = "") -> str:
 
 
 def profile_droidspeak(ds: DroidSpeak, producer, consumer, val) -> int:
-    """DroidSpeak picks its own recompute block: the start with the lowest KL on validation samples."""
+    """DroidSpeak picks its own recompute block: the start with the lowest KL on validation samples. A block
+    starts at layer 1 at the earliest, so a model of L layers recomputes at most L - 1 of them."""
+    ds.n = min(ds.n, producer.config.num_hidden_layers - 1)
     ev = Evaluator(producer, consumer)
     refs = [ev.reference(v) for v in val]                 # one oracle run per sample, shared by every start
     best = None
