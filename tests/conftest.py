@@ -135,9 +135,9 @@ def real_family() -> Path:
 
 
 # the modules whose tests start Ray (the session's cluster, `scd serve`, the multinode drill, Serve apps) or the
-# jobs that run on it: under pytest-xdist they all go to one worker, in order. On two cores, two workers each
-# running Ray clusters with model actors took longer in all than one (20.5 min against 17.5: a load average of
-# 11), and a second live cluster makes `ray.init(address="auto")` ambiguous.
+# jobs that run on it: under pytest-xdist they all go to one worker, in order. On a small machine two workers
+# each running Ray clusters with model actors oversubscribe the cores, and a second live session cluster makes
+# `ray.init(address="auto")` ambiguous.
 RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_blocks.py", "test_byom.py", "test_calibrate_job.py",
                "test_cli_calibrate.py", "test_cli_serve.py", "test_config.py", "test_exact_plans.py", "test_faults.py",
                "test_gpu.py", "test_loadtest.py", "test_multinode.py", "test_pool_policy.py", "test_producer_pool.py",
