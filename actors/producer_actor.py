@@ -91,7 +91,7 @@ class ProducerActor:
                  name: str = PRODUCER_NAME, inline_bytes: int = INLINE_BYTES):
         torch.set_num_threads(cpu_threads())
         dev = device()
-        model, tok, _ = load(model_path)
+        model, tok, _ = load(model_path, device=dev)
         # a transport that moves tensors (Ray Direct Transport) takes payloads as tensors where they are encoded
         self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dev, link_gbps, ttft_target_ms,
                                      device_payloads=transport in RDT_TRANSPORTS)

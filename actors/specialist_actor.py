@@ -75,7 +75,8 @@ class SpecialistActor:
         lower_cpu_priority()
         telemetry.setup(**(telemetry_settings or {}), service=f"specialist-{name}")
         dev = device()
-        model, tok, _ = load(model_path, base=model_base)
+        model, tok, _ = load(model_path, base=model_base, device=dev)
+        self.timing_only = bool(getattr(model, "scd_timing_only", False))   # random weights: timings only
         self.engine = SpecialistEngine(name, activated.to(model, dev), tok, device=dev, max_batch=max_batch)
         self.name, self.pair = name, pair
         self.registry, self.store_uri = registry(store_uri, namespace), store_uri
@@ -246,7 +247,8 @@ class SpecialistActor:
             _, info, finish = ev
             info.timings["engine"] = (time.perf_counter() - t_in) * 1e3      # everything this actor did
             telemetry.record_phases(info.timings, telemetry.carrier(), specialist=self.name)
-            yield Output(finish_reason=finish, scd={**info.as_dict(), "producer": req.producer}, tokens=info.tokens)
+            yield Output(finish_reason=finish, tokens=info.tokens,
+                         scd={**info.as_dict(), "producer": req.producer, "timing_only": self.timing_only})
 
     def generate(self, req: SpecialistRequest, key: str) -> Output:
         """The whole answer in one Output."""

@@ -16,7 +16,7 @@ class TraceActor:
     def __init__(self, model_path: str, side: str, base: str | None = None):
         torch.set_num_threads(cpu_threads())
         self.device = device()
-        self.model, _, self.spec = load(model_path, base=base)
+        self.model, _, self.spec = load(model_path, base=base, device=self.device)
         activated.to(self.model, self.device)
         self.side = side                      # "a" producer, "b" consumer: the chunk's key prefix
 

@@ -97,8 +97,9 @@ def overhead(url: str, name: str, prefix: str, prompt: str, n: int = 8) -> str:
 def build_missing_producer(path: str) -> None:
     """A real family's producer folder that is not built yet is built now (`scd fetch-family`), once."""
     from jobs import fetch_family
+    from scd.online import shapes
     p = Path(path)
-    if (p / "config.json").is_file():
+    if shapes.is_shape(path) or (p / "config.json").is_file():
         return
     for name, fam in fetch_family.FAMILIES.items():
         if p.name == fam.folder:
@@ -126,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     phases = Phases()
     cfg = load_config(args.config)
     build_missing_producer(cfg.producer.path)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(cfg.producer.path, local_files_only=True)
+    from scd.online.models import load_tokenizer
+    tok = load_tokenizer(cfg.producer.path)
 
     import ray
     from ray import serve

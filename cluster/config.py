@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from scd.online import shapes
 from scd.settings import EXACT_DTYPES, CalibConfig
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -49,7 +50,9 @@ _RAY_RESOURCES = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": None, "object_
 class ModelSettings(_Strict):
     name: str = Field(pattern=NAME, description="short name used in URLs, pair ids and artifact refs")
     path: str = Field(description="local HF model folder (config.json, weights, tokenizer), or a PEFT adapter "
-                      "folder merged into its base at load; relative to the config file's folder")
+                      "folder merged into its base at load; relative to the config file's folder; or "
+                      "shape://NAME[?seed=N], a timing model of a real architecture's shape with random weights "
+                      "(scd/online/shapes.py: tiny, llama-3.2-1b, llama-3.1-8b): its answers say timing_only")
     base: str | None = Field(None, description="an adapter's base model folder, relative to the config file's "
                              "folder; default: the folder its adapter_config.json names (base_model_name_or_path)")
     num_gpus: float = Field(0, ge=0, description="GPUs per replica; 0 runs on CPU")
@@ -460,10 +463,19 @@ def parse(raw: dict, base_dir: str | Path = ".") -> DeploymentConfig:
         lines = [f"  {_where(err['loc'])}: {err['msg']}" for err in e.errors()]
         raise ConfigError(f"{len(lines)} problem(s) in the config:\n" + "\n".join(lines)) from None
     base = Path(base_dir)
+    problems = []
     for m in [cfg.producer, *cfg.specialists]:
+        if shapes.is_shape(m.path):
+            try:
+                shapes.parse(m.path)
+            except shapes.ShapeError as e:
+                problems.append(f"  {m.name}.path: {e}")
+            continue
         m.path = str((base / Path(m.path).expanduser()).resolve())
         if m.base is not None:
             m.base = str((base / Path(m.base).expanduser()).resolve())
+    if problems:
+        raise ConfigError(f"{len(problems)} problem(s) in the config:\n" + "\n".join(problems))
     if "://" not in cfg.artifacts.uri:
         cfg.artifacts.uri = str((base / Path(cfg.artifacts.uri).expanduser()).resolve())
     cfg.calibration.work_dir = str((base / Path(cfg.calibration.work_dir).expanduser()).resolve())

@@ -13,6 +13,7 @@ from ray import serve
 from actors.messages import pair_id
 from cluster.config import ConfigError, DeploymentConfig
 from cluster.runtime import actor_options, connect, machine_cores, replica_caps
+from scd.online import shapes
 from serve_app.errors import key_digest
 from actors.producer_pool import start_pool, stop_pool
 from serve_app.router import Router
@@ -75,6 +76,10 @@ def build(cfg: DeploymentConfig):
         raise ConfigError(f"http.host {cfg.http.host!r} is reachable from other machines and no API key is set: "
                           "set auth.api_key_env (or auth.api_key), or auth.allow_unauthenticated: true to "
                           "serve it open on purpose")
+    try:
+        shapes.check_family(cfg)
+    except shapes.ShapeError as e:
+        raise ConfigError(str(e)) from None
     ns, base, lim = cfg.ray.namespace, cfg.producer.name, cfg.limits
     transport = cfg.resolved_transport()
     cores = embedded_cores(cfg)

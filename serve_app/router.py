@@ -72,7 +72,7 @@ def _iso(t: float) -> str:
 @serve.ingress(api)
 class Router:
     def __init__(self, specialists: dict, config: dict, key_sha: str | None = None):
-        from transformers import AutoConfig, AutoTokenizer
+        from scd.online.models import context_length, load_tokenizer
         self.cfg = cfg = DeploymentConfig.model_validate(config)
         self.limits = cfg.limits
         telemetry.setup(**cfg.telemetry.model_dump(exclude={"access_log"}), service="router")
@@ -80,8 +80,8 @@ class Router:
         self.handles = specialists                              # name -> DeploymentHandle
         self.base = cfg.producer.name
         self.producers = Producers(cfg)
-        self.tok = AutoTokenizer.from_pretrained(cfg.producer.path, local_files_only=True)
-        self.context = int(AutoConfig.from_pretrained(cfg.producer.path, local_files_only=True).max_position_embeddings)
+        self.tok = load_tokenizer(cfg.producer.path)
+        self.context = context_length(cfg.producer.path)
         self.max_input = min(cfg.limits.max_input_tokens or self.context, self.context)
         # no token stands for more characters than the longest one: a text longer than max_input times that is
         # over any token budget, and is refused before a tokenizer spends time on it (a 200 KB prompt)

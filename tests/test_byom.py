@@ -45,7 +45,7 @@ def test_the_walkthrough_runs_as_written(tmp_path):
     assert "already published as mybase:support@" in job and "SUCCEEDED" in job, job[-3000:]
 
 
-def test_the_pages_other_configs_are_valid():
+def test_the_pages_other_configs_are_valid(tmp_path):
     blocks = doc_blocks(PAGE, "More specialists, their own settings")
     assert [how for how, _, _ in blocks] == ["config"], blocks
-    run_blocks(blocks, PAGE.parent, {})          # validates it against the schema (not the paths)
+    run_blocks(blocks, tmp_path, {})             # validates it against the schema (not the paths)

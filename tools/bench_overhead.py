@@ -139,10 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     from artifacts_store import ArtifactStore
     if not usable(ArtifactStore(cfg.artifacts.uri), pair_id(cfg.producer.name, name)):
         raise SystemExit(f"{name} has no published artifact in {cfg.artifacts.uri}: run `make demo` once first")
-    from transformers import AutoTokenizer
-
+    from scd.online.models import load_tokenizer
     from serve_app.app import deploy, undeploy, wait_healthy
-    tok = AutoTokenizer.from_pretrained(cfg.producer.path, local_files_only=True)
+    tok = load_tokenizer(cfg.producer.path)
     prefix, suffixes = demo_prompts(tok)
     body = {"model": name, "prefix": prefix, "prompt": suffixes.get(domain(name), "\nThe"), "max_tokens": 1}
     ray.init(address="local", num_cpus=cfg.ray.num_cpus or 8, include_dashboard=False, namespace=cfg.ray.namespace,

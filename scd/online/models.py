@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from scd.online import activated
+from scd.online import activated, shapes
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -168,13 +168,18 @@ def adapter_digest(path: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
-def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path | None = None):
+def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path | None = None, device: str = "cpu"):
     """(model, tokenizer, spec) from a local HF folder, or from a PEFT adapter folder merged into its base
-    (`base`, or the one the adapter names); never touches the network.
+    (`base`, or the one the adapter names); never touches the network. A `shape://` path (scd.online.shapes)
+    is a timing model built with random weights on `device`, in that device's dtype; a folder's model is
+    loaded on the CPU in `dtype` (the caller moves it).
 
     A merged model carries `scd_weights_digest` = sha256(base folder digest + adapter digest): its identity
     for artifact fingerprints, which the float rounding of a merge on another machine cannot change."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    if shapes.is_shape(path):
+        model, tokenizer = shapes.build(str(path), device)
+        return model, tokenizer, ModelSpec.from_config(model.config)
     p = Path(path).expanduser()
     adapter = is_adapter(p)
     src = adapter_base(p, base) if adapter else p
@@ -204,6 +209,20 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path 
         tokenizer.pad_token = tokenizer.eos_token         # else no pad token at all: padding uses any id (masked)
     tokenizer.padding_side = "left"
     return model, tokenizer, ModelSpec.from_config(model.config)
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a model folder or of a `shape://` path (the demo family's), without the model."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(shapes.TOKENIZER if shapes.is_shape(path) else path, local_files_only=True)
+
+
+def context_length(path: str | Path) -> int:
+    """The model's context (max_position_embeddings) from its config, without the model."""
+    if shapes.is_shape(path):
+        return int(shapes.SHAPES[shapes.parse(str(path)).name]["max_position_embeddings"])
+    from transformers import AutoConfig
+    return int(AutoConfig.from_pretrained(path, local_files_only=True).max_position_embeddings)
 
 
 def load_pair(producer_path: str | Path, consumer_path: str | Path, dtype: torch.dtype = torch.float32,

@@ -1,0 +1,115 @@
+"""Timing families (scd.online.shapes): real architectures' shapes with random weights, built where they run,
+their configs, the refusal of a family that does not fit, and a tiny one served end to end with every answer
+saying timing_only."""
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from cluster.config import ConfigError, load_config, parse
+from scd.online import shapes
+from scd.online.models import load
+from tests.conftest import REPO, free_port
+
+PUBLISHED_PARAMS = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248}   # the released checkpoints'
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_a_shape_has_the_published_models_parameters_and_layout(name):
+    with torch.device("meta"):                                  # the architecture alone, no memory
+        from transformers import LlamaForCausalLM
+        model = LlamaForCausalLM(shapes.config(name))
+    counted = sum(p.numel() for p in model.parameters())
+    assert counted == PUBLISHED_PARAMS[name] == shapes.params(name), (name, counted, shapes.params(name))
+    cfg = model.config
+    rope = cfg.rope_parameters
+    assert cfg.num_attention_heads // cfg.num_key_value_heads == 4, cfg
+    assert (rope["rope_type"], rope["rope_theta"]) == ("llama3", 500000.0), rope
+
+
+def test_a_shape_path_builds_a_seeded_random_model_that_says_it_is_for_timing():
+    a, tok, spec = load("shape://tiny?seed=1")
+    b, _, _ = load("shape://tiny?seed=1")
+    c, _, _ = load("shape://tiny?seed=2")
+    wa, wb, wc = (m.model.layers[0].self_attn.q_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc), "the seed does not fix the weights"
+    assert a.dtype == torch.float32 and a.scd_timing_only and a.scd_weights_digest == "shape:tiny:1"
+    assert spec.num_layers == shapes.SHAPES["tiny"]["num_hidden_layers"]
+    ids = tok("Notes: a shape has no folder", return_tensors="pt").input_ids
+    assert int(ids.max()) < a.config.vocab_size
+    assert a(ids).logits.shape == (1, ids.shape[1], a.config.vocab_size)
+
+
+def test_a_config_names_shapes_and_an_unknown_one_is_a_config_error_naming_the_shapes():
+    for n in ("tiny", "1b", "8b"):
+        cfg = load_config(REPO / "configs" / f"timing-{n}.yaml")
+        assert all(shapes.is_shape(m.path) for m in [cfg.producer, *cfg.specialists]), cfg
+    with pytest.raises(ConfigError) as e:
+        parse({"producer": {"name": "base", "path": "shape://llama-9b"},
+               "specialists": [{"name": "s", "path": "shape://tiny?seed=x"}]})
+    assert "base.path: shape://llama-9b: no such shape; the shapes are tiny" in str(e.value), e.value
+    assert "s.path: shape://tiny?seed=x: seed must be an integer" in str(e.value), e.value
+
+
+def test_a_family_that_does_not_fit_is_refused_in_one_line_with_what_it_needs_and_what_there_is():
+    cfg = load_config(REPO / "configs" / "timing-8b.yaml")
+    n, tokens, batch = 1 + len(cfg.specialists), cfg.limits.max_input_tokens, cfg.limits.specialist_max_ongoing
+    need = shapes.need_bytes(["llama-3.1-8b"] * n, tokens, batch)
+    assert need == n * (shapes.params("llama-3.1-8b") * 2 + batch * shapes.kv_bytes("llama-3.1-8b", tokens)), need
+    shapes.check_family(cfg, free_bytes=need)                   # fits exactly
+    with pytest.raises(shapes.ShapeError) as e:
+        shapes.check_family(cfg, free_bytes=need - 1)
+    line = str(e.value)
+    assert "\n" not in line and f"needs {need / 2**30:.1f} GiB on the GPU" in line and "is free there" in line, line
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_the_codes_rank_at_size_gives_about_a_tenth_of_the_raw_kv(name):
+    from jobs.timing_family import code_rank
+    from scd.online import codec
+    from scd.online.models import ModelSpec
+    spec = ModelSpec.from_config(shapes.config(name))
+    r = code_rank(spec, 0.1)
+    ratio = lambda r: (spec.num_layers - 1) * codec.code_bytes_per_row(r, "mixed") / spec.kv_bytes_per_token  # noqa: E731
+    assert ratio(r) <= 0.1 < ratio(r + 1), (name, r, ratio(r), ratio(r + 1))
+
+
+def test_random_artifacts_of_every_plan_kind_have_the_plans_and_payload_they_say(tmp_path):
+    from jobs.timing_family import PLAN_KINDS, random_artifact
+    from scd.online import codec
+    from scd.online.models import ModelSpec
+    spec = ModelSpec.from_config(shapes.config("tiny"))
+    arts = {k: random_artifact(k, f"base:{k}", spec, 2048) for k in PLAN_KINDS}
+    assert arts["codes"].plan == ["exact"] + ["hidden"] * 3 and arts["alora"].plan == ["shared"] * 4
+    assert arts["block_2_3"].plan == ["exact", "hidden", "hidden", "entry"], arts["block_2_3"].plan
+    assert arts["block_1_3"].plan == ["exact", "entry", "recompute", "recompute"], arts["block_1_3"].plan
+    assert arts["exact_half"].plan == ["exact", "shared", "entry", "recompute"], arts["exact_half"].plan
+    sent = codec.code_bytes(arts["codes"], 1024) / (1024 * spec.kv_bytes_per_token)
+    assert 0.08 < sent < 0.12, f"the codes take {sent:.3f} of the raw KV, not about 0.1"
+
+
+def test_a_tiny_timing_family_serves_every_plan_kind_and_every_answer_says_timing_only(ray_cluster, tmp_path):
+    """configs/timing-tiny.yaml as it is (on a free port, with a store of its own), its random artifacts
+    published by jobs.timing_family: one fan-out to every specialist, each served by its plan."""
+    import requests
+    from ray import serve
+
+    from jobs.timing_family import main as publish
+    from serve_app.app import deploy, wait_healthy
+    raw = yaml.safe_load((REPO / "configs" / "timing-tiny.yaml").read_text())
+    raw.update(ray={"namespace": "scd-test"}, http={"port": free_port()}, artifacts={"uri": str(tmp_path / "store")})
+    (tmp_path / "timing.yaml").write_text(yaml.safe_dump(raw))
+    assert publish(["--config", str(tmp_path / "timing.yaml")]) == 0
+    cfg = load_config(tmp_path / "timing.yaml")
+    names = [s.name for s in cfg.specialists]
+    deploy(cfg)
+    url = f"http://127.0.0.1:{cfg.http.port}"
+    try:
+        wait_healthy(url, timeout_s=300)
+        fan = requests.post(url + "/v1/fanout", timeout=120, json={"prefix": "Notes: timing " * 40, "requests": [
+            {"specialist": s, "suffix": " and", "max_tokens": 4} for s in names]}).json()
+        served = {r["specialist"]: (r["scd"]["mode"], r["scd"]["timing_only"]) for r in fan["results"]}
+        assert served == {s: ("scd", True) for s in names}, fan
+    finally:
+        serve.shutdown()
