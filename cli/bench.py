@@ -39,8 +39,10 @@ from scd.online.trace import capture
 
 
 def _ms(fn) -> tuple[float, object]:
+    methods.sync()
     t = time.perf_counter()
     out = fn()
+    methods.sync()
     return (time.perf_counter() - t) * 1e3, out
 
 
@@ -64,7 +66,8 @@ def measure(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str
     for _ in range(repeats + 1):                                 # the first round warms every path up
         # the consumer's own prefill as its fallback path runs it, and the producer's as the producer actor does
         r = {"prefill_ms": _ms(lambda: capture(consumer, ids, mask, want_xnorm=False))[0]}
-        r["producer_prefill_ms"], trace = _ms(lambda: capture(producer, ids, mask, want_hidden=every_method))
+        r["producer_prefill_ms"], trace = _ms(lambda: capture(producer, ids, mask,
+                                                              want_hidden=every_method or art.needs_hidden))
         for m in chosen:
             built = m.build(consumer, ids, mask, trace)
             r[m.name] = {"producer_ms": built.phases.get("encode_ms", 0.0), "consumer_ms": built.consumer_ms,

@@ -138,9 +138,9 @@ def real_family() -> Path:
 # jobs that run on it: under pytest-xdist they all go to one worker, in order. On a small machine two workers
 # each running Ray clusters with model actors oversubscribe the cores, and a second live session cluster makes
 # `ray.init(address="auto")` ambiguous.
-RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_blocks.py", "test_byom.py", "test_calibrate_job.py",
-               "test_cli_calibrate.py", "test_cli_serve.py", "test_config.py", "test_exact_plans.py", "test_faults.py",
-               "test_gpu.py", "test_loadtest.py", "test_multinode.py", "test_pool_policy.py", "test_producer_pool.py",
+RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_byom.py", "test_calibrate_job.py",
+               "test_cli_calibrate.py", "test_cli_serve.py", "test_exact_plans.py", "test_faults.py",
+               "test_gpu.py", "test_loadtest.py", "test_multinode.py", "test_producer_pool.py",
                "test_quickstart.py", "test_serve.py", "test_serve_nixl.py", "test_shapes.py", "test_transport.py"}
 
 

@@ -41,8 +41,6 @@ def test_the_walkthrough_runs_as_written(tmp_path):
     r, chat = run.namespace["r"], run.namespace["chat"]
     assert r.model_extra["scd"]["mode"] == "scd" and r.usage.completion_tokens > 0, r
     assert chat.model_extra["scd"]["mode"] == "scd", chat
-    job = run.output_of("scd calibrate --config")
-    assert "already published as mybase:support@" in job and "SUCCEEDED" in job, job[-3000:]
 
 
 def test_the_pages_other_configs_are_valid(tmp_path):

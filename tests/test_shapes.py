@@ -89,6 +89,23 @@ def test_random_artifacts_of_every_plan_kind_have_the_plans_and_payload_they_say
     assert 0.08 < sent < 0.12, f"the codes take {sent:.3f} of the raw KV, not about 0.1"
 
 
+def test_bench_size_times_every_plan_kind_against_the_own_prefill_and_says_timing_only(tmp_path):
+    """tools.bench_size at the tiny shape (the GPU script's CPU rehearsal): a row per prefix length and plan
+    kind, each kind's payload as its plan sends it, the tables written."""
+    import json
+
+    from jobs.timing_family import PLAN_KINDS
+    from tools.bench_size import main
+    assert main(["--shape", "tiny", "--tokens", "64,96", "--repeats", "1", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "size.json").read_text())
+    assert r["timing_only"] and [(x["tokens"], x["kind"]) for x in r["rows"]] == \
+        [(t, k) for t in (64, 96) for k in PLAN_KINDS], r["rows"]
+    ratio = {x["kind"]: x["payload_ratio"] for x in r["rows"] if x["tokens"] == 96}
+    assert ratio["codes"] < 0.15 < ratio["exact_half"] < ratio["alora"], ratio       # codes < half shared < all
+    assert all(x["oracle_ms"] > 0 and x["consumer_ms"] >= 0 and x["fanout"]["8"] > 0 for x in r["rows"]), r["rows"]
+    assert "timing-only" in (tmp_path / "size.md").read_text()
+
+
 def test_a_tiny_timing_family_serves_every_plan_kind_and_every_answer_says_timing_only(ray_cluster, tmp_path):
     """configs/timing-tiny.yaml as it is (on a free port, with a store of its own), its random artifacts
     published by jobs.timing_family: one fan-out to every specialist, each served by its plan."""
@@ -98,7 +115,8 @@ def test_a_tiny_timing_family_serves_every_plan_kind_and_every_answer_says_timin
     from jobs.timing_family import main as publish
     from serve_app.app import deploy, wait_healthy
     raw = yaml.safe_load((REPO / "configs" / "timing-tiny.yaml").read_text())
-    raw.update(ray={"namespace": "scd-test"}, http={"port": free_port()}, artifacts={"uri": str(tmp_path / "store")})
+    raw.update(ray={"namespace": "scd-test-timing"}, http={"port": free_port()},
+               artifacts={"uri": str(tmp_path / "store")})
     (tmp_path / "timing.yaml").write_text(yaml.safe_dump(raw))
     assert publish(["--config", str(tmp_path / "timing.yaml")]) == 0
     cfg = load_config(tmp_path / "timing.yaml")
@@ -109,7 +127,8 @@ def test_a_tiny_timing_family_serves_every_plan_kind_and_every_answer_says_timin
         wait_healthy(url, timeout_s=300)
         fan = requests.post(url + "/v1/fanout", timeout=120, json={"prefix": "Notes: timing " * 40, "requests": [
             {"specialist": s, "suffix": " and", "max_tokens": 4} for s in names]}).json()
-        served = {r["specialist"]: (r["scd"]["mode"], r["scd"]["timing_only"]) for r in fan["results"]}
-        assert served == {s: ("scd", True) for s in names}, fan
+        served = {r["specialist"]: (r["scd"]["mode"], r["scd"]["reason"], r["scd"]["timing_only"])
+                  for r in fan["results"]}
+        assert served == {s: ("scd", None, True) for s in names}, served
     finally:
         serve.shutdown()
