@@ -81,6 +81,8 @@ def run_blocks(blocks: list[tuple[str, str, str]], root: Path, replace: dict[str
     """Run the blocks in `root`, each with every key of `replace` in its code replaced by its value (ports,
     the paths of the folders a user brings); the servers they start are stopped before this returns."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    if os.environ.get("PYTEST_XDIST_WORKER"):       # two workers share the cores: one thread per process, as
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")    # tests/conftest.py sets torch's in-process
     state = root / ".exports"
     state.write_text("")
     run = Run()

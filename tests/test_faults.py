@@ -174,13 +174,13 @@ def test_loadtests_kill_producer_at_kills_the_served_producer(served_faults):
     assert wait_for(lambda: _ask(url, 701)[2] == "scd", BACK_WITHIN_S, every_s=0.5), "not serving scd again"
 
 
-def test_specialist_replica_killed_under_its_requests_loses_none(served_faults):
+def test_specialist_replica_killed_under_its_requests_loses_none(served_faults, ray_cluster):
     from ray.util.state import list_actors
     url, *_ = served_faults
     with holding_qa(NS) as gate, concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(_ask, url, 100 + i) for i in range(3)]
         assert wait_for(lambda: ray.get(gate.held.remote()) == 3, 300, every_s=0.2), "requests never held"
-        (replica,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
+        (replica,) = [a for a in list_actors(address=ray_cluster, filters=[("state", "=", "ALIVE")])
                       if a.class_name.endswith("specialist-qa")]
         ray.kill(ray.get_actor(replica.name, namespace="serve"), no_restart=True)
         results = [f.result() for f in futures]

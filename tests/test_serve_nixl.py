@@ -108,7 +108,7 @@ def test_replicas_added_and_removed_by_autoscaling_pull_with_nothing_to_join(ser
     assert status == 200 and out["scd"]["mode"] == "scd", out
 
 
-def test_a_replica_killed_under_its_requests_loses_none(served_nixl):
+def test_a_replica_killed_under_its_requests_loses_none(served_nixl, ray_cluster):
     """A request held at qa's one replica (one: more in flight would scale qa up, and the replica killed might
     not be the one holding it); the replica is killed, and with it its engine actor: the request is answered
     on the replacement."""
@@ -119,7 +119,7 @@ def test_a_replica_killed_under_its_requests_loses_none(served_nixl):
     from tests.test_serve import holding_qa
     url, _ = served_nixl
     body = {"model": "qa", "prompt": PREFIX + "Killed. Question:", "max_tokens": 2}
-    alive = lambda: [a for a in list_actors(filters=[("state", "=", "ALIVE")])     # noqa: E731
+    alive = lambda: [a for a in list_actors(address=ray_cluster, filters=[("state", "=", "ALIVE")])  # noqa: E731
                      if a.class_name.endswith("specialist-qa")]
     assert wait_for(lambda: len(alive()) == 1, 180), f"qa replicas alive: {alive()}"   # a scaled-down one drained
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
