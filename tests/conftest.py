@@ -135,14 +135,13 @@ def real_family() -> Path:
 
 
 # the modules whose tests start Ray (the session's cluster, `scd serve`, the multinode drill, Serve apps) or the
-# jobs that run on it: under pytest-xdist they all go to one worker, in order, since on a small machine two
-# workers each running Ray clusters with model actors oversubscribe the cores. test_shapes serves one small
-# family on the other worker's own session cluster (its dashboard agent on a free port, like this worker's);
-# with two clusters live, Ray's state API needs the cluster's address (`list_actors(address=ray_cluster)`).
+# jobs that run on it: under pytest-xdist they all go to one worker, in order. On a small machine two workers
+# each running Ray clusters with model actors oversubscribe the cores, and with two clusters live a job
+# submitted to one can start its driver against the other's address.
 RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_byom.py", "test_calibrate_job.py",
                "test_cli_calibrate.py", "test_cli_serve.py", "test_exact_plans.py", "test_faults.py",
                "test_gpu.py", "test_loadtest.py", "test_multinode.py", "test_producer_pool.py",
-               "test_quickstart.py", "test_serve.py", "test_serve_nixl.py", "test_transport.py"}
+               "test_quickstart.py", "test_serve.py", "test_serve_nixl.py", "test_shapes.py", "test_transport.py"}
 
 
 @pytest.hookimpl(tryfirst=True)              # before xdist's own hook reads the groups
