@@ -28,7 +28,7 @@ from artifacts_store.manifest import CalibrationData
 from cluster.config import ConfigError, load_config
 from scd.online import codec, shapes
 from scd.online.artifacts import PairArtifacts, exact_plan
-from scd.online.models import ModelSpec, tokenizer_fingerprint
+from scd.online.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
 from scd.online.reuse import LinearCodec
 
 PLAN_KINDS = ("codes", "block_2_3", "block_1_3", "exact_half", "alora")
@@ -99,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    from transformers import AutoTokenizer
     models = [cfg.producer, *cfg.specialists]
     not_shapes = [m.name for m in models if not shapes.is_shape(m.path)]
     unknown = [s.name for s in cfg.specialists if s.name not in PLAN_KINDS]
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.config}: a timing family's models are shape:// paths and its specialists are named by plan "
               f"kind ({', '.join(PLAN_KINDS)}); not so: {', '.join(not_shapes + unknown)}", file=sys.stderr)
         return 2
-    tok = AutoTokenizer.from_pretrained(shapes.TOKENIZER, local_files_only=True)
+    tok = load_tokenizer(cfg.producer.path)
     spec = ModelSpec.from_config(shapes.config(shapes.parse(cfg.producer.path).name))
     store = ArtifactStore(cfg.artifacts.uri)
     for i, s in enumerate(cfg.specialists):

@@ -10,6 +10,7 @@ demo family's tokenizer (its ids fit every shape's vocabulary). Every answer ser
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -46,10 +47,6 @@ class ShapeRef:
     name: str
     seed: int = 0
 
-    @property
-    def path(self) -> str:
-        return f"{SCHEME}{self.name}" + (f"?seed={self.seed}" if self.seed else "")
-
 
 def is_shape(path) -> bool:
     return str(path).startswith(SCHEME)
@@ -71,12 +68,17 @@ def parse(path: str) -> ShapeRef:
     return ShapeRef(name, seed)
 
 
-def config(name: str):
-    from transformers import LlamaConfig
+@lru_cache(maxsize=1)
+def _special_ids() -> dict[str, int]:
+    """The tokenizer's BOS, EOS and pad ids, which a shape's config takes."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(TOKENIZER, local_files_only=True)
-    return LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id,
-                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+
+
+def config(name: str):
+    from transformers import LlamaConfig
+    return LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, **_special_ids())
 
 
 def dtype_on(device: str):
