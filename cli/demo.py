@@ -118,6 +118,33 @@ def usable(store: ArtifactStore, pair: str) -> bool:
     return True
 
 
+def calibrate_missing(cfg, args, jobs_address: str, phases: Phases) -> bool:
+    """Calibrate the pairs without a usable artifact (and not refused by the gate) as Ray Jobs, at the demo's
+    budget unless --full-budget; say which pairs the gate refused. False when a calibration failed."""
+    from cluster.jobs import submit_and_follow
+    store = ArtifactStore(cfg.artifacts.uri)
+    missing = [pair for pair in cfg.pairs() if not usable(store, pair) and store.refusal(pair) is None]
+    if missing:
+        budget = [] if args.full_budget else DEMO_BUDGET
+        print(f"calibrating {missing} as Ray Jobs (first run only; checkpoints in {cfg.calibration.work_dir}) "
+              + (f"at the demo's budget: {', '.join(budget)} over the config's calibration settings "
+                 "(`scd calibrate` and `ray job submit` use the config's full budget)" if budget else
+                 "at the config's budget"))
+        submit_and_follow(jobs_address, missing, args.config, str(REPO),
+                          extra=[a for b in budget for a in ("--set", b)])
+        phases.done("calibration")
+    for pair in cfg.pairs():
+        if usable(store, pair):
+            continue
+        refusal = store.refusal(pair)
+        if refusal is None:
+            print(f"calibration of {pair} failed; see the job logs above")
+            return False
+        print(f"{pair}: not published, it failed the quality gate ({'; '.join(refusal['reasons'])}); "
+              "its specialist answers with its own prefill (fallback reason quality_gate)")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scd demo", description=__doc__)
     p.add_argument("--config", default=str(REPO / "ray_config.yaml"))
@@ -133,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from cluster.jobs import submit_and_follow
     from cluster.runtime import connect
     from serve_app.app import deploy, wait_healthy
 
@@ -142,26 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     phases.done("cluster start")
     try:
         connect(cfg.ray)
-        store = ArtifactStore(cfg.artifacts.uri)
-        missing = [pair for pair in cfg.pairs() if not usable(store, pair) and store.refusal(pair) is None]
-        if missing:
-            budget = [] if args.full_budget else DEMO_BUDGET
-            print(f"calibrating {missing} as Ray Jobs (first run only; checkpoints in {cfg.calibration.work_dir}) "
-                  + (f"at the demo's budget: {', '.join(budget)} over the config's calibration settings "
-                     "(`scd calibrate` and `ray job submit` use the config's full budget)" if budget else
-                     "at the config's budget"))
-            submit_and_follow("http://" + ctx.dashboard_url, missing, args.config, str(REPO),
-                              extra=[a for b in budget for a in ("--set", b)])
-            phases.done("calibration")
-        for pair in cfg.pairs():
-            if usable(store, pair):
-                continue
-            refusal = store.refusal(pair)
-            if refusal is None:
-                print(f"calibration of {pair} failed; see the job logs above")
-                return 1
-            print(f"{pair}: not published, it failed the quality gate ({'; '.join(refusal['reasons'])}); "
-                  "its specialist answers with its own prefill (fallback reason quality_gate)")
+        if not calibrate_missing(cfg, args, "http://" + ctx.dashboard_url, phases):
+            return 1
         deploy(cfg)
         url = f"http://{cfg.http.host}:{cfg.http.port}"
         wait_healthy(url)
