@@ -72,3 +72,28 @@ def test_a_peft_model_is_not_covered():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     assert not fast_decode.supported(model)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_the_static_cache_step_equals_transformers_over_rows_of_different_lengths(make):
+    """StaticStep (the GPU's captured step, run eagerly here): rows of 12, 7 and 9 tokens in one buffer of fixed
+    capacity, stepped three times, give transformers' logits for each row's whole sequence."""
+    model = make()
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(2, 97, (1, n), generator=g) for n in (12, 7, 9)]
+    st = fast_decode.StaticStep(model, batch=3, capacity=20)
+    with torch.no_grad():
+        for i, ids in enumerate(rows):
+            out = model(input_ids=ids, use_cache=True)
+            st.load(i, [layer.keys for layer in out.past_key_values.layers],
+                    [layer.values for layer in out.past_key_values.layers])
+        for step in range(3):
+            tokens = torch.tensor([5 + step, 17, 42 - step])
+            got = st.step(tokens).clone()
+            rows = [torch.cat([ids, t.view(1, 1)], 1) for ids, t in zip(rows, tokens)]
+            want = torch.cat([model(input_ids=ids).logits[:, -1] for ids in rows])
+            err = (got - want).abs().max().item()
+            assert err < 1e-5, f"step {step}: logits differ from transformers' by {err:.2e}"
+    assert st.pos.tolist() == [15, 10, 12]
+    with pytest.raises(ValueError, match="does not fit a capacity of 20"):
+        st.load(0, [torch.zeros(1, 2, 20, 8)], [torch.zeros(1, 2, 20, 8)])
