@@ -60,16 +60,23 @@ def ray_cluster() -> str:
     """One Ray cluster for the test session (each pytest-xdist worker has its own); yields its dashboard URL (the
     Jobs API). 4 logical CPUs so two calibration jobs (two model actors each) can run side by side. Its dashboard
     agent listens on a free port, not Ray's fixed 52365: the Jobs API of a cluster that `scd serve` starts in
-    another test (which takes 52365) works alongside it."""
+    another test (which takes 52365) works alongside it. Its temporary folder is its own, not /tmp/ray: a job's
+    driver joins the cluster that the folder's address file names (Ray's job supervisor resolves "auto"), and
+    in /tmp/ray that is whichever cluster started last on the machine, another worker's or a `scd serve`'s."""
+    import shutil
+    import tempfile
+
     import ray
     from ray.cluster_utils import Cluster
+    temp_dir = tempfile.mkdtemp(prefix="scd-ray-", dir="/tmp")       # short: Ray's socket paths live under it
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "include_dashboard": True, "dashboard_port": free_port(),
-        "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port()})
+        "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(), "temp_dir": temp_dir})
     ctx = ray.init(address=cluster.address, namespace="scd-test", log_to_driver=False)
     yield "http://" + ctx.dashboard_url
     ray.shutdown()
     cluster.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
