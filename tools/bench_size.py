@@ -9,7 +9,11 @@ For each prefix length and each plan kind of jobs.timing_family (codes, blocks a
 aLoRA): the oracle's prefill, the producer's prefill and encode, the payload as sent (and over the raw bf16 KV),
 the consumer's side, time to first token modeled at 25, 100 and 400 Gbps with the prefix cold (the producer
 prefills) and cached (the producer holds it), and a fan-out of 4 and 8 specialists' device time against as
-many own prefills (cli.bench's measure, fanout, ttft). Writes size.md and size.json under --out.
+many own prefills (cli.bench's measure, fanout, ttft). Then decode tokens/s at batch 1, 8 and 32 from a
+cache of the first prefix length, rebuilt from codes and from the specialist's own prefill: the engines' step
+(FastStep, the cache grown by a copy per token) and the static-cache step (StaticStep; replayed from a CUDA
+graph on a GPU), against the limit memory bandwidth sets (the weights and the KV read per step over the
+bandwidth a device-to-device copy reaches in this run). Writes size.md and size.json under --out.
 """
 from __future__ import annotations
 
@@ -22,11 +26,16 @@ import torch
 
 from cli.bench import fanout, measure, ttft
 from jobs.timing_family import PLAN_KINDS, random_artifact
-from scd.online import shapes
+from scd.evaluation import methods
+from scd.online import fast_decode, shapes
+from scd.online.decode import Batch, Row
 from scd.online.models import ModelSpec
+from scd.online.trace import capture
 
 GBPS = (25.0, 100.0, 400.0)
 FANOUT = (4, 8)
+BATCHES = (1, 8, 32)
+DECODE_STEPS = 32
 
 
 def attention_kernel(model, device: str) -> str:
@@ -40,7 +49,77 @@ def attention_kernel(model, device: str) -> str:
     return f"sdpa ({', '.join(on)} enabled; torch picks the first that fits)"
 
 
-def run(shape: str, tokens: list[int], repeats: int, device: str) -> dict:
+def _timed(fn, n: int) -> float:
+    """Seconds per call of fn, over n calls after one warm-up call."""
+    fn()
+    methods.sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    methods.sync()
+    return (time.perf_counter() - t) / n
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Bytes per second a device-to-device copy moves, counting what it reads and what it writes."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _timed(lambda: dst.copy_(src), 5)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: every parameter but the input embedding (a step reads one
+    row of it per token), unless the output head shares it."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if p is not embed or p is head)
+
+
+def decode_rates(consumer, kv_rebuilt, kv_own, batches, steps: int, bandwidth: float) -> list[dict]:
+    """Tokens/s of a batch of rows continuing one cache (all rows alike), per batch size: the engines' step from
+    the rebuilt cache, the static-cache step from the rebuilt cache and from the own prefill's, and the limit
+    that memory bandwidth sets for that batch and cache length."""
+    t = kv_rebuilt[0][0].shape[2]
+    dev = kv_rebuilt[0][0].device
+    fast = fast_decode.step_for(consumer)
+    kv_token = sum(k[0, :, :1].numel() * k.element_size() * 2 for k, _ in kv_rebuilt)
+    wbytes = weight_bytes(consumer)
+    rows = []
+    for b in batches:
+        r = {"batch": b, "cache_tokens": t,
+             "limit_tok_s": b / ((wbytes + b * (t + steps) * kv_token) / bandwidth)}
+        batch = Batch()
+        for _ in range(b):
+            batch.join(Row(keys=[k for k, _ in kv_rebuilt], values=[v for _, v in kv_rebuilt],
+                           logits=torch.zeros(1, device=dev), params=None))
+        token = torch.zeros(b, dtype=torch.long, device=dev)
+        base_len = batch.mask.shape[1]
+
+        def engine_step():
+            if batch.mask.shape[1] >= base_len + steps + 1:         # back to the prefix: every round alike
+                batch.keys = [k[:, :, :base_len] for k in batch.keys]
+                batch.values = [v[:, :, :base_len] for v in batch.values]
+                batch.mask, batch.pos = batch.mask[:, :base_len], batch.pos - (batch.mask.shape[1] - base_len)
+            batch.step(consumer, token)
+        r["engine_tok_s"] = b / _timed(engine_step, steps) if fast is not None else None
+        del batch
+        for name, kv in (("static_rebuilt_tok_s", kv_rebuilt), ("static_own_tok_s", kv_own)):
+            st = fast_decode.StaticStep(consumer, b, t + 2 * steps + 4)
+            for i in range(b):
+                st.load(i, [k for k, _ in kv], [v for _, v in kv])
+            if dev.type == "cuda":
+                st.capture()
+            r[name] = b / _timed(lambda: st.step(token), steps)
+            r["graph"] = st.graph is not None
+            del st
+        rows.append(r)
+    return rows
+
+
+def run(shape: str, tokens: list[int], repeats: int, device: str, save=lambda r: None) -> dict:
+    """Decode rates first (short), then one row per prefix length and plan kind, shortest first; `save(out)`
+    after each part, so that a run stopped at its time limit keeps what it measured."""
     producer, tok = shapes.build(f"{shapes.SCHEME}{shape}", device)
     consumer, _ = shapes.build(f"{shapes.SCHEME}{shape}?seed=1", device)
     spec = ModelSpec.from_config(producer.config)
@@ -49,9 +128,23 @@ def run(shape: str, tokens: list[int], repeats: int, device: str) -> dict:
     out = {"shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
            "dtype": str(producer.dtype), "attention": attention_kernel(consumer, device), "timing_only": True,
            "date": time.strftime("%Y-%m-%d"), "rows": []}
+    t0 = time.perf_counter()
+    ids = torch.randint(len(tok), (1, tokens[0]), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    trace = capture(producer, ids, mask, want_hidden=arts["codes"].needs_hidden)
+    rebuilt = methods.SCDMethod(arts["codes"]).build(consumer, ids, mask, trace).kv
+    del trace
+    own = consumer(input_ids=ids, use_cache=True).past_key_values
+    own = [(layer.keys, layer.values) for layer in own.layers]
+    out["bandwidth_gb_s"] = copy_bandwidth(device) / 1e9
+    out["decode"] = decode_rates(consumer, rebuilt, own, BATCHES, DECODE_STEPS, out["bandwidth_gb_s"] * 1e9)
+    del rebuilt, own
+    print(f"decode measured in {time.perf_counter() - t0:.1f} s", flush=True)
+    save(out)
     for t in tokens:
         ids = torch.randint(len(tok), (1, t), generator=g).to(device)
         for kind, art in arts.items():
+            t0 = time.perf_counter()
             m = measure(producer, consumer, art, ids, repeats)
             s = m["methods"]["scd"]
             raw = spec.kv_bytes_per_token * t
@@ -59,9 +152,12 @@ def run(shape: str, tokens: list[int], repeats: int, device: str) -> dict:
             out["rows"].append({
                 "tokens": t, "kind": kind, "oracle_ms": m["prefill_ms"], "producer_prefill_ms": m["producer_prefill_ms"],
                 "encode_ms": s["producer_ms"], "consumer_ms": s["consumer_ms"], "payload_bytes": s["payload_bytes"],
-                "payload_ratio": s["payload_bytes"] / raw,
+                "payload_ratio": s["payload_bytes"] / raw, "phases_ms": s,
                 "ttft_cold_ms": dict(zip(GBPS, cold["scd"])), "ttft_cached_ms": dict(zip(GBPS, warm["scd"])),
-                "fanout": {r["n"]: r["ratio"] for r in fanout(m, list(FANOUT))}})
+                "fanout": {r["n"]: r["ratio"] for r in fanout(m, list(FANOUT))}, "wall_s": time.perf_counter() - t0})
+            print(f"{t} tokens, {kind}: measured in {out['rows'][-1]['wall_s']:.1f} s "
+                  f"(oracle {m['prefill_ms']:.1f} ms, consumer {s['consumer_ms']:.1f} ms)", flush=True)
+            save(out)
     return out
 
 
@@ -77,6 +173,15 @@ def markdown(r: dict) -> str:
                      f"{x['encode_ms']:.1f} | {x['consumer_ms']:.1f} | {x['payload_ratio']:.3f} | "
                      + " | ".join(f"{x['ttft_cached_ms'][g] / x['oracle_ms']:.3f}" for g in GBPS) + " | "
                      + " | ".join(f"{x['fanout'][n]:.3f}" for n in FANOUT) + " |")
+    lines += ["", f"Decode from a cache of {r['decode'][0]['cache_tokens']} tokens, tokens/s (all rows); the limit: "
+              f"weights and KV read per step over {r['bandwidth_gb_s']:.0f} GB/s (a device-to-device copy here). "
+              f"Static step replayed from a CUDA graph: {'yes' if r['decode'][0]['graph'] else 'no'}.", "",
+              "| batch | engine step, rebuilt | static step, rebuilt | static step, own prefill | limit | "
+              "static / limit |", "|---|---|---|---|---|---|"]
+    for d in r["decode"]:
+        eng = f"{d['engine_tok_s']:.0f}" if d["engine_tok_s"] else "n/a"
+        lines.append(f"| {d['batch']} | {eng} | {d['static_rebuilt_tok_s']:.0f} | {d['static_own_tok_s']:.0f} | "
+                     f"{d['limit_tok_s']:.0f} | {d['static_rebuilt_tok_s'] / d['limit_tok_s']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -93,15 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     context = shapes.SHAPES[args.shape]["max_position_embeddings"]
     if max(tokens) > context:
         p.error(f"--tokens {max(tokens)} is over the {args.shape} shape's context of {context}")
+    out = Path(args.out) if args.out else None
+
+    def save(r: dict) -> None:
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "size.md").write_text(markdown(r))
+            (out / "size.json").write_text(json.dumps(r, indent=1))
     with torch.inference_mode():
-        r = run(args.shape, tokens, args.repeats, args.device)
-    text = markdown(r)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "size.md").write_text(text)
-        (out / "size.json").write_text(json.dumps(r, indent=1))
+        r = run(args.shape, tokens, args.repeats, args.device, save)
+    print(markdown(r))
     return 0
 
 

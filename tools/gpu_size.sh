@@ -3,49 +3,74 @@
 # random weights built on the device, nothing to carry): tables under OUT_DIR (default runs/gpu-size).
 #   1. tools.bench_size at the 1B, then the 8B shape: every plan kind against the own prefill at 4k, 16k and
 #      32k tokens (time to first token cold and cached, modeled links, fan-outs of 4 and 8);
+#      then decode tokens/s at batch 1, 8 and 32 (the engines' step and the static-cache CUDA-graph step);
 #   2. the 8B timing family served: jobs.timing_family, `scd serve`, `scd loadtest --compare` at 8
-#      concurrent with 4k-token prefixes, /healthz, then SIGTERM.
+#      concurrent with 4k-token prefixes, /healthz, then SIGTERM;
+#   3. tools.bench_overhead on the 1B timing family: the request path against Serve's floor.
 # Without CUDA it rehearses the same steps on CPU at the tiny shape (short prefixes).
-#   bash tools/gpu_size.sh [OUT_DIR]
+# A GPU machine without Ray gets it from .devsite/site.tar.xz (tools/device_site.sh builds it; the device
+# tool carries it: carry [".devsite"]).
+# PARTS picks what runs: bench (step 1), serve (steps 2 and 3) or all (the default). Each bench_size row is
+# written as it is measured (OUT_DIR/SHAPE/size.json), so a run stopped at its limit keeps what it measured.
+#   bash tools/gpu_size.sh [OUT_DIR] [PARTS]
 set -o pipefail
 OUT=$(realpath -m "${1:-runs/gpu-size}")
+PARTS=${2:-all}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 WORK=$(mktemp -d /tmp/scd-gpu-size.XXXX)
 step() { echo "== $1 ($(date +%T))" | tee -a "$OUT/steps.log"; }
+if ! python3 -c "import ray" 2>/dev/null && [ -f .devsite/site.tar.xz ]; then
+  mkdir -p /tmp/scd-site && for t in .devsite/*.tar.xz; do tar -C /tmp/scd-site -xJf "$t"; done
+  export PYTHONPATH=/tmp/scd-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   nvidia-smi -L 2>&1 | tee "$OUT/device.txt"
   SHAPES="llama-3.2-1b llama-3.1-8b"; TOKENS=4096,16384,32768; FAMILY=configs/timing-8b.yaml; PREFIX=4096
+  OVERHEAD=configs/timing-1b.yaml
 else
   echo "no CUDA device: a rehearsal on CPU at the tiny shape" | tee "$OUT/device.txt"
-  SHAPES="tiny"; TOKENS=256,512; FAMILY=configs/timing-tiny.yaml; PREFIX=256
+  SHAPES="tiny"; TOKENS=256,512; FAMILY=configs/timing-tiny.yaml; PREFIX=256; OVERHEAD=$FAMILY
 fi
+python3 -c "import torch, ray; print('torch', torch.__version__, 'ray', ray.__version__)" 2>&1 | tee -a "$OUT/device.txt"
 
-for shape in $SHAPES; do
-  step "bench_size $shape"
-  timeout 240 python3 -m tools.bench_size --shape "$shape" --tokens "$TOKENS" --repeats 3 --out "$OUT/$shape" \
-    2>&1 | tee "$OUT/bench_size_$shape.log"
-done
-
-step "timing family served: $FAMILY"
-python3 - "$FAMILY" "$WORK/family.yaml" "$WORK" <<'EOF'
+# A config with its artifacts in WORK, and the family's random artifacts published there: family CONFIG OUT_YAML
+family() {
+  python3 - "$1" "$2" "$WORK/store" <<'EOF'
 import sys, yaml
 from pathlib import Path
 raw = yaml.safe_load(Path(sys.argv[1]).read_text())
-raw["artifacts"] = {"uri": str(Path(sys.argv[3]) / "store")}
+raw["artifacts"] = {"uri": sys.argv[3]}
 Path(sys.argv[2]).write_text(yaml.safe_dump(raw))
 EOF
-python3 -m jobs.timing_family --config "$WORK/family.yaml" 2>&1 | tee "$OUT/timing_family.log"
+  python3 -m jobs.timing_family --config "$2" 2>&1 | tee -a "$OUT/timing_family.log"
+}
+
+for shape in $SHAPES; do
+  [ "$PARTS" = serve ] && break
+  step "bench_size $shape"
+  timeout 200 python3 -m tools.bench_size --shape "$shape" --tokens "$TOKENS" --repeats 3 --out "$OUT/$shape" \
+    2>&1 | tee "$OUT/bench_size_$shape.log"
+done
+
+if [ "$PARTS" = bench ]; then step "done"; rm -rf "$WORK"; exit 0; fi
+
+step "timing family served: $FAMILY"
+family "$FAMILY" "$WORK/family.yaml"
 python3 -m cli.main serve --config "$WORK/family.yaml" > "$OUT/serve.log" 2>&1 &
 SERVE=$!
-for _ in $(seq 240); do grep -q "Serve ready on" "$OUT/serve.log" && break; kill -0 $SERVE 2>/dev/null || break; sleep 1; done
+for _ in $(seq 180); do grep -q "Serve ready on" "$OUT/serve.log" && break; kill -0 $SERVE 2>/dev/null || break; sleep 1; done
 if grep -q "Serve ready on" "$OUT/serve.log"; then
-  timeout 180 python3 -m cli.main loadtest --requests 64 --concurrency 8 --prefix-tokens "$PREFIX" --compare \
+  timeout 120 python3 -m cli.main loadtest --requests 64 --concurrency 8 --prefix-tokens "$PREFIX" --compare \
     > "$OUT/loadtest.json" 2> "$OUT/loadtest.err"
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/healthz').read().decode())" \
     > "$OUT/healthz.json"
 fi
 kill -TERM $SERVE 2>/dev/null; wait $SERVE; echo "scd serve exited $?" | tee -a "$OUT/steps.log"
+
+step "bench_overhead: $OVERHEAD"
+family "$OVERHEAD" "$WORK/overhead.yaml"
+timeout 120 python3 -m tools.bench_overhead --config "$WORK/overhead.yaml" --n 100 2>&1 | tee "$OUT/overhead.log"
 step "done"
 rm -rf "$WORK"

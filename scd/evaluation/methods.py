@@ -180,6 +180,7 @@ class SCDMethod(Method):
         t1 = time.perf_counter()
         codes = (e_first.decode_parts if split else codec.decode)(payload, *args, self.art.payload_plan, dims,
                                                                    self.art.x_codes)
+        codes = codes.to(next(consumer.parameters()).device)     # bytes decode on the host: the copy counts
         sync()
         t2 = time.perf_counter()
         kv, phases = rebuild(consumer, self.art, codes)
