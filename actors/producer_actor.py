@@ -88,7 +88,7 @@ class ProducerActor:
                  cache_bytes: int = 64 << 20, transport: str = "object_store",
                  watch_s: float = 10.0, link_gbps: dict[str, float] | None = None,
                  ttft_target_ms: float | None = None, families: dict[str, str] | None = None,
-                 name: str = PRODUCER_NAME, inline_bytes: int = INLINE_BYTES):
+                 name: str = PRODUCER_NAME, inline_bytes: int = INLINE_BYTES, stage_bytes: int = 256 << 20):
         torch.set_num_threads(cpu_threads())
         dev = device()
         model, tok, _ = load(model_path, device=dev)
@@ -100,7 +100,7 @@ class ProducerActor:
         self.expect = Fingerprints.of(producer=model, tokenizer=tok)
         self.transport_kind = transport
         self.name = name                                # its actor name: tickets say whom to pull from
-        self.transport = make_transport(transport, owner=name, inline_bytes=inline_bytes)
+        self.transport = make_transport(transport, owner=name, inline_bytes=inline_bytes, stage_bytes=stage_bytes)
         self.busy = Busy()
         tags = {"producer": name}
         self.m_encodes = Counter("scd_producer_encodes_total", "encodes by how they were served (prefill: a new "

@@ -45,7 +45,8 @@ def producer_spec(cfg: DeploymentConfig) -> dict:
             "pairs": {pair_id(cfg.producer.name, s.name): s.artifact for s in cfg.specialists},
             "families": cfg.family_refs(), "transport": cfg.resolved_transport(),
             "inline_bytes": cfg.transport_inline_bytes, "store": cfg.artifacts.uri,
-            "watch_s": cfg.artifacts.watch_s, "link_gbps": cfg.link_gbps(), "ttft_target_ms": cfg.link.ttft_target_ms}
+            "watch_s": cfg.artifacts.watch_s, "link_gbps": cfg.link_gbps(), "ttft_target_ms": cfg.link.ttft_target_ms,
+            "memory_bytes": list(cfg.producer.memory_bytes())}
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -77,7 +78,7 @@ class ProducerPool:
                              num_cpus=s["num_cpus"], resources=s["resources"], node_labels=s["node_labels"])
         return ProducerActor.options(**opts, max_restarts=-1, max_task_retries=0).remote(
             s["path"], s["pairs"], s["store"], self.namespace, transport=s["transport"], watch_s=s["watch_s"],
-            inline_bytes=s["inline_bytes"],
+            inline_bytes=s["inline_bytes"], cache_bytes=s["memory_bytes"][0], stage_bytes=s["memory_bytes"][1],
             link_gbps=s["link_gbps"], ttft_target_ms=s["ttft_target_ms"], families=s["families"], name=name)
 
     def _adopt(self) -> None:

@@ -275,15 +275,17 @@ class Staging:
             return len(self.items)
 
 
-def make_transport(kind: str, owner: str | None = None, inline_bytes: int = INLINE_BYTES):
+def make_transport(kind: str, owner: str | None = None, inline_bytes: int = INLINE_BYTES,
+                   stage_bytes: int = 256 << 20):
     """The transport object for one side (producer or replica) of a deployment; `owner`: the producer's actor
-    name, which its RDT tickets carry; payloads of at most `inline_bytes` ride in their tickets."""
+    name, which its RDT tickets carry; payloads of at most `inline_bytes` ride in their tickets; an RDT
+    producer holds at most `stage_bytes` of payloads not yet pulled."""
     if kind == "object_store":
         return ObjectStoreTransport(inline_bytes)
     if kind == "nixl":
-        return NixlTransport(owner=owner, inline_bytes=inline_bytes)
+        return NixlTransport(stage_bytes, owner=owner, inline_bytes=inline_bytes)
     if kind == "cuda_ipc":
-        return CudaIpcTransport(owner=owner, inline_bytes=inline_bytes)
+        return CudaIpcTransport(stage_bytes, owner=owner, inline_bytes=inline_bytes)
     raise ValueError(f"unknown transport {kind!r}; one of {TRANSPORTS}")
 
 

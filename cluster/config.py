@@ -141,6 +141,19 @@ class ProducerSettings(ModelSettings):
                               "(bounded loads)")
     load_slack: int = Field(2, ge=0, description="encodes a producer may hold beyond load_bound x average before "
                             "a prefix it owns goes elsewhere (where its cache misses: a prefill)")
+    cache_mb: int | None = Field(None, ge=0, description="the prefix code cache of each producer, MiB (a payload "
+                                 "larger than it is never cached); default: 64 on a CPU, 2048 on a GPU, where an "
+                                 "8B model's codes of a 4k-token prefix are about 50 MB")
+    stage_mb: int | None = Field(None, ge=1, description="payloads each producer holds until the replicas pull "
+                                 "them (nixl, cuda_ipc), MiB; past it the oldest go and their replicas fall back "
+                                 "(transport_error); default: 256 on a CPU, 4096 on a GPU")
+
+    def memory_bytes(self) -> tuple[int, int]:
+        """(prefix code cache, staging) in bytes, the defaults by where the producer runs."""
+        gpu = self.num_gpus > 0
+        cache = self.cache_mb if self.cache_mb is not None else (2048 if gpu else 64)
+        stage = self.stage_mb if self.stage_mb is not None else (4096 if gpu else 256)
+        return cache << 20, stage << 20
 
     def initial_replicas(self) -> int:
         a = self.autoscaling

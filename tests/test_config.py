@@ -46,6 +46,21 @@ def test_cuda_ipc_needs_every_model_on_a_gpu_and_auto_picks_nixl_on_gpus_only():
         parse({**GOOD, "transport": "nccl"})
 
 
+def test_a_producers_code_cache_and_staging_default_by_its_device_and_reach_its_transport():
+    from actors.producer_pool import producer_spec
+    from actors.transport import make_transport
+    mib = 1 << 20
+    assert parse(GOOD).producer.memory_bytes() == (64 * mib, 256 * mib)
+    on_gpu = parse({**GOOD, "producer": {**GOOD["producer"], "num_gpus": 0.5}})
+    assert on_gpu.producer.memory_bytes() == (2048 * mib, 4096 * mib)
+    set_ = parse({**GOOD, "producer": {**GOOD["producer"], "num_gpus": 0.5, "cache_mb": 0, "stage_mb": 512}})
+    assert set_.producer.memory_bytes() == (0, 512 * mib)
+    assert producer_spec(set_)["memory_bytes"] == [0, 512 * mib]
+    assert make_transport("nixl", stage_bytes=512 * mib).stage.stage_bytes == 512 * mib
+    with pytest.raises(ConfigError, match="stage_mb"):
+        parse({**GOOD, "producer": {**GOOD["producer"], "stage_mb": 0}})
+
+
 def test_serve_deploy_config_carries_autoscaling_and_placement():
     cfg = parse({**GOOD, "specialists": [{**GOOD["specialists"][0], "num_gpus": 0.5,
                                           "autoscaling": {"min_replicas": 1, "max_replicas": 4}}]})
