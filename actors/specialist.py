@@ -18,7 +18,7 @@ import torch
 from actors.batching import BatchDecoder
 from actors.messages import FallbackReason
 from actors.prefix_cache import PrefixCodeCache, prefix_key
-from scd.online import activated, cache, codec, e_first
+from scd.online import activated, cache, codec, e_first, fast_decode
 from scd.online.artifacts import PairArtifacts
 from scd.online.decode import GenParams, Row, TokenLogprobs, token_logprobs, verify
 from scd.online.rebuild import Codes, prepare, rebuild, run_blocks
@@ -438,12 +438,17 @@ class SpecialistEngine:
                                        exact={"drafted": 0, "accepted": 0, "takeover": 0, "cached": True})
         else:
             kv, info = self._prefix_kv(prefix_ids, payload, reason, timings, codes_ok)
-        c = cache.assemble(self.model, kv)
-        mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
-        logits, _ = cache.extend(self.model, c, mask, torch.tensor([suffix_ids], device=self.device), last_only=True)
+        suffix = torch.tensor([suffix_ids], device=self.device)
+        fast = fast_decode.step_for(self.model)
+        if fast is not None:
+            logits, keys, values = fast.extend([k for k, _ in kv], [v for _, v in kv], suffix)
+        else:
+            c = cache.assemble(self.model, kv)
+            mask = torch.ones(1, len(prefix_ids), dtype=torch.long, device=self.device)
+            logits, _ = cache.extend(self.model, c, mask, suffix, last_only=True)
+            logits, keys, values = logits[:, -1], [layer.keys for layer in c.layers], [layer.values for layer in c.layers]
         gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
-        row = Row([layer.keys for layer in c.layers], [layer.values for layer in c.layers], logits[0, -1], params,
-                  generator=gen)
+        row = Row(keys, values, logits[0], params, generator=gen)
         return row, info, TextStream(self.tok, params.stop)
 
     def complete(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,

@@ -97,3 +97,24 @@ def test_the_static_cache_step_equals_transformers_over_rows_of_different_length
     assert st.pos.tolist() == [15, 10, 12]
     with pytest.raises(ValueError, match="does not fit a capacity of 20"):
         st.load(0, [torch.zeros(1, 2, 20, 8)], [torch.zeros(1, 2, 20, 8)])
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_a_suffix_on_a_cache_equals_transformers_forward(make):
+    """extend (a request's suffix over its prefix cache, as the engines run it) against transformers' forward of
+    the whole sequence: the last logits and every layer's keys and values."""
+    model = make()
+    g = torch.Generator().manual_seed(2)
+    prefix, suffix = torch.randint(2, 97, (1, 10), generator=g), torch.randint(2, 97, (1, 5), generator=g)
+    with torch.no_grad():
+        out = model(input_ids=prefix, use_cache=True)
+        whole = model(input_ids=torch.cat([prefix, suffix], 1), use_cache=True)
+    fast = fast_decode.step_for(model)
+    logits, keys, values = fast.extend([layer.keys for layer in out.past_key_values.layers],
+                                       [layer.values for layer in out.past_key_values.layers], suffix)
+    err = (logits - whole.logits[:, -1]).abs().max().item()
+    assert err < 1e-5, f"the suffix's last logits differ from transformers' by {err:.2e}"
+    for layer, (a, b) in enumerate(zip(keys + values, [lay.keys for lay in whole.past_key_values.layers]
+                                       + [lay.values for lay in whole.past_key_values.layers])):
+        kv_err = (a - b).abs().max().item()
+        assert a.shape == b.shape and kv_err < 1e-5, f"layer {layer % len(keys)}: K/V differ by {kv_err:.2e}"

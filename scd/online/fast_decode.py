@@ -1,6 +1,7 @@
-"""One decode step of a Llama-shaped model in plain torch: the serving engines' batched step.
+"""A Llama-shaped model's layers over new tokens on top of a cache, in plain torch: the serving engines' batched
+decode step and a request's suffix.
 
-The same operations as transformers' forward over one new token per row (pre-norm RMSNorm, RoPE, grouped-query
+The same operations as transformers' forward over new tokens (pre-norm RMSNorm, RoPE, grouped-query
 attention over the rows' caches, SwiGLU MLP), without what that forward does per call beside them: building
 attention masks and cache objects, routing keyword arguments through decorators, filling output containers.
 On a CPU a small model's step is mostly that: the demo family's step costs about half of transformers' this way.
@@ -18,9 +19,39 @@ SUPPORTED = {"llama", "qwen2"}
 STATIC_ROPE = {"default", "linear", "llama3"}          # inverse frequencies fixed at load
 
 
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linear maps of the same input: the maps' own parameters become views
+    of it, so one matmul computes all their outputs with no second copy of the weights."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = weight[row:row + n]
+        if bias is not None:
+            m.bias.data = bias[row:row + n]
+        row += n
+    return weight, bias
+
+
+def lora_delta(factors: dict | None, kind: str, h: torch.Tensor) -> torch.Tensor | None:
+    """The rows' low-rank terms of one projection kind for inputs h (B, S, in): factors[kind] = (A^T (B, in, r),
+    B^T (B, r, out)) gathered by each row's adapter; None where nothing adapts that kind."""
+    if factors is None or kind not in factors:
+        return None
+    a_t, b_t = factors[kind]
+    return torch.bmm(torch.bmm(h, a_t), b_t)
+
+
+def _plus(y: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    return y if delta is None else y + delta
+
+
 class FastStep:
-    """Steps one model; built once per model (`step_for`). Holds references to the model's own weights, never to
-    the model itself (`step_for`'s table is keyed weakly by it)."""
+    """Runs one model's layers over new tokens on top of given caches; built once per model (`step_for`). The
+    query, key and value projections run as one matmul, and the MLP's gate and up projections as another
+    (`_fuse`: the model's own parameters become views of the fused weights). Holds references to the model's
+    weights, never to the model itself (`step_for`'s table is keyed weakly by it)."""
 
     def __init__(self, model):
         inner = model.model
@@ -31,50 +62,85 @@ class FastStep:
         self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rope = inner.rotary_emb
         self.inv_freq, self.rope_scale = rope.inv_freq, float(getattr(rope, "attention_scaling", 1.0))
-        self.layers = [(layer.input_layernorm.weight, layer.self_attn.q_proj, layer.self_attn.k_proj,
-                        layer.self_attn.v_proj, layer.self_attn.o_proj, layer.post_attention_layernorm.weight,
-                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj) for layer in inner.layers]
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((layer.input_layernorm.weight, *_fuse([a.q_proj, a.k_proj, a.v_proj]), a.o_proj,
+                                layer.post_attention_layernorm.weight, _fuse([m.gate_proj, m.up_proj])[0],
+                                m.down_proj))
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return w * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
     @staticmethod
     def _rotate(t: torch.Tensor) -> torch.Tensor:
         half = t.shape[-1] // 2
         return torch.cat([-t[..., half:], t[..., :half]], -1)
 
-    @torch.no_grad()
-    def __call__(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, pos: torch.Tensor,
-                 tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """keys/values per layer (B, n_kv, T, d) post-RoPE, mask (B, T + 1) with the new column, pos (B,), tokens
-        (B,) -> (next-token logits (B, V), keys and values per layer with the new token appended (B, n_kv, T+1, d))."""
-        b, d = tokens.shape[0], self.d
-        x = self.embed(tokens)[:, None]                                       # (B, 1, H)
-        freqs = pos[:, None].float() * self.inv_freq.float()                  # (B, d/2)
+    def _rope(self, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (B, S, 1, d) at positions (B, S)."""
+        freqs = pos[..., None].float() * self.inv_freq.float()
         emb = torch.cat([freqs, freqs], -1)
-        cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, None]       # (B, 1, 1, d)
-        sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, None]
-        allowed = mask.bool()[:, None, None]                                  # (B, 1, 1, T + 1)
+        return (emb.cos() * self.rope_scale).to(dtype)[:, :, None], (emb.sin() * self.rope_scale).to(dtype)[:, :, None]
+
+    def _qkv(self, x, ln1, w_qkv, b_qkv, cos, sin, lora=None):
+        """Queries (B, heads, S, d), keys and values (B, n_kv, S, d) of x (B, S, H), RoPE applied; `lora`: the
+        rows' low-rank factors of this layer (lora_delta)."""
+        b, s, d = x.shape[0], x.shape[1], self.d
+        h = self._rms(x, ln1)
+        qkv = _plus(F.linear(h, w_qkv, b_qkv), lora_delta(lora, "qkv", h)).view(b, s, self.n_heads + 2 * self.n_kv, d)
+        qk = qkv[:, :, :self.n_heads + self.n_kv]
+        qk = qk * cos + self._rotate(qk) * sin
+        return (qk[:, :, :self.n_heads].transpose(1, 2), qk[:, :, self.n_heads:].transpose(1, 2),
+                qkv[:, :, self.n_heads + self.n_kv:].transpose(1, 2))
+
+    def _mlp(self, x, ln2, w_gate_up, down, lora=None):
+        h = self._rms(x, ln2)
+        gate, up = _plus(F.linear(h, w_gate_up), lora_delta(lora, "gate_up", h)).chunk(2, -1)
+        a = F.silu(gate) * up
+        return x + _plus(down(a), lora_delta(lora, "down", a))
+
+    @torch.no_grad()
+    def _run(self, keys, values, tokens, pos, allowed, lora: list[dict] | None = None):
+        """tokens (B, S) at positions (B, S) over caches (B, n_kv, T, d) per layer, `allowed` (B, 1, S, T + S)
+        -> (last position's logits (B, V), caches with the S tokens appended). `lora`: per layer, the rows'
+        low-rank factors by projection kind (scd.online.lora_group.LoraGroup.gather)."""
+        b, s = tokens.shape
+        x = self.embed(tokens)                                                # (B, S, H)
+        cos, sin = self._rope(pos, x.dtype)
         new_keys, new_values = [], []
-        for (ln1, q_proj, k_proj, v_proj, o_proj, ln2, gate, up, down), k_cache, v_cache in zip(self.layers, keys,
-                                                                                               values):
-            h = self._rms(x, ln1)
-            q = q_proj(h).view(b, 1, self.n_heads, d).transpose(1, 2)       # (B, heads, 1, d)
-            k = k_proj(h).view(b, 1, self.n_kv, d).transpose(1, 2)          # (B, n_kv, 1, d)
-            v = v_proj(h).view(b, 1, self.n_kv, d).transpose(1, 2)
-            q = q * cos + self._rotate(q) * sin
-            k = k * cos + self._rotate(k) * sin
+        for i, ((ln1, w_qkv, b_qkv, o_proj, ln2, w_gate_up, down), k_cache, v_cache) in enumerate(
+                zip(self.layers, keys, values)):
+            lo = lora[i] if lora is not None else None
+            q, k, v = self._qkv(x, ln1, w_qkv, b_qkv, cos, sin, lo)
             k_all, v_all = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
             o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed,
                                                enable_gqa=self.n_heads != self.n_kv)
-            x = x + o_proj(o.transpose(1, 2).reshape(b, 1, self.n_heads * d))
-            h = self._rms(x, ln2)
-            x = x + down(F.silu(gate(h)) * up(h))
+            o = o.transpose(1, 2).reshape(b, s, self.n_heads * self.d)
+            x = x + _plus(o_proj(o), lora_delta(lo, "o", o))
+            x = self._mlp(x, ln2, w_gate_up, down, lo)
             new_keys.append(k_all)
             new_values.append(v_all)
-        logits = self.head(self._rms(x, self.norm.weight))[:, -1]
-        return logits, new_keys, new_values
+        return self.head(self._rms(x[:, -1], self.norm.weight)), new_keys, new_values
+
+    def __call__(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, pos: torch.Tensor,
+                 tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """One decode step: keys/values per layer (B, n_kv, T, d) post-RoPE, mask (B, T + 1) with the new column,
+        pos (B,), tokens (B,) -> (next-token logits (B, V), keys and values per layer with the new token appended
+        (B, n_kv, T+1, d))."""
+        return self._run(keys, values, tokens[:, None], pos[:, None], mask.bool()[:, None, None])
+
+    def extend(self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor
+               ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """A suffix (1, S) run on top of one row's unpadded cache (1, n_kv, T, d) per layer (none for an empty
+        prefix): (its last position's logits (1, V), the caches with the suffix appended)."""
+        if not keys:
+            w = self.layers[0][1]
+            keys = values = [w.new_zeros(1, self.n_kv, 0, self.d)] * len(self.layers)
+        t, s = keys[0].shape[2], tokens.shape[1]
+        pos = torch.arange(t, t + s, device=tokens.device)[None]
+        allowed = torch.ones(s, t + s, dtype=torch.bool, device=tokens.device).tril(t)[None, None]
+        return self._run(keys, values, tokens, pos, allowed)
 
 
 def supported(model) -> bool:
@@ -147,28 +213,19 @@ class StaticStep:
         f, b, d = self.f, self.batch, self.f.d
         group = f.n_heads // f.n_kv
         x = f.embed(self.tokens)[:, None]                                     # (B, 1, H)
-        freqs = self.pos[:, None].float() * f.inv_freq.float()
-        emb = torch.cat([freqs, freqs], -1)
-        cos = (emb.cos() * f.rope_scale).to(x.dtype)[:, None, None]          # (B, 1, 1, d)
-        sin = (emb.sin() * f.rope_scale).to(x.dtype)[:, None, None]
+        cos, sin = f._rope(self.pos[:, None], x.dtype)
         self.filled.index_put_((self.rows, self.pos), self.ones)
         allowed = self.filled[:, None, None]                                  # (B, 1, 1, C)
-        for (ln1, q_proj, k_proj, v_proj, o_proj, ln2, gate, up, down), k_buf, v_buf in zip(f.layers, self.keys,
-                                                                                           self.values):
-            h = f._rms(x, ln1)
-            q = q_proj(h).view(b, 1, f.n_heads, d).transpose(1, 2)          # (B, heads, 1, d)
-            k = k_proj(h).view(b, 1, f.n_kv, d).transpose(1, 2)             # (B, n_kv, 1, d)
-            v = v_proj(h).view(b, 1, f.n_kv, d).transpose(1, 2)
-            q = q * cos + f._rotate(q) * sin
-            k = k * cos + f._rotate(k) * sin
+        for (ln1, w_qkv, b_qkv, o_proj, ln2, w_gate_up, down), k_buf, v_buf in zip(f.layers, self.keys,
+                                                                                  self.values):
+            q, k, v = f._qkv(x, ln1, w_qkv, b_qkv, cos, sin)                 # (B, heads or n_kv, 1, d)
             k_buf[self.rows, :, self.pos] = k[:, :, 0]
             v_buf[self.rows, :, self.pos] = v[:, :, 0]
             o = F.scaled_dot_product_attention(q.reshape(b, f.n_kv, group, d), k_buf, v_buf, attn_mask=allowed)
             x = x + o_proj(o.reshape(b, 1, f.n_heads * d))
-            h = f._rms(x, ln2)
-            x = x + down(F.silu(gate(h)) * up(h))
+            x = f._mlp(x, ln2, w_gate_up, down)
         self.pos.add_(1)
-        return f.head(f._rms(x, f.norm.weight))[:, -1]
+        return f.head(f._rms(x[:, -1], f.norm.weight))
 
     def capture(self) -> None:
         """Record one step in a CUDA graph (after warm-up steps on a side stream, as torch requires). The
