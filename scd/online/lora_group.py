@@ -1,0 +1,175 @@
+"""LoRA adapters served unmerged on one base model: rows of different adapters in one batch.
+
+A group holds the base once and, per adapter, its low-rank factors as PEFT saved them (adapter_config.json and
+adapter_model.safetensors, read without building a PEFT model). A forward over a batch runs the base's matmuls
+once for every row and adds each row's own low-rank term, gathered by the row's adapter index, as Punica's and
+S-LoRA's batched LoRA kernels do (here two batched matmuls per projection): for a projection W and a row of
+adapter a,
+
+    y = x W^T + s_a (x A_a^T) B_a^T
+
+with s_a the adapter's scaling (lora_alpha / r, or / sqrt(r) with rsLoRA). Index 0 is the base itself (zero
+factors), so base rows and adapter rows share a batch. The projections that FastStep fuses (q, k, v; gate, up)
+take one gathered pair of factors for the fused output: their A's stacked, their B's block-diagonal.
+
+Adapters of different ranks share the stacks at the largest rank (zero-padded: the padding adds zeros). Only
+LoRA on the attention and MLP projections of a model fast_decode covers; DoRA, embedding or head adapters and
+activated LoRAs are refused by `read_adapter`, in one line.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from scd.online import fast_decode
+
+# the projections a group adapts, as FastStep runs them: (fused kind, its modules in fused order)
+KINDS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+         "down": ("down_proj",)}
+MODULE_KIND = {m: k for k, ms in KINDS.items() for m in ms}
+
+
+class AdapterError(ValueError):
+    """An adapter a group cannot hold; the message is one line naming the adapter and why."""
+
+
+@dataclass
+class Adapter:
+    """One adapter's factors: (layer, module) -> (A (r, in), B (out, r) scaled by the adapter's scaling)."""
+    name: str
+    path: str
+    rank: int
+    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _module_of(key: str) -> tuple[int, str, str] | None:
+    """(layer, module, 'lora_A' | 'lora_B') of a PEFT weight name, or None for anything else."""
+    parts = key.split(".")
+    if "layers" not in parts or not any(p in ("lora_A", "lora_B") for p in parts):
+        return None
+    layer = int(parts[parts.index("layers") + 1])
+    ab = "lora_A" if "lora_A" in parts else "lora_B"
+    module = parts[parts.index(ab) - 1]
+    return layer, module, ab
+
+
+def read_adapter(name: str, path: str | Path, base) -> Adapter:
+    """An adapter folder's factors, checked against the base model (its layers and projection shapes)."""
+    p = Path(path)
+    cfg_file, weights = p / "adapter_config.json", p / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise AdapterError(f"adapter {name!r}: {p} is not a PEFT adapter folder (adapter_config.json and "
+                           f"adapter_model.safetensors)")
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter {name!r}: peft_type {cfg.get('peft_type')!r}; a group holds LoRA adapters")
+    if cfg.get("use_dora"):
+        raise AdapterError(f"adapter {name!r}: DoRA adapters are not held unmerged; serve it merged")
+    if cfg.get("alora_invocation_tokens"):
+        raise AdapterError(f"adapter {name!r}: an activated LoRA; a group does not hold those yet")
+    if cfg.get("fan_in_fan_out"):
+        raise AdapterError(f"adapter {name!r}: fan_in_fan_out adapters (GPT-2 style) do not fit a Llama base")
+    tensors = load_file(str(weights))
+    layers = base.model.layers
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        where = _module_of(key)
+        if where is None:
+            raise AdapterError(f"adapter {name!r}: {key} is not a LoRA factor of a layer's projection "
+                               f"(a group adapts {', '.join(MODULE_KIND)})")
+        layer, module, ab = where
+        if module not in MODULE_KIND:
+            raise AdapterError(f"adapter {name!r}: it adapts {module!r}; a group adapts {', '.join(MODULE_KIND)}")
+        if layer >= len(layers):
+            raise AdapterError(f"adapter {name!r}: it adapts layer {layer}, and the base has {len(layers)}")
+        found.setdefault((layer, module), {})[ab] = t
+    alpha_pattern, rank_pattern = cfg.get("alpha_pattern") or {}, cfg.get("rank_pattern") or {}
+    out = Adapter(name, str(p), 0)
+    dtype = base.model.embed_tokens.weight.dtype
+    for (layer, module), ab in sorted(found.items()):
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise AdapterError(f"adapter {name!r}: layer {layer} {module} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
+        a, b = ab["lora_A"], ab["lora_B"]
+        sub = getattr(layers[layer].self_attn if module in KINDS["qkv"] + KINDS["o"] else layers[layer].mlp, module)
+        out_f, in_f = sub.weight.shape
+        r = a.shape[0]
+        if a.shape != (r, in_f) or b.shape != (out_f, r):
+            raise AdapterError(f"adapter {name!r}: layer {layer} {module} has factors {tuple(a.shape)} and "
+                               f"{tuple(b.shape)}, and the base's {module} is {out_f} x {in_f}")
+        alpha = next((v for k, v in alpha_pattern.items() if module in k), cfg.get("lora_alpha", r))
+        r_cfg = next((v for k, v in rank_pattern.items() if module in k), cfg.get("r", r))
+        scale = alpha / math.sqrt(r_cfg) if cfg.get("use_rslora") else alpha / r_cfg
+        out.factors[(layer, module)] = (a.to(dtype), (b * scale).to(dtype))
+        out.rank = max(out.rank, r)
+    if not out.factors:
+        raise AdapterError(f"adapter {name!r}: no LoRA factors in {weights}")
+    return out
+
+
+class LoraGroup:
+    """A base model and its adapters, stacked per layer and projection kind for gathered batched matmuls.
+    `index(name)` is an adapter's row index (0: the base); `forward` runs FastStep's layers with each row's
+    low-rank terms added."""
+
+    def __init__(self, base, adapters: list[Adapter]):
+        self.fast = fast_decode.step_for(base)
+        if self.fast is None:
+            raise AdapterError(f"{type(base).__name__} is not a model a group serves (fast_decode.supported)")
+        names = [a.name for a in adapters]
+        if len(set(names)) != len(names):
+            raise AdapterError(f"adapter names repeat: {names}")
+        self.base, self.names = base, ["", *names]
+        self.rank = max([a.rank for a in adapters], default=0)
+        w = base.model.embed_tokens.weight
+        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for li, layer in enumerate(base.model.layers):
+            per_kind = {}
+            for kind, modules in KINDS.items():
+                subs = [getattr(layer.self_attn if kind in ("qkv", "o") else layer.mlp, m) for m in modules]
+                in_f, outs = subs[0].weight.shape[1], [s.weight.shape[0] for s in subs]
+                if not any((li, m) in a.factors for a in adapters for m in modules):
+                    continue
+                r = self.rank
+                a_stack = w.new_zeros(len(self.names), len(modules) * r, in_f)
+                b_stack = w.new_zeros(len(self.names), sum(outs), len(modules) * r)
+                for ai, ad in enumerate(adapters, start=1):
+                    row = 0
+                    for mi, (m, n_out) in enumerate(zip(modules, outs)):
+                        if (li, m) in ad.factors:
+                            fa, fb = ad.factors[(li, m)]
+                            a_stack[ai, mi * r:mi * r + fa.shape[0]] = fa
+                            b_stack[ai, row:row + n_out, mi * r:mi * r + fb.shape[1]] = fb
+                        row += n_out
+                per_kind[kind] = (a_stack, b_stack)
+            self.stacks.append(per_kind)
+
+    def index(self, name: str) -> int:
+        return self.names.index(name)
+
+    def gather(self, adapter_idx: torch.Tensor) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Each row's factors per layer and kind, transposed for bmm: A^T (B, in, k*r), B^T (B, k*r, out)
+        (fast_decode.lora_delta)."""
+        return [{kind: (a.index_select(0, adapter_idx).transpose(1, 2), b.index_select(0, adapter_idx).transpose(1, 2))
+                 for kind, (a, b) in per_kind.items()} for per_kind in self.stacks]
+
+    @torch.no_grad()
+    def forward(self, keys, values, tokens, pos, allowed, adapter_idx: torch.Tensor):
+        """FastStep._run with the rows' adapters: tokens (B, S), positions (B, S), `allowed` (B, 1, S, T + S),
+        adapter_idx (B,) -> (last logits (B, V), caches with the S tokens appended)."""
+        return self.fast._run(keys, values, tokens, pos, allowed, lora=self.gather(adapter_idx))
+
+    def step(self, keys, values, mask, pos, tokens, adapter_idx):
+        """One decode step of a mixed batch (as FastStep.__call__, plus each row's adapter index)."""
+        return self.forward(keys, values, tokens[:, None], pos[:, None], mask.bool()[:, None, None], adapter_idx)
+
+    def extend(self, keys, values, tokens, adapter: int):
+        """One row's suffix (1, S) on its cache with adapter `adapter` (as FastStep.extend)."""
+        t, s = keys[0].shape[2], tokens.shape[1]
+        pos = torch.arange(t, t + s, device=tokens.device)[None]
+        allowed = torch.ones(s, t + s, dtype=torch.bool, device=tokens.device).tril(t)[None, None]
+        return self.forward(keys, values, tokens, pos, allowed, torch.tensor([adapter], device=tokens.device))
