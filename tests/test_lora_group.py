@@ -113,3 +113,24 @@ def test_adapters_a_group_cannot_hold_are_refused_in_one_line(group_setup, tmp_p
         read_adapter("w", tmp_path / "wide_adapter", base)
     with pytest.raises(AdapterError, match="names repeat"):
         LoraGroup(base, [read_adapter("a", root / "attn", base), read_adapter("a", root / "all", base)])
+
+
+def test_the_prefix_once_on_the_base_gives_each_adapter_its_merged_models_own_prefill(group_setup):
+    """prefill: the base's layers once; mlp_rs (layers 1-2 adapted) runs layers 1.. from the base's residual and
+    references the base's layer-0 cache; attn and all (layer 0 adapted) prefill themselves."""
+    root, base, group, merged = group_setup
+    prefix = torch.tensor([[3, 9, 27, 4, 50, 61, 7, 8]])
+    got = group.prefill(prefix, list(ADAPTERS))
+    assert group.prefill_share(list(ADAPTERS)) == {"attn": 1.0, "all": 1.0, "mlp_rs": 2 / 3}
+    for name, model in {"": base, **merged}.items():
+        with torch.no_grad():
+            want = model(input_ids=prefix, use_cache=True)
+        logits, keys, values = got[name]
+        err = (logits - want.logits[:, -1]).abs().max().item()
+        assert err < 1e-4, f"{name or 'base'}: the prefix's last logits differ by {err:.2e}"
+        for layer, (a, b) in enumerate(zip(keys + values, [lay.keys for lay in want.past_key_values.layers]
+                                           + [lay.values for lay in want.past_key_values.layers])):
+            kv_err = (a - b).abs().max().item()
+            assert kv_err < 1e-4, f"{name or 'base'}, layer {layer % len(keys)}: K/V differ by {kv_err:.2e}"
+    assert got["mlp_rs"][1][0] is got[""][1][0] and got["mlp_rs"][2][0] is got[""][2][0]
+    assert got["mlp_rs"][1][1] is not got[""][1][1]

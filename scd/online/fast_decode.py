@@ -101,17 +101,22 @@ class FastStep:
         return x + _plus(down(a), lora_delta(lora, "down", a))
 
     @torch.no_grad()
-    def _run(self, keys, values, tokens, pos, allowed, lora: list[dict] | None = None):
-        """tokens (B, S) at positions (B, S) over caches (B, n_kv, T, d) per layer, `allowed` (B, 1, S, T + S)
-        -> (last position's logits (B, V), caches with the S tokens appended). `lora`: per layer, the rows'
-        low-rank factors by projection kind (scd.online.lora_group.LoraGroup.gather)."""
+    def _run(self, keys, values, tokens, pos, allowed, lora: list[dict] | None = None, first: int = 0,
+             x: torch.Tensor | None = None, taps: dict[int, torch.Tensor | None] | None = None):
+        """tokens (B, S) at positions (B, S) over caches (B, n_kv, T, d) of layers first.. (one per layer),
+        `allowed` (B, 1, S, T + S) -> (last position's logits (B, V), those layers' caches with the S tokens
+        appended). `lora`: per layer from `first`, the rows' low-rank factors by projection kind
+        (scd.online.lora_group.LoraGroup.gather). `x`: the residual entering layer `first` (default: the
+        tokens' embeddings, first = 0). `taps`: layer -> None, filled with the residual entering that layer."""
         b, s = tokens.shape
-        x = self.embed(tokens)                                                # (B, S, H)
+        x = self.embed(tokens) if x is None else x                            # (B, S, H)
         cos, sin = self._rope(pos, x.dtype)
         new_keys, new_values = [], []
         for i, ((ln1, w_qkv, b_qkv, o_proj, ln2, w_gate_up, down), k_cache, v_cache) in enumerate(
-                zip(self.layers, keys, values)):
-            lo = lora[i] if lora is not None else None
+                zip(self.layers[first:], keys, values), start=first):
+            if taps is not None and i in taps:
+                taps[i] = x
+            lo = lora[i - first] if lora is not None else None
             q, k, v = self._qkv(x, ln1, w_qkv, b_qkv, cos, sin, lo)
             k_all, v_all = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
             o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed,
@@ -122,6 +127,11 @@ class FastStep:
             new_keys.append(k_all)
             new_values.append(v_all)
         return self.head(self._rms(x[:, -1], self.norm.weight)), new_keys, new_values
+
+    def empty(self, layers: int | None = None) -> list[torch.Tensor]:
+        """Caches of no tokens (1, n_kv, 0, d), one per layer (the last `layers` of them)."""
+        w = self.layers[0][1]
+        return [w.new_zeros(1, self.n_kv, 0, self.d)] * (len(self.layers) if layers is None else layers)
 
     def __call__(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, pos: torch.Tensor,
                  tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
@@ -135,8 +145,7 @@ class FastStep:
         """A suffix (1, S) run on top of one row's unpadded cache (1, n_kv, T, d) per layer (none for an empty
         prefix): (its last position's logits (1, V), the caches with the suffix appended)."""
         if not keys:
-            w = self.layers[0][1]
-            keys = values = [w.new_zeros(1, self.n_kv, 0, self.d)] * len(self.layers)
+            keys = values = self.empty()
         t, s = keys[0].shape[2], tokens.shape[1]
         pos = torch.arange(t, t + s, device=tokens.device)[None]
         allowed = torch.ones(s, t + s, dtype=torch.bool, device=tokens.device).tril(t)[None, None]

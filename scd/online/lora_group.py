@@ -124,6 +124,9 @@ class LoraGroup:
         if len(set(names)) != len(names):
             raise AdapterError(f"adapter names repeat: {names}")
         self.base, self.names = base, ["", *names]
+        self.layers = len(base.model.layers)
+        # the first layer each adapter changes: below it an adapter's cache is the base's (the base: none)
+        self.first = {"": self.layers, **{a.name: min(layer for layer, _ in a.factors) for a in adapters}}
         self.rank = max([a.rank for a in adapters], default=0)
         w = base.model.embed_tokens.weight
         self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -168,8 +171,40 @@ class LoraGroup:
         return self.forward(keys, values, tokens[:, None], pos[:, None], mask.bool()[:, None, None], adapter_idx)
 
     def extend(self, keys, values, tokens, adapter: int):
-        """One row's suffix (1, S) on its cache with adapter `adapter` (as FastStep.extend)."""
+        """One row's suffix (1, S) on its cache with adapter `adapter` (as FastStep.extend; no cache: the
+        adapter's own prefill of the tokens)."""
+        if not keys:
+            keys = values = self.fast.empty()
         t, s = keys[0].shape[2], tokens.shape[1]
         pos = torch.arange(t, t + s, device=tokens.device)[None]
         allowed = torch.ones(s, t + s, dtype=torch.bool, device=tokens.device).tril(t)[None, None]
         return self.forward(keys, values, tokens, pos, allowed, torch.tensor([adapter], device=tokens.device))
+
+    @torch.no_grad()
+    def prefill(self, prefix: torch.Tensor, names: list[str]) -> dict[str, tuple]:
+        """A prefix (1, T) for the base and the named adapters, the base's layers computed once: {name: (last
+        logits (1, V), keys, values per layer)}, "" the base's. An adapter that leaves the layers below s to
+        the base runs its layers from s with its factors on, from the base's residual entering s, and its
+        cache below s is the base's own tensors (referenced, not copied); one that changes layer 0 prefills
+        the prefix itself. Exact: each equals the adapter merged into the base (up to float rounding)."""
+        t = prefix.shape[1]
+        pos = torch.arange(t, device=prefix.device)[None]
+        allowed = torch.ones(t, t, dtype=torch.bool, device=prefix.device).tril()[None, None]
+        taps = {self.first[n]: None for n in names if 0 < self.first[n] < self.layers}
+        empty = self.fast.empty()
+        out = {"": self.fast._run(empty, empty, prefix, pos, allowed, taps=taps)}
+        _, base_keys, base_values = out[""]
+        for n in names:
+            s, idx = self.first[n], torch.tensor([self.index(n)], device=prefix.device)
+            if s == 0:
+                out[n] = self.extend([], [], prefix, self.index(n))
+            elif s < self.layers:
+                logits, keys, values = self.fast._run(empty[s:], empty[s:], prefix, pos, allowed,
+                                                      lora=self.gather(idx)[s:], first=s, x=taps[s])
+                out[n] = (logits, base_keys[:s] + keys, base_values[:s] + values)
+        return out
+
+    def prefill_share(self, names: list[str]) -> dict[str, float]:
+        """Each named adapter's layers computed by `prefill`, as a share of a whole prefill (layers count
+        alike): 0 for the base's, whose prefill the group does once for all."""
+        return {n: (self.layers - min(self.first[n], self.layers)) / self.layers for n in names}
