@@ -8,7 +8,7 @@ adapter a,
 
     y = x W^T + s_a (x A_a^T) B_a^T
 
-with s_a the adapter's scaling (lora_alpha / r, or / sqrt(r) with rsLoRA). Index 0 is the base itself (zero
+with s_a the adapter's scaling (lora_alpha / r, or / sqrt(r) with rsLoRA). Index 0 is the base itself (no
 factors), so base rows and adapter rows share a batch. The projections that FastStep fuses (q, k, v; gate, up)
 take one gathered pair of factors for the fused output: their A's stacked, their B's block-diagonal.
 
@@ -112,9 +112,9 @@ def read_adapter(name: str, path: str | Path, base) -> Adapter:
 
 
 class LoraGroup:
-    """A base model and its adapters, stacked per layer and projection kind for gathered batched matmuls.
-    `index(name)` is an adapter's row index (0: the base); `forward` runs FastStep's layers with each row's
-    low-rank terms added."""
+    """A base model and its adapters, stacked per layer and projection kind for gathered batched matmuls (an
+    adapter has rows only where it adapts). `index(name)` is an adapter's index (0: the base); `forward` runs
+    FastStep's layers with each row's low-rank terms added."""
 
     def __init__(self, base, adapters: list[Adapter]):
         self.fast = fast_decode.step_for(base)
@@ -129,36 +129,65 @@ class LoraGroup:
         self.first = {"": self.layers, **{a.name: min(layer for layer, _ in a.factors) for a in adapters}}
         self.rank = max([a.rank for a in adapters], default=0)
         w = base.model.embed_tokens.weight
+        # per layer and kind: the factors of the adapters that adapt it (no rows for the others), and each
+        # adapter index's row there (-1: none)
         self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self.slots: list[dict[str, list[int]]] = []
         for li, layer in enumerate(base.model.layers):
-            per_kind = {}
+            per_kind, slots = {}, {}
             for kind, modules in KINDS.items():
                 subs = [getattr(layer.self_attn if kind in ("qkv", "o") else layer.mlp, m) for m in modules]
                 in_f, outs = subs[0].weight.shape[1], [s.weight.shape[0] for s in subs]
-                if not any((li, m) in a.factors for a in adapters for m in modules):
+                held = [ad for ad in adapters if any((li, m) in ad.factors for m in modules)]
+                if not held:
                     continue
                 r = self.rank
-                a_stack = w.new_zeros(len(self.names), len(modules) * r, in_f)
-                b_stack = w.new_zeros(len(self.names), sum(outs), len(modules) * r)
-                for ai, ad in enumerate(adapters, start=1):
+                a_stack = w.new_zeros(len(held), len(modules) * r, in_f)
+                b_stack = w.new_zeros(len(held), sum(outs), len(modules) * r)
+                for si, ad in enumerate(held):
                     row = 0
                     for mi, (m, n_out) in enumerate(zip(modules, outs)):
                         if (li, m) in ad.factors:
                             fa, fb = ad.factors[(li, m)]
-                            a_stack[ai, mi * r:mi * r + fa.shape[0]] = fa
-                            b_stack[ai, row:row + n_out, mi * r:mi * r + fb.shape[1]] = fb
+                            a_stack[si, mi * r:mi * r + fa.shape[0]] = fa
+                            b_stack[si, row:row + n_out, mi * r:mi * r + fb.shape[1]] = fb
                         row += n_out
                 per_kind[kind] = (a_stack, b_stack)
+                slots[kind] = [held.index(a) if a in held else -1 for a in [None, *adapters]]
             self.stacks.append(per_kind)
+            self.slots.append(slots)
+        self._gathered: tuple[tuple[int, ...], list[dict]] | None = None
 
     def index(self, name: str) -> int:
         return self.names.index(name)
 
+    def stack_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for per in self.stacks for pair in per.values() for t in pair)
+
     def gather(self, adapter_idx: torch.Tensor) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """Each row's factors per layer and kind, transposed for bmm: A^T (B, in, k*r), B^T (B, k*r, out)
-        (fast_decode.lora_delta)."""
-        return [{kind: (a.index_select(0, adapter_idx).transpose(1, 2), b.index_select(0, adapter_idx).transpose(1, 2))
-                 for kind, (a, b) in per_kind.items()} for per_kind in self.stacks]
+        (fast_decode.lora_delta), zero for a row whose adapter does not adapt that kind; a kind no row's
+        adapter adapts is left out (no matmul). Kept for the next call with the same rows (a decode batch's
+        steps until a row joins or leaves)."""
+        key = tuple(adapter_idx.tolist())
+        if self._gathered is not None and self._gathered[0] == key:
+            return self._gathered[1]
+        out = []
+        for per_kind, slots in zip(self.stacks, self.slots):
+            layer = {}
+            for kind, (a, b) in per_kind.items():
+                rows = [slots[kind][i] for i in key]
+                if all(r < 0 for r in rows):
+                    continue
+                sel = torch.tensor([max(r, 0) for r in rows], device=a.device)
+                a_t, b_t = a.index_select(0, sel).transpose(1, 2), b.index_select(0, sel).transpose(1, 2)
+                if any(r < 0 for r in rows):
+                    keep = torch.tensor([r >= 0 for r in rows], device=a.device, dtype=a.dtype)[:, None, None]
+                    b_t = b_t * keep
+                layer[kind] = (a_t, b_t)
+            out.append(layer)
+        self._gathered = (key, out)
+        return out
 
     @torch.no_grad()
     def forward(self, keys, values, tokens, pos, allowed, adapter_idx: torch.Tensor):

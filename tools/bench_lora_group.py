@@ -1,0 +1,187 @@
+"""LoRA adapters as one group on their base against each merged into a copy of it, side by side in one process.
+
+    python -m tools.bench_lora_group [--config configs/smollm2.yaml] [--prompts 32] [--tokens 16]
+
+For the config's specialists that are LoRA adapters of the producer's base (activated LoRAs are not held by a
+group yet and are left out, said so):
+- memory: the weights' bytes of the group (the base once, the adapters' factors as the group stacks them)
+  against one merged copy per adapter;
+- a fan-out over one prefix of --fanout-tokens: the group's prefill for the base and every adapter (the base's
+  layers once; an adapter's own layers from the first it changes) against each merged model's own prefill, and
+  the share of a prefill each adapter's part is;
+- decode tokens/s of a batch of 8 rows mixed over the adapters against 8 rows on one merged model, from caches of
+  --cache tokens (medians of interleaved rounds);
+- greedy answers: each adapter's --tokens greedy tokens after each of --prompts held-out prompts (its own
+  prefill of the prompt, then the decode in batches of rows of every adapter) against the merged model's.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from cluster.config import load_config
+from scd.data.samples import domain, domain_texts
+from scd.online import fast_decode
+from scd.online.lora_group import AdapterError, LoraGroup, read_adapter
+from scd.online.models import is_adapter, load, named_base
+
+
+def weight_bytes(model) -> int:
+    seen, n = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            n += p.numel() * p.element_size()
+    return n
+
+
+def batch_caches(step, rows: list[tuple[list, list]]):
+    """Keys and values per layer for a batch of rows of equal length."""
+    layers = len(rows[0][0])
+    return ([torch.cat([r[0][i] for r in rows]) for i in range(layers)],
+            [torch.cat([r[1][i] for r in rows]) for i in range(layers)])
+
+
+def tokens_per_s(run_step, b: int, steps: int) -> float:
+    t = time.perf_counter()
+    for _ in range(steps):
+        run_step()
+    return b * steps / (time.perf_counter() - t)
+
+
+def greedy(extend, step, prompts: torch.Tensor, n: int) -> torch.Tensor:
+    """(rows, n) greedy tokens: extend(row, ids) -> (logits, keys, values) per row, then batched steps."""
+    rows = [extend(i, prompts[i:i + 1]) for i in range(prompts.shape[0])]
+    keys, values = batch_caches(step, [(k, v) for _, k, v in rows])
+    logits = torch.cat([lg for lg, _, _ in rows])
+    b, t = prompts.shape
+    mask, pos, out = torch.ones(b, t, dtype=torch.long), torch.full((b,), t), []
+    for _ in range(n):
+        tok = logits.argmax(-1)
+        out.append(tok)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        logits, keys, values = step(keys, values, mask, pos, tok)
+        pos = pos + 1
+    return torch.stack(out, 1)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="configs/smollm2.yaml")
+    p.add_argument("--prompts", type=int, default=32, help="held-out prompts per adapter for the greedy check")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt")
+    p.add_argument("--cache", type=int, default=512, help="cache length of the decode rate's rows")
+    p.add_argument("--fanout-tokens", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    cfg = load_config(args.config)
+    base, tok, _ = load(cfg.producer.path)
+    base.eval()
+    adapters, left_out = [], []
+    for s in cfg.specialists:
+        if not is_adapter(s.path):
+            left_out.append(f"{s.name} (not an adapter)")
+            continue
+        try:
+            adapters.append(read_adapter(s.name, s.path, base))
+        except AdapterError as e:
+            left_out.append(f"{s.name} ({e})")
+    group = LoraGroup(base, adapters)
+    names = [a.name for a in adapters]
+    merged = {}
+    for s in cfg.specialists:
+        if s.name in names:
+            merged[s.name] = load(s.path, base=named_base(s.path) or cfg.producer.path)[0].eval()
+    factor_bytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                       for ad in adapters for a, b in ad.factors.values())
+    base_bytes = weight_bytes(base)
+    report = {"adapters": names, "left_out": left_out,
+              "memory": {"base_bytes": base_bytes, "adapter_bytes": factor_bytes,
+                         "group_stack_bytes": group.stack_bytes(),
+                         "merged_bytes": sum(weight_bytes(m) for m in merged.values())}}
+    m = report["memory"]
+    m["group_over_base_plus_adapters"] = (m["base_bytes"] + m["group_stack_bytes"]) / (base_bytes + factor_bytes)
+    print(f"adapters: {', '.join(names)}; left out: {', '.join(left_out) or 'none'}")
+    print(f"weights: group {(base_bytes + m['group_stack_bytes']) / 2**20:.1f} MiB (base {base_bytes / 2**20:.1f}, "
+          f"adapters {factor_bytes / 2**20:.1f}, stacked {m['group_stack_bytes'] / 2**20:.1f}: "
+          f"{m['group_over_base_plus_adapters']:.3f} x base + adapters) against {len(merged)} merged copies "
+          f"{m['merged_bytes'] / 2**20:.1f} MiB")
+
+    # a fan-out over one prefix: the group's prefill against every merged model's own
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(len(tok), (1, args.fanout_tokens), generator=g)
+    own = {n: fast_decode.step_for(merged[n]) for n in names}
+    times = {"group": [], "own": []}
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        group.prefill(prefix, names)
+        times["group"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for n in names:
+            own[n].extend([], [], prefix)
+        times["own"].append(time.perf_counter() - t)
+    share = group.prefill_share(names)
+    report["fanout"] = {"tokens": args.fanout_tokens, "group_s": statistics.median(times["group"]),
+                        "own_s": statistics.median(times["own"]), "share": share}
+    f = report["fanout"]
+    f["ratio"] = f["group_s"] / f["own_s"]
+    print(f"fan-out to {len(names)} over {args.fanout_tokens} tokens: the group {f['group_s']:.2f} s against "
+          f"{len(names)} own prefills {f['own_s']:.2f} s ({f['ratio']:.2f} x; each adapter's share of a prefill: "
+          + ", ".join(f"{n} {v:.2f}" for n, v in share.items()) + ", plus the base's once)")
+
+    # decode rate: 8 rows mixed over the adapters against 8 rows on one merged model
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(len(tok), (1, args.cache), generator=g)
+    out = base(input_ids=ids, use_cache=True).past_key_values
+    one = ([layer.keys for layer in out.layers], [layer.values for layer in out.layers])
+    b = 8
+    keys, values = batch_caches(None, [one] * b)
+    mask, pos = torch.ones(b, args.cache + 1, dtype=torch.long), torch.full((b,), args.cache)
+    tok_in = torch.zeros(b, dtype=torch.long)
+    idx = torch.tensor([group.index(names[i % len(names)]) for i in range(b)])
+    fast_merged = fast_decode.step_for(next(iter(merged.values())))
+    rates = {"mixed": [], "merged": []}
+    for _ in range(args.rounds + 1):                     # the first round warms up
+        rates["mixed"].append(tokens_per_s(lambda: group.step(keys, values, mask, pos, tok_in, idx), b, args.steps))
+        rates["merged"].append(tokens_per_s(lambda: fast_merged(keys, values, mask, pos, tok_in), b, args.steps))
+    report["decode"] = {k: statistics.median(v[1:]) for k, v in rates.items()}
+    report["decode"]["ratio"] = report["decode"]["mixed"] / report["decode"]["merged"]
+    print(f"decode, batch of {b} from {args.cache} tokens: mixed over {len(names)} adapters "
+          f"{report['decode']['mixed']:.0f} tokens/s, one merged model {report['decode']['merged']:.0f} "
+          f"({report['decode']['ratio']:.2f} x)")
+
+    # greedy answers on held-out prompts, every adapter's rows decoded in mixed batches
+    prompts_by = {}
+    for n in names:
+        texts = [t for t in domain_texts(domain(n), "heldout")]
+        enc = [tok(t, return_tensors="pt").input_ids[0] for t in texts]
+        enc = [e[:args.prompt_tokens] for e in enc if len(e) >= args.prompt_tokens][:args.prompts]
+        prompts_by[n] = torch.stack(enc)
+    fm = {n: fast_decode.step_for(merged[n]) for n in names}
+    rows = [(n, prompts_by[n][j]) for j in range(args.prompts) for n in names if j < len(prompts_by[n])]
+    per = {n: {"prompts": 0, "equal": 0} for n in names}
+    for c in range(0, len(rows), 8):                     # batches of 8 rows of every adapter
+        chunk = rows[c:c + 8]
+        idx = torch.tensor([group.index(n) for n, _ in chunk])
+        got = greedy(lambda i, x: group.extend([], [], x, int(idx[i])),
+                     lambda k, v, mk, ps, tk: group.step(k, v, mk, ps, tk, idx),
+                     torch.stack([x for _, x in chunk]), args.tokens)
+        for r, (n, x) in enumerate(chunk):
+            want = greedy(lambda i, y: fm[n].extend([], [], y), fm[n], x[None], args.tokens)
+            per[n]["prompts"] += 1
+            per[n]["equal"] += int(torch.equal(got[r], want[0]))
+    for n, v in per.items():
+        print(f"greedy, {n}: {v['equal']} of {v['prompts']} held-out prompts give the merged model's "
+              f"{args.tokens} tokens (decoded in batches mixed over the adapters)")
+    report["greedy"] = per
+    return report
+
+
+if __name__ == "__main__":
+    main()
