@@ -134,3 +134,22 @@ def test_the_prefix_once_on_the_base_gives_each_adapter_its_merged_models_own_pr
             assert kv_err < 1e-4, f"{name or 'base'}, layer {layer % len(keys)}: K/V differ by {kv_err:.2e}"
     assert got["mlp_rs"][1][0] is got[""][1][0] and got["mlp_rs"][2][0] is got[""][2][0]
     assert got["mlp_rs"][1][1] is not got[""][1][1]
+
+
+def test_the_group_benchmark_runs_on_a_config_of_adapters(tmp_path):
+    """tools.bench_lora_group on a small pair (tests/byom_pair: a 2-layer Llama and a LoRA on every layer), the
+    adapter served as two specialists: every greedy answer is the merged model's, and the report is complete."""
+    import yaml
+
+    from tests.byom_pair import build
+    from tools.bench_lora_group import main as bench
+    pair = build(tmp_path)
+    cfg = tmp_path / "group.yaml"
+    cfg.write_text(yaml.safe_dump({"producer": {"name": "base", "path": str(pair["base"])}, "specialists": [
+        {"name": "qa", "path": str(pair["adapter"])}, {"name": "code", "path": str(pair["adapter"])}]}))
+    r = bench(["--config", str(cfg), "--prompts", "2", "--prompt-tokens", "16", "--tokens", "3", "--cache", "16",
+               "--steps", "2", "--rounds", "1", "--fanout-tokens", "32"])
+    assert r["adapters"] == ["qa", "code"] and r["left_out"] == []
+    assert all(v["equal"] == v["prompts"] == 2 for v in r["greedy"].values()), r["greedy"]
+    assert r["fanout"]["share"] == {"qa": 1.0, "code": 1.0} and r["decode"]["mixed"] > 0
+    assert r["memory"]["merged_bytes"] == 2 * r["memory"]["base_bytes"]

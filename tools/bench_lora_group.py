@@ -23,7 +23,7 @@ import time
 import torch
 
 from cluster.config import load_config
-from scd.data.samples import domain, domain_texts
+from scd.data.samples import pair_data
 from scd.online import fast_decode
 from scd.online.lora_group import AdapterError, LoraGroup, read_adapter
 from scd.online.models import is_adapter, load, named_base
@@ -158,11 +158,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     # greedy answers on held-out prompts, every adapter's rows decoded in mixed batches
     prompts_by = {}
-    for n in names:
-        texts = [t for t in domain_texts(domain(n), "heldout")]
-        enc = [tok(t, return_tensors="pt").input_ids[0] for t in texts]
-        enc = [e[:args.prompt_tokens] for e in enc if len(e) >= args.prompt_tokens][:args.prompts]
-        prompts_by[n] = torch.stack(enc)
+    for n in names:                          # the pair's held-out samples (as calibration's evaluation draws them)
+        held = pair_data(n, tok, 0, 0, args.prompts, prefix_tokens=args.prompt_tokens)[2]
+        prompts_by[n] = torch.stack([x.prefix[:args.prompt_tokens] for x in held
+                                     if x.prefix.shape[0] >= args.prompt_tokens])
     fm = {n: fast_decode.step_for(merged[n]) for n in names}
     rows = [(n, prompts_by[n][j]) for j in range(args.prompts) for n in names if j < len(prompts_by[n])]
     per = {n: {"prompts": 0, "equal": 0} for n in names}
