@@ -118,3 +118,14 @@ def test_a_suffix_on_a_cache_equals_transformers_forward(make):
                                        + [lay.values for lay in whole.past_key_values.layers])):
         kv_err = (a - b).abs().max().item()
         assert a.shape == b.shape and kv_err < 1e-5, f"layer {layer % len(keys)}: K/V differ by {kv_err:.2e}"
+
+
+def test_a_model_stays_trainable_after_its_step_is_built_in_inference_mode():
+    """FastStep fuses the projections' weights (the parameters become views of them); built inside inference
+    mode, as a serving engine does, the model still trains (calibration fine-tunes models it also decodes)."""
+    model = tiny_llama()
+    with torch.inference_mode():
+        assert fast_decode.step_for(model) is not None
+    model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
+    grad = model.model.layers[0].self_attn.k_proj.weight.grad
+    assert grad is not None and grad.abs().sum() > 0

@@ -21,9 +21,11 @@ STATIC_ROPE = {"default", "linear", "llama3"}          # inverse frequencies fix
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several linear maps of the same input: the maps' own parameters become views
-    of it, so one matmul computes all their outputs with no second copy of the weights."""
-    weight = torch.cat([m.weight.detach() for m in linears])
-    bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+    of it, so one matmul computes all their outputs with no second copy of the weights. Made outside inference
+    mode (a serving engine builds its FastStep inside it): the parameters stay trainable tensors."""
+    with torch.inference_mode(False), torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in linears])
+        bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
     row = 0
     for m in linears:
         n = m.weight.shape[0]
