@@ -129,3 +129,14 @@ def test_a_model_stays_trainable_after_its_step_is_built_in_inference_mode():
     model(input_ids=torch.tensor([[3, 4, 5]])).logits.sum().backward()
     grad = model.model.layers[0].self_attn.k_proj.weight.grad
     assert grad is not None and grad.abs().sum() > 0
+
+
+def test_a_model_built_in_inference_mode_steps_outside_it_after_its_step_is_built():
+    """The other way round: a model made inside inference mode (tools.bench_size builds timing families so),
+    its step built there, then run by transformers outside it (the engines' fallback paths)."""
+    with torch.inference_mode():
+        model = tiny_llama()
+        assert fast_decode.step_for(model) is not None
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[3, 4, 5]]))
+    assert out.logits.shape == (1, 3, 97)

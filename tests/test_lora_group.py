@@ -153,3 +153,49 @@ def test_the_group_benchmark_runs_on_a_config_of_adapters(tmp_path):
     assert all(v["equal"] == v["prompts"] == 2 for v in r["greedy"].values()), r["greedy"]
     assert r["fanout"]["share"] == {"qa": 1.0, "code": 1.0} and r["decode"]["mixed"] > 0
     assert r["memory"]["merged_bytes"] == 2 * r["memory"]["base_bytes"]
+    assert torch.is_grad_enabled()                     # the benchmark leaves the process as it found it
+
+
+def test_an_activated_lora_in_a_group_runs_the_base_before_its_invocation_and_its_factors_from_it(tmp_path):
+    """An aLoRA (invocation [7, 8]) in a group: a prefix without the invocation is the base's cache itself; a
+    suffix that invokes it runs the base's weights before the invocation and the adapter's from it, and decode
+    steps run the adapter: equal to the base's and the merged adapter's forwards split the same way."""
+    from peft import LoraConfig, get_peft_model
+
+    from scd.online import fast_decode
+    tiny_llama(layers=3).save_pretrained(tmp_path / "base")
+    torch.manual_seed(5)
+    peft = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], alora_invocation_tokens=[7, 8]))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_" in n:
+                p.normal_(std=0.3)
+    peft.save_pretrained(str(tmp_path / "alora"))
+    base = LlamaForCausalLM.from_pretrained(tmp_path / "base").eval()
+    on = make_adapter(tmp_path / "base", tmp_path / "as_lora", 5, r=4, lora_alpha=8,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    group = LoraGroup(base, [read_adapter("alora", tmp_path / "alora", base)])
+    assert group.invocation[group.index("alora")] == (7, 8)
+
+    prefix = torch.tensor([[3, 9, 27, 4, 50, 61]])
+    got = group.prefill(prefix, ["alora"])
+    assert got["alora"][1][0] is got[""][1][0] and group.prefill_share(["alora"]) == {"alora": 0.0}
+
+    suffix = torch.tensor([[11, 7, 8, 13, 14]])                    # invoked at its second token
+    _, bk, bv = got[""]
+    logits, keys, values = group.extend(bk, bv, suffix, group.index("alora"))
+    fb, fo = fast_decode.step_for(base), fast_decode.step_for(on)
+    _, wk, wv = fb.extend(bk, bv, suffix[:, :1])
+    want, wk, wv = fo.extend(wk, wv, suffix[:, 1:])
+    err = (logits - want).abs().max().item()
+    assert err < 1e-4, f"the invoking suffix's logits differ by {err:.2e}"
+    t = keys[0].shape[2]
+    step, _, _ = group.step(keys, values, torch.ones(1, t + 1, dtype=torch.long), torch.tensor([t]),
+                            torch.tensor([20]), torch.tensor([group.index("alora")]))
+    want_step, _, _ = fo(wk, wv, torch.ones(1, t + 1, dtype=torch.long), torch.tensor([t]), torch.tensor([20]))
+    err = (step - want_step).abs().max().item()
+    assert err < 1e-4, f"a decode step after the invocation differs by {err:.2e}"
+    plain, _, _ = group.extend(bk, bv, torch.tensor([[11, 12]]), group.index("alora"))   # no invocation: the base
+    base_logits, _, _ = fb.extend(bk, bv, torch.tensor([[11, 12]]))
+    assert (plain - base_logits).abs().max().item() < 1e-5

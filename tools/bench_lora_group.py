@@ -2,8 +2,8 @@
 
     python -m tools.bench_lora_group [--config configs/smollm2.yaml] [--prompts 32] [--tokens 16]
 
-For the config's specialists that are LoRA adapters of the producer's base (activated LoRAs are not held by a
-group yet and are left out, said so):
+For the config's specialists that are LoRA adapters of the producer's base (activated LoRAs too; any other is
+left out, said so):
 - memory: the weights' bytes of the group (the base once, the adapters' factors as the group stacks them)
   against one merged copy per adapter;
 - a fan-out over one prefix of --fanout-tokens: the group's prefill for the base and every adapter (the base's
@@ -24,7 +24,7 @@ import torch
 
 from cluster.config import load_config
 from scd.data.samples import pair_data
-from scd.online import fast_decode
+from scd.online import activated, fast_decode
 from scd.online.lora_group import AdapterError, LoraGroup, read_adapter
 from scd.online.models import is_adapter, load, named_base
 
@@ -43,6 +43,21 @@ def batch_caches(step, rows: list[tuple[list, list]]):
     layers = len(rows[0][0])
     return ([torch.cat([r[0][i] for r in rows]) for i in range(layers)],
             [torch.cat([r[1][i] for r in rows]) for i in range(layers)])
+
+
+def own_extend(model):
+    """A merged model's own run of a prompt (1, S): an activated LoRA's on its base's weights up to its
+    invocation (scd.online.activated), the adapted ones from there."""
+    fast = fast_decode.step_for(model)
+    act = activated.of(model)
+
+    def run(keys, values, ids):
+        at = activated.switch(model, ids)
+        if act is None or at == 0:
+            return fast.extend(keys, values, ids)
+        logits, keys, values = fast_decode.step_for(act.base).extend(keys, values, ids[:, :at])
+        return (logits, keys, values) if at == ids.shape[1] else fast.extend(keys, values, ids[:, at:])
+    return run
 
 
 def tokens_per_s(run_step, b: int, steps: int) -> float:
@@ -79,7 +94,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
-    torch.set_grad_enabled(False)
+    with torch.no_grad():
+        return run(args)
+
+
+def run(args) -> dict:
     cfg = load_config(args.config)
     base, tok, _ = load(cfg.producer.path)
     base.eval()
@@ -116,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     # a fan-out over one prefix: the group's prefill against every merged model's own
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(len(tok), (1, args.fanout_tokens), generator=g)
-    own = {n: fast_decode.step_for(merged[n]) for n in names}
+    own = {n: own_extend(merged[n]) for n in names}
     times = {"group": [], "own": []}
     for _ in range(args.rounds):
         t = time.perf_counter()
@@ -124,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         times["group"].append(time.perf_counter() - t)
         t = time.perf_counter()
         for n in names:
-            own[n].extend([], [], prefix)
+            own[n]([], [], prefix)
         times["own"].append(time.perf_counter() - t)
     share = group.prefill_share(names)
     report["fanout"] = {"tokens": args.fanout_tokens, "group_s": statistics.median(times["group"]),
@@ -172,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
                      lambda k, v, mk, ps, tk: group.step(k, v, mk, ps, tk, idx),
                      torch.stack([x for _, x in chunk]), args.tokens)
         for r, (n, x) in enumerate(chunk):
-            want = greedy(lambda i, y: fm[n].extend([], [], y), fm[n], x[None], args.tokens)
+            want = greedy(lambda i, y: own[n]([], [], y), fm[n], x[None], args.tokens)
             per[n]["prompts"] += 1
             per[n]["equal"] += int(torch.equal(got[r], want[0]))
     for n, v in per.items():

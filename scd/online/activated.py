@@ -38,7 +38,13 @@ def switch(model, ids: torch.Tensor) -> int:
     act = of(model)
     if act is None:
         return 0
-    inv = torch.tensor(act.invocation, device=ids.device)
+    return invocation_start(ids, act.invocation)
+
+
+def invocation_start(ids: torch.Tensor, invocation: tuple[int, ...]) -> int:
+    """The start of the invocation's last occurrence in `ids` (B, S), the same in every row; S when no row
+    holds it."""
+    inv = torch.tensor(invocation, device=ids.device)
     n, s = len(inv), ids.shape[1]
     if s < n:
         return s

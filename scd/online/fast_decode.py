@@ -21,9 +21,10 @@ STATIC_ROPE = {"default", "linear", "llama3"}          # inverse frequencies fix
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several linear maps of the same input: the maps' own parameters become views
-    of it, so one matmul computes all their outputs with no second copy of the weights. Made outside inference
-    mode (a serving engine builds its FastStep inside it): the parameters stay trainable tensors."""
-    with torch.inference_mode(False), torch.no_grad():
+    of it, so one matmul computes all their outputs with no second copy of the weights. Made in the mode the
+    weights were made in, whatever mode the caller is in (a serving engine builds its FastStep in inference
+    mode): trainable parameters stay trainable, and a model built in inference mode keeps inference tensors."""
+    with torch.inference_mode(linears[0].weight.is_inference()), torch.no_grad():
         weight = torch.cat([m.weight.detach() for m in linears])
         bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
     row = 0

@@ -13,8 +13,10 @@ factors), so base rows and adapter rows share a batch. The projections that Fast
 take one gathered pair of factors for the fused output: their A's stacked, their B's block-diagonal.
 
 Adapters of different ranks share the stacks at the largest rank (zero-padded: the padding adds zeros). Only
-LoRA on the attention and MLP projections of a model fast_decode covers; DoRA, embedding or head adapters and
-activated LoRAs are refused by `read_adapter`, in one line.
+LoRA on the attention and MLP projections of a model fast_decode covers; DoRA, embedding or head adapters are
+refused by `read_adapter`, in one line. An activated LoRA (aLoRA, scd.online.activated) runs on the base's
+weights up to its invocation's last occurrence and with its factors from there: a prefix without the
+invocation is the base's cache, computed once for the group and not copied.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from scd.online import fast_decode
+from scd.online import activated, fast_decode
 
 # the projections a group adapts, as FastStep runs them: (fused kind, its modules in fused order)
 KINDS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -45,6 +47,7 @@ class Adapter:
     path: str
     rank: int
     factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    invocation: tuple[int, ...] | None = None     # an activated LoRA's invocation token ids
 
 
 def _module_of(key: str) -> tuple[int, str, str] | None:
@@ -70,8 +73,6 @@ def read_adapter(name: str, path: str | Path, base) -> Adapter:
         raise AdapterError(f"adapter {name!r}: peft_type {cfg.get('peft_type')!r}; a group holds LoRA adapters")
     if cfg.get("use_dora"):
         raise AdapterError(f"adapter {name!r}: DoRA adapters are not held unmerged; serve it merged")
-    if cfg.get("alora_invocation_tokens"):
-        raise AdapterError(f"adapter {name!r}: an activated LoRA; a group does not hold those yet")
     if cfg.get("fan_in_fan_out"):
         raise AdapterError(f"adapter {name!r}: fan_in_fan_out adapters (GPT-2 style) do not fit a Llama base")
     tensors = load_file(str(weights))
@@ -89,7 +90,8 @@ def read_adapter(name: str, path: str | Path, base) -> Adapter:
             raise AdapterError(f"adapter {name!r}: it adapts layer {layer}, and the base has {len(layers)}")
         found.setdefault((layer, module), {})[ab] = t
     alpha_pattern, rank_pattern = cfg.get("alpha_pattern") or {}, cfg.get("rank_pattern") or {}
-    out = Adapter(name, str(p), 0)
+    invocation = tuple(cfg["alora_invocation_tokens"]) if cfg.get("alora_invocation_tokens") else None
+    out = Adapter(name, str(p), 0, invocation=invocation)
     dtype = base.model.embed_tokens.weight.dtype
     for (layer, module), ab in sorted(found.items()):
         if set(ab) != {"lora_A", "lora_B"}:
@@ -127,6 +129,7 @@ class LoraGroup:
         self.layers = len(base.model.layers)
         # the first layer each adapter changes: below it an adapter's cache is the base's (the base: none)
         self.first = {"": self.layers, **{a.name: min(layer for layer, _ in a.factors) for a in adapters}}
+        self.invocation = [None, *[a.invocation for a in adapters]]                   # by adapter index
         self.rank = max([a.rank for a in adapters], default=0)
         w = base.model.embed_tokens.weight
         # per layer and kind: the factors of the adapters that adapt it (no rows for the others), and each
@@ -201,9 +204,21 @@ class LoraGroup:
 
     def extend(self, keys, values, tokens, adapter: int):
         """One row's suffix (1, S) on its cache with adapter `adapter` (as FastStep.extend; no cache: the
-        adapter's own prefill of the tokens)."""
+        adapter's own prefill of the tokens). An activated LoRA runs the tokens before its invocation's last
+        occurrence on the base's weights (all of them when the suffix does not invoke it)."""
         if not keys:
             keys = values = self.fast.empty()
+        inv = self.invocation[adapter]
+        if inv is not None:
+            at = activated.invocation_start(tokens, inv)
+            if at > 0:
+                logits, keys, values = self._extend(keys, values, tokens[:, :at], 0)
+                if at == tokens.shape[1]:
+                    return logits, keys, values
+                tokens = tokens[:, at:]
+        return self._extend(keys, values, tokens, adapter)
+
+    def _extend(self, keys, values, tokens, adapter: int):
         t, s = keys[0].shape[2], tokens.shape[1]
         pos = torch.arange(t, t + s, device=tokens.device)[None]
         allowed = torch.ones(s, t + s, dtype=torch.bool, device=tokens.device).tril(t)[None, None]
@@ -225,7 +240,13 @@ class LoraGroup:
         _, base_keys, base_values = out[""]
         for n in names:
             s, idx = self.first[n], torch.tensor([self.index(n)], device=prefix.device)
-            if s == 0:
+            inv = self.invocation[self.index(n)]
+            if inv is not None:                  # an aLoRA: the base's cache up to its invocation, if any
+                at = activated.invocation_start(prefix, inv)
+                out[n] = out[""] if at == t else self.extend([k[:, :, :at] for k in base_keys],
+                                                             [v[:, :, :at] for v in base_values],
+                                                             prefix[:, at:], self.index(n))
+            elif s == 0:
                 out[n] = self.extend([], [], prefix, self.index(n))
             elif s < self.layers:
                 logits, keys, values = self.fast._run(empty[s:], empty[s:], prefix, pos, allowed,
@@ -235,5 +256,7 @@ class LoraGroup:
 
     def prefill_share(self, names: list[str]) -> dict[str, float]:
         """Each named adapter's layers computed by `prefill`, as a share of a whole prefill (layers count
-        alike): 0 for the base's, whose prefill the group does once for all."""
-        return {n: (self.layers - min(self.first[n], self.layers)) / self.layers for n in names}
+        alike): 0 for the base's, whose prefill the group does once for all, and for an activated LoRA's (a
+        prefix that does not invoke it)."""
+        return {n: 0.0 if self.invocation[self.index(n)] is not None
+                else (self.layers - min(self.first[n], self.layers)) / self.layers for n in names}
