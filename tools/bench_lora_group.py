@@ -38,7 +38,7 @@ def weight_bytes(model) -> int:
     return n
 
 
-def batch_caches(step, rows: list[tuple[list, list]]):
+def batch_caches(rows: list[tuple[list, list]]):
     """Keys and values per layer for a batch of rows of equal length."""
     layers = len(rows[0][0])
     return ([torch.cat([r[0][i] for r in rows]) for i in range(layers)],
@@ -70,7 +70,7 @@ def tokens_per_s(run_step, b: int, steps: int) -> float:
 def greedy(extend, step, prompts: torch.Tensor, n: int) -> torch.Tensor:
     """(rows, n) greedy tokens: extend(row, ids) -> (logits, keys, values) per row, then batched steps."""
     rows = [extend(i, prompts[i:i + 1]) for i in range(prompts.shape[0])]
-    keys, values = batch_caches(step, [(k, v) for _, k, v in rows])
+    keys, values = batch_caches([(k, v) for _, k, v in rows])
     logits = torch.cat([lg for lg, _, _ in rows])
     b, t = prompts.shape
     mask, pos, out = torch.ones(b, t, dtype=torch.long), torch.full((b,), t), []
@@ -113,28 +113,34 @@ def run(args) -> dict:
             left_out.append(f"{s.name} ({e})")
     group = LoraGroup(base, adapters)
     names = [a.name for a in adapters]
-    merged = {}
-    for s in cfg.specialists:
-        if s.name in names:
-            merged[s.name] = load(s.path, base=named_base(s.path) or cfg.producer.path)[0].eval()
+    merged = {s.name: load(s.path, base=named_base(s.path) or cfg.producer.path)[0].eval()
+              for s in cfg.specialists if s.name in names}
+    print(f"adapters: {', '.join(names)}; left out: {', '.join(left_out) or 'none'}")
+    return {"adapters": names, "left_out": left_out, "memory": memory(base, adapters, group, merged),
+            "fanout": fanout(group, merged, len(tok), args),
+            "decode": decode_rate(base, group, merged, len(tok), args),
+            "greedy": greedy_answers(group, merged, tok, args)}
+
+
+def memory(base, adapters, group: LoraGroup, merged: dict) -> dict:
+    """The weights' bytes: the group's (the base, its stacked factors) against the merged copies'."""
     factor_bytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size()
                        for ad in adapters for a, b in ad.factors.values())
     base_bytes = weight_bytes(base)
-    report = {"adapters": names, "left_out": left_out,
-              "memory": {"base_bytes": base_bytes, "adapter_bytes": factor_bytes,
-                         "group_stack_bytes": group.stack_bytes(),
-                         "merged_bytes": sum(weight_bytes(m) for m in merged.values())}}
-    m = report["memory"]
-    m["group_over_base_plus_adapters"] = (m["base_bytes"] + m["group_stack_bytes"]) / (base_bytes + factor_bytes)
-    print(f"adapters: {', '.join(names)}; left out: {', '.join(left_out) or 'none'}")
+    m = {"base_bytes": base_bytes, "adapter_bytes": factor_bytes, "group_stack_bytes": group.stack_bytes(),
+         "merged_bytes": sum(weight_bytes(x) for x in merged.values())}
+    m["group_over_base_plus_adapters"] = (base_bytes + m["group_stack_bytes"]) / (base_bytes + factor_bytes)
     print(f"weights: group {(base_bytes + m['group_stack_bytes']) / 2**20:.1f} MiB (base {base_bytes / 2**20:.1f}, "
           f"adapters {factor_bytes / 2**20:.1f}, stacked {m['group_stack_bytes'] / 2**20:.1f}: "
           f"{m['group_over_base_plus_adapters']:.3f} x base + adapters) against {len(merged)} merged copies "
           f"{m['merged_bytes'] / 2**20:.1f} MiB")
+    return m
 
-    # a fan-out over one prefix: the group's prefill against every merged model's own
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(len(tok), (1, args.fanout_tokens), generator=g)
+
+def fanout(group: LoraGroup, merged: dict, vocab: int, args) -> dict:
+    """A fan-out over one prefix: the group's prefill against every merged model's own."""
+    names = list(merged)
+    prefix = torch.randint(vocab, (1, args.fanout_tokens), generator=torch.Generator().manual_seed(0))
     own = {n: own_extend(merged[n]) for n in names}
     times = {"group": [], "own": []}
     for _ in range(args.rounds):
@@ -146,45 +152,50 @@ def run(args) -> dict:
             own[n]([], [], prefix)
         times["own"].append(time.perf_counter() - t)
     share = group.prefill_share(names)
-    report["fanout"] = {"tokens": args.fanout_tokens, "group_s": statistics.median(times["group"]),
-                        "own_s": statistics.median(times["own"]), "share": share}
-    f = report["fanout"]
+    f = {"tokens": args.fanout_tokens, "group_s": statistics.median(times["group"]),
+         "own_s": statistics.median(times["own"]), "share": share}
     f["ratio"] = f["group_s"] / f["own_s"]
     print(f"fan-out to {len(names)} over {args.fanout_tokens} tokens: the group {f['group_s']:.2f} s against "
           f"{len(names)} own prefills {f['own_s']:.2f} s ({f['ratio']:.2f} x; each adapter's share of a prefill: "
           + ", ".join(f"{n} {v:.2f}" for n, v in share.items()) + ", plus the base's once)")
+    return f
 
-    # decode rate: 8 rows mixed over the adapters against 8 rows on one merged model
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(len(tok), (1, args.cache), generator=g)
+
+def decode_rate(base, group: LoraGroup, merged: dict, vocab: int, args, b: int = 8) -> dict:
+    """Tokens/s of b rows mixed over the adapters against b rows on one merged model."""
+    names = list(merged)
+    ids = torch.randint(vocab, (1, args.cache), generator=torch.Generator().manual_seed(0))
     out = base(input_ids=ids, use_cache=True).past_key_values
-    one = ([layer.keys for layer in out.layers], [layer.values for layer in out.layers])
-    b = 8
-    keys, values = batch_caches(None, [one] * b)
+    keys, values = batch_caches([([layer.keys for layer in out.layers], [layer.values for layer in out.layers])] * b)
     mask, pos = torch.ones(b, args.cache + 1, dtype=torch.long), torch.full((b,), args.cache)
     tok_in = torch.zeros(b, dtype=torch.long)
     idx = torch.tensor([group.index(names[i % len(names)]) for i in range(b)])
-    fast_merged = fast_decode.step_for(next(iter(merged.values())))
+    fast_merged = fast_decode.step_for(merged[names[0]])
     rates = {"mixed": [], "merged": []}
     for _ in range(args.rounds + 1):                     # the first round warms up
         rates["mixed"].append(tokens_per_s(lambda: group.step(keys, values, mask, pos, tok_in, idx), b, args.steps))
         rates["merged"].append(tokens_per_s(lambda: fast_merged(keys, values, mask, pos, tok_in), b, args.steps))
-    report["decode"] = {k: statistics.median(v[1:]) for k, v in rates.items()}
-    report["decode"]["ratio"] = report["decode"]["mixed"] / report["decode"]["merged"]
-    print(f"decode, batch of {b} from {args.cache} tokens: mixed over {len(names)} adapters "
-          f"{report['decode']['mixed']:.0f} tokens/s, one merged model {report['decode']['merged']:.0f} "
-          f"({report['decode']['ratio']:.2f} x)")
+    d = {k: statistics.median(v[1:]) for k, v in rates.items()}
+    d["ratio"] = d["mixed"] / d["merged"]
+    print(f"decode, batch of {b} from {args.cache} tokens: mixed over {len(names)} adapters {d['mixed']:.0f} "
+          f"tokens/s, one merged model {d['merged']:.0f} ({d['ratio']:.2f} x)")
+    return d
 
-    # greedy answers on held-out prompts, every adapter's rows decoded in mixed batches
+
+def greedy_answers(group: LoraGroup, merged: dict, tok, args) -> dict:
+    """Greedy answers on each pair's held-out samples (as calibration's evaluation draws them), every adapter's
+    rows decoded in mixed batches of 8, against each merged model's."""
+    names = list(merged)
     prompts_by = {}
-    for n in names:                          # the pair's held-out samples (as calibration's evaluation draws them)
+    for n in names:
         held = pair_data(n, tok, 0, 0, args.prompts, prefix_tokens=args.prompt_tokens)[2]
         prompts_by[n] = torch.stack([x.prefix[:args.prompt_tokens] for x in held
                                      if x.prefix.shape[0] >= args.prompt_tokens])
+    own = {n: own_extend(merged[n]) for n in names}
     fm = {n: fast_decode.step_for(merged[n]) for n in names}
     rows = [(n, prompts_by[n][j]) for j in range(args.prompts) for n in names if j < len(prompts_by[n])]
     per = {n: {"prompts": 0, "equal": 0} for n in names}
-    for c in range(0, len(rows), 8):                     # batches of 8 rows of every adapter
+    for c in range(0, len(rows), 8):
         chunk = rows[c:c + 8]
         idx = torch.tensor([group.index(n) for n, _ in chunk])
         got = greedy(lambda i, x: group.extend([], [], x, int(idx[i])),
@@ -197,8 +208,7 @@ def run(args) -> dict:
     for n, v in per.items():
         print(f"greedy, {n}: {v['equal']} of {v['prompts']} held-out prompts give the merged model's "
               f"{args.tokens} tokens (decoded in batches mixed over the adapters)")
-    report["greedy"] = per
-    return report
+    return per
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ class FastStep:
         """tokens (B, S) at positions (B, S) over caches (B, n_kv, T, d) of layers first.. (one per layer),
         `allowed` (B, 1, S, T + S) -> (last position's logits (B, V), those layers' caches with the S tokens
         appended). `lora`: per layer from `first`, the rows' low-rank factors by projection kind
-        (scd.online.lora_group.LoraGroup.gather). `x`: the residual entering layer `first` (default: the
+        (scd.online.lora_group.LoraGroup.factors). `x`: the residual entering layer `first` (default: the
         tokens' embeddings, first = 0). `taps`: layer -> None, filled with the residual entering that layer."""
         b, s = tokens.shape
         x = self.embed(tokens) if x is None else x                            # (B, S, H)
@@ -143,16 +143,17 @@ class FastStep:
         (B, n_kv, T+1, d))."""
         return self._run(keys, values, tokens[:, None], pos[:, None], mask.bool()[:, None, None])
 
-    def extend(self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor
+    def extend(self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor, **run
                ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """A suffix (1, S) run on top of one row's unpadded cache (1, n_kv, T, d) per layer (none for an empty
-        prefix): (its last position's logits (1, V), the caches with the suffix appended)."""
+        prefix): (its last position's logits (1, V), the caches with the suffix appended). `run`: _run's
+        lora, first, x and taps."""
         if not keys:
             keys = values = self.empty()
         t, s = keys[0].shape[2], tokens.shape[1]
         pos = torch.arange(t, t + s, device=tokens.device)[None]
         allowed = torch.ones(s, t + s, dtype=torch.bool, device=tokens.device).tril(t)[None, None]
-        return self._run(keys, values, tokens, pos, allowed)
+        return self._run(keys, values, tokens, pos, allowed, **run)
 
 
 def supported(model) -> bool:

@@ -115,8 +115,8 @@ def read_adapter(name: str, path: str | Path, base) -> Adapter:
 
 class LoraGroup:
     """A base model and its adapters, stacked per layer and projection kind for gathered batched matmuls (an
-    adapter has rows only where it adapts). `index(name)` is an adapter's index (0: the base); `forward` runs
-    FastStep's layers with each row's low-rank terms added."""
+    adapter has rows only where it adapts). `index(name)` is an adapter's index (0: the base); `step`, `extend`
+    and `prefill` run FastStep's layers with each row's low-rank terms added."""
 
     def __init__(self, base, adapters: list[Adapter]):
         self.fast = fast_decode.step_for(base)
@@ -125,12 +125,12 @@ class LoraGroup:
         names = [a.name for a in adapters]
         if len(set(names)) != len(names):
             raise AdapterError(f"adapter names repeat: {names}")
-        self.base, self.names = base, ["", *names]
+        self.names = ["", *names]
         self.layers = len(base.model.layers)
         # the first layer each adapter changes: below it an adapter's cache is the base's (the base: none)
         self.first = {"": self.layers, **{a.name: min(layer for layer, _ in a.factors) for a in adapters}}
         self.invocation = [None, *[a.invocation for a in adapters]]                   # by adapter index
-        self.rank = max([a.rank for a in adapters], default=0)
+        r = max([a.rank for a in adapters], default=0)
         w = base.model.embed_tokens.weight
         # per layer and kind: the factors of the adapters that adapt it (no rows for the others), and each
         # adapter index's row there (-1: none)
@@ -144,7 +144,6 @@ class LoraGroup:
                 held = [ad for ad in adapters if any((li, m) in ad.factors for m in modules)]
                 if not held:
                     continue
-                r = self.rank
                 a_stack = w.new_zeros(len(held), len(modules) * r, in_f)
                 b_stack = w.new_zeros(len(held), sum(outs), len(modules) * r)
                 for si, ad in enumerate(held):
@@ -168,61 +167,52 @@ class LoraGroup:
         return sum(t.numel() * t.element_size() for per in self.stacks for pair in per.values() for t in pair)
 
     def gather(self, adapter_idx: torch.Tensor) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """Each row's factors per layer and kind, transposed for bmm: A^T (B, in, k*r), B^T (B, k*r, out)
-        (fast_decode.lora_delta), zero for a row whose adapter does not adapt that kind; a kind no row's
-        adapter adapts is left out (no matmul). Kept for the next call with the same rows (a decode batch's
-        steps until a row joins or leaves)."""
+        """`factors` of a decode batch's rows, kept for its next steps until a row joins or leaves."""
         key = tuple(adapter_idx.tolist())
-        if self._gathered is not None and self._gathered[0] == key:
-            return self._gathered[1]
+        if self._gathered is None or self._gathered[0] != key:
+            self._gathered = (key, self.factors(key))
+        return self._gathered[1]
+
+    def factors(self, rows: tuple[int, ...]) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Each row's factors (by adapter index) per layer and kind, transposed for bmm: A^T (B, in, k*r), B^T
+        (B, k*r, out) (fast_decode.lora_delta), zero for a row whose adapter does not adapt that kind; a kind
+        no row's adapter adapts is left out (no matmul)."""
         out = []
         for per_kind, slots in zip(self.stacks, self.slots):
             layer = {}
             for kind, (a, b) in per_kind.items():
-                rows = [slots[kind][i] for i in key]
-                if all(r < 0 for r in rows):
+                at = [slots[kind][i] for i in rows]
+                if all(r < 0 for r in at):
                     continue
-                sel = torch.tensor([max(r, 0) for r in rows], device=a.device)
+                sel = torch.tensor([max(r, 0) for r in at], device=a.device)
                 a_t, b_t = a.index_select(0, sel).transpose(1, 2), b.index_select(0, sel).transpose(1, 2)
-                if any(r < 0 for r in rows):
-                    keep = torch.tensor([r >= 0 for r in rows], device=a.device, dtype=a.dtype)[:, None, None]
+                if any(r < 0 for r in at):
+                    keep = torch.tensor([r >= 0 for r in at], device=a.device, dtype=a.dtype)[:, None, None]
                     b_t = b_t * keep
                 layer[kind] = (a_t, b_t)
             out.append(layer)
-        self._gathered = (key, out)
         return out
 
     @torch.no_grad()
-    def forward(self, keys, values, tokens, pos, allowed, adapter_idx: torch.Tensor):
-        """FastStep._run with the rows' adapters: tokens (B, S), positions (B, S), `allowed` (B, 1, S, T + S),
-        adapter_idx (B,) -> (last logits (B, V), caches with the S tokens appended)."""
-        return self.fast._run(keys, values, tokens, pos, allowed, lora=self.gather(adapter_idx))
-
     def step(self, keys, values, mask, pos, tokens, adapter_idx):
-        """One decode step of a mixed batch (as FastStep.__call__, plus each row's adapter index)."""
-        return self.forward(keys, values, tokens[:, None], pos[:, None], mask.bool()[:, None, None], adapter_idx)
+        """One decode step of a mixed batch (as FastStep.__call__, plus each row's adapter index (B,))."""
+        return self.fast._run(keys, values, tokens[:, None], pos[:, None], mask.bool()[:, None, None],
+                              lora=self.gather(adapter_idx))
 
     def extend(self, keys, values, tokens, adapter: int):
         """One row's suffix (1, S) on its cache with adapter `adapter` (as FastStep.extend; no cache: the
         adapter's own prefill of the tokens). An activated LoRA runs the tokens before its invocation's last
-        occurrence on the base's weights (all of them when the suffix does not invoke it)."""
-        if not keys:
-            keys = values = self.fast.empty()
+        occurrence on the base's weights (all of them when the suffix does not invoke it). Its factors are
+        gathered for it alone: a decode batch's stay kept."""
         inv = self.invocation[adapter]
         if inv is not None:
             at = activated.invocation_start(tokens, inv)
             if at > 0:
-                logits, keys, values = self._extend(keys, values, tokens[:, :at], 0)
+                logits, keys, values = self.fast.extend(keys, values, tokens[:, :at])
                 if at == tokens.shape[1]:
                     return logits, keys, values
                 tokens = tokens[:, at:]
-        return self._extend(keys, values, tokens, adapter)
-
-    def _extend(self, keys, values, tokens, adapter: int):
-        t, s = keys[0].shape[2], tokens.shape[1]
-        pos = torch.arange(t, t + s, device=tokens.device)[None]
-        allowed = torch.ones(s, t + s, dtype=torch.bool, device=tokens.device).tril(t)[None, None]
-        return self.forward(keys, values, tokens, pos, allowed, torch.tensor([adapter], device=tokens.device))
+        return self.fast.extend(keys, values, tokens, lora=self.factors((adapter,)))
 
     @torch.no_grad()
     def prefill(self, prefix: torch.Tensor, names: list[str]) -> dict[str, tuple]:
@@ -231,26 +221,21 @@ class LoraGroup:
         the base runs its layers from s with its factors on, from the base's residual entering s, and its
         cache below s is the base's own tensors (referenced, not copied); one that changes layer 0 prefills
         the prefix itself. Exact: each equals the adapter merged into the base (up to float rounding)."""
-        t = prefix.shape[1]
-        pos = torch.arange(t, device=prefix.device)[None]
-        allowed = torch.ones(t, t, dtype=torch.bool, device=prefix.device).tril()[None, None]
         taps = {self.first[n]: None for n in names if 0 < self.first[n] < self.layers}
-        empty = self.fast.empty()
-        out = {"": self.fast._run(empty, empty, prefix, pos, allowed, taps=taps)}
+        out = {"": self.fast.extend([], [], prefix, taps=taps)}
         _, base_keys, base_values = out[""]
+        empty = self.fast.empty()
         for n in names:
-            s, idx = self.first[n], torch.tensor([self.index(n)], device=prefix.device)
-            inv = self.invocation[self.index(n)]
-            if inv is not None:                  # an aLoRA: the base's cache up to its invocation, if any
-                at = activated.invocation_start(prefix, inv)
-                out[n] = out[""] if at == t else self.extend([k[:, :, :at] for k in base_keys],
-                                                             [v[:, :, :at] for v in base_values],
-                                                             prefix[:, at:], self.index(n))
+            s, i = self.first[n], self.index(n)
+            if self.invocation[i] is not None:   # an aLoRA: the base's cache up to its invocation, if any
+                at = activated.invocation_start(prefix, self.invocation[i])
+                out[n] = out[""] if at == prefix.shape[1] else self.extend(
+                    [k[:, :, :at] for k in base_keys], [v[:, :, :at] for v in base_values], prefix[:, at:], i)
             elif s == 0:
-                out[n] = self.extend([], [], prefix, self.index(n))
+                out[n] = self.extend([], [], prefix, i)
             elif s < self.layers:
-                logits, keys, values = self.fast._run(empty[s:], empty[s:], prefix, pos, allowed,
-                                                      lora=self.gather(idx)[s:], first=s, x=taps[s])
+                logits, keys, values = self.fast.extend(empty[s:], empty[s:], prefix, lora=self.factors((i,))[s:],
+                                                        first=s, x=taps[s])
                 out[n] = (logits, base_keys[:s] + keys, base_values[:s] + values)
         return out
 
