@@ -36,6 +36,7 @@ class FallbackReason(StrEnum):
     PREFIX_TOO_SHORT = "prefix_too_short"           # nothing shared to rebuild
     QUALITY_GATE = "quality_gate"                   # calibration refused to publish an artifact for the pair
     INVOCATION_IN_PREFIX = "invocation_in_prefix"   # an activated LoRA switched on inside the shared prefix
+    GROUP_OWN_PREFILL = "group_own_prefill"         # a LoRA group's adapter on every layer prefilled the prefix
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class SpecialistRequest:
     trace: dict = field(default_factory=dict)   # telemetry context carrier
     producer: str | None = None                 # the producer that encoded the codes (the answer says so)
     exact: bool = False                         # the specialist's own output: codes only draft (exact mode)
+    model: str = ""                             # the specialist asked (a LoRA group's engine serves several)
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,12 @@ class ServedInfo:
     level: dict[str, int] | None = None         # mode "scd": the Reuse ranks the codes arrived at
     family: str | None = None                   # mode "scd": the family whose one payload served this fan-out
     exact: dict | None = None                   # an exact request served from codes: drafted, accepted, takeover
+    group: dict | None = None                   # a LoRA group's answer: base prefill cached, the adapter's share
     ids: list[int] = field(default_factory=list)  # the generated token ids (in process only: not in as_dict)
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "reason": self.reason, "artifact": self.artifact, "level": self.level,
-                "family": self.family, "exact": self.exact,
+                "family": self.family, "exact": self.exact, "group": self.group,
                 "payload_bytes": self.payload_bytes, "timings_ms": {k: round(v, 3) for k, v in self.timings.items()}}
 
 
@@ -116,6 +117,71 @@ class Arriving:
     def __len__(self) -> int:
         rest = self._rest[0] if self._rest is not None else None
         return len(self.entry) + (len(rest) if rest is not None else 0)
+
+
+def logprobs_entry(tok, token_id: int, lp: TokenLogprobs, offset: int) -> dict:
+    """A generated token's logprobs as the router formats them: its text, its logprob, the top alternatives
+    and where its text starts in the answer (the token that completes a stop string has none)."""
+    return {"token": tok.decode([token_id]), "logprob": lp.logprob,
+            "top": [(tok.decode([t]), v) for t, v in lp.top], "offset": offset}
+
+
+def answer_events(tok, info: ServedInfo, text: TextStream, put: Callable[[tuple], None],
+                  cancelled: threading.Event, t_start: float) -> tuple[Callable, Callable]:
+    """A row's (on_token, on_done) for the decode loop: they put the answer's events, as an engine's start()
+    promises them (("token", text piece, logprobs entry or None, tokens so far)..., then ("done", info,
+    finish_reason) or ("error", message)), and record its first token, total time and token count in info.
+    on_token says to stop once a stop string appeared or the request was cancelled."""
+    emitted = [0]                                   # characters of text put so far (logprobs' text offsets)
+    generated = [0]                                 # tokens generated so far
+
+    def on_token(token_id: int, lp: TokenLogprobs | None) -> bool:
+        info.timings.setdefault("first_token", (time.perf_counter() - t_start) * 1e3)
+        info.ids.append(token_id)
+        piece, stop = text.add(token_id)
+        entry = logprobs_entry(tok, token_id, lp, emitted[0]) if lp is not None and not stop else None
+        emitted[0] += len(piece)
+        generated[0] += 1
+        if piece or entry:
+            put(("token", piece, entry, generated[0]))
+        return not (stop or cancelled.is_set())
+
+    def on_done(finish: str, n_out: int) -> None:
+        if finish.startswith("error"):
+            put(("error", finish))
+            return
+        info.timings.setdefault("first_token", (time.perf_counter() - t_start) * 1e3)
+        if finish == "length" and (rest := text.flush()):      # bytes of an unfinished character
+            put(("token", rest, None, n_out))
+        info.timings["total"] = (time.perf_counter() - t_start) * 1e3
+        info.tokens = n_out
+        put(("done", info, finish))
+    return on_token, on_done
+
+
+def events_as_text(events: queue.SimpleQueue, cancel: Callable[[], None]) -> Iterator[tuple[str, object]]:
+    """An answer's events (answer_events) as a blocking generator of text: ("token", piece)..., then ("done",
+    (info, finish_reason)); cancel() when the consumer stops early."""
+    try:
+        while (ev := events.get())[0] == "token":
+            if ev[1]:
+                yield ev[:2]
+    finally:
+        cancel()
+    if ev[0] == "error":
+        raise RuntimeError(f"decode failed: {ev[1]}")
+    yield "done", (ev[1], ev[2])
+
+
+def collected(events: Iterator[tuple[str, object]]) -> tuple[str, ServedInfo, str]:
+    """(text, info, finish_reason) of a whole answer from events_as_text."""
+    pieces = []
+    for kind, value in events:
+        if kind == "token":
+            pieces.append(value)
+        else:
+            info, finish = value
+    return "".join(pieces), info, finish
 
 
 class SpecialistEngine:
@@ -296,31 +362,7 @@ class SpecialistEngine:
         row, info, text = self._row(prefix_ids, suffix_ids, payload, reason, params, dict(timings or {}), own,
                                     start_prefill if exact and own is None else None)
         cancelled = cancelled or threading.Event()      # the caller's, when it may cancel before start returns
-        emitted = [0]                                   # characters of text put so far (logprobs' text offsets)
-        generated = [0]                                 # tokens generated so far
-
-        def on_token(token_id: int, lp: TokenLogprobs | None) -> bool:
-            info.timings.setdefault("first_token", (time.perf_counter() - t_start) * 1e3)
-            info.ids.append(token_id)
-            piece, stop = text.add(token_id)
-            entry = self._logprobs_entry(token_id, lp, emitted[0]) if lp is not None and not stop else None
-            emitted[0] += len(piece)
-            generated[0] += 1
-            if piece or entry:
-                put(("token", piece, entry, generated[0]))
-            return not (stop or cancelled.is_set())
-
-        def on_done(finish: str, n_out: int) -> None:
-            if finish.startswith("error"):
-                put(("error", finish))
-                return
-            info.timings.setdefault("first_token", (time.perf_counter() - t_start) * 1e3)
-            if finish == "length" and (rest := text.flush()):      # bytes of an unfinished character
-                put(("token", rest, None, n_out))
-            info.timings["total"] = (time.perf_counter() - t_start) * 1e3
-            info.tokens = n_out
-            put(("done", info, finish))
-
+        on_token, on_done = answer_events(self.tok, info, text, put, cancelled, t_start)
         if prefill is not None:
             self._exact(row, info, prefix_ids, suffix_ids, on_token, on_done, cancelled, prefill)
         else:
@@ -406,26 +448,12 @@ class SpecialistEngine:
                    logits[0], p, emit, finish, row.generator, n_out=len(tokens), feed=nxt)
         self.decoder.submit(rest)
 
-    def _logprobs_entry(self, token_id: int, lp: TokenLogprobs, offset: int) -> dict:
-        """A generated token's logprobs as the router formats them: its text, its logprob, the top alternatives
-        and where its text starts in the answer (the token that completes a stop string has none)."""
-        return {"token": self.tok.decode([token_id]), "logprob": lp.logprob,
-                "top": [(self.tok.decode([t]), v) for t, v in lp.top], "offset": offset}
-
     def stream(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
                params: GenParams, timings: dict | None = None, exact: bool = False) -> Iterator[tuple[str, object]]:
         """start() as a blocking generator of text: ("token", piece)..., then ("done", (info, finish_reason))."""
         events: queue.SimpleQueue = queue.SimpleQueue()
         cancel = self.start(prefix_ids, suffix_ids, payload, reason, params, events.put, timings, exact)
-        try:
-            while (ev := events.get())[0] == "token":
-                if ev[1]:
-                    yield ev[:2]
-        finally:
-            cancel()
-        if ev[0] == "error":
-            raise RuntimeError(f"decode failed: {ev[1]}")
-        yield "done", (ev[1], ev[2])
+        return events_as_text(events, cancel)
 
     @torch.no_grad()
     def _row(self, prefix_ids, suffix_ids, payload, reason, params: GenParams, timings: dict, own: list | None = None,
@@ -454,10 +482,4 @@ class SpecialistEngine:
     def complete(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
                  params: GenParams, timings: dict | None = None, exact: bool = False) -> tuple[str, ServedInfo, str]:
         """(text, info, finish_reason) of a whole completion."""
-        pieces = []
-        for kind, value in self.stream(prefix_ids, suffix_ids, payload, reason, params, timings, exact):
-            if kind == "token":
-                pieces.append(value)
-            else:
-                info, finish = value
-        return "".join(pieces), info, finish
+        return collected(self.stream(prefix_ids, suffix_ids, payload, reason, params, timings, exact))

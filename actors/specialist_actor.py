@@ -66,6 +66,16 @@ def _coalesced(ev: tuple, events: queue.Queue) -> tuple[Output, tuple | None]:
         tokens = ev[3]
 
 
+def joined(outputs: Iterator[Output]) -> Output:
+    """A stream's Outputs as one: the text and logprobs of every piece, the last one's finish and `scd`."""
+    text, logprobs, last = [], [], None
+    for ev in outputs:
+        text.append(ev.text)
+        logprobs += ev.logprobs
+        last = ev
+    return dataclasses.replace(last, text="".join(text), logprobs=logprobs)
+
+
 @ray.remote(max_concurrency=concurrency(16))       # the replica sets it from its own limit (concurrency())
 class SpecialistActor:
     def __init__(self, name: str, model_path: str, pair: str, store_uri: str, namespace: str | None,
@@ -252,12 +262,7 @@ class SpecialistActor:
 
     def generate(self, req: SpecialistRequest, key: str) -> Output:
         """The whole answer in one Output."""
-        text, logprobs, last = [], [], None
-        for ev in self.stream(req, key):
-            text.append(ev.text)
-            logprobs += ev.logprobs
-            last = ev
-        return dataclasses.replace(last, text="".join(text), logprobs=logprobs)
+        return joined(self.stream(req, key))
 
     def cancel(self, key: str) -> None:
         cancel = self.running.get(key)

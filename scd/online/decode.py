@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from scd.online import fast_decode
 from scd.online.cache import assemble, cache_arg, extend
+from scd.online.lora_group import LoraGroup
 
 
 @dataclass(frozen=True)
@@ -129,24 +130,28 @@ class Row:
     draft_probs: list[torch.Tensor] | None = None   # a draft row (exact mode, sampled): each pick's distribution
     feed: int | None = None                     # a token already emitted, fed at the row's first step instead of
                                                 # a pick (exact mode: the token after the verified drafts)
+    adapter: int = 0                            # a LoRA group's row: its adapter's index (0: the base)
 
 
 @dataclass
 class Batch:
     """The running rows' caches as one left-padded batch: keys/values per layer (B, n_kv, T, d), mask (B, T),
-    next position of each row (B,)."""
+    next position of each row (B,), and each row's adapter in a LoRA group (B,)."""
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     mask: torch.Tensor | None = None
     pos: torch.Tensor | None = None
+    adapters: torch.Tensor | None = None
     rows: list[Row] = field(default_factory=list)
 
     def join(self, row: Row) -> None:
         n = row.keys[0].shape[2]
         mask = torch.ones(1, n, dtype=torch.long, device=row.logits.device)
         pos = torch.tensor([n], device=row.logits.device)
+        adapter = torch.tensor([row.adapter], device=row.logits.device)
         if not self.rows:
             self.keys, self.values, self.mask, self.pos = list(row.keys), list(row.values), mask, pos
+            self.adapters = adapter
         else:
             t = self.mask.shape[1]
             pad_old, pad_new = max(0, n - t), max(0, t - n)
@@ -155,13 +160,14 @@ class Batch:
             self.values = [torch.cat([left(a, pad_old), left(b, pad_new)]) for a, b in zip(self.values, row.values)]
             self.mask = torch.cat([F.pad(self.mask, (pad_old, 0)), F.pad(mask, (pad_new, 0))])
             self.pos = torch.cat([self.pos, pos])
+            self.adapters = torch.cat([self.adapters, adapter])
         row.keys = row.values = None                 # the batch holds them now
         self.rows.append(row)
 
     def keep(self, idx: list[int]) -> None:
         """Only these rows stay; columns that are padding in every remaining row go."""
         if not idx:
-            self.keys, self.values, self.mask, self.pos, self.rows = [], [], None, None, []
+            self.keys, self.values, self.mask, self.pos, self.adapters, self.rows = [], [], None, None, None, []
             return
         sel = torch.tensor(idx, device=self.mask.device)
         mask = self.mask.index_select(0, sel)
@@ -169,14 +175,17 @@ class Batch:
         self.keys = [k.index_select(0, sel)[:, :, first:] for k in self.keys]
         self.values = [v.index_select(0, sel)[:, :, first:] for v in self.values]
         self.mask, self.pos = mask[:, first:], self.pos.index_select(0, sel)
+        self.adapters = self.adapters.index_select(0, sel)
         self.rows = [self.rows[i] for i in idx]
 
     def step(self, model, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed each row its token (B,); returns the next logits (B, V). A model fast_decode covers steps in
-        plain torch, any other through transformers' forward."""
+        """Feed each row its token (B,); returns the next logits (B, V). A LoRA group steps its rows of mixed
+        adapters in one pass; a model fast_decode covers steps in plain torch, any other through transformers'
+        forward."""
         mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        fast = fast_decode.step_for(model)
-        if fast is not None:
+        if isinstance(model, LoraGroup):
+            logits, self.keys, self.values = model.step(self.keys, self.values, mask, self.pos, tokens, self.adapters)
+        elif (fast := fast_decode.step_for(model)) is not None:
             logits, self.keys, self.values = fast(self.keys, self.values, mask, self.pos, tokens)
         else:
             cache = assemble(model, list(zip(self.keys, self.values)))

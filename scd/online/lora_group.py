@@ -217,27 +217,43 @@ class LoraGroup:
     @torch.no_grad()
     def prefill(self, prefix: torch.Tensor, names: list[str]) -> dict[str, tuple]:
         """A prefix (1, T) for the base and the named adapters, the base's layers computed once: {name: (last
-        logits (1, V), keys, values per layer)}, "" the base's. An adapter that leaves the layers below s to
-        the base runs its layers from s with its factors on, from the base's residual entering s, and its
-        cache below s is the base's own tensors (referenced, not copied); one that changes layer 0 prefills
-        the prefix itself. Exact: each equals the adapter merged into the base (up to float rounding)."""
+        logits (1, V), keys, values per layer)}, "" the base's (`base_prefill`, then `adapter_prefix` each).
+        Exact: each equals the adapter merged into the base (up to float rounding)."""
+        base = self.base_prefill(prefix, names)
+        return {"": base[:3], **{n: self.adapter_prefix(base, prefix, n) for n in names}}
+
+    @torch.no_grad()
+    def base_prefill(self, prefix: torch.Tensor, names: list[str] | None = None) -> tuple:
+        """The base's prefill of a prefix (1, T): (last logits (1, V), keys, values per layer, taps), taps the
+        base's residual entering the first layer of each named adapter (None: every adapter) that leaves the
+        layers below it to the base, which `adapter_prefix` starts from."""
+        names = self.names[1:] if names is None else names
         taps = {self.first[n]: None for n in names if 0 < self.first[n] < self.layers}
-        out = {"": self.fast.extend([], [], prefix, taps=taps)}
-        _, base_keys, base_values = out[""]
+        return (*self.fast.extend([], [], prefix, taps=taps), taps)
+
+    @torch.no_grad()
+    def adapter_prefix(self, base: tuple, prefix: torch.Tensor, name: str) -> tuple:
+        """An adapter's (last logits, keys, values) of the prefix from the base's (`base_prefill`, with its
+        taps): an activated LoRA's is the base's cache up to its invocation (all of it when the prefix does not
+        invoke it); an adapter that leaves the layers below s to the base runs its layers from s with its
+        factors on, from the base's residual entering s, and its cache below s is the base's own tensors
+        (referenced, not copied); one that changes layer 0 prefills the prefix itself."""
+        logits, base_keys, base_values, taps = base
+        s, i = self.first[name], self.index(name)
+        if self.invocation[i] is not None:
+            at = activated.invocation_start(prefix, self.invocation[i])
+            if at == prefix.shape[1]:
+                return logits, base_keys, base_values
+            return self.extend([k[:, :, :at] for k in base_keys], [v[:, :, :at] for v in base_values],
+                               prefix[:, at:], i)
+        if s == 0:
+            return self.extend([], [], prefix, i)
+        if s >= self.layers:                                    # the base itself
+            return logits, base_keys, base_values
         empty = self.fast.empty()
-        for n in names:
-            s, i = self.first[n], self.index(n)
-            if self.invocation[i] is not None:   # an aLoRA: the base's cache up to its invocation, if any
-                at = activated.invocation_start(prefix, self.invocation[i])
-                out[n] = out[""] if at == prefix.shape[1] else self.extend(
-                    [k[:, :, :at] for k in base_keys], [v[:, :, :at] for v in base_values], prefix[:, at:], i)
-            elif s == 0:
-                out[n] = self.extend([], [], prefix, i)
-            elif s < self.layers:
-                logits, keys, values = self.fast.extend(empty[s:], empty[s:], prefix, lora=self.factors((i,))[s:],
-                                                        first=s, x=taps[s])
-                out[n] = (logits, base_keys[:s] + keys, base_values[:s] + values)
-        return out
+        logits, keys, values = self.fast.extend(empty[s:], empty[s:], prefix, lora=self.factors((i,))[s:],
+                                                first=s, x=taps[s])
+        return logits, base_keys[:s] + keys, base_values[:s] + values
 
     def prefill_share(self, names: list[str]) -> dict[str, float]:
         """Each named adapter's layers computed by `prefill`, as a share of a whole prefill (layers count

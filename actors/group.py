@@ -1,0 +1,139 @@
+"""GroupEngine: a LoRA group's engine, one base model and the PEFT adapters of several specialists, unmerged.
+
+Each adapter is served under its specialist's name. A prefix's base layers run once for every adapter in the
+group (and stay cached for the next requests on that prefix: there is no producer and no transfer inside a
+group); each adapter then computes what sharing leaves to it (`LoraGroup.adapter_prefix`):
+- an activated LoRA: nothing, the base's cache is its prefix's (up to the prefix's own invocation, if any);
+- a LoRA that leaves the layers below s to the base: its layers from s, from the base's residual entering s,
+  over a cache whose layers below s are the base's own tensors;
+- a LoRA on every layer: its own prefill of the prefix, stated as a fallback (`group_own_prefill`).
+Every answer equals the adapter merged into the base (up to float rounding): in a group, `exact` asks for
+nothing more. Rows of every adapter decode in one batch (`scd.online.decode.Batch` over the group).
+
+Plain Python, tested without Ray; a GroupActor (actors/group_actor.py) holds one in a Serve replica.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+
+from actors.batching import BatchDecoder
+from actors.messages import FallbackReason
+from actors.prefix_cache import PrefixCodeCache, prefix_key
+from actors.specialist import ServedInfo, TextStream, answer_events, collected, events_as_text
+from scd.online.decode import GenParams, Row
+from scd.online.lora_group import LoraGroup
+
+
+def _nbytes(base: tuple) -> int:
+    _, keys, values, taps = base
+    return sum(t.nbytes for t in [*keys, *values, *(x for x in taps.values() if x is not None)])
+
+
+class GroupEngine:
+    def __init__(self, group: LoraGroup, tokenizer, device: str = "cpu", max_batch: int = 8,
+                 prefix_cache_bytes: int = 256 << 20):
+        self.group, self.tok, self.device = group, tokenizer, device
+        self.decoder = BatchDecoder(group, tokenizer.eos_token_id, max_batch)
+        self.prefixes = PrefixCodeCache(prefix_cache_bytes, size=_nbytes)   # base prefills, least recent out
+        self.lock = threading.Lock()
+        self.pending: dict[str, Future] = {}          # prefixes whose base prefill is running: joined, not redone
+        self.share = group.prefill_share(group.names[1:])
+
+    @property
+    def names(self) -> list[str]:
+        return self.group.names[1:]
+
+    def decode_stats(self) -> dict:
+        d = self.decoder.decoder
+        return {"steps": d.steps, "rows": d.rows_stepped, "mean_batch": round(d.rows_stepped / max(1, d.steps), 2)}
+
+    def _base(self, prefix_ids: list[int], ids: torch.Tensor) -> tuple[tuple, bool]:
+        """(the base's prefill of the prefix, whether it was cached). Requests on one prefix that arrive while
+        its prefill runs wait for that one (a fan-out to the group's adapters prefills once)."""
+        key = prefix_key(prefix_ids, "group", "base")
+        with self.lock:
+            if (hit := self.prefixes.get(key)) is not None:
+                return hit, True
+            running = self.pending.get(key)
+            if running is None:
+                running = self.pending[key] = Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return running.result(), True
+        try:
+            base = self.group.base_prefill(ids)
+            with self.lock:
+                self.prefixes.put(key, base)
+            running.set_result(base)
+            return base, False
+        except BaseException as e:
+            running.set_exception(e)
+            raise
+        finally:
+            with self.lock:
+                self.pending.pop(key, None)
+
+    @torch.no_grad()
+    def _row(self, name: str, prefix_ids: list[int], suffix_ids: list[int], params: GenParams, timings: dict,
+             oracle: bool = False) -> tuple[Row, ServedInfo]:
+        """The row of a request to adapter `name`: its prefix cache from the base's (the oracle: its own
+        prefill, asked for), its suffix on top, the first next-token logits."""
+        i = self.group.index(name)
+        ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
+        keys = values = self.group.fast.empty()
+        cached = False
+        t0 = time.perf_counter()
+        if prefix_ids and oracle:
+            _, keys, values = self.group.extend(keys, values, ids, i)
+            timings["prefill"] = (time.perf_counter() - t0) * 1e3
+        elif prefix_ids:
+            base, cached = self._base(prefix_ids, ids)
+            timings["group_base"] = (time.perf_counter() - t0) * 1e3
+            t1 = time.perf_counter()
+            _, keys, values = self.group.adapter_prefix(base, ids, name)
+            timings["group_adapter"] = (time.perf_counter() - t1) * 1e3
+        if oracle:
+            info = ServedInfo("oracle", None, None, 0, timings)
+        else:
+            reason = FallbackReason.PREFIX_TOO_SHORT if not prefix_ids else \
+                FallbackReason.GROUP_OWN_PREFILL if self.share[name] == 1.0 else None
+            info = ServedInfo("fallback" if reason else "scd", reason, None, 0, timings,
+                              group={"base_cached": cached, "adapter_share": self.share[name]})
+        t2 = time.perf_counter()
+        logits, keys, values = self.group.extend(keys, values, torch.tensor([suffix_ids], device=self.device), i)
+        timings["suffix"] = (time.perf_counter() - t2) * 1e3
+        gen = torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None else None
+        return Row(keys, values, logits[0], params, generator=gen, adapter=i), info
+
+    def start(self, name: str, prefix_ids: list[int], suffix_ids: list[int], params: GenParams,
+              put: Callable[[tuple], None], timings: dict | None = None,
+              cancelled: threading.Event | None = None, oracle: bool = False) -> Callable[[], None]:
+        """As SpecialistEngine.start, for the adapter `name`: its prefix cache (the base's, shared; `oracle`:
+        its own prefill), its suffix, then its decode steps in the group's batch; events go to put(). Returns
+        cancel()."""
+        if name not in self.share:
+            raise ValueError(f"{name!r} is not an adapter of this group; it holds {self.names}")
+        if not suffix_ids:
+            raise ValueError("the suffix must hold at least one token")
+        t_start = time.perf_counter()
+        row, info = self._row(name, prefix_ids, suffix_ids, params, dict(timings or {}), oracle)
+        cancelled = cancelled or threading.Event()
+        row.on_token, row.on_done = answer_events(self.tok, info, TextStream(self.tok, params.stop), put,
+                                                  cancelled, t_start)
+        self.decoder.submit(row)
+        return cancelled.set
+
+    def complete(self, name: str, prefix_ids: list[int], suffix_ids: list[int], params: GenParams,
+                 oracle: bool = False) -> tuple[str, ServedInfo, str]:
+        """(text, info, finish_reason) of a whole completion by the adapter `name`."""
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        cancel = self.start(name, prefix_ids, suffix_ids, params, events.put, oracle=oracle)
+        return collected(events_as_text(events, cancel))

@@ -1,0 +1,138 @@
+"""A LoRA group's engine (actors/group.py) on the demo base: each adapter answers by name as its merged model
+does, rows of different adapters decode in one batch, and a prefix's base layers run once for all of them."""
+import threading
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from actors.group import GroupEngine
+from scd.online.decode import GenParams
+from scd.online.lora_group import LoraGroup, read_adapter
+from tests.conftest import DEMO
+
+ADAPTERS = {                  # name -> PEFT LoraConfig: every layer, a few top layers, an activated LoRA
+    "every": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+    "top": {"r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"],
+            "layers_to_transform": [5, 6, 7]},
+    "act": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj"],
+            "alora_invocation_tokens": [7, 8]},
+}
+
+
+def _base() -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(DEMO / "base", dtype=torch.float32).eval()
+
+
+def _random_lora(seed: int, cfg: dict):
+    """The demo base with a PEFT LoRA of random factors (a zero B would leave the base unchanged)."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    peft = get_peft_model(_base(), LoraConfig(task_type="CAUSAL_LM", **cfg))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_" in n:
+                p.normal_(std=0.05)
+    return peft
+
+
+@pytest.fixture(scope="module")
+def engine_and_merged(tmp_path_factory):
+    root = tmp_path_factory.mktemp("group-engine")
+    merged = {}
+    for seed, (name, cfg) in enumerate(ADAPTERS.items(), start=1):
+        _random_lora(seed, cfg).save_pretrained(str(root / name))
+        # merged: the same factors as a plain LoRA (PEFT merges no aLoRA), on for every token
+        plain = {k: v for k, v in cfg.items() if k != "alora_invocation_tokens"}
+        merged[name] = _random_lora(seed, plain).merge_and_unload().eval()
+    base = _base()
+    group = LoraGroup(base, [read_adapter(n, root / n, base) for n in ADAPTERS])
+    tok = AutoTokenizer.from_pretrained(DEMO / "base")
+    return GroupEngine(group, tok, max_batch=8), merged
+
+
+def _greedy(model, ids: list[int], n: int, eos: int) -> list[int]:
+    """The model's greedy tokens after ids."""
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                         pad_token_id=eos)
+    return out[0, len(ids):].tolist()
+
+
+PREFIX = list(range(40, 140))
+SUFFIX = [300, 301, 302, 303]
+PARAMS = GenParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name", ["every", "top"])
+def test_each_adapter_answers_as_its_merged_model(engine_and_merged, name):
+    engine, merged = engine_and_merged
+    _, info, _ = engine.complete(name, PREFIX, SUFFIX, PARAMS)
+    want = _greedy(merged[name], PREFIX + SUFFIX, PARAMS.max_tokens, engine.tok.eos_token_id)
+    assert info.ids == want, f"{name}: the group's greedy tokens {info.ids} differ from the merged model's {want}"
+
+
+def test_an_activated_lora_answers_from_the_bases_cache_up_to_its_invocation(engine_and_merged):
+    """The aLoRA shares the base's whole prefix cache (nothing computed for it); its suffix invokes it at its
+    second token. Reference: the base's own forward up to the invocation, then the adapter merged (always on)
+    from there, greedy, on that cache."""
+    from transformers import DynamicCache
+    engine, merged = engine_and_merged
+    suffix = [300, 7, 8, 301]
+    _, info, _ = engine.complete("act", PREFIX, suffix, PARAMS)
+    assert info.mode == "scd" and info.group["adapter_share"] == 0.0, info.as_dict()
+    cache, want = DynamicCache(), []
+    with torch.no_grad():
+        _base()(input_ids=torch.tensor([PREFIX + suffix[:1]]), past_key_values=cache, use_cache=True)
+        logits = merged["act"](input_ids=torch.tensor([suffix[1:]]), past_key_values=cache, use_cache=True).logits
+        for _ in range(PARAMS.max_tokens):
+            want.append(int(logits[0, -1].argmax()))
+            logits = merged["act"](input_ids=torch.tensor([want[-1:]]), past_key_values=cache, use_cache=True).logits
+    assert info.ids == want, f"aLoRA: the group's answer {info.ids} differs from the reference {want}"
+
+
+def test_a_fan_out_prefills_the_base_once_and_says_how_each_adapter_was_served(engine_and_merged):
+    engine, _ = engine_and_merged
+    prefix = list(range(500, 620))
+    results: dict[str, object] = {}
+
+    def ask(name):
+        results[name] = engine.complete(name, prefix, SUFFIX, PARAMS)[1]
+    threads = [threading.Thread(target=ask, args=(n,)) for n in ADAPTERS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cached = sorted(info.group["base_cached"] for info in results.values())
+    assert cached == [False, True, True], f"the base prefilled the prefix more than once: {cached}"
+    every, top, act = (results[n] for n in ("every", "top", "act"))
+    assert (every.mode, every.reason) == ("fallback", "group_own_prefill"), every.as_dict()
+    assert top.mode == "scd" and top.group["adapter_share"] == pytest.approx(3 / 8), top.as_dict()
+    assert act.mode == "scd" and act.group["adapter_share"] == 0.0, act.as_dict()
+
+
+def test_rows_of_different_adapters_decode_in_one_batch_and_answer_as_alone(engine_and_merged):
+    engine, merged = engine_and_merged
+    alone = {n: engine.complete(n, PREFIX, SUFFIX, PARAMS)[1].ids for n in ("every", "top")}
+    steps0, rows0 = engine.decoder.decoder.steps, engine.decoder.decoder.rows_stepped
+    got: dict[str, list[int]] = {}
+    gate = threading.Barrier(4)
+
+    def ask(i, name):
+        gate.wait()
+        got[f"{name}{i}"] = engine.complete(name, PREFIX, SUFFIX, PARAMS)[1].ids
+    threads = [threading.Thread(target=ask, args=(i, n)) for i in range(2) for n in ("every", "top")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for key, ids in got.items():
+        assert ids == alone[key[:-1]], f"{key}: in a mixed batch {ids}, alone {alone[key[:-1]]}"
+    steps = engine.decoder.decoder.steps - steps0
+    rows = engine.decoder.decoder.rows_stepped - rows0
+    assert rows / steps > 1.0, f"the four requests never shared a decode step ({rows} rows in {steps} steps)"
+
+
+def test_a_name_not_in_the_group_is_refused(engine_and_merged):
+    engine, _ = engine_and_merged
+    with pytest.raises(ValueError, match="not an adapter of this group"):
+        engine.complete("qa", PREFIX, SUFFIX, PARAMS)
