@@ -42,7 +42,8 @@ def producer_spec(cfg: DeploymentConfig) -> dict:
     """What makes two pools interchangeable: a running pool with another spec is replaced."""
     return {"path": cfg.producer.path, "num_gpus": cfg.producer.num_gpus, "num_cpus": cfg.producer.num_cpus,
             "resources": cfg.producer.resources, "node_labels": cfg.producer.node_labels,
-            "pairs": {pair_id(cfg.producer.name, s.name): s.artifact for s in cfg.specialists},
+            # a LoRA group's members get no codes: their group's engine prefills
+            "pairs": {pair_id(cfg.producer.name, s.name): s.artifact for s in cfg.specialists if not s.group},
             "families": cfg.family_refs(), "transport": cfg.resolved_transport(),
             "inline_bytes": cfg.transport_inline_bytes, "store": cfg.artifacts.uri,
             "watch_s": cfg.artifacts.watch_s, "link_gbps": cfg.link_gbps(), "ttft_target_ms": cfg.link.ttft_target_ms,

@@ -168,6 +168,11 @@ class SpecialistSettings(ModelSettings):
                                      "scaled by Serve from the requests they hold")
     link_gbps: float | None = Field(None, gt=0, description="bandwidth from the producer to this specialist "
                                                             "(Gbps); default: link.bandwidth_gbps")
+    group: str | None = Field(None, pattern=NAME, description=(
+        "a LoRA group to serve this specialist in (its path a PEFT LoRA or aLoRA of the producer's model): one "
+        "engine holds the base once and every member's adapter unmerged, runs a prefix's base layers once for "
+        "all members, no codes sent, and decodes their rows in one batch (docs/lora-groups.md); the group's "
+        "replicas take their first member's placement and autoscaling"))
     calibration: dict[str, object] = Field(default_factory=dict, description=(
         "this pair's own values of the `calibration:` section's keys marked per pair: every fit setting "
         "(scd.settings.CalibConfig, e.g. more Patch layers for a specialist whose gap sits in a few layers), its own "
@@ -400,6 +405,25 @@ class DeploymentConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _groups(self):
+        """A LoRA group's members share its engine: they are adapters (not timing shapes) placed alike, and a
+        group's name is not a model's."""
+        for group, members in self.groups().items():
+            if group in {self.producer.name, *(s.name for s in self.specialists)}:
+                raise ValueError(f"group {group!r}: a group's name must differ from every model's name")
+            shaped = [s.name for s in members if shapes.is_shape(s.path)]
+            if shaped:
+                raise ValueError(f"group {group!r}: {shaped} are timing shapes, not adapters a group can hold")
+            first = members[0]
+            for s in members[1:]:
+                for key in ("num_gpus", "num_cpus", "resources", "node_labels"):
+                    if getattr(s, key) != getattr(first, key):
+                        raise ValueError(f"group {group!r}: {s.name}'s {key} ({getattr(s, key)!r}) differs from "
+                                         f"{first.name}'s ({getattr(first, key)!r}); a group's members run in one "
+                                         "engine, placed alike")
+        return self
+
+    @model_validator(mode="after")
     def _pair_calibration(self):
         problems = []
         for i, s in enumerate(self.specialists):
@@ -446,6 +470,21 @@ class DeploymentConfig(_Strict):
         if not own:
             return self.calibration
         return CalibrationSettings.model_validate({**self.calibration.model_dump(), **own})
+
+    def groups(self) -> dict[str, list[SpecialistSettings]]:
+        """LoRA group name -> its members, in the config's order."""
+        out: dict[str, list[SpecialistSettings]] = {}
+        for s in self.specialists:
+            if s.group:
+                out.setdefault(s.group, []).append(s)
+        return out
+
+    def engines(self) -> list[tuple[SpecialistSettings, list[SpecialistSettings]]]:
+        """The specialists' Serve deployments, (the settings that place and scale one, a LoRA group's members or
+        []): one per specialist outside a group, one per group (its first member's settings)."""
+        groups = self.groups()
+        return [(s, groups[s.group] if s.group else []) for s in self.specialists
+                if not s.group or groups[s.group][0] is s]
 
     def pairs(self) -> list[str]:
         return [f"{self.producer.name}:{s.name}" for s in self.specialists]

@@ -108,10 +108,16 @@ def replica_caps(cfg: DeploymentConfig, cores: int | None) -> dict[str, int]:
     cores the running ones need. GPU specialists, and every specialist on a cluster of declared resources
     (`cores` None: Ray places replicas where nodes have CPUs to grant), keep their configured maximum."""
     caps = {s.name: s.autoscaling.max_replicas for s in cfg.specialists}
-    if cores is None:
-        return caps
+    if cores is not None:
+        _cap_by_cores(cfg, cores, caps)
+    for first, members in cfg.engines():           # a LoRA group's members share its replicas
+        caps.update({m.name: caps[first.name] for m in members})
+    return caps
+
+
+def _cap_by_cores(cfg: DeploymentConfig, cores: int, caps: dict[str, int]) -> None:
     cost = lambda m: max(1, int(m.num_cpus))                                  # noqa: E731
-    on_cpu = [s for s in cfg.specialists if s.num_gpus <= 0]
+    on_cpu = [s for s, _ in cfg.engines() if s.num_gpus <= 0]
     spare = cores - (cost(cfg.producer) * cfg.producer.initial_replicas() if cfg.producer.num_gpus <= 0 else 0)
     for s in on_cpu:
         caps[s.name] = max(1, s.autoscaling.min_replicas)
@@ -124,7 +130,6 @@ def replica_caps(cfg: DeploymentConfig, cores: int | None) -> dict[str, int]:
                 caps[s.name] += 1
                 spare -= cost(s)
                 grew = True
-    return caps
 
 
 def use_token_auth(environ=os.environ) -> None:

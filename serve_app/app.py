@@ -1,12 +1,14 @@
 """Builds the Serve application from a DeploymentConfig; placement comes from cluster/, nothing here guesses.
 
     producer pool (detached, named) -> producers  <-  router (FastAPI ingress)  ->  one deployment per specialist
+                                                                                  (a LoRA group's: one for all)
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from pathlib import Path
 
 from ray import serve
 
@@ -36,7 +38,7 @@ def specialist_options(cfg: DeploymentConfig, name: str, max_replicas: int | Non
     top = a.max_replicas if max_replicas is None else min(a.max_replicas, max_replicas)
     # the replica is a thin shim: it needs no CPU of its own, and goes where the labels say its engine may go
     replica = {"num_cpus": 0, **({"label_selector": dict(s.node_labels)} if s.node_labels else {})}
-    return {"name": f"specialist-{s.name}",
+    return {"name": f"group-{s.group}" if s.group else f"specialist-{s.name}",
             "ray_actor_options": replica,
             "autoscaling_config": {"min_replicas": min(a.min_replicas, top), "max_replicas": top,
                                    "initial_replicas": max(1, a.min_replicas),
@@ -65,6 +67,28 @@ def engine_options(cfg: DeploymentConfig, name: str) -> dict:
     return actor_options(s.num_gpus, num_cpus=s.num_cpus, resources=s.resources, node_labels=s.node_labels)
 
 
+def group_base(cfg: DeploymentConfig, group: str) -> str:
+    """The base model folder of a LoRA group: the producer's, which every member must be an adapter of (a
+    ConfigError says which is not)."""
+    from scd.online.models import adapter_base, is_adapter
+    producer = Path(cfg.producer.path).expanduser()
+    if shapes.is_shape(cfg.producer.path):
+        raise ConfigError(f"group {group!r}: the producer is a timing shape ({cfg.producer.path}), which no "
+                          "adapter names as its base")
+    for m in cfg.groups()[group]:
+        if not is_adapter(m.path):
+            raise ConfigError(f"group {group!r}: {m.name}'s path {m.path} is not a PEFT adapter folder "
+                              "(adapter_config.json): a group holds LoRA adapters of the producer's model")
+        try:
+            named = adapter_base(m.path, m.base)
+        except FileNotFoundError as e:
+            raise ConfigError(f"group {group!r}: {e}") from None
+        if named.resolve() != producer.resolve():
+            raise ConfigError(f"group {group!r}: {m.name} is an adapter of {named}, not of the producer's model "
+                              f"{producer}")
+    return str(producer)
+
+
 ROUTER_QUEUE_FACTOR = 8     # Serve's queue of each proxy before the router, in router slots (see build)
 
 
@@ -89,11 +113,19 @@ def build(cfg: DeploymentConfig):
         log.warning("autoscaling capped by this machine's %d cores (the producer and each specialist's engine "
                     "compute on cores of their own): %s", cores,
                     ", ".join(f"{n} at {caps[n]} replica(s)" for n in capped))
-    handles = {s.name: serve.deployment(SpecialistServer).options(**specialist_options(cfg, s.name,
-                                                                                       caps[s.name])).bind(
-        s.name, s.path, pair_id(base, s.name), cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
-        lim.control_timeout_s, s.base, lim.specialist_max_ongoing, engine_options(cfg, s.name))
-        for s in cfg.specialists}
+    handles = {}
+    for s, members in cfg.engines():
+        opts = specialist_options(cfg, s.name, caps[s.name])
+        if members:                   # a LoRA group: one deployment, the producer's base and its members' adapters
+            app = serve.deployment(SpecialistServer).options(**opts).bind(
+                s.group, group_base(cfg, s.group), "", cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
+                lim.control_timeout_s, None, lim.specialist_max_ongoing, engine_options(cfg, s.name),
+                {m.name: m.path for m in members})
+            handles.update({m.name: app for m in members})
+        else:
+            handles[s.name] = serve.deployment(SpecialistServer).options(**opts).bind(
+                s.name, s.path, pair_id(base, s.name), cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
+                lim.control_timeout_s, s.base, lim.specialist_max_ongoing, engine_options(cfg, s.name))
     # Serve's own limits sit well above the router's admission limit, so that the router's JSON 503 answers
     # an overload, not Serve's plain-text one: a request waits in the proxy's queue until a router replica is
     # assigned, so a burst arriving at once is queued there whole, however quickly the router refuses it
@@ -195,7 +227,7 @@ def app_builder(args: dict):
 
 def serve_deploy_config(cfg: DeploymentConfig, config_path: str) -> dict:
     """A `serve deploy`-compatible config for an existing cluster, generated from ray_config.yaml."""
-    deployments = [specialist_options(cfg, s.name) for s in cfg.specialists]
+    deployments = [specialist_options(cfg, s.name) for s, _ in cfg.engines()]
     return {"http_options": {"host": cfg.http.host, "port": cfg.http.port},
             "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "serve_app.app:app_builder",
                               "args": {"config": config_path}, "deployments": deployments}]}

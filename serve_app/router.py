@@ -78,6 +78,8 @@ class Router:
         telemetry.setup(**cfg.telemetry.model_dump(exclude={"access_log"}), service="router")
         Guard.configure(key_sha, cfg.limits.max_body_bytes)
         self.handles = specialists                              # name -> DeploymentHandle
+        # LoRA groups' members: their group's engine prefills the prefix itself (no producer, no codes)
+        self.grouped = {m.name for members in cfg.groups().values() for m in members}
         self.base = cfg.producer.name
         self.producers = Producers(cfg)
         self.tok = load_tokenizer(cfg.producer.path)
@@ -155,7 +157,9 @@ class Router:
     def _request(self, name: str, prefix_ids: list[int], suffix_ids: list[int], p: Sampling, enc: Codes | None,
                  reason: str | None, trace: dict, producer_ms: float) -> SpecialistRequest:
         """producer_ms: the router's wait for the producer's codes (its prefill and encode, and the hop)."""
-        codes = enc.per_pair[pair_id(self.base, name)] if enc is not None else None
+        codes = enc.per_pair[pair_id(self.base, name)] if enc is not None and name not in self.grouped else None
+        if name in self.grouped and reason != "oracle":
+            reason = None                               # its group's engine prefills: no codes to wait for
         if not prefix_ids:
             reason = FallbackReason.PREFIX_TOO_SHORT
         return SpecialistRequest(
@@ -163,7 +167,7 @@ class Router:
                                               p.min_tokens, p.ignore_eos, p.n_logprobs),
             codes, reason or (codes and codes.reason),
             {**(enc.timings if enc else {}), "producer_call": producer_ms}, trace, enc.producer if enc else None,
-            self.cfg.specialist(name).exact if p.exact is None else p.exact)
+            self.cfg.specialist(name).exact if p.exact is None else p.exact, name)
 
     def _failure(self, name: str, e: BaseException) -> ApiError:
         if isinstance(e, ApiError):
@@ -232,15 +236,16 @@ class Router:
         answers still come, but some of them fall back or wait (a producer down or none left, a pair without
         an artifact, specialists too busy to report); down: no specialist can answer. `problems` says why, one
         line each: what, why, since when."""
-        async def status(h):
+        async def status(name, h):
             try:
-                return await within(h.status.remote(), self.limits.control_timeout_s)
+                call = h.status.remote(name) if name in self.grouped else h.status.remote()
+                return await within(call, self.limits.control_timeout_s)
             except asyncio.TimeoutError:                # its replicas are all busy: alive, but full
                 return {"busy": f"no status within {self.limits.control_timeout_s} s"}
             except Exception as e:
                 return {"error": one_line(e)}
         producers, answers = await asyncio.gather(self.producers.stats(), asyncio.gather(
-            *(status(h) for h in self.handles.values())))
+            *(status(n, h) for n, h in self.handles.items())))
         specialists = dict(zip(self.handles, answers))
         problems = self._problems(producers["producers"], specialists)
         failed = sum("error" in s for s in specialists.values())
@@ -266,7 +271,8 @@ class Router:
         out += [(what, why, since) for what, (why, since) in sorted(seen.items())]
         for name, st in specialists.items():
             pair = pair_id(self.base, name)
-            if up and not any(pair in p.get("versions", {}) for p in up.values()) and pair not in seen:
+            if up and not any(pair in p.get("versions", {}) for p in up.values()) and pair not in seen and \
+                    name not in self.grouped:
                 out.append((pair, "no artifact loaded by the producers: its requests fall back", now))
             if "error" in st or "busy" in st:
                 out.append((f"specialist {name}", st.get("error") or st["busy"], now))
@@ -321,6 +327,8 @@ class Router:
             t0 = time.perf_counter()
             if body.oracle:
                 enc, reason = None, "oracle"
+            elif body.model in self.grouped:
+                enc, reason = None, None
             elif prefix_ids:
                 enc, reason = await self.producers.encode(prefix_ids, [pair_id(self.base, body.model)])
             else:
@@ -396,12 +404,14 @@ class Router:
             with telemetry.span("router.fanout", specialists=",".join(names)):
                 trace = telemetry.carrier()
                 t0 = time.perf_counter()
+                coded = [r.specialist for r in body.requests if r.specialist not in self.grouped]
                 if body.oracle:
                     enc, reason = None, "oracle"
-                else:
+                elif coded:
                     # a pair once per request: an RDT transport stages the one payload for that many pulls
-                    enc, reason = await self.producers.encode(prefix_ids, [pair_id(self.base, r.specialist)
-                                                                          for r in body.requests])
+                    enc, reason = await self.producers.encode(prefix_ids, [pair_id(self.base, n) for n in coded])
+                else:                         # LoRA groups' members only: their engines prefill
+                    enc, reason = None, None
                 producer_ms = _ms_since(t0)
                 reqs = [self._request(r.specialist, prefix_ids, s, r, enc, reason, trace, producer_ms)
                         for r, s in zip(body.requests, suffixes)]

@@ -18,6 +18,7 @@ from ray.serve.metrics import Counter, Histogram
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.messages import Output, SpecialistRequest
+from actors.group_actor import GroupActor
 from actors.specialist_actor import SpecialistActor, concurrency
 
 PHASE_BOUNDS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
@@ -27,14 +28,19 @@ class SpecialistServer:
     def __init__(self, name: str, model_path: str, pair: str, store_uri: str, namespace: str | None,
                  telemetry_settings: dict | None = None, transport: str = "object_store",
                  control_timeout_s: float = 5.0, model_base: str | None = None, max_batch: int = 4,
-                 engine_options: dict | None = None):
-        """engine_options: the engine actor's Ray options (cluster.runtime.actor_options of the specialist)."""
+                 engine_options: dict | None = None, members: dict[str, str] | None = None):
+        """engine_options: the engine actor's Ray options (cluster.runtime.actor_options of the specialist).
+        members: a LoRA group's replica (`name` the group's, `model_path` the base's): specialist name -> its
+        adapter folder; its engine is a GroupActor."""
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.name = name
-        self.engine = SpecialistActor.options(scheduling_strategy=here, max_concurrency=concurrency(max_batch),
-                                              **(engine_options or {})).remote(
-            name, model_path, pair, store_uri, namespace, telemetry_settings, transport, control_timeout_s,
-            model_base, max_batch)
+        opts = {"scheduling_strategy": here, "max_concurrency": concurrency(max_batch), **(engine_options or {})}
+        if members:
+            self.engine = GroupActor.options(**opts).remote(name, model_path, members, telemetry_settings, max_batch)
+        else:
+            self.engine = SpecialistActor.options(**opts).remote(
+                name, model_path, pair, store_uri, namespace, telemetry_settings, transport, control_timeout_s,
+                model_base, max_batch)
         ray.get(self.engine.ready.remote())              # a model that cannot load fails the replica's start
         tags = ("specialist",)
         self.m_requests = Counter("scd_requests_total", "requests by serving mode", tag_keys=tags + ("mode",))
@@ -50,18 +56,19 @@ class SpecialistServer:
     async def inject(self, fault: str | None) -> None:
         await self.engine.inject.remote(fault)
 
-    async def status(self) -> dict:
-        return await self.engine.status.remote()
+    async def status(self, name: str | None = None) -> dict:
+        """The engine's status; a group's, of its member `name`."""
+        return await (self.engine.status.remote(name) if name else self.engine.status.remote())
 
     async def check_health(self) -> None:
         """Serve's health check: the engine actor answers (else Serve replaces this replica, and the engine)."""
         await self.engine.ready.remote()
 
-    def _finish(self, scd: dict, t0: float) -> None:
+    def _finish(self, scd: dict, t0: float, name: str) -> None:
         """An answer's last event: its timings gain the replica's share (`replica`: the request in this replica,
         the engine actor's call included), and its metrics are recorded."""
         scd["timings_ms"]["replica"] = round((time.perf_counter() - t0) * 1e3, 3)
-        tags = {"specialist": self.name}
+        tags = {"specialist": name}
         self.m_requests.inc(tags={**tags, "mode": scd["mode"]})
         if scd["mode"] == "fallback":
             self.m_fallbacks.inc(tags={**tags, "reason": scd["reason"]})
@@ -78,7 +85,7 @@ class SpecialistServer:
         except BaseException:                          # cancelled (client gone) or failed: free its row
             self.engine.cancel.remote(key)
             raise
-        self._finish(out.scd, t0)
+        self._finish(out.scd, t0, req.model or self.name)
         return out
 
     async def stream(self, req: SpecialistRequest) -> AsyncIterator[Output]:
@@ -88,7 +95,7 @@ class SpecialistServer:
                 ev = await ref
                 if ev.finish_reason is not None:
                     done = True
-                    self._finish(ev.scd, t0)
+                    self._finish(ev.scd, t0, req.model or self.name)
                 yield ev
         finally:
             if not done:                               # the client left mid-answer: its row leaves the batch

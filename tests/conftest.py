@@ -148,7 +148,8 @@ def real_family() -> Path:
 RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_byom.py", "test_calibrate_job.py",
                "test_cli_calibrate.py", "test_cli_serve.py", "test_exact_plans.py", "test_faults.py",
                "test_gpu.py", "test_loadtest.py", "test_multinode.py", "test_producer_pool.py",
-               "test_quickstart.py", "test_serve.py", "test_serve_nixl.py", "test_shapes.py", "test_transport.py"}
+               "test_quickstart.py", "test_serve.py", "test_serve_group.py", "test_serve_nixl.py",
+               "test_shapes.py", "test_transport.py"}
 
 
 @pytest.hookimpl(tryfirst=True)              # before xdist's own hook reads the groups

@@ -1,4 +1,6 @@
 """ray_config.yaml validation: one error naming every problem by its path; transports resolved or refused."""
+import re
+
 import pytest
 import yaml
 
@@ -328,3 +330,28 @@ def test_producer_pool_settings_are_checked_and_autoscaling_starts_within_its_ra
         parse(bad)
     for where in ("producer.replicas", "producer.load_bound", "producer.load_slack", "producer.autoscaling"):
         assert where in str(e.value), (where, str(e.value))
+
+
+def test_a_lora_group_is_one_deployment_placed_and_capped_as_its_first_member():
+    from cluster.runtime import replica_caps
+    grow = {"min_replicas": 1, "max_replicas": 3}
+    members = [{"name": n, "path": str(DEMO / "qa"), "group": "g", "autoscaling": grow} for n in ("a", "b", "c")]
+    cfg = parse({**GOOD, "specialists": [*members, {"name": "solo", "path": str(DEMO / "qa"), "autoscaling": grow}]})
+    assert [(s.name, [m.name for m in ms]) for s, ms in cfg.engines()] == [("a", ["a", "b", "c"]), ("solo", [])]
+    names = [d["name"] for d in serve_deploy_config(cfg, "ray_config.yaml")["applications"][0]["deployments"]]
+    assert names == ["group-g", "specialist-solo"]
+    # 6 cores: the producer one, the group's first replica one and solo's one; the three left grow the group
+    # and solo by turns, and the group's members count once
+    assert replica_caps(cfg, 6) == {"a": 3, "b": 3, "c": 3, "solo": 2}
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"group": "base"}, "must differ from every model's name"),
+    ({"num_gpus": 0.5}, "b's num_gpus (0.5) differs from a's (0)"),
+    ({"path": "shape://tiny"}, "are timing shapes"),
+])
+def test_a_lora_group_whose_members_cannot_share_an_engine_is_refused_in_one_line(change, says):
+    members = [{"name": "a", "path": str(DEMO / "qa"), "group": change.get("group", "g")},
+               {"name": "b", "path": str(DEMO / "qa"), "group": "g", **change}]
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        parse({**GOOD, "specialists": members})

@@ -1,0 +1,85 @@
+"""A LoRA group behind the router (Serve on the session's Ray): two adapters of the producer's model served by
+one engine under their own names, beside a specialist served from codes; one fan-out over all three."""
+import pytest
+import yaml
+
+from cluster.config import ConfigError, load_config
+from tests.conftest import DEMO, free_port, serving_config
+from tests.test_group_engine import ADAPTERS, _random_lora
+from tests.test_serve import PREFIX, _get, _post, deploy_and_wait
+
+FIXED = {"min_replicas": 1, "max_replicas": 1}
+
+
+def group_config(tmp, demo_store, demo_work_dir) -> dict:
+    cfg_path = serving_config(tmp, demo_store, demo_work_dir)
+    for seed, name in enumerate(("top", "act"), start=2):
+        _random_lora(seed, ADAPTERS[name]).save_pretrained(str(tmp / name))
+    raw = yaml.safe_load(cfg_path.read_text())
+    raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25, "autoscaling": FIXED},
+                          *({"name": n, "path": str(tmp / n), "group": "g", "num_cpus": 0.25, "autoscaling": FIXED}
+                            for n in ("top", "act"))]
+    raw["producer"]["num_cpus"] = 0.25
+    raw["ray"] = {"namespace": "scd-test"}
+    raw["http"] = {"port": free_port()}
+    return raw
+
+
+@pytest.fixture(scope="module")
+def served_group(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
+    tmp = tmp_path_factory.mktemp("serve-group")
+    raw = group_config(tmp, demo_store, demo_work_dir)
+    _, url = deploy_and_wait(tmp / "group.yaml", raw)
+    yield url
+    from ray import serve
+    serve.shutdown()
+
+
+def test_each_member_answers_by_its_name_from_the_groups_own_prefill(served_group):
+    import openai
+    url = served_group
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    assert {m.id for m in client.models.list()} == {"qa", "top", "act"}
+    out = client.completions.create(model="top", prompt="Question: Where does Tilda Vance live?\nAnswer:",
+                                    max_tokens=6, extra_body={"prefix": PREFIX, "ignore_eos": True})
+    assert out.usage.completion_tokens == 6, out
+    scd = out.model_extra["scd"]
+    assert scd["mode"] == "scd" and scd["group"]["adapter_share"] == pytest.approx(3 / 8) and \
+        scd["payload_bytes"] == 0 and scd["producer"] is None, scd
+    status, r = _post(url + "/v1/completions", {"model": "act", "prefix": PREFIX, "prompt": " Answer:",
+                                                "max_tokens": 4, "exact": True})
+    assert status == 200 and r["scd"]["mode"] == "scd" and r["scd"]["group"] == {
+        "base_cached": True, "adapter_share": 0.0}, r        # top's request prefilled this prefix's base layers
+    status, r = _post(url + "/v1/completions", {"model": "act", "prefix": PREFIX, "prompt": " Answer:",
+                                                "max_tokens": 4, "oracle": True})
+    assert status == 200 and r["scd"]["mode"] == "oracle", r
+
+
+def test_a_fan_out_over_a_group_and_a_coded_specialist_prefills_the_groups_base_once(served_group):
+    url = served_group
+    prefix = PREFIX + "Ilse Moreau keeps bees in Orrin Vale. "
+    status, out = _post(url + "/v1/fanout", {"prefix": prefix, "requests": [
+        {"specialist": n, "suffix": "Question: Who keeps bees?\nAnswer:", "max_tokens": 4}
+        for n in ("qa", "top", "act")]})
+    assert status == 200, out
+    by = {r["specialist"]: r["scd"] for r in out["results"]}
+    assert by["qa"]["mode"] == "scd" and by["qa"]["payload_bytes"] > 0, by["qa"]       # codes from the producer
+    assert sorted(by[n]["group"]["base_cached"] for n in ("top", "act")) == [False, True], by
+
+
+def test_health_reports_the_members_of_a_group(served_group):
+    report = _get(served_group + "/healthz")
+    assert report["status"] == "ok", report["problems"]
+    for n in ("top", "act"):
+        st = report["specialists"][n]
+        assert st["group"] == "g" and st["members"] == ["top", "act"] and st["specialist"] == n, st
+
+
+def test_a_group_member_that_is_not_an_adapter_of_the_producer_is_refused_in_one_line(tmp_path, demo_store,
+                                                                                       demo_work_dir):
+    from serve_app.app import build
+    raw = group_config(tmp_path, demo_store, demo_work_dir)
+    raw["specialists"][1]["path"] = str(DEMO / "prose")            # a full model, not an adapter
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="top's path .* is not a PEFT adapter folder"):
+        build(load_config(tmp_path / "bad.yaml"))
