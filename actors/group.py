@@ -40,14 +40,46 @@ class GroupEngine:
                  prefix_cache_bytes: int = 256 << 20):
         self.group, self.tok, self.device = group, tokenizer, device
         self.decoder = BatchDecoder(group, tokenizer.eos_token_id, max_batch)
+        self.cache_bytes = prefix_cache_bytes
         self.prefixes = PrefixCodeCache(prefix_cache_bytes, size=_nbytes)   # base prefills, least recent out
         self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)   # notified when a request ends (an unload waits on it)
         self.pending: dict[str, Future] = {}          # prefixes whose base prefill is running: joined, not redone
-        self.share = group.prefill_share(group.names[1:])
+        self.share = group.prefill_share(self.names)
+        self.active: dict[str, int] = {}              # adapter -> its requests from start() to their last event
+        self.leaving: set[str] = set()                # adapters being unloaded: no new requests
 
     @property
     def names(self) -> list[str]:
-        return self.group.names[1:]
+        return [n for n in self.group.names[1:] if n is not None]
+
+    def load(self, adapter) -> None:
+        """Serve one more adapter (`read_adapter` against this group's base) from the next request on. The
+        base prefills kept so far lack the residual its first layer needs: they are dropped."""
+        with self.lock:
+            self.group.add(adapter)
+            self.share = {**self.share, **self.group.prefill_share([adapter.name])}
+            self.prefixes = PrefixCodeCache(self.cache_bytes, size=_nbytes)
+
+    def unload(self, name: str, timeout_s: float | None = None) -> None:
+        """Stop serving an adapter: new requests for it are refused at once, the running ones finish first (at
+        most `timeout_s`: then TimeoutError, and it stays loaded)."""
+        with self.lock:
+            if name not in self.share or name in self.leaving:
+                raise ValueError(f"{name!r} is not an adapter of this group; it holds {self.names}")
+            self.leaving.add(name)
+            try:
+                if not self.idle.wait_for(lambda: not self.active.get(name), timeout_s):
+                    raise TimeoutError(f"{name!r} still has {self.active[name]} request(s) running")
+                self.group.remove(name)
+                self.share = {n: v for n, v in self.share.items() if n != name}
+            finally:
+                self.leaving.discard(name)
+
+    def _ended(self, name: str) -> None:
+        with self.lock:
+            self.active[name] -= 1
+            self.idle.notify_all()
 
     def decode_stats(self) -> dict:
         d = self.decoder.decoder
@@ -119,15 +151,29 @@ class GroupEngine:
         """As SpecialistEngine.start, for the adapter `name`: its prefix cache (the base's, shared; `oracle`:
         its own prefill), its suffix, then its decode steps in the group's batch; events go to put(). Returns
         cancel()."""
-        if name not in self.share:
-            raise ValueError(f"{name!r} is not an adapter of this group; it holds {self.names}")
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token")
+        with self.lock:
+            if name not in self.share or name in self.leaving:
+                raise ValueError(f"{name!r} is not an adapter of this group; it holds "
+                                 f"{[n for n in self.names if n not in self.leaving]}")
+            self.active[name] = self.active.get(name, 0) + 1
         t_start = time.perf_counter()
-        row, info = self._row(name, prefix_ids, suffix_ids, params, dict(timings or {}), oracle)
+        try:
+            row, info = self._row(name, prefix_ids, suffix_ids, params, dict(timings or {}), oracle)
+        except BaseException:
+            self._ended(name)
+            raise
         cancelled = cancelled or threading.Event()
-        row.on_token, row.on_done = answer_events(self.tok, info, TextStream(self.tok, params.stop), put,
-                                                  cancelled, t_start)
+        row.on_token, on_done = answer_events(self.tok, info, TextStream(self.tok, params.stop), put,
+                                              cancelled, t_start)
+
+        def done(finish: str, n_out: int) -> None:
+            try:
+                on_done(finish, n_out)
+            finally:
+                self._ended(name)
+        row.on_done = done
         self.decoder.submit(row)
         return cancelled.set
 

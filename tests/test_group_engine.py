@@ -1,6 +1,7 @@
 """A LoRA group's engine (actors/group.py) on the demo base: each adapter answers by name as its merged model
 does, rows of different adapters decode in one batch, and a prefix's base layers run once for all of them."""
 import threading
+import time
 
 import pytest
 import torch
@@ -37,7 +38,8 @@ def _random_lora(seed: int, cfg: dict):
 
 
 @pytest.fixture(scope="module")
-def engine_and_merged(tmp_path_factory):
+def adapters(tmp_path_factory):
+    """(folder of the saved adapters, each adapter merged into the base)."""
     root = tmp_path_factory.mktemp("group-engine")
     merged = {}
     for seed, (name, cfg) in enumerate(ADAPTERS.items(), start=1):
@@ -45,10 +47,19 @@ def engine_and_merged(tmp_path_factory):
         # merged: the same factors as a plain LoRA (PEFT merges no aLoRA), on for every token
         plain = {k: v for k, v in cfg.items() if k != "alora_invocation_tokens"}
         merged[name] = _random_lora(seed, plain).merge_and_unload().eval()
+    return root, merged
+
+
+def _engine(root, names) -> GroupEngine:
     base = _base()
-    group = LoraGroup(base, [read_adapter(n, root / n, base) for n in ADAPTERS])
-    tok = AutoTokenizer.from_pretrained(DEMO / "base")
-    return GroupEngine(group, tok, max_batch=8), merged
+    group = LoraGroup(base, [read_adapter(n, root / n, base) for n in names])
+    return GroupEngine(group, AutoTokenizer.from_pretrained(DEMO / "base"), max_batch=8)
+
+
+@pytest.fixture(scope="module")
+def engine_and_merged(adapters):
+    root, merged = adapters
+    return _engine(root, ADAPTERS), merged
 
 
 def _greedy(model, ids: list[int], n: int, eos: int) -> list[int]:
@@ -136,3 +147,36 @@ def test_a_name_not_in_the_group_is_refused(engine_and_merged):
     engine, _ = engine_and_merged
     with pytest.raises(ValueError, match="not an adapter of this group"):
         engine.complete("qa", PREFIX, SUFFIX, PARAMS)
+
+
+def test_an_adapter_loaded_at_run_time_answers_as_merged_and_the_others_keep_theirs(adapters):
+    root, merged = adapters
+    engine = _engine(root, ["every", "act"])
+    before = engine.complete("every", PREFIX, SUFFIX, PARAMS)[1].ids          # its base prefill is kept
+    engine.load(read_adapter("top", root / "top", _base()))
+    _, info, _ = engine.complete("top", PREFIX, SUFFIX, PARAMS)
+    want = _greedy(merged["top"], PREFIX + SUFFIX, PARAMS.max_tokens, engine.tok.eos_token_id)
+    assert info.ids == want, f"loaded at run time: {info.ids}, merged: {want}"
+    assert engine.complete("every", PREFIX, SUFFIX, PARAMS)[1].ids == before, "a load changed another's answer"
+
+
+def test_an_unload_lets_running_requests_finish_and_refuses_new_ones(adapters):
+    root, _ = adapters
+    engine = _engine(root, ["every", "top"])
+    long = GenParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    alone = engine.complete("top", PREFIX, SUFFIX, long)[1].ids
+    got, unloaded = {}, threading.Event()
+
+    def ask():
+        got["answer"] = engine.complete("top", PREFIX, SUFFIX, long)[1]
+    t = threading.Thread(target=ask)
+    t.start()
+    while not engine.active.get("top"):
+        time.sleep(0.01)
+    threading.Thread(target=lambda: (engine.unload("top"), unloaded.set())).start()
+    t.join()
+    assert unloaded.wait(30), "the unload did not end after its last request"
+    assert got["answer"].ids == alone, f"the running request's answer changed under the unload: {got['answer'].ids}"
+    with pytest.raises(ValueError, match="not an adapter of this group"):
+        engine.complete("top", PREFIX, SUFFIX, PARAMS)
+    assert engine.names == ["every"] and engine.complete("every", PREFIX, SUFFIX, PARAMS)[1].tokens == 12

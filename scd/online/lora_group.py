@@ -125,28 +125,39 @@ class LoraGroup:
         names = [a.name for a in adapters]
         if len(set(names)) != len(names):
             raise AdapterError(f"adapter names repeat: {names}")
-        self.names = ["", *names]
+        self.base_layers = base.model.layers
         self.layers = len(base.model.layers)
+        self.held: list[Adapter | None] = list(adapters)   # by index - 1; None: removed (its index is not reused)
+        self._version = 0
+        self._gathered: tuple[tuple, list[dict]] | None = None
+        self._build()
+
+    def _build(self) -> None:
+        """The names, first adapted layers, invocations and stacked factors of the adapters held now. The
+        stacks and slots are swapped in as one value: a step or an extend running meanwhile reads either the
+        old ones or the new, and the indices of adapters held in both are the same."""
+        held = [a for a in self.held if a is not None]
+        self.names = ["", *(a.name if a is not None else None for a in self.held)]
         # the first layer each adapter changes: below it an adapter's cache is the base's (the base: none)
-        self.first = {"": self.layers, **{a.name: min(layer for layer, _ in a.factors) for a in adapters}}
-        self.invocation = [None, *[a.invocation for a in adapters]]                   # by adapter index
-        r = max([a.rank for a in adapters], default=0)
-        w = base.model.embed_tokens.weight
+        self.first = {"": self.layers, **{a.name: min(layer for layer, _ in a.factors) for a in held}}
+        self.invocation = [None, *(a.invocation if a is not None else None for a in self.held)]   # by index
+        r = max([a.rank for a in held], default=0)
+        w = self.base_layers[0].mlp.down_proj.weight
         # per layer and kind: the factors of the adapters that adapt it (no rows for the others), and each
         # adapter index's row there (-1: none)
-        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-        self.slots: list[dict[str, list[int]]] = []
-        for li, layer in enumerate(base.model.layers):
+        stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        all_slots: list[dict[str, list[int]]] = []
+        for li, layer in enumerate(self.base_layers):
             per_kind, slots = {}, {}
             for kind, modules in KINDS.items():
                 subs = [getattr(layer.self_attn if kind in ("qkv", "o") else layer.mlp, m) for m in modules]
                 in_f, outs = subs[0].weight.shape[1], [s.weight.shape[0] for s in subs]
-                held = [ad for ad in adapters if any((li, m) in ad.factors for m in modules)]
-                if not held:
+                here = [ad for ad in held if any((li, m) in ad.factors for m in modules)]
+                if not here:
                     continue
-                a_stack = w.new_zeros(len(held), len(modules) * r, in_f)
-                b_stack = w.new_zeros(len(held), sum(outs), len(modules) * r)
-                for si, ad in enumerate(held):
+                a_stack = w.new_zeros(len(here), len(modules) * r, in_f)
+                b_stack = w.new_zeros(len(here), sum(outs), len(modules) * r)
+                for si, ad in enumerate(here):
                     row = 0
                     for mi, (m, n_out) in enumerate(zip(modules, outs)):
                         if (li, m) in ad.factors:
@@ -155,22 +166,38 @@ class LoraGroup:
                             b_stack[si, row:row + n_out, mi * r:mi * r + fb.shape[1]] = fb
                         row += n_out
                 per_kind[kind] = (a_stack, b_stack)
-                slots[kind] = [held.index(a) if a in held else -1 for a in [None, *adapters]]
-            self.stacks.append(per_kind)
-            self.slots.append(slots)
-        self._gathered: tuple[tuple[int, ...], list[dict]] | None = None
+                slots[kind] = [here.index(a) if a in here else -1 for a in [None, *self.held]]
+            stacks.append(per_kind)
+            all_slots.append(slots)
+        self._tables = (stacks, all_slots)
+        self._version += 1
+
+    def add(self, adapter: Adapter) -> int:
+        """Hold one more adapter (read by `read_adapter` against this group's base); returns its index. The
+        indices of the adapters held before stay theirs."""
+        if adapter.name in self.names:
+            raise AdapterError(f"an adapter named {adapter.name!r} is already in the group")
+        self.held.append(adapter)
+        self._build()
+        return len(self.held)
+
+    def remove(self, name: str) -> None:
+        """Drop an adapter (no row of it may be running); the others keep their indices."""
+        self.held[self.index(name) - 1] = None
+        self._build()
 
     def index(self, name: str) -> int:
         return self.names.index(name)
 
     def stack_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for per in self.stacks for pair in per.values() for t in pair)
+        return sum(t.numel() * t.element_size() for per in self._tables[0] for pair in per.values() for t in pair)
 
     def gather(self, adapter_idx: torch.Tensor) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """`factors` of a decode batch's rows, kept for its next steps until a row joins or leaves."""
-        key = tuple(adapter_idx.tolist())
+        """`factors` of a decode batch's rows, kept for its next steps until a row joins or leaves (or the
+        adapters held change)."""
+        key = (self._version, tuple(adapter_idx.tolist()))
         if self._gathered is None or self._gathered[0] != key:
-            self._gathered = (key, self.factors(key))
+            self._gathered = (key, self.factors(key[1]))
         return self._gathered[1]
 
     def factors(self, rows: tuple[int, ...]) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
@@ -178,7 +205,8 @@ class LoraGroup:
         (B, k*r, out) (fast_decode.lora_delta), zero for a row whose adapter does not adapt that kind; a kind
         no row's adapter adapts is left out (no matmul)."""
         out = []
-        for per_kind, slots in zip(self.stacks, self.slots):
+        stacks, all_slots = self._tables
+        for per_kind, slots in zip(stacks, all_slots):
             layer = {}
             for kind, (a, b) in per_kind.items():
                 at = [slots[kind][i] for i in rows]
@@ -227,7 +255,7 @@ class LoraGroup:
         """The base's prefill of a prefix (1, T): (last logits (1, V), keys, values per layer, taps), taps the
         base's residual entering the first layer of each named adapter (None: every adapter) that leaves the
         layers below it to the base, which `adapter_prefix` starts from."""
-        names = self.names[1:] if names is None else names
+        names = [n for n in self.names[1:] if n is not None] if names is None else names
         taps = {self.first[n]: None for n in names if 0 < self.first[n] < self.layers}
         return (*self.fast.extend([], [], prefix, taps=taps), taps)
 
@@ -250,6 +278,8 @@ class LoraGroup:
             return self.extend([], [], prefix, i)
         if s >= self.layers:                                    # the base itself
             return logits, base_keys, base_values
+        if s not in taps:                   # a base prefill from before this adapter was added: no residual at s
+            return self.extend([], [], prefix, i)
         empty = self.fast.empty()
         logits, keys, values = self.fast.extend(empty[s:], empty[s:], prefix, lora=self.factors((i,))[s:],
                                                 first=s, x=taps[s])
