@@ -30,6 +30,10 @@ from scd.online.decode import GenParams, Row
 from scd.online.lora_group import LoraGroup
 
 
+class NotServed(ValueError):
+    """A request names an adapter the group does not hold (never loaded, or unloaded)."""
+
+
 def _nbytes(base: tuple) -> int:
     _, keys, values, taps = base
     return sum(t.nbytes for t in [*keys, *values, *(x for x in taps.values() if x is not None)])
@@ -155,7 +159,7 @@ class GroupEngine:
             raise ValueError("the suffix must hold at least one token")
         with self.lock:
             if name not in self.share or name in self.leaving:
-                raise ValueError(f"{name!r} is not an adapter of this group; it holds "
+                raise NotServed(f"{name!r} is not an adapter of this group; it holds "
                                  f"{[n for n in self.names if n not in self.leaving]}")
             self.active[name] = self.active.get(name, 0) + 1
         t_start = time.perf_counter()

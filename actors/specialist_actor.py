@@ -66,6 +66,28 @@ def _coalesced(ev: tuple, events: queue.Queue) -> tuple[Output, tuple | None]:
         tokens = ev[3]
 
 
+def pieces(events: queue.Queue):
+    """Yields an answer's text as Outputs (tokens queued together travel as one, `_coalesced`); returns its
+    last event, ("done", info, finish_reason) or ("error", message)."""
+    ev = events.get()
+    while ev[0] == "token":
+        piece, ev = _coalesced(ev, events)
+        yield piece
+        ev = ev or events.get()
+    return ev
+
+
+def last_output(ev: tuple, t_in: float, specialist: str, failed: str, **scd) -> Output:
+    """An answer's last Output from its last event (an error raises, `failed` naming who), its timings
+    completed with the engine actor's whole time since t_in and recorded; `scd` adds to its scd object."""
+    if ev[0] == "error":
+        raise RuntimeError(f"{failed}: {ev[1]}")
+    _, info, finish = ev
+    info.timings["engine"] = (time.perf_counter() - t_in) * 1e3      # everything the engine actor did
+    telemetry.record_phases(info.timings, telemetry.carrier(), specialist=specialist)
+    return Output(finish_reason=finish, tokens=info.tokens, scd={**info.as_dict(), **scd})
+
+
 def joined(outputs: Iterator[Output]) -> Output:
     """A stream's Outputs as one: the text and logprobs of every piece, the last one's finish and `scd`."""
     text, logprobs, last = [], [], None
@@ -243,22 +265,13 @@ class SpecialistActor:
                                   exact=req.exact, cancelled=cancelled)
                 if isinstance(payload, Arriving):
                     payload.close()                          # its rest taken, whether the engine used it or not
-                ev = events.get()
-                while ev[0] == "token":
-                    piece, ev = _coalesced(ev, events)
-                    yield piece
-                    ev = ev or events.get()
+                ev = yield from pieces(events)
             finally:
                 self.running.pop(key)()
                 if isinstance(payload, Arriving):
                     payload.close()
-            if ev[0] == "error":
-                raise RuntimeError(f"specialist {self.name}: {ev[1]}")
-            _, info, finish = ev
-            info.timings["engine"] = (time.perf_counter() - t_in) * 1e3      # everything this actor did
-            telemetry.record_phases(info.timings, telemetry.carrier(), specialist=self.name)
-            yield Output(finish_reason=finish, tokens=info.tokens,
-                         scd={**info.as_dict(), "producer": req.producer, "timing_only": self.timing_only})
+            yield last_output(ev, t_in, self.name, f"specialist {self.name}", producer=req.producer,
+                              timing_only=self.timing_only)
 
     def generate(self, req: SpecialistRequest, key: str) -> Output:
         """The whole answer in one Output."""

@@ -17,6 +17,7 @@ from cluster.config import ConfigError, DeploymentConfig
 from cluster.runtime import actor_options, connect, machine_cores, replica_caps
 from scd.online import shapes
 from serve_app.errors import key_digest
+from actors.adapter_book import stop_book
 from actors.producer_pool import start_pool, stop_pool
 from serve_app.router import Router
 from serve_app.specialist import SpecialistServer
@@ -70,22 +71,16 @@ def engine_options(cfg: DeploymentConfig, name: str) -> dict:
 def group_base(cfg: DeploymentConfig, group: str) -> str:
     """The base model folder of a LoRA group: the producer's, which every member must be an adapter of (a
     ConfigError says which is not)."""
-    from scd.online.models import adapter_base, is_adapter
+    from scd.online.models import adapter_problem
     producer = Path(cfg.producer.path).expanduser()
     if shapes.is_shape(cfg.producer.path):
         raise ConfigError(f"group {group!r}: the producer is a timing shape ({cfg.producer.path}), which no "
                           "adapter names as its base")
     for m in cfg.groups()[group]:
-        if not is_adapter(m.path):
-            raise ConfigError(f"group {group!r}: {m.name}'s path {m.path} is not a PEFT adapter folder "
-                              "(adapter_config.json): a group holds LoRA adapters of the producer's model")
-        try:
-            named = adapter_base(m.path, m.base)
-        except FileNotFoundError as e:
-            raise ConfigError(f"group {group!r}: {e}") from None
-        if named.resolve() != producer.resolve():
-            raise ConfigError(f"group {group!r}: {m.name} is an adapter of {named}, not of the producer's model "
-                              f"{producer}")
+        problem = adapter_problem(m.path, producer, m.base)
+        if problem:
+            raise ConfigError(f"group {group!r}: {m.name}: {problem}; a group holds LoRA adapters of the "
+                              "producer's model")
     return str(producer)
 
 
@@ -214,6 +209,7 @@ def undeploy(cfg: DeploymentConfig) -> None:
         return
     serve.shutdown()
     stop_pool(cfg.ray.namespace)
+    stop_book(cfg.ray.namespace)
 
 
 def app_builder(args: dict):

@@ -14,20 +14,25 @@ import time
 import uuid
 from collections import OrderedDict
 from contextlib import contextmanager
+from pathlib import Path
 
 import ray
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
+from actors.adapter_book import SYNC_S, book
 from actors.messages import Codes, FallbackReason, GenParams, Output, SpecialistRequest, pair_id
+from actors.group import NotServed
 from actors.producer_actor import one_line
 from cluster.config import DeploymentConfig
+from scd.online.lora_group import AdapterError
 from serve_app import responses, telemetry
 from serve_app.errors import ApiError, Guard, install, overloaded
 from serve_app.producer_client import Producers
-from serve_app.schemas import ChatCompletionRequest, CompletionRequest, FanoutRequest, Sampling
+from serve_app.schemas import (ChatCompletionRequest, CompletionRequest, FanoutRequest, LoadLoraRequest, Sampling,
+                               UnloadLoraRequest)
 
 api = FastAPI(title="SCD Serve")
 api.add_middleware(Guard)
@@ -80,6 +85,10 @@ class Router:
         self.handles = specialists                              # name -> DeploymentHandle
         # LoRA groups' members: their group's engine prefills the prefix itself (no producer, no codes)
         self.grouped = {m.name for members in cfg.groups().values() for m in members}
+        self.group_handles = {g: specialists[members[0].name] for g, members in cfg.groups().items()}
+        self.book = book(cfg.ray.namespace) if self.group_handles else None
+        self.from_book: set[str] = set()                        # adapters loaded at run time (any router's)
+        self.book_read_at = 0.0
         self.base = cfg.producer.name
         self.producers = Producers(cfg)
         self.tok = load_tokenizer(cfg.producer.path)
@@ -148,6 +157,31 @@ class Router:
             raise ApiError(400, f"{where}the input is {chars} characters, more than {name}'s {self.max_input} tokens "
                                 "could hold", where + param, "context_length_exceeded")
 
+    async def _sync_book(self) -> None:
+        """Serve the adapters the book lists (loaded through any router replica), stop serving those it
+        dropped."""
+        if self.book is None:
+            return
+        self.book_read_at = time.monotonic()
+        listed = await within(self.book.listing.remote(), self.limits.control_timeout_s)
+        for name, (group, _) in listed.items():
+            if name not in self.handles and group in self.group_handles:
+                self.handles[name] = self.group_handles[group]
+                self.grouped.add(name)
+                self.from_book.add(name)
+        for name in [n for n in self.from_book if n not in listed]:
+            self.handles.pop(name, None)
+            self.grouped.discard(name)
+            self.from_book.discard(name)
+
+    async def _known(self, name: str, param: str) -> None:
+        """_model, after reading the adapter book when the name is not served yet, or is an adapter loaded at
+        run time and the book was last read more than SYNC_S ago (another router may have unloaded it)."""
+        stale = time.monotonic() - self.book_read_at > SYNC_S
+        if self.book is not None and (name not in self.handles or (name in self.from_book and stale)):
+            await self._sync_book()
+        self._model(name, param)
+
     def _model(self, name: str, param: str) -> None:
         if name not in self.handles:
             raise ApiError(404, f"model {name!r} does not exist; have {sorted(self.handles)}", param,
@@ -167,11 +201,13 @@ class Router:
                                               p.min_tokens, p.ignore_eos, p.n_logprobs),
             codes, reason or (codes and codes.reason),
             {**(enc.timings if enc else {}), "producer_call": producer_ms}, trace, enc.producer if enc else None,
-            self.cfg.specialist(name).exact if p.exact is None else p.exact, name)
+            p.exact if p.exact is not None else name not in self.from_book and self.cfg.specialist(name).exact, name)
 
     def _failure(self, name: str, e: BaseException) -> ApiError:
         if isinstance(e, ApiError):
             return e
+        if isinstance(e, NotServed) or isinstance(getattr(e, "cause", None), NotServed):
+            return ApiError(404, f"model {name!r} does not exist (it was unloaded)", "model", "model_not_found")
         if isinstance(e, BackPressureError):
             return overloaded(f"specialist {name!r}", self.limits.retry_after_s)
         if isinstance(e, DeploymentUnavailableError):
@@ -244,6 +280,10 @@ class Router:
                 return {"busy": f"no status within {self.limits.control_timeout_s} s"}
             except Exception as e:
                 return {"error": one_line(e)}
+        try:
+            await self._sync_book()
+        except Exception:                              # noqa: BLE001 - the book's own trouble is not the answer's
+            pass
         producers, answers = await asyncio.gather(self.producers.stats(), asyncio.gather(
             *(status(n, h) for n, h in self.handles.items())))
         specialists = dict(zip(self.handles, answers))
@@ -282,12 +322,13 @@ class Router:
 
     @api.get("/v1/models")
     async def models(self):
+        await self._sync_book()
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "scd-serve"}
                                            for n in self.handles]}
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        self._model(body.model, "model")
+        await self._known(body.model, "model")
         with self._admitted() as slot:
             # prefix: the explicit scd field, else the prompt minus its last character-run the specialist reads
             prefix, suffix = (body.prefix, body.text) if body.prefix else _split(body.text)
@@ -296,7 +337,7 @@ class Router:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
-        self._model(body.model, "model")
+        await self._known(body.model, "model")
         if not getattr(self.tok, "chat_template", None):
             raise ApiError(400, "this model family's tokenizer has no chat template; use /v1/completions",
                            "messages", "chat_not_supported")
@@ -387,12 +428,74 @@ class Router:
             self.inflight -= 1                        # the slot _admitted handed to this stream
         yield "data: [DONE]\n\n"
 
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoraRequest):
+        """vLLM's run-time LoRA loading, into a LoRA group: served from the answer on (every replica of the
+        group loads it, a new one too), each request as the group serves an adapter of its shape
+        (docs/lora-groups.md)."""
+        import re
+
+        from cluster.config import NAME
+        from scd.online.models import adapter_problem
+        name = body.lora_name
+        if body.load_inplace:
+            raise ApiError(400, "load_inplace: replacing a loaded adapter is not supported; unload it first",
+                           "load_inplace")
+        if not re.fullmatch(NAME, name):
+            raise ApiError(400, f"lora_name: {name!r} is not a model name ({NAME})", "lora_name")
+        await self._sync_book()
+        if name in self.handles or name in (self.base, *self.group_handles):
+            raise ApiError(400, f"lora_name: {name!r} is already served", "lora_name")
+        groups = sorted(self.group_handles)
+        group = body.group or (groups[0] if len(groups) == 1 else None)
+        if group not in self.group_handles:
+            raise ApiError(400, f"group: {body.group!r} is not a LoRA group of this deployment; it has {groups}"
+                           if body.group or groups else "no LoRA group is configured (a specialist's `group:`)",
+                           "group")
+        problem = adapter_problem(body.lora_path, self.cfg.producer.path)
+        if problem:
+            raise ApiError(400, f"lora_path: {problem}", "lora_path")
+        path = str(Path(body.lora_path).expanduser().resolve())
+        try:
+            await within(self.group_handles[group].load_adapter.remote(name, path), self.limits.request_timeout_s)
+        except AdapterError as e:                             # raised by the replica, as itself or wrapped
+            raise ApiError(400, f"lora_path: {e}", "lora_path") from None
+        except ray.exceptions.RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, AdapterError):
+                raise ApiError(400, f"lora_path: {cause}", "lora_path") from None
+            raise self._failure(group, e) from None
+        except Exception as e:
+            raise self._failure(group, e) from None
+        await within(self.book.add.remote(name, group, path), self.limits.control_timeout_s)
+        await self._sync_book()
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoraRequest):
+        """vLLM's run-time LoRA unloading, of an adapter loaded at run time: new requests for it get 404 at
+        once, the running ones finish first."""
+        name = body.lora_name
+        await self._sync_book()
+        if name not in self.from_book:
+            why = "is configured in the deployment's config" if name in self.handles else "is not loaded"
+            raise ApiError(400, f"lora_name: {name!r} {why}; only adapters loaded at run time can be unloaded",
+                           "lora_name")
+        handle = self.handles[name]
+        await within(self.book.remove.remote(name), self.limits.control_timeout_s)
+        await self._sync_book()
+        try:
+            await within(handle.unload_adapter.remote(name), self.limits.request_timeout_s)
+        except Exception as e:
+            raise self._failure(name, e) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
     @api.post("/v1/fanout")
     async def fanout(self, body: FanoutRequest):
         if len(body.requests) > self.limits.max_fanout:
             raise ApiError(400, f"requests: at most {self.limits.max_fanout} items (limits.max_fanout)", "requests")
         for i, r in enumerate(body.requests):
-            self._model(r.specialist, f"requests.{i}.specialist")
+            await self._known(r.specialist, f"requests.{i}.specialist")
         with self._admitted():
             for i, r in enumerate(body.requests):
                 self._check_chars(r.specialist, len(body.prefix) + len(r.suffix), f"requests.{i}.", "suffix")

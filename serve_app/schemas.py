@@ -300,3 +300,17 @@ def overhead_parts_ms(latency_ms: float, scd: dict) -> dict[str, float]:
             "specialist_hop": t.get("specialist_call", 0.0) - t.get("replica", 0.0),
             "engine_hop": t.get("replica", 0.0) - t.get("engine", 0.0),
             "engine": t.get("engine", 0.0) - t.get("total", 0.0)}
+
+
+class LoadLoraRequest(_Body):
+    """vLLM's `POST /v1/load_lora_adapter` body, plus the LoRA group to load into when the config has several."""
+    lora_name: str = Field(min_length=1, description="the name it is served under (the `model` of requests)")
+    lora_path: str = Field(min_length=1, description="a PEFT adapter folder on the serving machines")
+    load_inplace: bool = Field(False, description="vLLM: replace a loaded adapter of that name (not supported)")
+    group: str | None = Field(None, description="scd extension: the LoRA group (default: the config's only one)")
+
+
+class UnloadLoraRequest(_Body):
+    """vLLM's `POST /v1/unload_lora_adapter` body."""
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = Field(None, description="vLLM's numeric id: not used here")

@@ -36,7 +36,8 @@ class SpecialistServer:
         self.name = name
         opts = {"scheduling_strategy": here, "max_concurrency": concurrency(max_batch), **(engine_options or {})}
         if members:
-            self.engine = GroupActor.options(**opts).remote(name, model_path, members, telemetry_settings, max_batch)
+            self.engine = GroupActor.options(**opts).remote(name, model_path, members, telemetry_settings, max_batch,
+                                                            namespace)
         else:
             self.engine = SpecialistActor.options(**opts).remote(
                 name, model_path, pair, store_uri, namespace, telemetry_settings, transport, control_timeout_s,
@@ -52,6 +53,13 @@ class SpecialistServer:
     async def reconfigure(self, user_config: dict) -> None:
         """Serve calls this on deploy and whenever user_config changes: the engine picks up a new version."""
         await self.engine.reconfigure.remote(user_config)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """A LoRA group's replica: serve one more adapter (the others read it from the adapter book)."""
+        await self.engine.load_adapter.remote(name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.engine.unload_adapter.remote(name)
 
     async def inject(self, fault: str | None) -> None:
         await self.engine.inject.remote(fault)

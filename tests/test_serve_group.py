@@ -1,5 +1,7 @@
 """A LoRA group behind the router (Serve on the session's Ray): two adapters of the producer's model served by
 one engine under their own names, beside a specialist served from codes; one fan-out over all three."""
+import time
+
 import pytest
 import yaml
 
@@ -13,7 +15,7 @@ FIXED = {"min_replicas": 1, "max_replicas": 1}
 
 def group_config(tmp, demo_store, demo_work_dir) -> dict:
     cfg_path = serving_config(tmp, demo_store, demo_work_dir)
-    for seed, name in enumerate(("top", "act"), start=2):
+    for seed, name in enumerate(("every", "top", "act"), start=1):          # every: loaded at run time
         _random_lora(seed, ADAPTERS[name]).save_pretrained(str(tmp / name))
     raw = yaml.safe_load(cfg_path.read_text())
     raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25, "autoscaling": FIXED},
@@ -30,14 +32,17 @@ def served_group(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     tmp = tmp_path_factory.mktemp("serve-group")
     raw = group_config(tmp, demo_store, demo_work_dir)
     _, url = deploy_and_wait(tmp / "group.yaml", raw)
-    yield url
+    yield url, tmp
     from ray import serve
+
+    from actors.adapter_book import stop_book
     serve.shutdown()
+    stop_book("scd-test")
 
 
 def test_each_member_answers_by_its_name_from_the_groups_own_prefill(served_group):
     import openai
-    url = served_group
+    url, _ = served_group
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     assert {m.id for m in client.models.list()} == {"qa", "top", "act"}
     out = client.completions.create(model="top", prompt="Question: Where does Tilda Vance live?\nAnswer:",
@@ -56,7 +61,7 @@ def test_each_member_answers_by_its_name_from_the_groups_own_prefill(served_grou
 
 
 def test_a_fan_out_over_a_group_and_a_coded_specialist_prefills_the_groups_base_once(served_group):
-    url = served_group
+    url, _ = served_group
     prefix = PREFIX + "Ilse Moreau keeps bees in Orrin Vale. "
     status, out = _post(url + "/v1/fanout", {"prefix": prefix, "requests": [
         {"specialist": n, "suffix": "Question: Who keeps bees?\nAnswer:", "max_tokens": 4}
@@ -68,7 +73,7 @@ def test_a_fan_out_over_a_group_and_a_coded_specialist_prefills_the_groups_base_
 
 
 def test_health_reports_the_members_of_a_group(served_group):
-    report = _get(served_group + "/healthz")
+    report = _get(served_group[0] + "/healthz")
     assert report["status"] == "ok", report["problems"]
     for n in ("top", "act"):
         st = report["specialists"][n]
@@ -81,5 +86,54 @@ def test_a_group_member_that_is_not_an_adapter_of_the_producer_is_refused_in_one
     raw = group_config(tmp_path, demo_store, demo_work_dir)
     raw["specialists"][1]["path"] = str(DEMO / "prose")            # a full model, not an adapter
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
-    with pytest.raises(ConfigError, match="top's path .* is not a PEFT adapter folder"):
+    with pytest.raises(ConfigError, match="group 'g': top: .* is not a PEFT adapter folder"):
         build(load_config(tmp_path / "bad.yaml"))
+
+
+def test_an_adapter_loaded_and_unloaded_at_run_time_with_no_failed_request(served_group):
+    """vLLM's endpoints: the adapter is served from the answer on, requests for the others go on meanwhile,
+    and its own requests running when it is unloaded finish; then its name is unknown."""
+    import concurrent.futures
+    url, tmp = served_group
+    body = {"model": "top", "prefix": PREFIX, "prompt": " Answer:", "max_tokens": 4}
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        others = [pool.submit(_post, url + "/v1/completions", body) for _ in range(6)]
+        status, r = _post_text(url + "/v1/load_lora_adapter", {"lora_name": "every", "lora_path": str(tmp / "every")})
+        assert (status, r) == (200, "Success: LoRA adapter 'every' added successfully."), r
+        assert all(f.result()[0] == 200 for f in others), [f.result() for f in others]
+    assert "every" in {m["id"] for m in _get(url + "/v1/models")["data"]}
+    status, r = _post(url + "/v1/completions", {**body, "model": "every"})
+    assert status == 200 and (r["scd"]["mode"], r["scd"]["reason"]) == ("fallback", "group_own_prefill"), r
+
+    status, r = _post(url + "/v1/load_lora_adapter", {"lora_name": "every", "lora_path": str(tmp / "every")})
+    assert status == 400 and r["error"]["param"] == "lora_name" and "already served" in r["error"]["message"], r
+    status, r = _post(url + "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(DEMO / "prose")})
+    assert status == 400 and r["error"]["param"] == "lora_path" and "not a PEFT adapter" in r["error"]["message"], r
+    status, r = _post(url + "/v1/unload_lora_adapter", {"lora_name": "top"})
+    assert status == 400 and "configured" in r["error"]["message"], r
+
+    long = {**body, "model": "every", "max_tokens": 300, "ignore_eos": True}     # seconds each: still running
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(_post, url + "/v1/completions", long) for _ in range(3)]
+        deadline = time.monotonic() + 120
+        while _get(url + "/healthz")["specialists"]["every"]["running"] < 3:     # all three in the engine
+            assert time.monotonic() < deadline, "the three requests never reached the group's engine"
+            time.sleep(0.05)
+        status, r = _post_text(url + "/v1/unload_lora_adapter", {"lora_name": "every"})
+        assert (status, r) == (200, "Success: LoRA adapter 'every' removed successfully."), r
+        done = [f.result() for f in running]
+    assert all(s == 200 and r["usage"]["completion_tokens"] == 300 for s, r in done), done
+    status, r = _post(url + "/v1/completions", {**body, "model": "every"})
+    assert status == 404 and r["error"]["code"] == "model_not_found", r
+
+
+def _post_text(url, body, timeout=120):
+    """(status, body text): the load and unload endpoints answer plain text, as vLLM's do."""
+    import json as _json
+    import urllib.request
+    req = urllib.request.Request(url, _json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()

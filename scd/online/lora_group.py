@@ -113,6 +113,16 @@ def read_adapter(name: str, path: str | Path, base) -> Adapter:
     return out
 
 
+@dataclass(frozen=True)
+class _Tables:
+    """What a LoraGroup holds now, swapped as one value when adapters are added or removed."""
+    names: list                       # by index: "" the base, an adapter's name, None a removed adapter's index
+    first: dict                       # name -> the first layer it changes
+    invocation: list                  # by index: an activated LoRA's invocation tokens, else None
+    stacks: list                      # per layer: kind -> (A stack, B stack) of the adapters adapting it
+    slots: list                       # per layer: kind -> each index's row in the stacks (-1: none)
+
+
 class LoraGroup:
     """A base model and its adapters, stacked per layer and projection kind for gathered batched matmuls (an
     adapter has rows only where it adapts). `index(name)` is an adapter's index (0: the base); `step`, `extend`
@@ -133,14 +143,14 @@ class LoraGroup:
         self._build()
 
     def _build(self) -> None:
-        """The names, first adapted layers, invocations and stacked factors of the adapters held now. The
-        stacks and slots are swapped in as one value: a step or an extend running meanwhile reads either the
-        old ones or the new, and the indices of adapters held in both are the same."""
+        """The names, first adapted layers, invocations and stacked factors of the adapters held now, swapped
+        in as one value (`_tables`): a step, extend or prefill running meanwhile reads either the old ones or
+        the new (each reads them once), and the indices of adapters held in both are the same."""
         held = [a for a in self.held if a is not None]
-        self.names = ["", *(a.name if a is not None else None for a in self.held)]
+        names = ["", *(a.name if a is not None else None for a in self.held)]
         # the first layer each adapter changes: below it an adapter's cache is the base's (the base: none)
-        self.first = {"": self.layers, **{a.name: min(layer for layer, _ in a.factors) for a in held}}
-        self.invocation = [None, *(a.invocation if a is not None else None for a in self.held)]   # by index
+        first = {"": self.layers, **{a.name: min(layer for layer, _ in a.factors) for a in held}}
+        invocation = [None, *(a.invocation if a is not None else None for a in self.held)]   # by index
         r = max([a.rank for a in held], default=0)
         w = self.base_layers[0].mlp.down_proj.weight
         # per layer and kind: the factors of the adapters that adapt it (no rows for the others), and each
@@ -169,8 +179,21 @@ class LoraGroup:
                 slots[kind] = [here.index(a) if a in here else -1 for a in [None, *self.held]]
             stacks.append(per_kind)
             all_slots.append(slots)
-        self._tables = (stacks, all_slots)
+        self._tables = _Tables(names, first, invocation, stacks, all_slots)
         self._version += 1
+
+    @property
+    def names(self) -> list[str | None]:
+        """Adapter names by index: "" the base, None a removed adapter's index."""
+        return self._tables.names
+
+    @property
+    def first(self) -> dict[str, int]:
+        return self._tables.first
+
+    @property
+    def invocation(self) -> list[tuple[int, ...] | None]:
+        return self._tables.invocation
 
     def add(self, adapter: Adapter) -> int:
         """Hold one more adapter (read by `read_adapter` against this group's base); returns its index. The
@@ -187,10 +210,10 @@ class LoraGroup:
         self._build()
 
     def index(self, name: str) -> int:
-        return self.names.index(name)
+        return self._tables.names.index(name)
 
     def stack_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for per in self._tables[0] for pair in per.values() for t in pair)
+        return sum(t.numel() * t.element_size() for per in self._tables.stacks for pair in per.values() for t in pair)
 
     def gather(self, adapter_idx: torch.Tensor) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """`factors` of a decode batch's rows, kept for its next steps until a row joins or leaves (or the
@@ -205,7 +228,8 @@ class LoraGroup:
         (B, k*r, out) (fast_decode.lora_delta), zero for a row whose adapter does not adapt that kind; a kind
         no row's adapter adapts is left out (no matmul)."""
         out = []
-        stacks, all_slots = self._tables
+        tables = self._tables
+        stacks, all_slots = tables.stacks, tables.slots
         for per_kind, slots in zip(stacks, all_slots):
             layer = {}
             for kind, (a, b) in per_kind.items():
@@ -255,8 +279,9 @@ class LoraGroup:
         """The base's prefill of a prefix (1, T): (last logits (1, V), keys, values per layer, taps), taps the
         base's residual entering the first layer of each named adapter (None: every adapter) that leaves the
         layers below it to the base, which `adapter_prefix` starts from."""
-        names = [n for n in self.names[1:] if n is not None] if names is None else names
-        taps = {self.first[n]: None for n in names if 0 < self.first[n] < self.layers}
+        tables = self._tables
+        names = [n for n in tables.names[1:] if n is not None] if names is None else names
+        taps = {tables.first[n]: None for n in names if n in tables.first and 0 < tables.first[n] < self.layers}
         return (*self.fast.extend([], [], prefix, taps=taps), taps)
 
     @torch.no_grad()
@@ -267,9 +292,10 @@ class LoraGroup:
         factors on, from the base's residual entering s, and its cache below s is the base's own tensors
         (referenced, not copied); one that changes layer 0 prefills the prefix itself."""
         logits, base_keys, base_values, taps = base
-        s, i = self.first[name], self.index(name)
-        if self.invocation[i] is not None:
-            at = activated.invocation_start(prefix, self.invocation[i])
+        tables = self._tables
+        s, i = tables.first[name], tables.names.index(name)
+        if tables.invocation[i] is not None:
+            at = activated.invocation_start(prefix, tables.invocation[i])
             if at == prefix.shape[1]:
                 return logits, base_keys, base_values
             return self.extend([k[:, :, :at] for k in base_keys], [v[:, :, :at] for v in base_values],
@@ -289,5 +315,6 @@ class LoraGroup:
         """Each named adapter's layers computed by `prefill`, as a share of a whole prefill (layers count
         alike): 0 for the base's, whose prefill the group does once for all, and for an activated LoRA's (a
         prefix that does not invoke it)."""
-        return {n: 0.0 if self.invocation[self.index(n)] is not None
-                else (self.layers - min(self.first[n], self.layers)) / self.layers for n in names}
+        tables = self._tables
+        return {n: 0.0 if tables.invocation[tables.names.index(n)] is not None
+                else (self.layers - min(tables.first[n], self.layers)) / self.layers for n in names}

@@ -143,6 +143,21 @@ def invocation_tokens(adapter_dir: str | Path | None) -> tuple[int, ...] | None:
     return tuple(int(t) for t in tokens) if tokens else None
 
 
+def adapter_problem(path: str | Path, base_folder: str | Path, base: str | Path | None = None) -> str | None:
+    """Why `path` is not a PEFT adapter of the model in `base_folder` (`base`: the base its config should
+    name instead of its own), in one line; None when it is one."""
+    p = Path(path).expanduser()
+    if not is_adapter(p):
+        return f"{path} is not a PEFT adapter folder (adapter_config.json)"
+    try:
+        named = adapter_base(p, base)
+    except (FileNotFoundError, ValueError) as e:
+        return str(e)
+    if named.resolve() != Path(base_folder).expanduser().resolve():
+        return f"{path} is an adapter of {named}, not of {base_folder}"
+    return None
+
+
 def adapter_base(path: str | Path, base: str | Path | None = None) -> Path:
     """The base model folder of an adapter: `base` if given, else the adapter config's base_model_name_or_path,
     which must then be a local folder (nothing is fetched)."""
