@@ -25,7 +25,7 @@ import torch
 from actors.adapter_book import SYNC_S, book
 from actors.group import GroupEngine
 from actors.messages import Output, SpecialistRequest
-from actors.specialist_actor import concurrency, joined, last_output, pieces
+from actors.specialist_actor import Answering, concurrency, last_output, pieces
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
 from scd.online.lora_group import LoraGroup, read_adapter
 from scd.online.models import load
@@ -33,7 +33,7 @@ from serve_app import telemetry
 
 
 @ray.remote(max_concurrency=concurrency(16))       # the replica sets it from its own limit (concurrency())
-class GroupActor:
+class GroupActor(Answering):
     def __init__(self, group: str, base_path: str, members: dict[str, str],
                  telemetry_settings: dict | None = None, max_batch: int = 4, namespace: str | None = None):
         """members: specialist name -> its adapter folder (the config's; the book's come on top)."""
@@ -125,10 +125,3 @@ class GroupActor:
             yield last_output(ev, t_in, req.model, f"group {self.group} ({req.model})", producer=None,
                               timing_only=False)
 
-    def generate(self, req: SpecialistRequest, key: str) -> Output:
-        return joined(self.stream(req, key))
-
-    def cancel(self, key: str) -> None:
-        cancel = self.running.get(key)
-        if cancel is not None:
-            cancel()

@@ -98,8 +98,23 @@ def joined(outputs: Iterator[Output]) -> Output:
     return dataclasses.replace(last, text="".join(text), logprobs=logprobs)
 
 
+class Answering:
+    """What every engine actor answers beside its own stream(req, key): the whole answer, and cancel(key) of a
+    running stream (its cancel() kept in self.running while it runs)."""
+    running: dict
+
+    def generate(self, req: SpecialistRequest, key: str) -> Output:
+        """The whole answer in one Output."""
+        return joined(self.stream(req, key))
+
+    def cancel(self, key: str) -> None:
+        cancel = self.running.get(key)
+        if cancel is not None:
+            cancel()
+
+
 @ray.remote(max_concurrency=concurrency(16))       # the replica sets it from its own limit (concurrency())
-class SpecialistActor:
+class SpecialistActor(Answering):
     def __init__(self, name: str, model_path: str, pair: str, store_uri: str, namespace: str | None,
                  telemetry_settings: dict | None = None, transport: str = "object_store",
                  control_timeout_s: float = 5.0, model_base: str | None = None, max_batch: int = 4):
@@ -273,11 +288,3 @@ class SpecialistActor:
             yield last_output(ev, t_in, self.name, f"specialist {self.name}", producer=req.producer,
                               timing_only=self.timing_only)
 
-    def generate(self, req: SpecialistRequest, key: str) -> Output:
-        """The whole answer in one Output."""
-        return joined(self.stream(req, key))
-
-    def cancel(self, key: str) -> None:
-        cancel = self.running.get(key)
-        if cancel is not None:
-            cancel()
