@@ -15,6 +15,11 @@ class BatchDecoder:
         self.cond = threading.Condition()
         threading.Thread(target=self._loop, daemon=True, name="decode-loop").start()
 
+    def stats(self) -> dict:
+        """The batched steps so far, the rows they carried and the mean batch."""
+        d = self.decoder
+        return {"steps": d.steps, "rows": d.rows_stepped, "mean_batch": round(d.rows_stepped / max(1, d.steps), 2)}
+
     def submit(self, row: Row) -> None:
         with self.cond:
             self.decoder.waiting.append(row)

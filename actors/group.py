@@ -85,10 +85,6 @@ class GroupEngine:
             self.active[name] -= 1
             self.idle.notify_all()
 
-    def decode_stats(self) -> dict:
-        d = self.decoder.decoder
-        return {"steps": d.steps, "rows": d.rows_stepped, "mean_batch": round(d.rows_stepped / max(1, d.steps), 2)}
-
     def _base(self, prefix_ids: list[int], ids: torch.Tensor) -> tuple[tuple, bool]:
         """(the base's prefill of the prefix, whether it was cached). Requests on one prefix that arrive while
         its prefill runs wait for that one (a fan-out to the group's adapters prefills once)."""

@@ -105,7 +105,7 @@ class GroupActor(Answering):
         return {"specialist": name, "group": self.group, "members": self.engine.names, "adapter_share": share,
                 "running": self.engine.active.get(name, 0) if name else sum(self.engine.active.values()),
                 "unavailable_reason": "group_own_prefill" if share == 1.0 else None,
-                "decode": self.engine.decode_stats()}
+                "decode": self.engine.decoder.stats()}
 
     def stream(self, req: SpecialistRequest, key: str) -> Iterator[Output]:
         """The answer of the member `req.model` as it is generated, as SpecialistActor.stream's."""

@@ -203,11 +203,6 @@ class SpecialistEngine:
         self.families: dict[str, tuple[PairArtifacts, str]] = {}     # family id -> (this member's artifact, version)
         self.set_artifact(art, version, unavailable_reason)
 
-    def decode_stats(self) -> dict:
-        """The decode loop's batched steps so far, the rows they carried and the mean batch."""
-        d = self.decoder.decoder
-        return {"steps": d.steps, "rows": d.rows_stepped, "mean_batch": round(d.rows_stepped / max(1, d.steps), 2)}
-
     def set_artifact(self, art: PairArtifacts | None, version: str | None,
                      reason: str = FallbackReason.NO_ARTIFACT) -> None:
         if art is not None:

@@ -230,7 +230,7 @@ class SpecialistActor(Answering):
         return {"specialist": self.name, "artifact": self.engine.version, "transport": self.transport_kind,
                 "unavailable_reason": None if self.engine.art else self.engine.unavailable_reason,
                 "families": {fid: v for fid, (_, v) in self.engine.families.items()},
-                "family_problems": dict(self.family_notes), "decode": self.engine.decode_stats()}
+                "family_problems": dict(self.family_notes), "decode": self.engine.decoder.stats()}
 
     def _receive(self, req: SpecialistRequest) -> tuple:
         """(payload or None, fallback reason or None, ms). An E-first payload's entry part is received here,
