@@ -49,7 +49,6 @@ class GroupEngine:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)   # notified when a request ends (an unload waits on it)
         self.pending: dict[str, Future] = {}          # prefixes whose base prefill is running: joined, not redone
-        self.share = group.prefill_share(self.names)
         self.active: dict[str, int] = {}              # adapter -> its requests from start() to their last event
         self.leaving: set[str] = set()                # adapters being unloaded: no new requests
 
@@ -57,26 +56,28 @@ class GroupEngine:
     def names(self) -> list[str]:
         return [n for n in self.group.names[1:] if n is not None]
 
+    def share(self, name: str) -> float:
+        """The share of a prefill that adapter `name` computes itself over a prefix (1.0: its own prefill)."""
+        return self.group.prefill_share([name])[name]
+
     def load(self, adapter) -> None:
         """Serve one more adapter (`read_adapter` against this group's base) from the next request on. The
         base prefills kept so far lack the residual its first layer needs: they are dropped."""
         with self.lock:
             self.group.add(adapter)
-            self.share = {**self.share, **self.group.prefill_share([adapter.name])}
             self.prefixes = PrefixCodeCache(self.cache_bytes, size=_nbytes)
 
     def unload(self, name: str, timeout_s: float | None = None) -> None:
         """Stop serving an adapter: new requests for it are refused at once, the running ones finish first (at
         most `timeout_s`: then TimeoutError, and it stays loaded)."""
         with self.lock:
-            if name not in self.share or name in self.leaving:
+            if name not in self.names or name in self.leaving:
                 raise ValueError(f"{name!r} is not an adapter of this group; it holds {self.names}")
             self.leaving.add(name)
             try:
                 if not self.idle.wait_for(lambda: not self.active.get(name), timeout_s):
                     raise TimeoutError(f"{name!r} still has {self.active[name]} request(s) running")
                 self.group.remove(name)
-                self.share = {n: v for n, v in self.share.items() if n != name}
             finally:
                 self.leaving.discard(name)
 
@@ -135,10 +136,11 @@ class GroupEngine:
         if oracle:
             info = ServedInfo("oracle", None, None, 0, timings)
         else:
+            share = self.share(name)
             reason = FallbackReason.PREFIX_TOO_SHORT if not prefix_ids else \
-                FallbackReason.GROUP_OWN_PREFILL if self.share[name] == 1.0 else None
+                FallbackReason.GROUP_OWN_PREFILL if share == 1.0 else None
             info = ServedInfo("fallback" if reason else "scd", reason, None, 0, timings,
-                              group={"base_cached": cached, "adapter_share": self.share[name]})
+                              group={"base_cached": cached, "adapter_share": share})
         t2 = time.perf_counter()
         logits, keys, values = self.group.extend(keys, values, torch.tensor([suffix_ids], device=self.device), i)
         timings["suffix"] = (time.perf_counter() - t2) * 1e3
@@ -154,7 +156,7 @@ class GroupEngine:
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token")
         with self.lock:
-            if name not in self.share or name in self.leaving:
+            if name not in self.names or name in self.leaving:
                 raise NotServed(f"{name!r} is not an adapter of this group; it holds "
                                  f"{[n for n in self.names if n not in self.leaving]}")
             self.active[name] = self.active.get(name, 0) + 1

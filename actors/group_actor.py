@@ -48,7 +48,7 @@ class GroupActor(Answering):
         self.group = group
         self.running: dict[str, callable] = {}             # stream key -> cancel() of its row
         self.book = book(namespace)
-        self.from_book: dict[str, str] = {}                # adapters loaded at run time -> their folder
+        self.from_book: set[str] = set()                   # adapters loaded at run time
         self.book_lock = threading.RLock()               # sync() loads under it; so does load_adapter
         self.sync()
         threading.Thread(target=self._sync_forever, daemon=True, name="adapter-book").start()
@@ -67,11 +67,9 @@ class GroupActor(Answering):
         listed = {n: path for n, (g, path) in ray.get(self.book.listing.remote()).items() if g == self.group}
         with self.book_lock:
             for name, path in listed.items():
-                if name not in self.from_book:
-                    self.load_adapter(name, path)
+                self.load_adapter(name, path)                 # a no-op for one held already
             for name in [n for n in self.from_book if n not in listed]:
-                self.engine.unload(name)
-                del self.from_book[name]
+                self.unload_adapter(name)
 
     def load_adapter(self, name: str, path: str) -> None:
         """Serve adapter `name` from `path` (AdapterError: the group cannot hold it, said in one line)."""
@@ -79,14 +77,14 @@ class GroupActor(Answering):
             if name in self.from_book or name in self.engine.names:
                 return
             self.engine.load(read_adapter(name, path, self.base))
-            self.from_book[name] = path
+            self.from_book.add(name)
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving an adapter loaded at run time; returns once its running requests finished."""
         with self.book_lock:
             if name in self.from_book:
                 self.engine.unload(name)
-                del self.from_book[name]
+                self.from_book.discard(name)
 
     def ready(self) -> bool:
         return True
@@ -101,7 +99,7 @@ class GroupActor(Answering):
     def status(self, name: str | None = None) -> dict:
         """What /healthz shows of one member (`name`) or of the group: the adapter's share of a prefill it
         computes itself (1.0: its own prefill, the reason says so)."""
-        share = self.engine.share.get(name) if name else None
+        share = self.engine.share(name) if name in self.engine.names else None
         return {"specialist": name, "group": self.group, "members": self.engine.names, "adapter_share": share,
                 "running": self.engine.active.get(name, 0) if name else sum(self.engine.active.values()),
                 "unavailable_reason": "group_own_prefill" if share == 1.0 else None,

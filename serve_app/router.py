@@ -10,6 +10,7 @@ comes back as an OpenAI-shaped error, and one failed item of a fan-out leaves th
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -33,6 +34,8 @@ from serve_app.errors import ApiError, Guard, install, overloaded
 from serve_app.producer_client import Producers
 from serve_app.schemas import (ChatCompletionRequest, CompletionRequest, FanoutRequest, LoadLoraRequest, Sampling,
                                UnloadLoraRequest)
+
+log = logging.getLogger(__name__)
 
 api = FastAPI(title="SCD Serve")
 api.add_middleware(Guard)
@@ -63,6 +66,15 @@ def _split(prompt: str) -> tuple[str, str]:
 TOKENIZED_TEXTS = 256           # recent texts whose token ids the router keeps (shared prefixes come back)
 INLINE_TOKENIZE_CHARS = 2000    # a text this short is tokenized on the event loop (a thread hop costs more)
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)
+
+
+def _raised(e: BaseException, kind: type) -> BaseException | None:
+    """The exception of type `kind` that a remote call raised (a RayTaskError's cause), or `e` itself when
+    it is one; else None."""
+    for x in (getattr(e, "cause", None), e):
+        if isinstance(x, kind):
+            return x
+    return None
 
 
 def _ms_since(t0: float) -> float:
@@ -163,7 +175,11 @@ class Router:
         if self.book is None:
             return
         self.book_read_at = time.monotonic()
-        listed = await within(self.book.listing.remote(), self.limits.control_timeout_s)
+        try:
+            listed = await within(self.book.listing.remote(), self.limits.control_timeout_s)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as e:    # served as last read, until it answers
+            log.warning("the adapter book did not answer: %s", one_line(e))
+            return
         for name, (group, _) in listed.items():
             if name not in self.handles and group in self.group_handles:
                 self.handles[name] = self.group_handles[group]
@@ -206,7 +222,7 @@ class Router:
     def _failure(self, name: str, e: BaseException) -> ApiError:
         if isinstance(e, ApiError):
             return e
-        if isinstance(e, NotServed) or isinstance(getattr(e, "cause", None), NotServed):
+        if _raised(e, NotServed):
             return ApiError(404, f"model {name!r} does not exist (it was unloaded)", "model", "model_not_found")
         if isinstance(e, BackPressureError):
             return overloaded(f"specialist {name!r}", self.limits.retry_after_s)
@@ -280,10 +296,7 @@ class Router:
                 return {"busy": f"no status within {self.limits.control_timeout_s} s"}
             except Exception as e:
                 return {"error": one_line(e)}
-        try:
-            await self._sync_book()
-        except Exception:                              # noqa: BLE001 - the book's own trouble is not the answer's
-            pass
+        await self._sync_book()
         producers, answers = await asyncio.gather(self.producers.stats(), asyncio.gather(
             *(status(n, h) for n, h in self.handles.items())))
         specialists = dict(zip(self.handles, answers))
@@ -458,14 +471,9 @@ class Router:
         path = str(Path(body.lora_path).expanduser().resolve())
         try:
             await within(self.group_handles[group].load_adapter.remote(name, path), self.limits.request_timeout_s)
-        except AdapterError as e:                             # raised by the replica, as itself or wrapped
-            raise ApiError(400, f"lora_path: {e}", "lora_path") from None
-        except ray.exceptions.RayTaskError as e:
-            cause = e.as_instanceof_cause()
-            if isinstance(cause, AdapterError):
-                raise ApiError(400, f"lora_path: {cause}", "lora_path") from None
-            raise self._failure(group, e) from None
         except Exception as e:
+            if (refused := _raised(e, AdapterError)) is not None:     # the group cannot hold it
+                raise ApiError(400, f"lora_path: {refused}", "lora_path") from None
             raise self._failure(group, e) from None
         await within(self.book.add.remote(name, group, path), self.limits.control_timeout_s)
         await self._sync_book()
