@@ -201,13 +201,18 @@ def tracers(job: PairJob):
 
 
 def actor_capture(producer_path: str, consumer_path: str, gpus: tuple[float, float], consumer_base: str | None = None):
-    """capture_pair backed by two TraceActors; both models run on each batch concurrently."""
+    """capture_pair backed by two TraceActors; both models run on each batch concurrently. The actors start
+    at the first capture: a job whose traces are checkpointed already starts none."""
     from actors.tracer import TraceActor
-    a = TraceActor.options(**actor_options(gpus[0])).remote(producer_path, "a")
-    b = TraceActor.options(**actor_options(gpus[1])).remote(consumer_path, "b", consumer_base)
-    log(f"trace actors on {ray.get(a.where.remote())} (producer) and {ray.get(b.where.remote())} (consumer)")
+    actors = []
 
     def capture_pair(ids, mask):
+        if not actors:
+            actors.extend([TraceActor.options(**actor_options(gpus[0])).remote(producer_path, "a"),
+                           TraceActor.options(**actor_options(gpus[1])).remote(consumer_path, "b", consumer_base)])
+            log(f"trace actors on {ray.get(actors[0].where.remote())} (producer) and "
+                f"{ray.get(actors[1].where.remote())} (consumer)")
+        a, b = actors
         return tuple(ray.get([a.rows.remote(ids, mask), b.rows.remote(ids, mask)]))
     return capture_pair
 
