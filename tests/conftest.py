@@ -141,24 +141,27 @@ def real_family() -> Path:
     return folder
 
 
-# the modules whose tests start Ray (the session's cluster, `scd serve`, the multinode drill, Serve apps) or the
-# jobs that run on it: under pytest-xdist they all go to one worker, in order. On a small machine two workers
-# each running Ray clusters with model actors oversubscribe the cores, and with two clusters live a job
-# submitted to one can start its driver against the other's address.
-RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_byom.py", "test_calibrate_job.py",
-               "test_cli_calibrate.py", "test_cli_serve.py", "test_exact_plans.py", "test_faults.py",
-               "test_gpu.py", "test_loadtest.py", "test_multinode.py", "test_producer_pool.py",
-               "test_quickstart.py", "test_serve.py", "test_serve_group.py", "test_serve_nixl.py",
-               "test_shapes.py", "test_transport.py"}
+# The modules whose tests use the session's Ray cluster (`ray_cluster`, Serve apps on it) or the jobs that run
+# on it: under pytest-xdist they all go to one worker, in order. On a small machine two workers each running
+# such a cluster with model actors oversubscribe the cores, and with two of them live a job submitted to one
+# can start its driver against the other's address.
+RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_calibrate_job.py", "test_cli_calibrate.py",
+               "test_exact_plans.py", "test_faults.py", "test_gpu.py", "test_loadtest.py", "test_producer_pool.py",
+               "test_serve.py", "test_serve_group.py", "test_serve_nixl.py", "test_shapes.py", "test_transport.py"}
+# The modules whose tests start Ray clusters of their own (`scd serve` as a user runs it, the multi-node
+# drill), in /tmp/ray, one at a time: one group, beside the session cluster's (whose folder is its own).
+OWN_CLUSTER_MODULES = {"test_byom.py", "test_cli_serve.py", "test_multinode.py", "test_quickstart.py"}
 
 
 @pytest.hookimpl(tryfirst=True)              # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (`--dist loadgroup`) every test of RAY_MODULES is one group, which one worker runs in
-    order, and every other module is a group of its own (its tests share module fixtures and may read what an
-    earlier test wrote)."""
+    """Under pytest-xdist (`--dist loadgroup`) the tests of RAY_MODULES are one group, which one worker runs in
+    order, those of OWN_CLUSTER_MODULES another, and every other module is a group of its own (its tests
+    share module fixtures and may read what an earlier test wrote)."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("ray" if item.path.name in RAY_MODULES else item.path.stem))
+        name = item.path.name
+        group = "ray" if name in RAY_MODULES else "ray-own" if name in OWN_CLUSTER_MODULES else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_configure(config):
