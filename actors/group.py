@@ -6,9 +6,13 @@ group); each adapter then computes what sharing leaves to it (`LoraGroup.adapter
 - an activated LoRA: nothing, the base's cache is its prefix's (up to the prefix's own invocation, if any);
 - a LoRA that leaves the layers below s to the base: its layers from s, from the base's residual entering s,
   over a cache whose layers below s are the base's own tensors;
-- a LoRA on every layer: its own prefill of the prefix, stated as a fallback (`group_own_prefill`).
-Every answer equals the adapter merged into the base (up to float rounding): in a group, `exact` asks for
-nothing more. Rows of every adapter decode in one batch (`scd.online.decode.Batch` over the group).
+- a LoRA on every layer: its pair's artifact when it has one (`set_artifact`): codes of the base's prefill
+  (the producer's side, `rebuild.encode`) and the adapter's cache rebuilt from them on its view of the base
+  (`lora_group.adapter_view`: recompute blocks and tails included), all in memory, with no wire format and no
+  transfer; without one, its own prefill of the prefix, stated as a fallback (`group_own_prefill`).
+Every answer but a rebuilt one equals the adapter merged into the base (up to float rounding); `exact` makes
+an adapter with an artifact prefill the prefix itself. Rows of every adapter decode in one batch
+(`scd.online.decode.Batch` over the group).
 
 Plain Python, tested without Ray; a GroupActor (actors/group_actor.py) holds one in a Serve replica.
 """
@@ -26,17 +30,23 @@ from actors.batching import BatchDecoder
 from actors.messages import FallbackReason
 from actors.prefix_cache import PrefixCodeCache, prefix_key
 from actors.specialist import ServedInfo, TextStream, answer_events, collected, events_as_text
+from scd.online.artifacts import PairArtifacts
 from scd.online.decode import GenParams, Row
-from scd.online.lora_group import LoraGroup
+from scd.online.lora_group import LoraGroup, adapter_view
+from scd.online.rebuild import encode, prepare, rebuild
+from scd.online.trace import capture
 
 
 class NotServed(ValueError):
     """A request names an adapter the group does not hold (never loaded, or unloaded)."""
 
 
-def _nbytes(base: tuple) -> int:
-    _, keys, values, taps = base
-    return sum(t.nbytes for t in [*keys, *values, *(x for x in taps.values() if x is not None)])
+def _nbytes(kept: tuple) -> int:
+    """Bytes of a kept prefix: the base's prefill and every adapter's codes of it."""
+    (_, keys, values, taps), codes = kept
+    coded = [x for c in codes.values() for layer in c.layers.values() for x in layer.values()
+             if isinstance(x, torch.Tensor)]
+    return sum(t.nbytes for t in [*keys, *values, *(x for x in taps.values() if x is not None), *coded])
 
 
 class GroupEngine:
@@ -51,14 +61,43 @@ class GroupEngine:
         self.pending: dict[str, Future] = {}          # prefixes whose base prefill is running: joined, not redone
         self.active: dict[str, int] = {}              # adapter -> its requests from start() to their last event
         self.leaving: set[str] = set()                # adapters being unloaded: no new requests
+        # adapter -> (its artifact, version, its view of the base); traces of the base are taken one at a time
+        # (capture hooks the base's modules)
+        self.plans: dict[str, tuple[PairArtifacts, str, torch.nn.Module]] = {}
+        self.trace_lock = threading.Lock()
 
     @property
     def names(self) -> list[str]:
         return [n for n in self.group.names[1:] if n is not None]
 
+    def paths(self) -> dict[str, str]:
+        """Each adapter's folder, by name."""
+        return {n: self.group.adapter(n).path for n in self.names}
+
     def share(self, name: str) -> float:
-        """The share of a prefill that adapter `name` computes itself over a prefix (1.0: its own prefill)."""
+        """The share of a prefill that adapter `name` computes itself over a prefix (1.0: its own prefill), by
+        layer count: an artifact's blocks, and its tail's share of the tokens."""
+        if name in self.plans:
+            art = self.plans[name][0]
+            tail = art.tail_tokens / art.tail_of if art.tail_of else 0.0
+            return art.consumer_layers / self.group.layers + tail
         return self.group.prefill_share([name])[name]
+
+    def set_artifact(self, name: str, art: PairArtifacts | None, version: str | None = None) -> None:
+        """Serve adapter `name` from its pair's artifact (None: by what sharing leaves it, again) from the next
+        request on. The prefixes kept so far lack its codes: they are dropped."""
+        view = self.plans[name][2] if name in self.plans else None
+        if art is not None:
+            view = view or adapter_view(self.group.base, self.group.adapter(name))
+            prepare(view, art)                    # its lookup tables and fused patches now, not on a request
+        with self.lock:
+            if name not in self.names:
+                raise NotServed(f"{name!r} is not an adapter of this group; it holds {self.names}")
+            if art is None:
+                self.plans.pop(name, None)
+            else:
+                self.plans[name] = (art, version, view)
+            self.prefixes = PrefixCodeCache(self.cache_bytes, size=_nbytes)
 
     def load(self, adapter) -> None:
         """Serve one more adapter (`read_adapter` against this group's base) from the next request on. The
@@ -78,6 +117,7 @@ class GroupEngine:
                 if not self.idle.wait_for(lambda: not self.active.get(name), timeout_s):
                     raise TimeoutError(f"{name!r} still has {self.active[name]} request(s) running")
                 self.group.remove(name)
+                self.plans.pop(name, None)
             finally:
                 self.leaving.discard(name)
 
@@ -86,12 +126,26 @@ class GroupEngine:
             self.active[name] -= 1
             self.idle.notify_all()
 
+    @torch.no_grad()
+    def _prefill(self, ids: torch.Tensor) -> tuple[tuple, dict]:
+        """The base's prefill of a prefix (`LoraGroup.base_prefill`'s tuple) and, for each adapter served from
+        its artifact, the codes of it. Those need the base's states (scd.online.trace.capture), which its fast
+        prefill does not keep."""
+        plans = dict(self.plans)
+        if not plans:
+            return self.group.base_prefill(ids), {}
+        with self.trace_lock:
+            trace = capture(self.group.base, ids, want_hidden=True)
+        return self.group.base_from_trace(trace), {n: encode(art, trace, ids) for n, (art, _, _) in plans.items()}
+
     def _base(self, prefix_ids: list[int], ids: torch.Tensor) -> tuple[tuple, bool]:
-        """(the base's prefill of the prefix, whether it was cached). Requests on one prefix that arrive while
-        its prefill runs wait for that one (a fan-out to the group's adapters prefills once)."""
+        """((the base's prefill of the prefix, the codes of it by adapter), whether it was cached). Requests on
+        one prefix that arrive while its prefill runs wait for that one (a fan-out to the group's adapters
+        prefills once)."""
         key = prefix_key(prefix_ids, "group", "base")
         with self.lock:
-            if (hit := self.prefixes.get(key)) is not None:
+            # (a prefill that ran while an artifact came lacks its codes: done again)
+            if (hit := self.prefixes.get(key)) is not None and set(self.plans) <= set(hit[1]):
                 return hit, True
             running = self.pending.get(key)
             if running is None:
@@ -102,7 +156,7 @@ class GroupEngine:
         if not mine:
             return running.result(), True
         try:
-            base = self.group.base_prefill(ids)
+            base = self._prefill(ids)
             with self.lock:
                 self.prefixes.put(key, base)
             running.set_result(base)
@@ -116,30 +170,40 @@ class GroupEngine:
 
     @torch.no_grad()
     def _row(self, name: str, prefix_ids: list[int], suffix_ids: list[int], params: GenParams, timings: dict,
-             oracle: bool = False) -> tuple[Row, ServedInfo]:
-        """The row of a request to adapter `name`: its prefix cache from the base's (the oracle: its own
-        prefill, asked for), its suffix on top, the first next-token logits."""
+             oracle: bool = False, exact: bool = False) -> tuple[Row, ServedInfo]:
+        """The row of a request to adapter `name`: its prefix cache from the base's (rebuilt from its codes,
+        when it is served from an artifact; its own prefill for the oracle, and for `exact` where the cache
+        would be rebuilt), its suffix on top, the first next-token logits."""
         i = self.group.index(name)
         ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
         keys = values = self.group.fast.empty()
-        cached = False
+        cached, plan = False, None
+        own = oracle or (exact and name in self.plans)
         t0 = time.perf_counter()
-        if prefix_ids and oracle:
+        if prefix_ids and own:
             _, keys, values = self.group.extend(keys, values, ids, i)
             timings["prefill"] = (time.perf_counter() - t0) * 1e3
         elif prefix_ids:
-            base, cached = self._base(prefix_ids, ids)
+            (base, codes), cached = self._base(prefix_ids, ids)
             timings["group_base"] = (time.perf_counter() - t0) * 1e3
             t1 = time.perf_counter()
-            _, keys, values = self.group.adapter_prefix(base, ids, name)
+            if name in codes:                      # (a prefix prefilled before its artifact came has none)
+                plan = self.plans.get(name)
+            if plan is not None:
+                kv, phases = rebuild(plan[2], plan[0], codes[name])
+                keys, values = [k for k, _ in kv], [v for _, v in kv]
+                timings.update(rebuild=phases["rebuild_ms"], patch=phases["patch_ms"],
+                               recompute=phases["recompute_ms"], tail=phases["tail_ms"])
+            else:
+                _, keys, values = self.group.adapter_prefix(base, ids, name)
             timings["group_adapter"] = (time.perf_counter() - t1) * 1e3
         if oracle:
             info = ServedInfo("oracle", None, None, 0, timings)
         else:
-            share = self.share(name)
+            share = 1.0 if own else self.share(name) if plan is not None else self.group.prefill_share([name])[name]
             reason = FallbackReason.PREFIX_TOO_SHORT if not prefix_ids else \
                 FallbackReason.GROUP_OWN_PREFILL if share == 1.0 else None
-            info = ServedInfo("fallback" if reason else "scd", reason, None, 0, timings,
+            info = ServedInfo("fallback" if reason else "scd", reason, plan[1] if plan else None, 0, timings,
                               group={"base_cached": cached, "adapter_share": share})
         t2 = time.perf_counter()
         logits, keys, values = self.group.extend(keys, values, torch.tensor([suffix_ids], device=self.device), i)
@@ -149,10 +213,11 @@ class GroupEngine:
 
     def start(self, name: str, prefix_ids: list[int], suffix_ids: list[int], params: GenParams,
               put: Callable[[tuple], None], timings: dict | None = None,
-              cancelled: threading.Event | None = None, oracle: bool = False) -> Callable[[], None]:
-        """As SpecialistEngine.start, for the adapter `name`: its prefix cache (the base's, shared; `oracle`:
-        its own prefill), its suffix, then its decode steps in the group's batch; events go to put(). Returns
-        cancel()."""
+              cancelled: threading.Event | None = None, oracle: bool = False, exact: bool = False
+              ) -> Callable[[], None]:
+        """As SpecialistEngine.start, for the adapter `name`: its prefix cache (the base's, shared, or rebuilt
+        from its codes; `oracle`: its own prefill; `exact`: its own where it would be rebuilt), its suffix, then
+        its decode steps in the group's batch; events go to put(). Returns cancel()."""
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token")
         with self.lock:
@@ -162,7 +227,7 @@ class GroupEngine:
             self.active[name] = self.active.get(name, 0) + 1
         t_start = time.perf_counter()
         try:
-            row, info = self._row(name, prefix_ids, suffix_ids, params, dict(timings or {}), oracle)
+            row, info = self._row(name, prefix_ids, suffix_ids, params, dict(timings or {}), oracle, exact)
         except BaseException:
             self._ended(name)
             raise
@@ -180,8 +245,8 @@ class GroupEngine:
         return cancelled.set
 
     def complete(self, name: str, prefix_ids: list[int], suffix_ids: list[int], params: GenParams,
-                 oracle: bool = False) -> tuple[str, ServedInfo, str]:
+                 oracle: bool = False, exact: bool = False) -> tuple[str, ServedInfo, str]:
         """(text, info, finish_reason) of a whole completion by the adapter `name`."""
         events: queue.SimpleQueue = queue.SimpleQueue()
-        cancel = self.start(name, prefix_ids, suffix_ids, params, events.put, oracle=oracle)
+        cancel = self.start(name, prefix_ids, suffix_ids, params, events.put, oracle=oracle, exact=exact)
         return collected(events_as_text(events, cancel))

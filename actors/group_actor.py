@@ -11,6 +11,11 @@ Adapters loaded at run time are listed in the deployment's AdapterBook (actors/a
 loads and unloads what the book says for this group, so that every replica, a new one too, holds the same
 adapters; `load_adapter` (the router's call) loads one here at once, refusing it in one line when the group
 cannot hold it.
+
+An adapter that changes every layer is served from its pair's artifact (producer:adapter in the store, the
+consumer's fingerprint that of the adapter merged into the base) once one is published: the same thread looks
+for new versions every ARTIFACT_S, through the registry, and switches the adapter to it between requests.
+Until then it prefills the prefix itself, as its answers say.
 """
 from __future__ import annotations
 
@@ -24,25 +29,32 @@ import torch
 
 from actors.adapter_book import SYNC_S, book
 from actors.group import GroupEngine
-from actors.messages import Output, SpecialistRequest
+from actors.messages import FallbackReason, Output, SpecialistRequest, pair_id
+from actors.registry import fetch, registry
+from artifacts_store import ArtifactNotFound, ArtifactStoreError, Fingerprints, ModelFingerprint
 from actors.specialist_actor import Answering, concurrency, last_output, pieces
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
 from scd.online.lora_group import LoraGroup, read_adapter
-from scd.online.models import load
+from scd.online.models import ModelSpec, load, merged_digest, tokenizer_fingerprint
 from serve_app import telemetry
+
+ARTIFACT_S = 10.0             # how often a replica looks for newly published artifacts of its adapters
 
 
 @ray.remote(max_concurrency=concurrency(16))       # the replica sets it from its own limit (concurrency())
 class GroupActor(Answering):
     def __init__(self, group: str, base_path: str, members: dict[str, str],
-                 telemetry_settings: dict | None = None, max_batch: int = 4, namespace: str | None = None):
-        """members: specialist name -> its adapter folder (the config's; the book's come on top)."""
+                 telemetry_settings: dict | None = None, max_batch: int = 4, namespace: str | None = None,
+                 store_uri: str | None = None, producer: str | None = None):
+        """members: specialist name -> its adapter folder (the config's; the book's come on top). store_uri and
+        producer: where the adapters' pair artifacts are published, and the producer's name in their pairs
+        (none: every adapter is served by what sharing leaves it)."""
         torch.set_num_threads(cpu_threads())
         lower_cpu_priority()
         telemetry.setup(**(telemetry_settings or {}), service=f"group-{group}")
         dev = device()
         base, tok, _ = load(base_path)
-        self.base = base.to(dev).eval()
+        self.base, self.base_path = base.to(dev).eval(), base_path
         adapters = [read_adapter(name, path, self.base) for name, path in members.items()]
         self.engine = GroupEngine(LoraGroup(self.base, adapters), tok, device=dev, max_batch=max_batch)
         self.group = group
@@ -50,16 +62,56 @@ class GroupActor(Answering):
         self.book = book(namespace)
         self.from_book: set[str] = set()                   # adapters loaded at run time
         self.book_lock = threading.RLock()               # sync() loads under it; so does load_adapter
+        self.registry = registry(store_uri, namespace) if store_uri and producer else None
+        self.producer, self.config_hash = producer, ModelSpec.from_config(self.base.config).fingerprint()
+        self.tokenizer_print = tokenizer_fingerprint(tok)
+        self.artifacts: dict[str, str] = {}                # adapter -> the artifact version it is served from
+        self.artifact_notes: dict[str, str] = {}           # adapter -> why it has none (a fallback reason)
         self.sync()
+        self.refresh_artifacts()
         threading.Thread(target=self._sync_forever, daemon=True, name="adapter-book").start()
 
     def _sync_forever(self) -> None:
+        last = time.monotonic()
         while True:
             time.sleep(SYNC_S)
             try:
                 self.sync()
+                if time.monotonic() - last >= ARTIFACT_S:
+                    last = time.monotonic()
+                    self.refresh_artifacts()
             except Exception:                              # noqa: BLE001 - the book is back at the next read
                 pass
+
+    def refresh_artifacts(self) -> None:
+        """Serve each adapter that changes every layer from its pair's newest artifact, when there is one newer
+        than the one it has (fingerprints checked: the adapter merged into this base); note why not when not."""
+        if self.registry is None:
+            return
+        for name, path in self.engine.paths().items():
+            if self.engine.group.prefill_share([name])[name] < 1.0:
+                continue                                      # shares layers with the base: needs no artifact
+            pair = pair_id(self.producer, name)
+            try:
+                ref = ray.get(self.registry.resolve.remote(f"{pair}@latest"), timeout=30)
+                if ref.split("@", 1)[1] == self.artifacts.get(name):
+                    continue
+                consumer = ModelFingerprint(config_hash=self.config_hash,
+                                            weights_digest=merged_digest(self.base_path, path))
+                art, manifest = fetch(self.registry, ref, Fingerprints(consumer=consumer,
+                                                                       tokenizer=self.tokenizer_print), timeout_s=120)
+            except ArtifactNotFound:
+                self.artifact_notes[name] = FallbackReason.NO_ARTIFACT
+                continue
+            except ArtifactStoreError:
+                self.artifact_notes[name] = FallbackReason.ARTIFACT_MISMATCH
+                continue
+            except ray.exceptions.RayError:
+                self.artifact_notes[name] = FallbackReason.ARTIFACT_UNAVAILABLE
+                continue
+            self.engine.set_artifact(name, art.to(self.engine.device), manifest.version)
+            self.artifacts[name] = manifest.version
+            self.artifact_notes.pop(name, None)
 
     def sync(self) -> None:
         """Hold what the book lists for this group: load the adapters it added, unload those it dropped (their
@@ -71,19 +123,21 @@ class GroupActor(Answering):
             for name in [n for n in self.from_book if n not in listed]:
                 self.unload_adapter(name)
 
-    def load_adapter(self, name: str, path: str) -> None:
-        """Serve adapter `name` from `path` (AdapterError: the group cannot hold it, said in one line)."""
+    def load_adapter(self, name: str, path: str) -> float:
+        """Serve adapter `name` from `path` (AdapterError: the group cannot hold it, said in one line); returns
+        the share of a prefill it computes itself over a prefix (1.0: its own prefill, until its artifact)."""
         with self.book_lock:
-            if name in self.from_book or name in self.engine.names:
-                return
-            self.engine.load(read_adapter(name, path, self.base))
-            self.from_book.add(name)
+            if name not in self.from_book and name not in self.engine.names:
+                self.engine.load(read_adapter(name, path, self.base))
+                self.from_book.add(name)
+        return self.engine.share(name)
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving an adapter loaded at run time; returns once its running requests finished."""
         with self.book_lock:
             if name in self.from_book:
                 self.engine.unload(name)
+                self.artifacts.pop(name, None)
                 self.from_book.discard(name)
 
     def ready(self) -> bool:
@@ -101,9 +155,10 @@ class GroupActor(Answering):
         computes itself (1.0: its own prefill, the reason says so)."""
         share = self.engine.share(name) if name in self.engine.names else None
         return {"specialist": name, "group": self.group, "members": self.engine.names, "adapter_share": share,
+                "artifact": self.artifacts.get(name),
                 "running": self.engine.active.get(name, 0) if name else sum(self.engine.active.values()),
-                "unavailable_reason": "group_own_prefill" if share == 1.0 else None,
-                "decode": self.engine.decoder.stats()}
+                "unavailable_reason": FallbackReason.GROUP_OWN_PREFILL if share == 1.0 else None,
+                "artifact_problem": self.artifact_notes.get(name), "decode": self.engine.decoder.stats()}
 
     def stream(self, req: SpecialistRequest, key: str) -> Iterator[Output]:
         """The answer of the member `req.model` as it is generated, as SpecialistActor.stream's."""
@@ -116,7 +171,7 @@ class GroupActor(Answering):
             self.running[key] = cancelled.set
             try:
                 self.engine.start(req.model, req.prefix_ids, req.suffix_ids, req.params, events.put, req.timings,
-                                  cancelled=cancelled, oracle=req.reason == "oracle")
+                                  cancelled=cancelled, oracle=req.reason == "oracle", exact=req.exact)
                 ev = yield from pieces(events)
             finally:
                 self.running.pop(key)()

@@ -105,3 +105,31 @@ def submit_and_follow(address: str, pairs: list[str], config_path: str, working_
         print(f"{pair}: {status}", flush=True)
         failed += status != "SUCCEEDED"
     return failed
+
+
+class NoJobsApi(RuntimeError):
+    """The connected cluster runs no dashboard, so it takes no Ray Jobs (`ray.dashboard_port`)."""
+
+
+def submit_adapter_calibration(cfg, name: str, adapter_path: str) -> str:
+    """Submit the calibration of the pair producer -> `name`, a PEFT adapter of the producer's model loaded at
+    run time (a LoRA group's), as a Ray Job on the connected cluster, and return its id without waiting: it
+    publishes into the config's store, where the group's replicas find it. The job reads the deployment's
+    config as this process holds it (written beside its checkpoints) with the adapter named by `--adapter`.
+    NoJobsApi: the cluster has no Jobs API to take it."""
+    import yaml
+    from ray._private.services import get_webui_url_from_internal_kv
+    address = get_webui_url_from_internal_kv()
+    if not address:
+        raise NoJobsApi("the cluster runs no dashboard, so no Ray Job can calibrate it (set ray.dashboard_port)")
+    work = Path(cfg.calibration.work_dir) / "loaded-adapters"
+    work.mkdir(parents=True, exist_ok=True)
+    config = work / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    pair = f"{cfg.producer.name}:{name}"
+    entry = shlex.join(["python", "-m", "jobs.calibrate", "--pair", pair, "--config", str(config), "--adapter",
+                        adapter_path, "--store", cfg.artifacts.uri, "--work-dir", cfg.calibration.work_dir])
+    root = Path(__file__).resolve().parents[1]
+    env = {"working_dir": str(root), "excludes": ["/runs/", "/.git/", "__pycache__"]}
+    address = address if address.startswith("http") else f"http://{address}"
+    return _submit(_client(address), entry, env, f"calibrate-{pair.replace(':', '-')}-{int(time.time())}")

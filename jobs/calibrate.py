@@ -122,6 +122,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="override one calibration setting (a key of the config's calibration: section, the value "
                         "as YAML), e.g. --set finetune_samples=0; repeatable")
     p.add_argument("--no-actors", action="store_true", help="trace in this process instead of two Ray actors")
+    p.add_argument("--adapter", metavar="PATH",
+                   help="the consumer is this PEFT adapter of the producer's model, named by --pair, instead of a "
+                        "specialist of the config (an adapter loaded into a LoRA group at run time); it takes the "
+                        "config's calibration settings")
     args = p.parse_args(argv)
     for flag in ("prefixes", "heldout"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -144,6 +148,18 @@ def with_overrides(c: CalibrationSettings, overrides: list[str]) -> CalibrationS
         raise SystemExit(f"--set: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
 
 
+def with_adapter(cfg, name: str, path: str):
+    """The config with one more specialist, `name`, the PEFT adapter of the producer's model at `path`."""
+    from cluster.config import SpecialistSettings
+    from scd.online.models import adapter_problem
+    if name in [s.name for s in cfg.specialists]:
+        raise SystemExit(f"--adapter: {name!r} is a specialist of the config already; leave --adapter out")
+    if problem := adapter_problem(path, cfg.producer.path):
+        raise SystemExit(f"--adapter: {problem}")
+    member = SpecialistSettings(name=name, path=str(Path(path).expanduser().resolve()))
+    return cfg.model_copy(update={"specialists": [*cfg.specialists, member]})
+
+
 def prepare(args: argparse.Namespace, t0: float) -> PairJob:
     """The pair's settings from the config (a pair it does not name is refused), its models, its samples, its
     checkpoint folder, and the key its publication is recorded under."""
@@ -153,6 +169,8 @@ def prepare(args: argparse.Namespace, t0: float) -> PairJob:
     prod_name, cons_name = args.pair.split(":")
     if prod_name != cfg.producer.name:
         raise SystemExit(f"producer {prod_name!r} is not the config's producer {cfg.producer.name!r}")
+    if args.adapter:
+        cfg = with_adapter(cfg, cons_name, args.adapter)
     try:
         member = cfg.specialist(cons_name)
     except KeyError as e:

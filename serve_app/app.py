@@ -113,7 +113,7 @@ def build(cfg: DeploymentConfig):
         opts = specialist_options(cfg, s.name, caps[s.name])
         if members:                   # a LoRA group: one deployment, the producer's base and its members' adapters
             app = serve.deployment(SpecialistServer).options(**opts).bind(
-                s.group, group_base(cfg, s.group), "", cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
+                s.group, group_base(cfg, s.group), base, cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
                 lim.control_timeout_s, None, lim.specialist_max_ongoing, engine_options(cfg, s.name),
                 {m.name: m.path for m in members})
             handles.update({m.name: app for m in members})

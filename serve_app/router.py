@@ -98,6 +98,7 @@ class Router:
         # LoRA groups' members: their group's engine prefills the prefix itself (no producer, no codes)
         self.grouped = {m.name for members in cfg.groups().values() for m in members}
         self.group_handles = {g: specialists[members[0].name] for g, members in cfg.groups().items()}
+        self.calibrating: dict[str, str] = {}      # adapter loaded at run time -> its calibration job, or why none
         self.book = book(cfg.ray.namespace) if self.group_handles else None
         self.from_book: set[str] = set()                        # adapters loaded at run time (any router's)
         self.book_read_at = 0.0
@@ -300,6 +301,9 @@ class Router:
         producers, answers = await asyncio.gather(self.producers.stats(), asyncio.gather(
             *(status(n, h) for n, h in self.handles.items())))
         specialists = dict(zip(self.handles, answers))
+        for name, job in self.calibrating.items():
+            if name in specialists:
+                specialists[name]["calibration"] = job
         problems = self._problems(producers["producers"], specialists)
         failed = sum("error" in s for s in specialists.values())
         state = "down" if failed == len(specialists) else "degraded" if problems else "ok"
@@ -470,14 +474,29 @@ class Router:
             raise ApiError(400, f"lora_path: {problem}", "lora_path")
         path = str(Path(body.lora_path).expanduser().resolve())
         try:
-            await within(self.group_handles[group].load_adapter.remote(name, path), self.limits.request_timeout_s)
+            share = await within(self.group_handles[group].load_adapter.remote(name, path),
+                                 self.limits.request_timeout_s)
         except Exception as e:
             if (refused := _raised(e, AdapterError)) is not None:     # the group cannot hold it
                 raise ApiError(400, f"lora_path: {refused}", "lora_path") from None
             raise self._failure(group, e) from None
         await within(self.book.add.remote(name, group, path), self.limits.control_timeout_s)
         await self._sync_book()
+        if share == 1.0:                      # it changes every layer: its pair's artifact is calibrated meanwhile
+            asyncio.get_running_loop().run_in_executor(None, self._calibrate, name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    def _calibrate(self, name: str, path: str) -> None:
+        """Submit the calibration of an adapter loaded at run time as a Ray Job (the group's replicas switch it
+        to its artifact once published); /healthz says which job, or why there is none."""
+        from cluster.jobs import submit_adapter_calibration
+        try:
+            job = submit_adapter_calibration(self.cfg, name, path)
+            self.calibrating[name] = f"Ray Job {job}"
+            log.info("calibrating %s as Ray Job %s", pair_id(self.base, name), job)
+        except Exception as e:                  # noqa: BLE001 - the adapter is served all the same, by its own prefill
+            self.calibrating[name] = f"not calibrated: {one_line(e)}"
+            log.warning("%s is served by its own prefill, not calibrated: %s", name, one_line(e))
 
     @api.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, body: UnloadLoraRequest):

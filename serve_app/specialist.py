@@ -30,14 +30,14 @@ class SpecialistServer:
                  control_timeout_s: float = 5.0, model_base: str | None = None, max_batch: int = 4,
                  engine_options: dict | None = None, members: dict[str, str] | None = None):
         """engine_options: the engine actor's Ray options (cluster.runtime.actor_options of the specialist).
-        members: a LoRA group's replica (`name` the group's, `model_path` the base's): specialist name -> its
-        adapter folder; its engine is a GroupActor."""
+        members: a LoRA group's replica (`name` the group's, `model_path` the base's, `pair` the producer's name
+        in its members' pairs): specialist name -> its adapter folder; its engine is a GroupActor."""
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.name = name
         opts = {"scheduling_strategy": here, "max_concurrency": concurrency(max_batch), **(engine_options or {})}
         if members:
             self.engine = GroupActor.options(**opts).remote(name, model_path, members, telemetry_settings, max_batch,
-                                                            namespace)
+                                                            namespace, store_uri, pair)
         else:
             self.engine = SpecialistActor.options(**opts).remote(
                 name, model_path, pair, store_uri, namespace, telemetry_settings, transport, control_timeout_s,
@@ -54,9 +54,10 @@ class SpecialistServer:
         """Serve calls this on deploy and whenever user_config changes: the engine picks up a new version."""
         await self.engine.reconfigure.remote(user_config)
 
-    async def load_adapter(self, name: str, path: str) -> None:
-        """A LoRA group's replica: serve one more adapter (the others read it from the adapter book)."""
-        await self.engine.load_adapter.remote(name, path)
+    async def load_adapter(self, name: str, path: str) -> float:
+        """A LoRA group's replica: serve one more adapter (the others read it from the adapter book); returns
+        the share of a prefill it computes itself over a prefix."""
+        return await self.engine.load_adapter.remote(name, path)
 
     async def unload_adapter(self, name: str) -> None:
         await self.engine.unload_adapter.remote(name)

@@ -75,6 +75,11 @@ def test_unknown_pair_is_a_clear_error(tmp_path):
         calibrate(["--pair", "base:nope", "--config", str(cfg)])
     with pytest.raises(SystemExit, match="not the config's producer"):
         calibrate(["--pair", "qa:prose", "--config", str(cfg)])
+    # --adapter: a pair the config does not list, whose consumer is an adapter of the producer's model
+    with pytest.raises(SystemExit, match="'qa' is a specialist of the config already"):
+        calibrate(["--pair", "base:qa", "--config", str(cfg), "--adapter", str(DEMO / "qa")])
+    with pytest.raises(SystemExit, match="--adapter: .* is not a PEFT adapter folder"):
+        calibrate(["--pair", "base:sql", "--config", str(cfg), "--adapter", str(DEMO / "prose")])
 
 
 def test_registry_reads_the_store_once_for_many_replicas(job):

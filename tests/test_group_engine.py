@@ -180,3 +180,62 @@ def test_an_unload_lets_running_requests_finish_and_refuses_new_ones(adapters):
     with pytest.raises(ValueError, match="not an adapter of this group"):
         engine.complete("top", PREFIX, SUFFIX, PARAMS)
     assert engine.names == ["every"] and engine.complete("every", PREFIX, SUFFIX, PARAMS)[1].tokens == 12
+
+
+@pytest.fixture(scope="module")
+def every_artifacts(adapters, tmp_path_factory):
+    """Artifacts of the pair (the demo base, "every" merged), fitted on a few random prefixes: codes alone
+    (Reuse, one Patch layer), and the same with a block of the consumer's own top three layers."""
+    import dataclasses
+
+    from scd.fitting.calibrate import CalibConfig, Calibration
+    from scd.online.models import ModelSpec
+    _, merged = adapters
+    base = _base()
+    g = torch.Generator().manual_seed(0)
+    prefixes = [torch.randint(2, 2048, (48,), generator=g) for _ in range(12)]
+    cal = Calibration(base, merged["every"], ModelSpec.from_config(base.config), "base:every", prefixes,
+                      tmp_path_factory.mktemp("every-cal"), CalibConfig(r_k=8, r_v=8, r_h=16, aligner_epochs=2,
+                                                                         batch=8), progress=False)
+    cal.traces()
+    codes = cal.artifacts_for(["exact", "reuse", "reuse", "patch", "reuse", "reuse", "reuse", "reuse"])
+    block = dataclasses.replace(codes, plan=codes.plan[:5] + ["entry", "recompute", "recompute"])
+    return {"codes": codes, "block": block}
+
+
+@pytest.mark.parametrize("kind, share", [("codes", 0.0), ("block", 3 / 8)])
+def test_an_every_layer_adapter_with_an_artifact_is_rebuilt_from_codes_of_the_bases_prefill(
+        adapters, every_artifacts, kind, share):
+    """Its cache is the artifact's rebuild from the base's own trace, on its view of the base (nothing merged),
+    the same tensors as the rebuild on the merged model; the base prefills once for it and the others."""
+    from scd.online.rebuild import encode, rebuild
+    from scd.online.trace import capture
+    root, merged = adapters
+    engine = _engine(root, ["every", "top"])
+    art = every_artifacts[kind]
+    engine.set_artifact("every", art, "v1")
+    _, info, _ = engine.complete("every", PREFIX, SUFFIX, PARAMS)
+    assert (info.mode, info.artifact) == ("scd", "v1") and info.group["adapter_share"] == pytest.approx(share), \
+        info.as_dict()
+    assert engine.complete("top", PREFIX, SUFFIX, PARAMS)[1].group["base_cached"], "the base prefilled twice"
+
+    ids = torch.tensor([PREFIX])
+    want, _ = rebuild(merged["every"], art, encode(art, capture(_base(), ids, want_hidden=True), ids))
+    row, _ = engine._row("every", PREFIX, SUFFIX, PARAMS, {})
+    for layer, (k, v) in enumerate(want):
+        for got, ref, what in ((row.keys[layer], k, "K"), (row.values[layer], v, "V")):
+            err = (got[:, :, :len(PREFIX)] - ref).abs().max().item()
+            assert err < 1e-4, f"{kind}: layer {layer} {what} differs from the rebuild on the merged model by {err:.2e}"
+
+
+def test_exact_makes_an_adapter_with_an_artifact_prefill_and_answer_as_merged(adapters, every_artifacts):
+    root, merged = adapters
+    engine = _engine(root, ["every"])
+    engine.set_artifact("every", every_artifacts["codes"], "v1")
+    _, info, _ = engine.complete("every", PREFIX, SUFFIX, PARAMS, exact=True)
+    want = _greedy(merged["every"], PREFIX + SUFFIX, PARAMS.max_tokens, engine.tok.eos_token_id)
+    assert (info.mode, info.reason) == ("fallback", "group_own_prefill") and info.ids == want, \
+        (info.as_dict(), want)
+    engine.set_artifact("every", None)                  # dropped: its own prefill again, stated
+    _, info, _ = engine.complete("every", PREFIX, SUFFIX, PARAMS)
+    assert (info.mode, info.reason) == ("fallback", "group_own_prefill") and info.ids == want, info.as_dict()

@@ -91,9 +91,11 @@ def test_a_group_member_that_is_not_an_adapter_of_the_producer_is_refused_in_one
 
 
 def test_an_adapter_loaded_and_unloaded_at_run_time_with_no_failed_request(served_group):
-    """vLLM's endpoints: the adapter is served from the answer on, requests for the others go on meanwhile,
-    and its own requests running when it is unloaded finish; then its name is unknown."""
+    """vLLM's endpoints: the adapter is served from the answer on, by its own prefill, while its pair is
+    calibrated as a Ray Job; it switches to the published artifact with no failed request (others and its
+    own go on meanwhile), and its own requests running when it is unloaded finish; then its name is unknown."""
     import concurrent.futures
+    import threading
     url, tmp = served_group
     body = {"model": "top", "prefix": PREFIX, "prompt": " Answer:", "max_tokens": 4}
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -104,6 +106,29 @@ def test_an_adapter_loaded_and_unloaded_at_run_time_with_no_failed_request(serve
     assert "every" in {m["id"] for m in _get(url + "/v1/models")["data"]}
     status, r = _post(url + "/v1/completions", {**body, "model": "every"})
     assert status == 200 and (r["scd"]["mode"], r["scd"]["reason"]) == ("fallback", "group_own_prefill"), r
+
+    answers, stop = [], threading.Event()            # requests for "every" and "top" through the switch
+
+    def ask():
+        while not stop.is_set():
+            for model in ("every", "top"):
+                answers.append(_post(url + "/v1/completions", {**body, "model": model}))
+    asking = threading.Thread(target=ask)
+    asking.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any(s == 200 and o["scd"]["mode"] == "scd" and o["scd"]["artifact"] for s, o in answers[-2:]):
+            assert time.monotonic() < deadline, \
+                f"every never switched to its artifact: {_get(url + '/healthz')['specialists']['every']}"
+            time.sleep(1)
+    finally:
+        stop.set()
+        asking.join()
+    assert all(s == 200 for s, _ in answers), [o for s, o in answers if s != 200][:3]
+    switched = next(o["scd"] for s, o in answers if o["model"] == "every" and o["scd"]["mode"] == "scd")
+    assert switched["group"]["adapter_share"] == 0.0 and switched["artifact"], switched      # codes alone
+    st = _get(url + "/healthz")["specialists"]["every"]
+    assert st["calibration"].startswith("Ray Job") and st["artifact"] == switched["artifact"], st
 
     status, r = _post(url + "/v1/load_lora_adapter", {"lora_name": "every", "lora_path": str(tmp / "every")})
     assert status == 400 and r["error"]["param"] == "lora_name" and "already served" in r["error"]["message"], r

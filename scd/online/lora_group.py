@@ -20,6 +20,7 @@ invocation is the base's cache, computed once for the group and not copied.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass, field
@@ -113,6 +114,37 @@ def read_adapter(name: str, path: str | Path, base) -> Adapter:
     return out
 
 
+class LoraLinear(torch.nn.Module):
+    """A base projection with one adapter's low-rank term added, unmerged: y = x W^T + (x A^T) B^T (B scaled).
+    `weight` is the merged matrix, made when read: an artifact's Patch layers compose it once (at prepare)."""
+
+    def __init__(self, base: torch.nn.Linear, a: torch.Tensor, b: torch.Tensor):
+        super().__init__()
+        self.base, self.a, self.b = base, a, b
+        self.in_features, self.out_features, self.bias = base.in_features, base.out_features, base.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight + self.b @ self.a
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a.T) @ self.b.T
+
+
+def adapter_view(base, adapter: Adapter):
+    """The base model with one adapter on, as a model of its own: its modules are new, their weights the
+    base's (shared, not copied), and each projection the adapter adapts adds its low-rank term (LoraLinear).
+    It runs what is written for a model (an artifact's rebuild, recompute blocks and tails) for one adapter of
+    a group, for the memory of its factors."""
+    shared = {id(t): t for t in [*base.parameters(), *base.buffers()]}
+    view = copy.deepcopy(base, memo=shared)
+    for (layer, module), (a, b) in adapter.factors.items():
+        owner = view.model.layers[layer]
+        owner = owner.self_attn if module in KINDS["qkv"] + KINDS["o"] else owner.mlp
+        setattr(owner, module, LoraLinear(getattr(owner, module), a, b))
+    return view.eval()
+
+
 @dataclass(frozen=True)
 class _Tables:
     """What a LoraGroup holds now, swapped as one value when adapters are added or removed."""
@@ -135,6 +167,7 @@ class LoraGroup:
         names = [a.name for a in adapters]
         if len(set(names)) != len(names):
             raise AdapterError(f"adapter names repeat: {names}")
+        self.base = base
         self.base_layers = base.model.layers
         self.layers = len(base.model.layers)
         self.held: list[Adapter | None] = list(adapters)   # by index - 1; None: removed (its index is not reused)
@@ -212,6 +245,9 @@ class LoraGroup:
     def index(self, name: str) -> int:
         return self._tables.names.index(name)
 
+    def adapter(self, name: str) -> Adapter:
+        return self.held[self.index(name) - 1]
+
     def stack_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for per in self._tables.stacks for pair in per.values() for t in pair)
 
@@ -283,6 +319,15 @@ class LoraGroup:
         names = [n for n in tables.names[1:] if n is not None] if names is None else names
         taps = {tables.first[n]: None for n in names if n in tables.first and 0 < tables.first[n] < self.layers}
         return (*self.fast.extend([], [], prefix, taps=taps), taps)
+
+    def base_from_trace(self, trace) -> tuple:
+        """`base_prefill`'s tuple from the base's trace of a prefix (scd.online.trace.capture, with its residual
+        streams), for every adapter: its keys and values, and the taps its hidden states hold. No logits: a
+        row's suffix runs on top of the cache."""
+        tables = self._tables
+        taps = {tables.first[n]: trace.hidden[tables.first[n]] for n in tables.names[1:]
+                if n is not None and 0 < tables.first[n] < self.layers}
+        return None, trace.keys, trace.values, taps
 
     @torch.no_grad()
     def adapter_prefix(self, base: tuple, prefix: torch.Tensor, name: str) -> tuple:

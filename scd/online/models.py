@@ -171,6 +171,12 @@ def adapter_base(path: str | Path, base: str | Path | None = None) -> Path:
     return b
 
 
+def merged_digest(base: str | Path, adapter: str | Path) -> str:
+    """The identity of an adapter merged into its base (`scd_weights_digest`, see load), from the two folders:
+    the same wherever and however the merge is computed (a LoRA group holds it unmerged)."""
+    return hashlib.sha256(f"{folder_digest(base)}+{adapter_digest(adapter)}".encode()).hexdigest()[:32]
+
+
 def adapter_digest(path: str | Path) -> str:
     """sha256 over an adapter's config and weights (what decides the merged model), 32 hex."""
     p = Path(path).expanduser()
@@ -213,8 +219,7 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path 
             config = PeftConfig.from_pretrained(str(p))
             config.alora_invocation_tokens = None
         model = PeftModel.from_pretrained(model, str(p), config=config, is_trainable=False).merge_and_unload()
-        both = f"{folder_digest(src)}+{adapter_digest(p)}"
-        model.scd_weights_digest = hashlib.sha256(both.encode()).hexdigest()[:32]
+        model.scd_weights_digest = merged_digest(src, p)
         if invocation:                           # an activated LoRA: merged for the tokens it adapts only
             model.scd_activation = activated.Activation(base_weights, invocation)
     model.eval()
