@@ -54,8 +54,9 @@ def _codec(g: torch.Generator, d_a: int, r: int, d_b: int, table_ids: torch.Tens
 
 
 def random_artifact(kind: str, pair: str, spec: ModelSpec, vocab: int, payload: float = 0.1,
-                    seed: int = 0) -> PairArtifacts:
-    """A PairArtifacts of the plan kind `kind` (PLAN_KINDS) for a pair of `spec`, random values."""
+                    seed: int = 0, entry: int | None = None) -> PairArtifacts:
+    """A PairArtifacts of the plan kind `kind` (PLAN_KINDS) for a pair of `spec`, random values. `entry`: a
+    codes plan's block entered at this layer instead of the kind's own (a calibrated plan's shape)."""
     layers = spec.num_layers
     if kind == "exact_half":
         return PairArtifacts.exact(pair, spec, exact_plan(layers, layers // 2), info={"timing_only": True})
@@ -64,7 +65,10 @@ def random_artifact(kind: str, pair: str, spec: ModelSpec, vocab: int, payload: 
                                    info={"timing_only": True})
     if kind not in PLAN_KINDS:
         raise ValueError(f"no plan kind {kind!r}; the kinds are {', '.join(PLAN_KINDS)}")
-    entry = {"codes": layers, "block_2_3": round(layers * 2 / 3), "block_1_3": round(layers / 3)}[kind]
+    if entry is None:
+        entry = {"codes": layers, "block_2_3": round(layers * 2 / 3), "block_1_3": round(layers / 3)}[kind]
+    elif not 1 <= entry <= layers:
+        raise ValueError(f"an entry is a layer in 1..{layers}, got {entry}")
     g = torch.Generator().manual_seed(seed)
     r_x = code_rank(spec, payload)
     kv_width = 2 * spec.num_kv_heads * spec.head_dim

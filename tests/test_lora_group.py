@@ -138,7 +138,8 @@ def test_the_prefix_once_on_the_base_gives_each_adapter_its_merged_models_own_pr
 
 def test_the_group_benchmark_runs_on_a_config_of_adapters(tmp_path):
     """tools.bench_lora_group on a small pair (tests/byom_pair: a 2-layer Llama and a LoRA on every layer), the
-    adapter served as two specialists: every greedy answer is the merged model's, and the report is complete."""
+    adapter served as two specialists, one of them by a plan's shape (codes below a block entered at layer 1):
+    every greedy answer is the merged model's, and the report is complete."""
     import yaml
 
     from tests.byom_pair import build
@@ -148,10 +149,11 @@ def test_the_group_benchmark_runs_on_a_config_of_adapters(tmp_path):
     cfg.write_text(yaml.safe_dump({"producer": {"name": "base", "path": str(pair["base"])}, "specialists": [
         {"name": "qa", "path": str(pair["adapter"])}, {"name": "code", "path": str(pair["adapter"])}]}))
     r = bench(["--config", str(cfg), "--prompts", "2", "--prompt-tokens", "16", "--tokens", "3", "--cache", "16",
-               "--steps", "2", "--rounds", "1", "--fanout-tokens", "32"])
-    assert r["adapters"] == ["qa", "code"] and r["left_out"] == []
+               "--steps", "2", "--rounds", "1", "--fanout-tokens", "32", "--plan-shapes", "code=1"])
+    assert r["adapters"] == ["qa", "code"] and r["left_out"] == [] and list(r["plans"]) == ["code"]
     assert all(v["equal"] == v["prompts"] == 2 for v in r["greedy"].values()), r["greedy"]
-    assert r["fanout"]["share"] == {"qa": 1.0, "code": 1.0} and r["decode"]["mixed"] > 0
+    assert r["fanout"]["share"] == {"qa": 1.0, "code": 0.5} and r["decode"]["mixed"] > 0, r["fanout"]
+    assert r["fanout"]["modes"] == {"qa": "fallback", "code": "scd"}, r["fanout"]
     assert r["memory"]["merged_bytes"] == 2 * r["memory"]["base_bytes"]
     assert torch.is_grad_enabled()                     # the benchmark leaves the process as it found it
 

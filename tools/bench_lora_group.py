@@ -6,9 +6,10 @@ For the config's specialists that are LoRA adapters of the producer's base (acti
 left out, said so):
 - memory: the weights' bytes of the group (the base once, the adapters' factors as the group stacks them)
   against one merged copy per adapter;
-- a fan-out over one prefix of --fanout-tokens: the group's prefill for the base and every adapter (the base's
-  layers once; an adapter's own layers from the first it changes) against each merged model's own prefill, and
-  the share of a prefill each adapter's part is;
+- a fan-out over one prefix of --fanout-tokens: the group's engine answering every adapter (the base's layers
+  once; an adapter's own layers from the first it changes; an adapter on every layer rebuilt by its plan, with
+  --artifacts or --plan-shapes, else its own prefill) against each merged model's own prefill, and the share of
+  a prefill each adapter's part is;
 - decode tokens/s of a batch of 8 rows mixed over the adapters against 8 rows on one merged model, from caches of
   --cache tokens (medians of interleaved rounds);
 - greedy answers: each adapter's --tokens greedy tokens after each of --prompts held-out prompts (its own
@@ -22,11 +23,13 @@ import time
 
 import torch
 
+from actors.group import GroupEngine
 from cluster.config import load_config
 from scd.data.samples import pair_data
 from scd.online import activated, fast_decode
+from scd.online.decode import GenParams
 from scd.online.lora_group import AdapterError, LoraGroup, read_adapter
-from scd.online.models import is_adapter, load, named_base
+from scd.online.models import ModelSpec, is_adapter, load, named_base
 
 
 def weight_bytes(model) -> int:
@@ -93,6 +96,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fanout-tokens", type=int, default=2048)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--artifacts", metavar="STORE",
+                   help="serve each adapter on every layer from its pair's latest artifact in this store")
+    p.add_argument("--plan-shapes", metavar="NAME=ENTRY,...",
+                   help="instead: each named adapter from random codes below a block of its own layers entered at "
+                        "ENTRY (a calibrated plan's shape: its compute, not its quality), e.g. qa=11,code=8")
     args = p.parse_args(argv)
     with torch.no_grad():
         return run(args)
@@ -116,8 +124,10 @@ def run(args) -> dict:
     merged = {s.name: load(s.path, base=named_base(s.path) or cfg.producer.path)[0].eval()
               for s in cfg.specialists if s.name in names}
     print(f"adapters: {', '.join(names)}; left out: {', '.join(left_out) or 'none'}")
+    engine = GroupEngine(group, tok)
+    plans = with_plans(engine, cfg, args)
     return {"adapters": names, "left_out": left_out, "memory": memory(base, adapters, group, merged),
-            "fanout": fanout(group, merged, len(tok), args),
+            "plans": plans, "fanout": fanout(engine, merged, len(tok), args),
             "decode": decode_rate(base, group, merged, len(tok), args),
             "greedy": greedy_answers(group, merged, tok, args)}
 
@@ -137,23 +147,55 @@ def memory(base, adapters, group: LoraGroup, merged: dict) -> dict:
     return m
 
 
-def fanout(group: LoraGroup, merged: dict, vocab: int, args) -> dict:
-    """A fan-out over one prefix: the group's prefill against every merged model's own."""
+def with_plans(engine: GroupEngine, cfg, args) -> dict[str, str]:
+    """Give the adapters on every layer their plans (--artifacts: the published ones; --plan-shapes: random
+    codes of the named shapes, for their compute only); returns adapter -> what it is served from."""
+    from actors.messages import pair_id
+    from artifacts_store import ArtifactNotFound, ArtifactStore
+    from jobs.timing_family import random_artifact
+    plans = {}
+    if args.artifacts:
+        store = ArtifactStore(args.artifacts)
+        for n in engine.names:
+            if engine.share(n) < 1.0:
+                continue
+            try:
+                art, manifest = store.load(pair_id(cfg.producer.name, n))
+            except ArtifactNotFound:
+                continue
+            engine.set_artifact(n, art, manifest.version)
+            plans[n] = f"{manifest.version} (blocks {art.blocks})"
+    for item in filter(None, (args.plan_shapes or "").split(",")):
+        n, _, entry = item.partition("=")
+        spec = ModelSpec.from_config(engine.group.base.config)
+        art = random_artifact("codes", pair_id(cfg.producer.name, n), spec, len(engine.tok), entry=int(entry))
+        engine.set_artifact(n, art, "random")
+        plans[n] = f"random codes, block {art.blocks} (compute only)"
+    for n, what in plans.items():
+        print(f"plan of {n}: {what}")
+    return plans
+
+
+def fanout(engine: GroupEngine, merged: dict, vocab: int, args) -> dict:
+    """A fan-out over one prefix: the group engine's answers (one token each, one after another: the
+    compute) against every merged model's own prefill."""
     names = list(merged)
-    prefix = torch.randint(vocab, (1, args.fanout_tokens), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    one = GenParams(max_tokens=1, temperature=0.0)
     own = {n: own_extend(merged[n]) for n in names}
     times = {"group": [], "own": []}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
+        prefix = torch.randint(vocab, (1, args.fanout_tokens), generator=g)   # a new prefix: the base prefills
         t = time.perf_counter()
-        group.prefill(prefix, names)
+        modes = {n: engine.complete(n, prefix[0].tolist(), [1], one)[1].mode for n in names}
         times["group"].append(time.perf_counter() - t)
         t = time.perf_counter()
         for n in names:
             own[n]([], [], prefix)
         times["own"].append(time.perf_counter() - t)
-    share = group.prefill_share(names)
+    share = {n: engine.share(n) for n in names}
     f = {"tokens": args.fanout_tokens, "group_s": statistics.median(times["group"]),
-         "own_s": statistics.median(times["own"]), "share": share}
+         "own_s": statistics.median(times["own"]), "share": share, "modes": modes}
     f["ratio"] = f["group_s"] / f["own_s"]
     print(f"fan-out to {len(names)} over {args.fanout_tokens} tokens: the group {f['group_s']:.2f} s against "
           f"{len(names)} own prefills {f['own_s']:.2f} s ({f['ratio']:.2f} x; each adapter's share of a prefill: "
