@@ -1,4 +1,4 @@
-"""GroupActor: a LoRA group's engine (actors/group.py) in its own Ray actor, the one each of the group's Serve
+"""GroupActor: a LoRA group's engine (engines/group.py) in its own Ray actor, the one each of the group's Serve
 replicas owns, as a SpecialistActor is a specialist's.
 
 It loads the producer's base model once and every member's PEFT adapter unmerged (`read_adapter` refuses one
@@ -28,14 +28,14 @@ import ray
 import torch
 
 from actors.adapter_book import SYNC_S, book
-from actors.group import GroupEngine
 from actors.messages import FallbackReason, Output, SpecialistRequest, pair_id
 from actors.registry import fetch, registry
-from artifacts_store import ArtifactNotFound, ArtifactStoreError, Fingerprints, ModelFingerprint
 from actors.specialist_actor import Answering, concurrency, last_output, pieces
+from artifacts_store import ArtifactNotFound, ArtifactStoreError, Fingerprints, ModelFingerprint
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
-from scd.online.lora_group import LoraGroup, read_adapter
-from scd.online.models import ModelSpec, load, merged_digest, tokenizer_fingerprint
+from engines.interface import EngineConfig, build
+from scd.online.lora_group import read_adapter
+from scd.online.models import ModelSpec, merged_digest, tokenizer_fingerprint
 from serve_app import telemetry
 
 ARTIFACT_S = 10.0             # how often a replica looks for newly published artifacts of its adapters
@@ -43,29 +43,24 @@ ARTIFACT_S = 10.0             # how often a replica looks for newly published ar
 
 @ray.remote(max_concurrency=concurrency(16))       # the replica sets it from its own limit (concurrency())
 class GroupActor(Answering):
-    def __init__(self, group: str, base_path: str, members: dict[str, str],
-                 telemetry_settings: dict | None = None, max_batch: int = 4, namespace: str | None = None,
-                 store_uri: str | None = None, producer: str | None = None):
-        """members: specialist name -> its adapter folder (the config's; the book's come on top). store_uri and
-        producer: where the adapters' pair artifacts are published, and the producer's name in their pairs
-        (none: every adapter is served by what sharing leaves it)."""
+    def __init__(self, config: EngineConfig):
+        """config: a group's (kind "group"): its base, the members' adapter folders (the config's; the book's
+        come on top), and where its members' pair artifacts are published (no store: every adapter is served
+        by what sharing leaves it)."""
         torch.set_num_threads(cpu_threads())
         lower_cpu_priority()
-        telemetry.setup(**(telemetry_settings or {}), service=f"group-{group}")
-        dev = device()
-        base, tok, _ = load(base_path)
-        self.base, self.base_path = base.to(dev).eval(), base_path
-        adapters = [read_adapter(name, path, self.base) for name, path in members.items()]
-        self.engine = GroupEngine(LoraGroup(self.base, adapters), tok, device=dev, max_batch=max_batch)
-        self.group = group
+        telemetry.setup(**config.telemetry, service=f"group-{config.name}")
+        self.engine = build(config, device())
+        self.base, self.base_path = self.engine.group.base, config.model_path
+        self.group = config.name
         self.running: dict[str, callable] = {}             # stream key -> cancel() of its row
-        self.book = book(namespace)
+        self.book = book(config.namespace)
         self.from_book: set[str] = set()                   # adapters loaded at run time
         self.book_lock = threading.RLock()               # sync() loads under it; so does load_adapter
-        self.registry = registry(store_uri, namespace) if store_uri and producer else None
-        self.producer, self.config_hash = producer, ModelSpec.from_config(self.base.config).fingerprint()
-        self.tokenizer_print = tokenizer_fingerprint(tok)
-        self.artifacts: dict[str, str] = {}                # adapter -> the artifact version it is served from
+        self.registry = registry(config.store_uri, config.namespace) if config.store_uri and config.producer \
+            else None
+        self.producer, self.config_hash = config.producer, ModelSpec.from_config(self.base.config).fingerprint()
+        self.tokenizer_print = tokenizer_fingerprint(self.engine.tok)
         self.artifact_notes: dict[str, str] = {}           # adapter -> why it has none (a fallback reason)
         self.sync()
         self.refresh_artifacts()
@@ -94,7 +89,7 @@ class GroupActor(Answering):
             pair = pair_id(self.producer, name)
             try:
                 ref = ray.get(self.registry.resolve.remote(f"{pair}@latest"), timeout=30)
-                if ref.split("@", 1)[1] == self.artifacts.get(name):
+                if ref.split("@", 1)[1] == self.engine.status(name)["artifact"]:
                     continue
                 consumer = ModelFingerprint(config_hash=self.config_hash,
                                             weights_digest=merged_digest(self.base_path, path))
@@ -110,7 +105,6 @@ class GroupActor(Answering):
                 self.artifact_notes[name] = FallbackReason.ARTIFACT_UNAVAILABLE
                 continue
             self.engine.set_artifact(name, art.to(self.engine.device), manifest.version)
-            self.artifacts[name] = manifest.version
             self.artifact_notes.pop(name, None)
 
     def sync(self) -> None:
@@ -137,7 +131,6 @@ class GroupActor(Answering):
         with self.book_lock:
             if name in self.from_book:
                 self.engine.unload(name)
-                self.artifacts.pop(name, None)
                 self.from_book.discard(name)
 
     def ready(self) -> bool:
@@ -153,12 +146,11 @@ class GroupActor(Answering):
     def status(self, name: str | None = None) -> dict:
         """What /healthz shows of one member (`name`) or of the group: the adapter's share of a prefill it
         computes itself (1.0: its own prefill, the reason says so)."""
-        share = self.engine.share(name) if name in self.engine.names else None
-        return {"specialist": name, "group": self.group, "members": self.engine.names, "adapter_share": share,
-                "artifact": self.artifacts.get(name),
-                "running": self.engine.active.get(name, 0) if name else sum(self.engine.active.values()),
-                "unavailable_reason": FallbackReason.GROUP_OWN_PREFILL if share == 1.0 else None,
-                "artifact_problem": self.artifact_notes.get(name), "decode": self.engine.decoder.stats()}
+        return {"specialist": name, "group": self.group, **self.engine.status(name),
+                "artifact_problem": self.artifact_notes.get(name)}
+
+    def stop(self) -> None:
+        self.engine.stop()
 
     def stream(self, req: SpecialistRequest, key: str) -> Iterator[Output]:
         """The answer of the member `req.model` as it is generated, as SpecialistActor.stream's."""
@@ -170,8 +162,7 @@ class GroupActor(Answering):
             cancelled = threading.Event()
             self.running[key] = cancelled.set
             try:
-                self.engine.start(req.model, req.prefix_ids, req.suffix_ids, req.params, events.put, req.timings,
-                                  cancelled=cancelled, oracle=req.reason == "oracle", exact=req.exact)
+                self.engine.answer(req, events.put, cancelled)
                 ev = yield from pieces(events)
             finally:
                 self.running.pop(key)()

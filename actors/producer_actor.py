@@ -25,7 +25,7 @@ import torch
 from ray.util.metrics import Counter, Gauge
 
 from actors.messages import Codes, FallbackReason, PairCodes
-from actors.producer import ProducerEngine
+from engines.producer import ProducerEngine
 from actors.registry import fetch, fetch_family, registry
 from actors.transport import INLINE_BYTES, RDT_TRANSPORTS, TransportError, make_transport
 from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints

@@ -6,6 +6,7 @@ The actor is a shim over `ArtifactCache`, which holds the logic and is tested wi
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Callable
@@ -100,11 +101,25 @@ class ArtifactRegistry:
         return self.cache.stats()
 
 
+def registry_name(store_uri: str) -> str:
+    """The registry actor's name for a store: one registry per store and namespace (a deployment started again
+    with another store, on the same cluster, reads that store)."""
+    return f"{REGISTRY_NAME}-{hashlib.sha256(store_uri.encode()).hexdigest()[:12]}"
+
+
 def registry(store_uri: str, namespace: str | None = None, max_entries: int = MAX_ENTRIES):
-    """The cluster's registry actor, created on first use (detached, named); `max_entries` applies when this
-    call creates it."""
-    return ArtifactRegistry.options(name=REGISTRY_NAME, namespace=namespace, get_if_exists=True,
+    """The cluster's registry actor of `store_uri`, created on first use (detached, named); `max_entries`
+    applies when this call creates it."""
+    return ArtifactRegistry.options(name=registry_name(store_uri), namespace=namespace, get_if_exists=True,
                                     lifetime="detached", max_restarts=-1).remote(store_uri, max_entries)
+
+
+def stop_registry(store_uri: str, namespace: str | None = None) -> None:
+    """Kill the registry actor of `store_uri` (undeploy: detached, it would outlive the deployment)."""
+    try:
+        ray.kill(ray.get_actor(registry_name(store_uri), namespace=namespace))
+    except ValueError:                                  # none was started
+        pass
 
 
 def _get(reg, ref: str, kind: str, timeout_s: float | None) -> tuple[Manifest, object]:

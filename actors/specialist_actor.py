@@ -27,15 +27,14 @@ import ray
 import torch
 
 from actors.drills import hold_until_open
-from actors.messages import FallbackReason, Output, SpecialistRequest
+from actors.messages import FallbackReason, Output, SpecialistRequest, pair_id
 from actors.producer_actor import PRODUCER_NAME
 from actors.registry import fetch, fetch_family, registry
-from actors.specialist import Arriving, SpecialistEngine
+from engines.interface import EngineConfig, build
+from engines.specialist import Arriving
 from actors.transport import TransportError, make_transport
 from artifacts_store import ArtifactNotFound, ArtifactStore, ArtifactStoreError, Fingerprints
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
-from scd.online import activated
-from scd.online.models import load
 from serve_app import telemetry
 
 CONTROL_CALLS = 8             # status, ready, cancel, reconfigure and drills beside the requests (threads)
@@ -115,23 +114,20 @@ class Answering:
 
 @ray.remote(max_concurrency=concurrency(16))       # the replica sets it from its own limit (concurrency())
 class SpecialistActor(Answering):
-    def __init__(self, name: str, model_path: str, pair: str, store_uri: str, namespace: str | None,
-                 telemetry_settings: dict | None = None, transport: str = "object_store",
-                 control_timeout_s: float = 5.0, model_base: str | None = None, max_batch: int = 4):
+    def __init__(self, config: EngineConfig):
         torch.set_num_threads(cpu_threads())
         lower_cpu_priority()
-        telemetry.setup(**(telemetry_settings or {}), service=f"specialist-{name}")
-        dev = device()
-        model, tok, _ = load(model_path, base=model_base, device=dev)
+        telemetry.setup(**config.telemetry, service=f"specialist-{config.name}")
+        self.engine = build(config, device())
+        model = self.engine.model
         self.timing_only = bool(getattr(model, "scd_timing_only", False))   # random weights: timings only
-        self.engine = SpecialistEngine(name, activated.to(model, dev), tok, device=dev, max_batch=max_batch)
-        self.name, self.pair = name, pair
-        self.registry, self.store_uri = registry(store_uri, namespace), store_uri
-        self.expect = Fingerprints.of(consumer=model, tokenizer=tok)
-        self.namespace, self.timeout_s = namespace, control_timeout_s
-        self.transport_kind = transport
+        self.name, self.pair = config.name, pair_id(config.producer, config.name)
+        self.registry, self.store_uri = registry(config.store_uri, config.namespace), config.store_uri
+        self.expect = Fingerprints.of(consumer=model, tokenizer=self.engine.tok)
+        self.namespace, self.timeout_s = config.namespace, config.control_timeout_s
+        self.transport_kind = config.transport
         self.producers: dict = {}                          # producer name -> its handle (RDT pulls)
-        self.receiver = make_transport(transport).receiver(self._producer, control_timeout_s)
+        self.receiver = make_transport(config.transport).receiver(self._producer, config.control_timeout_s)
         self.artifact_lock = threading.Lock()
         self.refused: dict[str, str | None] = {}          # version -> why it could not be used
         self.family_notes: dict[str, str] = {}             # family id -> why this engine does not use it
@@ -227,10 +223,11 @@ class SpecialistActor(Answering):
         self.hold = fault and fault.split(":", 1)[1]
 
     def status(self) -> dict:
-        return {"specialist": self.name, "artifact": self.engine.version, "transport": self.transport_kind,
-                "unavailable_reason": None if self.engine.art else self.engine.unavailable_reason,
-                "families": {fid: v for fid, (_, v) in self.engine.families.items()},
-                "family_problems": dict(self.family_notes), "decode": self.engine.decoder.stats()}
+        return {"specialist": self.name, "transport": self.transport_kind, **self.engine.status(),
+                "family_problems": dict(self.family_notes)}
+
+    def stop(self) -> None:
+        self.engine.stop()
 
     def _receive(self, req: SpecialistRequest) -> tuple:
         """(payload or None, fallback reason or None, ms). An E-first payload's entry part is received here,
@@ -276,8 +273,7 @@ class SpecialistActor(Answering):
             cancelled = threading.Event()
             self.running[key] = cancelled.set                # cancel() works while an exact request prefills
             try:
-                self.engine.start(req.prefix_ids, req.suffix_ids, payload, reason, req.params, events.put, timings,
-                                  exact=req.exact, cancelled=cancelled)
+                self.engine.answer(dataclasses.replace(req, reason=reason), events.put, cancelled, payload, timings)
                 if isinstance(payload, Arriving):
                     payload.close()                          # its rest taken, whether the engine used it or not
                 ev = yield from pieces(events)

@@ -12,13 +12,14 @@ from pathlib import Path
 
 from ray import serve
 
-from actors.messages import pair_id
-from cluster.config import ConfigError, DeploymentConfig
-from cluster.runtime import actor_options, connect, machine_cores, replica_caps
-from scd.online import shapes
-from serve_app.errors import key_digest
 from actors.adapter_book import stop_book
 from actors.producer_pool import start_pool, stop_pool
+from actors.registry import stop_registry
+from cluster.config import ConfigError, DeploymentConfig
+from cluster.runtime import actor_options, connect, machine_cores, replica_caps
+from engines.interface import EngineConfig
+from scd.online import shapes
+from serve_app.errors import key_digest
 from serve_app.router import Router
 from serve_app.specialist import SpecialistServer
 
@@ -111,16 +112,16 @@ def build(cfg: DeploymentConfig):
     handles = {}
     for s, members in cfg.engines():
         opts = specialist_options(cfg, s.name, caps[s.name])
+        common = {"max_batch": lim.specialist_max_ongoing, "producer": base, "store_uri": cfg.artifacts.uri,
+                  "namespace": ns, "transport": transport, "control_timeout_s": lim.control_timeout_s,
+                  "telemetry": telemetry_settings(cfg)}
         if members:                   # a LoRA group: one deployment, the producer's base and its members' adapters
-            app = serve.deployment(SpecialistServer).options(**opts).bind(
-                s.group, group_base(cfg, s.group), base, cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
-                lim.control_timeout_s, None, lim.specialist_max_ongoing, engine_options(cfg, s.name),
-                {m.name: m.path for m in members})
-            handles.update({m.name: app for m in members})
+            config = EngineConfig("group", s.group, group_base(cfg, s.group), members={m.name: m.path for m in members},
+                                  **common)
         else:
-            handles[s.name] = serve.deployment(SpecialistServer).options(**opts).bind(
-                s.name, s.path, pair_id(base, s.name), cfg.artifacts.uri, ns, telemetry_settings(cfg), transport,
-                lim.control_timeout_s, s.base, lim.specialist_max_ongoing, engine_options(cfg, s.name))
+            config = EngineConfig("specialist", s.name, s.path, base=s.base, **common)
+        app = serve.deployment(SpecialistServer).options(**opts).bind(config, engine_options(cfg, s.name))
+        handles.update({m.name: app for m in members} if members else {s.name: app})
     # Serve's own limits sit well above the router's admission limit, so that the router's JSON 503 answers
     # an overload, not Serve's plain-text one: a request waits in the proxy's queue until a router replica is
     # assigned, so a burst arriving at once is queued there whole, however quickly the router refuses it
@@ -202,14 +203,16 @@ def deploy(cfg: DeploymentConfig, app=None, blocking: bool = False):
 
 
 def undeploy(cfg: DeploymentConfig) -> None:
-    """Stop what deploy started: the Serve app and its proxy, and the detached producer pool with its
-    producers (which would otherwise outlive us on a shared cluster). Safe to call when any of it is gone."""
+    """Stop what deploy started: the Serve app and its proxy, and the detached actors beside it (the producer
+    pool with its producers, the adapter book, the artifact registry), which would otherwise outlive it on a
+    shared cluster. Safe to call when any of it is gone."""
     import ray
     if not ray.is_initialized():
         return
     serve.shutdown()
     stop_pool(cfg.ray.namespace)
     stop_book(cfg.ray.namespace)
+    stop_registry(cfg.artifacts.uri, cfg.ray.namespace)
 
 
 def app_builder(args: dict):

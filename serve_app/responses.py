@@ -1,7 +1,7 @@
 """OpenAI-shaped response bodies: whole answers, stream chunks, usage and logprobs.
 
 The engines report each generated token's logprobs as one entry {token, logprob, top: [(token, logprob)...],
-offset} (actors.specialist); completions and chat completions shape them differently, as OpenAI does:
+offset} (engines.specialist); completions and chat completions shape them differently, as OpenAI does:
 completions as parallel lists (tokens, token_logprobs, top_logprobs, text_offset), chat as one object per
 token with its UTF-8 bytes.
 """

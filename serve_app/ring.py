@@ -1,6 +1,6 @@
 """Which producer owns a prefix: consistent hashing with bounded loads.
 
-Each producer keeps a cache of the prefixes it encoded, keyed by the whole prefix (actors/prefix_cache.py), so a
+Each producer keeps a cache of the prefixes it encoded, keyed by the whole prefix (engines/prefix_cache.py), so a
 request should reach the producer that saw its prefix before. A hash ring gives every prefix an owner that
 stays put as producers come and go: adding or removing one moves only the prefixes it gains or loses (with
 VNODES points per producer each owns close to 1/N of the ring). Bounded loads (Mirrokni, Thorup and

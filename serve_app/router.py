@@ -25,7 +25,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from actors.adapter_book import SYNC_S, book
 from actors.messages import Codes, FallbackReason, GenParams, Output, SpecialistRequest, pair_id
-from actors.group import NotServed
+from engines.group import NotServed
 from actors.producer_actor import one_line
 from cluster.config import DeploymentConfig
 from scd.online.lora_group import AdapterError

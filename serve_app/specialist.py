@@ -20,28 +20,21 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.messages import Output, SpecialistRequest
 from actors.group_actor import GroupActor
 from actors.specialist_actor import SpecialistActor, concurrency
+from engines.interface import EngineConfig
 
 PHASE_BOUNDS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
 
 
 class SpecialistServer:
-    def __init__(self, name: str, model_path: str, pair: str, store_uri: str, namespace: str | None,
-                 telemetry_settings: dict | None = None, transport: str = "object_store",
-                 control_timeout_s: float = 5.0, model_base: str | None = None, max_batch: int = 4,
-                 engine_options: dict | None = None, members: dict[str, str] | None = None):
-        """engine_options: the engine actor's Ray options (cluster.runtime.actor_options of the specialist).
-        members: a LoRA group's replica (`name` the group's, `model_path` the base's, `pair` the producer's name
-        in its members' pairs): specialist name -> its adapter folder; its engine is a GroupActor."""
+    def __init__(self, config: EngineConfig, engine_options: dict | None = None):
+        """config: the engine its actor builds (a specialist's, or a LoRA group's: its engine is then a
+        GroupActor). engine_options: the engine actor's Ray options (cluster.runtime.actor_options)."""
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        self.name = name
-        opts = {"scheduling_strategy": here, "max_concurrency": concurrency(max_batch), **(engine_options or {})}
-        if members:
-            self.engine = GroupActor.options(**opts).remote(name, model_path, members, telemetry_settings, max_batch,
-                                                            namespace, store_uri, pair)
-        else:
-            self.engine = SpecialistActor.options(**opts).remote(
-                name, model_path, pair, store_uri, namespace, telemetry_settings, transport, control_timeout_s,
-                model_base, max_batch)
+        self.name = config.name
+        opts = {"scheduling_strategy": here, "max_concurrency": concurrency(config.max_batch),
+                **(engine_options or {})}
+        actor = GroupActor if config.kind == "group" else SpecialistActor
+        self.engine = actor.options(**opts).remote(config)
         ray.get(self.engine.ready.remote())              # a model that cannot load fails the replica's start
         tags = ("specialist",)
         self.m_requests = Counter("scd_requests_total", "requests by serving mode", tag_keys=tags + ("mode",))

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from serve_app.app import undeploy
 from tests.conftest import DEMO, free_port, write_config
 from tests.test_serve import deploy_and_wait
 
@@ -39,10 +40,9 @@ def served(ray_cluster, tmp_path_factory):
     raw["producer"]["num_cpus"] = 0.25
     raw.update(ray={"namespace": NS}, http={"port": free_port()}, auth={"api_key": KEY},
                limits={"max_body_bytes": MAX_BODY, "max_fanout": MAX_FANOUT, "max_tokens": MAX_TOKENS})
-    _, url = deploy_and_wait(cfg_path, raw)
+    cfg, url = deploy_and_wait(cfg_path, raw)
     yield url
-    from ray import serve
-    serve.shutdown()
+    undeploy(cfg)
 
 
 def send(url: str, method: str, path: str, body=None, headers: dict | None = None, chunked: bool = False,

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from actors.batching import BatchDecoder
+from engines.batching import BatchDecoder
 from scd.online import cache, decode
 from scd.online.decode import GenParams, Row
 from scd.online.trace import capture
@@ -88,7 +88,7 @@ def test_concurrent_requests_through_the_engine_answer_what_each_answers_alone()
     reason and token count as when each runs alone; a request whose reader stops early leaves its row."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from actors.specialist import SpecialistEngine
+    from engines.specialist import SpecialistEngine
     from tests.test_models import _tokenizer
     eng = SpecialistEngine("b", tiny_llama(2), _tokenizer(97), max_batch=3)
     g = torch.Generator().manual_seed(5)

@@ -50,8 +50,8 @@ def test_a_block_enters_through_its_aligner_and_survives_a_save_and_load(tmp_pat
     assert dist(kv) < dist(plain), f"aligned block keys {dist(kv):.3g} from the consumer's, plain {dist(plain):.3g}"
     assert h == align.enc.shape[0]
     from actors.messages import GenParams
-    from actors.producer import ProducerEngine
-    from actors.specialist import SpecialistEngine
+    from engines.producer import ProducerEngine
+    from engines.specialist import SpecialistEngine
     from tests.test_models import _tokenizer
     tok = _tokenizer(97)
     payload = ProducerEngine(a, tok, {"a:b": (loaded, "v1")}, cache_bytes=1 << 20).encode(

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from artifacts_store import ArtifactStore, Fingerprints, FingerprintMismatch
+from artifacts_store import ArtifactNotFound, ArtifactStore, Fingerprints, FingerprintMismatch
 from jobs.calibrate import main as calibrate
 from scd.online.models import load
 from tests.conftest import DEMO, write_config
@@ -102,6 +102,27 @@ def test_registry_reads_the_store_once_for_many_replicas(job):
     with pytest.raises(FingerprintMismatch, match="consumer weights digest"):
         fetch(reg, ref, Fingerprints.of(producer=base, consumer=load(DEMO / "prose")[0], tokenizer=tok))
     ray.kill(reg)
+
+
+def test_each_store_has_its_own_registry_in_a_namespace_and_undeploy_stops_it(job, tmp_path):
+    """A deployment started again with another store on the same cluster and namespace reads that store, not
+    the registry the first one left."""
+    import ray
+
+    from actors.registry import fetch, registry, registry_name, stop_registry
+    store_dir = job[0] / "store"
+    empty = tmp_path / "empty-store"
+    ArtifactStore(empty)                                  # a store with nothing published
+    ns = "scd-test-registries"
+    try:
+        assert fetch(registry(str(store_dir), ns), "base:qa@latest")[1].version
+        with pytest.raises(ArtifactNotFound):
+            fetch(registry(str(empty), ns), "base:qa@latest")
+    finally:
+        for uri in (str(store_dir), str(empty)):
+            stop_registry(uri, ns)
+    with pytest.raises(ValueError):
+        ray.get_actor(registry_name(str(store_dir)), namespace=ns)
 
 
 def test_a_calibration_that_fails_the_quality_gate_is_not_published_and_says_why(job, capsys):

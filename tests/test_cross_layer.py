@@ -129,8 +129,8 @@ def test_the_serving_engines_carry_a_group_code_from_producer_to_answer(pair):
     """ProducerEngine encodes a grouped artifact's payload (every level), SpecialistEngine decodes and answers
     in scd mode; the answer is the one the block-diagonal per-layer artifact gives."""
     from actors.messages import GenParams
-    from actors.producer import ProducerEngine
-    from actors.specialist import SpecialistEngine
+    from engines.producer import ProducerEngine
+    from engines.specialist import SpecialistEngine
     from tests.test_models import _tokenizer
     a, b, cal, _, _ = pair
     tok = _tokenizer(97)

@@ -6,10 +6,10 @@ import threading
 import pytest
 import torch
 
-import actors.specialist as specialist
+import engines.specialist as specialist
 from actors.messages import FallbackReason, GenParams
-from actors.producer import ProducerEngine
-from actors.specialist import Arriving, SpecialistEngine
+from engines.producer import ProducerEngine
+from engines.specialist import Arriving, SpecialistEngine
 from scd.fitting import exact
 from scd.online import codec, e_first
 from scd.online.models import ModelSpec

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from actors.producer import ProducerEngine
+from engines.producer import ProducerEngine
 from actors.messages import GenParams
-from actors.specialist import SpecialistEngine
+from engines.specialist import SpecialistEngine
 from scd.fitting.calibrate import CalibConfig, Calibration
 from scd.online.models import ModelSpec
 from tests.conftest import perturbed, tiny_llama
@@ -126,7 +126,7 @@ def test_incremental_detokenizer_pieces_join_to_the_whole_decode_even_through_mu
 
     from transformers import AutoTokenizer
 
-    from actors.specialist import IncrementalDetokenizer
+    from engines.specialist import IncrementalDetokenizer
     tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "demo_models" / "base")
     text = "héllo wörld 🎉 naïve café — 日本語 ok"
     ids = tok(text, add_special_tokens=False)["input_ids"]

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from actors.messages import GenParams
-from actors.prefix_cache import PrefixCodeCache
-from actors.specialist import SpecialistEngine
+from engines.prefix_cache import PrefixCodeCache
+from engines.specialist import SpecialistEngine
 from scd.online.decode import sampling_probs, verify
 from tests.test_engines import PREFIX, setup  # noqa: F401  (the module fixture: producer, specialists, tokenizer)
 

@@ -9,8 +9,8 @@ import torch
 import yaml
 
 from actors.messages import GenParams
-from actors.producer import ProducerEngine
-from actors.specialist import SpecialistEngine
+from engines.producer import ProducerEngine
+from engines.specialist import SpecialistEngine
 from scd.fitting import exact
 from scd.online.models import ModelSpec
 from tests.conftest import DEMO, tiny_llama, write_config
@@ -162,6 +162,7 @@ def test_replicas_take_an_exact_plan_entry_first_and_answer_as_the_oracle(top_fo
     from actors.messages import SpecialistRequest
     from actors.producer_actor import ProducerActor
     from actors.specialist_actor import SpecialistActor
+    from engines.interface import EngineConfig
     folder, _ = top_folder
     _, store_dir, _, _ = top_published
     ns = f"scd-test-efirst-{transport}"
@@ -169,8 +170,8 @@ def test_replicas_take_an_exact_plan_entry_first_and_answer_as_the_oracle(top_fo
     producer = ProducerActor.options(name=name, namespace=ns, num_cpus=0).remote(
         str(DEMO / "base"), {"base:top": "latest"}, str(store_dir), ns, transport=transport, watch_s=0,
         name=name, inline_bytes=0)
-    replica = SpecialistActor.options(namespace=ns, num_cpus=0).remote(
-        "top", str(folder), "base:top", str(store_dir), ns, transport=transport)
+    replica = SpecialistActor.options(namespace=ns, num_cpus=0).remote(EngineConfig(
+        "specialist", "top", str(folder), producer="base", store_uri=str(store_dir), namespace=ns, transport=transport))
     try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(DEMO / "base")

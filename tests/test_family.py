@@ -136,8 +136,8 @@ def test_a_fanout_to_a_family_encodes_once_and_each_member_rebuilds_its_own_cach
     decoders (what the family artifact's member rebuilds directly); a request for one member alone, or
     for pairs outside the family, gets the pair's own codes."""
     from actors.messages import GenParams
-    from actors.producer import ProducerEngine
-    from actors.specialist import SpecialistEngine
+    from engines.producer import ProducerEngine
+    from engines.specialist import SpecialistEngine
     from scd.online import codec
     from scd.online.rebuild import encode, rebuild
     from scd.online.trace import capture

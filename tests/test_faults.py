@@ -14,6 +14,7 @@ import ray
 import yaml
 
 from artifacts_store import ArtifactStore
+from serve_app.app import undeploy
 from tests.conftest import DEMO, REPO, free_port, serving_config
 from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, holding_qa, wait_for
 
@@ -39,8 +40,7 @@ def served_faults(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
                        "retry_after_s": 2})
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, cfg, tmp / "store", cfg_path
-    from ray import serve
-    serve.shutdown()
+    undeploy(cfg)
 
 
 def _producer():

@@ -93,8 +93,8 @@ def test_a_klt_exact_plan_encoded_and_rebuilt_on_the_gpu_matches_the_host_path()
 def test_an_e_first_device_payload_starts_the_block_on_the_gpu_and_rebuilds_the_whole_payloads_cache():
     """E-first with device payloads: the producer's two parts are CUDA Wires; the specialist's engine on the GPU
     runs its block from the entry part on its thread and rebuilds the cache the whole payload rebuilds."""
-    from actors.producer import ProducerEngine
-    from actors.specialist import SpecialistEngine
+    from engines.producer import ProducerEngine
+    from engines.specialist import SpecialistEngine
     from scd.fitting import exact
     from scd.online import e_first
     from scd.online.models import ModelSpec

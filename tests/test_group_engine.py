@@ -1,4 +1,4 @@
-"""A LoRA group's engine (actors/group.py) on the demo base: each adapter answers by name as its merged model
+"""A LoRA group's engine (engines/group.py) on the demo base: each adapter answers by name as its merged model
 does, rows of different adapters decode in one batch, and a prefix's base layers run once for all of them."""
 import threading
 import time
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from actors.group import GroupEngine
+from engines.group import GroupEngine
 from scd.online.decode import GenParams
 from scd.online.lora_group import LoraGroup, read_adapter
 from tests.conftest import DEMO

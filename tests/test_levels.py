@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from actors.messages import GenParams
-from actors.producer import ProducerEngine
-from actors.specialist import SpecialistEngine
+from engines.producer import ProducerEngine
+from engines.specialist import SpecialistEngine
 from scd.evaluation import methods
 from scd.fitting.calibrate import CalibConfig, Calibration
 from scd.fitting.scoring import PlanScorer

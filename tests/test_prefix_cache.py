@@ -1,6 +1,6 @@
 import pytest
 
-from actors.prefix_cache import PrefixCodeCache, prefix_key
+from engines.prefix_cache import PrefixCodeCache, prefix_key
 
 
 def test_lru_eviction_respects_the_byte_budget():

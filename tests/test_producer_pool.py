@@ -10,6 +10,7 @@ import pytest
 import ray
 import yaml
 
+from serve_app.app import undeploy
 from tests.conftest import DEMO, free_port, serving_config
 from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, wait_for
 
@@ -29,13 +30,9 @@ def served_pool(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     raw["producer"].update(num_cpus=0.25, replicas=2)
     raw.update(ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=60,
                limits={"request_timeout_s": 600, "specialist_max_ongoing": 8, "producer_retry_s": 0.5})
-    _, url = deploy_and_wait(cfg_path, raw)
+    cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, ray.get_actor(POOL_NAME, namespace=NS)
-    from ray import serve
-
-    from actors.producer_pool import stop_pool
-    serve.shutdown()
-    stop_pool(NS)
+    undeploy(cfg)
 
 
 def ask(url: str, prefix: int, tag: str = "") -> dict:

@@ -12,6 +12,7 @@ import yaml
 
 from artifacts_store import ArtifactStore
 from cluster.config import load_config
+from serve_app.app import undeploy
 from tests.conftest import DEMO, free_port, serving_config
 
 PREFIX = ("Notes:\nClara Petrov lives in Galen Cross. Tilda Vance works as a brewer. Clara Petrov owns a teal "
@@ -68,8 +69,7 @@ def served(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     raw["limits"] = {"request_timeout_s": 600, "specialist_max_ongoing": 8}    # room for the held-requests drill
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, cfg, ray.get_actor(producer_name(0), namespace="scd-test")
-    from ray import serve
-    serve.shutdown()
+    undeploy(cfg)
 
 
 def test_openai_client_lists_models_and_completes_plain_and_streamed(served):
@@ -396,11 +396,13 @@ def test_a_timed_out_handle_call_is_a_timeout_even_when_serve_answers_the_cancel
 def test_a_replica_takes_up_and_drops_families_as_its_config_changes(served):
     """The replica's user_config names the configured families: it loads its own member of each (and
     refuses one it is not a member of), and a family taken out of the config is no longer used."""
+    from engines.interface import EngineConfig
     from serve_app.specialist import SpecialistServer
     _, cfg, _ = served
     replica_cls = ray.remote(num_cpus=0)(SpecialistServer)          # a replica outside Serve, in its own worker
-    qa = replica_cls.remote("qa", str(DEMO / "qa"), "base:qa", cfg.artifacts.uri, "scd-test")
-    code = replica_cls.remote("code", str(DEMO / "code"), "base:code", cfg.artifacts.uri, "scd-test")
+    of = lambda n: EngineConfig("specialist", n, str(DEMO / n), producer="base", store_uri=cfg.artifacts.uri,  # noqa: E731
+                                namespace="scd-test")
+    qa, code = replica_cls.remote(of("qa")), replica_cls.remote(of("code"))
     try:
         status = lambda r: ray.get(r.status.remote())                  # noqa: E731
         assert status(qa)["families"] == {}                            # built with the pair only

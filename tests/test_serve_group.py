@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError, load_config
+from serve_app.app import undeploy
 from tests.conftest import DEMO, free_port, serving_config
 from tests.test_group_engine import ADAPTERS, _random_lora
 from tests.test_serve import PREFIX, _get, _post, deploy_and_wait
@@ -31,13 +32,9 @@ def group_config(tmp, demo_store, demo_work_dir) -> dict:
 def served_group(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     tmp = tmp_path_factory.mktemp("serve-group")
     raw = group_config(tmp, demo_store, demo_work_dir)
-    _, url = deploy_and_wait(tmp / "group.yaml", raw)
+    cfg, url = deploy_and_wait(tmp / "group.yaml", raw)
     yield url, tmp
-    from ray import serve
-
-    from actors.adapter_book import stop_book
-    serve.shutdown()
-    stop_book("scd-test")
+    undeploy(cfg)
 
 
 def test_each_member_answers_by_its_name_from_the_groups_own_prefill(served_group):

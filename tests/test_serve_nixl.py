@@ -9,6 +9,7 @@ import pytest
 import ray
 import yaml
 
+from serve_app.app import undeploy
 from tests.conftest import DEMO, free_port, serving_config
 from tests.test_serve import (PREFIX, _get, _post, deploy_and_wait, running_replicas, scale_up_with_held_requests,
                               wait_for)
@@ -36,8 +37,7 @@ def serve_family(tmp_path_factory, demo_store, demo_work_dir, transport: str, na
     raw["producer"].update(place)
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, ray.get_actor(producer_name(0), namespace=namespace)
-    from ray import serve
-    serve.shutdown()
+    undeploy(cfg)
 
 
 def codes_again_after_a_producer_crash(url: str, producer) -> list:

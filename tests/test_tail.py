@@ -78,8 +78,8 @@ def test_an_artifact_keeps_its_tail_through_a_save_and_load_and_rebuilds_with_it
 
 def test_the_tail_is_served_by_a_specialist():
     from actors.messages import GenParams
-    from actors.producer import ProducerEngine
-    from actors.specialist import SpecialistEngine
+    from engines.producer import ProducerEngine
+    from engines.specialist import SpecialistEngine
     from tests.test_models import _tokenizer
     a = tiny_llama(0, layers=4)
     b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)

@@ -5,11 +5,11 @@
 
 The pair's exact plan in bf16, entering at its first adapted layer (scd.fitting.structure): the producer's
 K and V below it, its residual there, the consumer's own layers above. The producer's and the specialist's
-engines (actors/producer.py, actors/specialist.py, the code a replica runs) in one process; the link is
+engines (engines/producer.py, engines/specialist.py, the code a replica runs) in one process; the link is
 emulated by sleeping each part's transfer time (links.transfer_ms) where a replica would wait for it:
 - whole: the payload's time, then the rebuild and the first token (`complete`, one token);
 - E-first: the entry part's time, then the engine starts its block while the rest's receive sleeps the rest's
-  time (actors.specialist.Arriving), then decodes and rebuilds the rest and waits for the block.
+  time (engines.specialist.Arriving), then decodes and rebuilds the rest and waits for the block.
 Both are timed from the first byte to the first token, in turn, `--repeats` times after a warm-up (medians);
 the model beside them is links.ready_ms from the phases of the whole payload's runs (its cache's decode,
 rebuild and block; then the suffix and the first token, the same for both). The producer's prefill and
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from actors.messages import GenParams, pair_id
-from actors.producer import ProducerEngine
-from actors.specialist import Arriving, SpecialistEngine
+from engines.producer import ProducerEngine
+from engines.specialist import Arriving, SpecialistEngine
 from cli.evaluate import positives
 from cluster.config import load_config
 from scd.data import demo_data, samples

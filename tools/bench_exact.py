@@ -4,7 +4,7 @@ and the latency of exact answers against the oracle's and lossy SCD's.
     python -m tools.bench_exact [--config ray_config.yaml] [--specialists qa,prose,code] [--equality 70]
                                 [--tokens 1024,3584] [--answers 16,64,256] [--prompts 3]
 
-The producer's and the specialists' engines (actors/producer.py, actors/specialist.py: the same code a Serve
+The producer's and the specialists' engines (engines/producer.py, engines/specialist.py: the same code a Serve
 replica runs, with its batch decoder) in one process, the pairs' published artifacts from the config's store.
 1. Equality: `--equality` held-out samples per specialist (prefixes of 160 tokens), 32 greedy tokens each,
    exact against the oracle (the specialist's own prefill), token for token; drafted and accepted counts, and
@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from actors.messages import GenParams, pair_id
-from actors.producer import ProducerEngine
-from actors.specialist import SpecialistEngine
+from engines.producer import ProducerEngine
+from engines.specialist import SpecialistEngine
 from artifacts_store import ArtifactStore
 from cli.evaluate import positives
 from cluster.config import load_config

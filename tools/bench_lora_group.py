@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from actors.group import GroupEngine
+from engines.group import GroupEngine
 from cluster.config import load_config
 from scd.data.samples import pair_data
 from scd.online import activated, fast_decode

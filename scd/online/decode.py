@@ -1,5 +1,5 @@
 """The decode loop: continuous batching of decode steps (nano-vllm's scheduler loop, reduced to one model),
-and the sampler. Serving engines run it on a thread (actors/batching.py); `generate` runs it to the end for
+and the sampler. Serving engines run it on a thread (engines/batching.py); `generate` runs it to the end for
 `scd eval` and the tests. There is no other.
 
 Each request first gets its own cache: its prefix rebuilt from codes or prefilled, then its suffix (the

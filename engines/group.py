@@ -26,10 +26,10 @@ from typing import Callable
 
 import torch
 
-from actors.batching import BatchDecoder
+from engines.batching import BatchDecoder
 from actors.messages import FallbackReason
-from actors.prefix_cache import PrefixCodeCache, prefix_key
-from actors.specialist import ServedInfo, TextStream, answer_events, collected, events_as_text
+from engines.prefix_cache import PrefixCodeCache, prefix_key
+from engines.specialist import ServedInfo, TextStream, answer_events, collected, events_as_text
 from scd.online.artifacts import PairArtifacts
 from scd.online.decode import GenParams, Row
 from scd.online.lora_group import LoraGroup, adapter_view
@@ -243,6 +243,27 @@ class GroupEngine:
         row.on_done = done
         self.decoder.submit(row)
         return cancelled.set
+
+    def answer(self, req, put: Callable[[tuple], None], cancelled: threading.Event, payload=None,
+               timings: dict | None = None) -> None:
+        """engines.interface.AnsweringEngine.answer: `start` for the adapter the request names (`req.model`);
+        a group receives no codes (`payload` is None)."""
+        self.start(req.model, req.prefix_ids, req.suffix_ids, req.params, put,
+                   req.timings if timings is None else timings, cancelled=cancelled, oracle=req.reason == "oracle",
+                   exact=req.exact)
+
+    def status(self, name: str | None = None) -> dict:
+        """Of one adapter (`name`) or of the group: its share of a prefill it computes itself over a prefix
+        (1.0: its own prefill, the reason says so), the artifact it is served from, its running requests."""
+        share = self.share(name) if name in self.names else None
+        plan = self.plans.get(name)
+        return {"members": self.names, "adapter_share": share, "artifact": plan[1] if plan else None,
+                "running": self.active.get(name, 0) if name else sum(self.active.values()),
+                "unavailable_reason": FallbackReason.GROUP_OWN_PREFILL if share == 1.0 else None,
+                "decode": self.decoder.stats()}
+
+    def stop(self) -> None:
+        self.decoder.stop()
 
     def complete(self, name: str, prefix_ids: list[int], suffix_ids: list[int], params: GenParams,
                  oracle: bool = False, exact: bool = False) -> tuple[str, ServedInfo, str]:

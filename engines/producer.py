@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.messages import FallbackReason
-from actors.prefix_cache import PrefixCodeCache, prefix_key
+from engines.prefix_cache import PrefixCodeCache, prefix_key
 from scd.online import codec, e_first, links
 from scd.online.artifacts import PairArtifacts, level_tag
 from scd.online.family_artifacts import FamilyArtifacts

@@ -15,9 +15,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from actors.batching import BatchDecoder
+from engines.batching import BatchDecoder
 from actors.messages import FallbackReason
-from actors.prefix_cache import PrefixCodeCache, prefix_key
+from engines.prefix_cache import PrefixCodeCache, prefix_key
 from scd.online import activated, cache, codec, e_first, fast_decode
 from scd.online.artifacts import PairArtifacts
 from scd.online.decode import GenParams, Row, TokenLogprobs, token_logprobs, verify
@@ -442,6 +442,23 @@ class SpecialistEngine:
         rest = Row([layer.keys[:, :, :keep] for layer in c.layers], [layer.values[:, :, :keep] for layer in c.layers],
                    logits[0], p, emit, finish, row.generator, n_out=len(tokens), feed=nxt)
         self.decoder.submit(rest)
+
+    def answer(self, req, put: Callable[[tuple], None], cancelled: threading.Event, payload=None,
+               timings: dict | None = None) -> None:
+        """engines.interface.AnsweringEngine.answer: `start` with the request's fields (`req.reason`: why the
+        codes are missing, or "oracle")."""
+        self.start(req.prefix_ids, req.suffix_ids, payload, req.reason, req.params, put,
+                   req.timings if timings is None else timings, exact=req.exact, cancelled=cancelled)
+
+    def status(self, name: str | None = None) -> dict:
+        """The artifact version it serves from (or why none), its families' versions and its decode loop's."""
+        return {"artifact": self.version, "unavailable_reason": None if self.art else self.unavailable_reason,
+                "families": {fid: v for fid, (_, v) in self.families.items()}, "decode": self.decoder.stats()}
+
+    def stop(self) -> None:
+        self.decoder.stop()
+        self.exact_pool.shutdown(wait=False, cancel_futures=True)
+        self.block_pool.shutdown(wait=False, cancel_futures=True)
 
     def stream(self, prefix_ids: list[int], suffix_ids: list[int], payload: bytes | None, reason: str | None,
                params: GenParams, timings: dict | None = None, exact: bool = False) -> Iterator[tuple[str, object]]:

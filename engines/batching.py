@@ -13,7 +13,14 @@ class BatchDecoder:
     def __init__(self, model, eos_id: int | None, max_batch: int = 8):
         self.decoder = Decoder(model, eos_id, max_batch)
         self.cond = threading.Condition()
+        self.stopped = False
         threading.Thread(target=self._loop, daemon=True, name="decode-loop").start()
+
+    def stop(self) -> None:
+        """End the loop; the rows running or waiting end with an error event."""
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
 
     def stats(self) -> dict:
         """The batched steps so far, the rows they carried and the mean batch."""
@@ -28,6 +35,10 @@ class BatchDecoder:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                self.cond.wait_for(self.decoder.busy)
+                self.cond.wait_for(lambda: self.stopped or self.decoder.busy())
+                if self.stopped:
+                    for row in [*self.decoder.batch.rows, *self.decoder.waiting]:
+                        row.on_done("error: the engine stopped", row.n_out)
+                    return
                 self.decoder.admit()                 # under the lock: submit() appends to the same queue
             self.decoder.step()

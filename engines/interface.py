@@ -1,0 +1,68 @@
+"""The interface of an answering engine, and the one config object it is built from.
+
+As Ray Serve LLM keeps its engine (`LLMEngine`: start, completions, health, stop) apart from the server that
+holds it, an engine here is plain Python and its Ray actor a shim: the actor receives an `EngineConfig`, builds
+the engine in its own process (`build`: the model is loaded where it computes), and then only asks it to
+answer, to report its status and to stop. Two engines implement it: `SpecialistEngine` (a model of its own,
+its prefix rebuilt from a producer's codes) and `GroupEngine` (a LoRA group: one base and its adapters, the
+prefix's base layers computed once for all). The producer's engine encodes instead of answering
+(engines/producer.py); its actor builds it from its own settings.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Protocol
+
+from actors.messages import SpecialistRequest
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an answering engine and the actor that holds it are made from (one per Serve deployment)."""
+    kind: Literal["specialist", "group"]
+    name: str                              # the specialist's, or the group's
+    model_path: str                        # the specialist's model or adapter folder; a group's: its base's
+    base: str | None = None                # an adapter specialist's base folder (None: the one it names)
+    members: dict[str, str] = field(default_factory=dict)   # a group: specialist name -> its adapter folder
+    max_batch: int = 4                     # rows in one decode step
+    # where the actor finds what its engine serves from, and how it reports
+    producer: str = ""                     # the producer's name: pairs are producer:specialist
+    store_uri: str = ""                    # the artifact store
+    namespace: str | None = None           # the Ray namespace of the producer, registry and book
+    transport: str = "object_store"        # how a specialist receives its codes
+    control_timeout_s: float = 5.0         # the actor's calls to the producer and registry
+    telemetry: dict = field(default_factory=dict)
+
+
+class AnsweringEngine(Protocol):
+    """What an engine actor asks of its engine."""
+
+    def answer(self, req: SpecialistRequest, put: Callable[[tuple], None], cancelled: threading.Event,
+               payload=None, timings: dict | None = None) -> None:
+        """Start answering `req`: its prefix cache (from `payload`, the codes received for it, where the engine
+        rebuilds from codes), its suffix, then its decode steps in the engine's batch. Events go to put():
+        ("token", text piece, logprobs entry or None, tokens so far)..., then ("done", info, finish_reason) or
+        ("error", message). Setting `cancelled` ends it at its next token."""
+
+    def status(self, name: str | None = None) -> dict:
+        """What /healthz shows of the engine (of its member `name`, for a group)."""
+
+    def stop(self) -> None:
+        """Stop its decode loop and its threads; running rows end."""
+
+
+def build(config: EngineConfig, device: str) -> AnsweringEngine:
+    """The engine `config` describes, its models loaded on `device` (in the calling process)."""
+    from scd.online import activated
+    from scd.online.models import load
+    if config.kind == "group":
+        from engines.group import GroupEngine
+        from scd.online.lora_group import LoraGroup, read_adapter
+        base, tok, _ = load(config.model_path)
+        base = base.to(device).eval()
+        adapters = [read_adapter(name, path, base) for name, path in config.members.items()]
+        return GroupEngine(LoraGroup(base, adapters), tok, device=device, max_batch=config.max_batch)
+    from engines.specialist import SpecialistEngine
+    model, tok, _ = load(config.model_path, base=config.base, device=device)
+    return SpecialistEngine(config.name, activated.to(model, device), tok, device=device, max_batch=config.max_batch)

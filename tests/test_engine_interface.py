@@ -1,0 +1,64 @@
+"""The answering engines' one interface (engines/interface.py): built from an EngineConfig, each answers a
+request, reports its status and stops, a specialist's and a LoRA group's alike."""
+import queue
+import threading
+
+import pytest
+
+from actors.messages import SpecialistRequest
+from engines.interface import EngineConfig, build
+from scd.online.decode import GenParams
+from tests.conftest import DEMO
+
+PREFIX, SUFFIX = list(range(40, 100)), [300, 301]
+
+
+def _answer(engine, req: SpecialistRequest) -> tuple[list, tuple]:
+    """The request's token events and its last event."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    engine.answer(req, events.put, threading.Event())
+    tokens = []
+    while (ev := events.get(timeout=120))[0] == "token":
+        tokens.append(ev)
+    return tokens, ev
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    from tests.test_group_engine import ADAPTERS, _random_lora
+    folder = tmp_path_factory.mktemp("interface") / "top"
+    _random_lora(2, ADAPTERS["top"]).save_pretrained(str(folder))
+    return folder
+
+
+def test_a_specialist_and_a_group_are_built_from_a_config_and_answer_alike(adapter):
+    params = GenParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    specialist = build(EngineConfig("specialist", "qa", str(DEMO / "qa")), "cpu")
+    group = build(EngineConfig("group", "g", str(DEMO / "base"), members={"top": str(adapter)}), "cpu")
+    try:
+        tokens, last = _answer(specialist, SpecialistRequest(PREFIX, SUFFIX, params, reason="no_artifact"))
+        assert last[0] == "done" and last[2] == "length" and tokens[-1][3] == 5, last
+        assert (last[1].mode, last[1].reason) == ("fallback", "no_artifact"), last[1].as_dict()
+        tokens, last = _answer(group, SpecialistRequest(PREFIX, SUFFIX, params, model="top"))
+        assert last[0] == "done" and tokens[-1][3] == 5 and last[1].mode == "scd", last
+        assert last[1].group["adapter_share"] == pytest.approx(3 / 8), last[1].as_dict()
+        st = specialist.status()
+        assert st["unavailable_reason"] == "no_artifact" and st["decode"]["steps"] > 0, st
+        st = group.status("top")
+        assert st["members"] == ["top"] and st["adapter_share"] == pytest.approx(3 / 8) and st["running"] == 0, st
+    finally:
+        specialist.stop()
+        group.stop()
+
+
+def test_stop_ends_the_rows_running_with_an_error_event(adapter):
+    group = build(EngineConfig("group", "g", str(DEMO / "base"), members={"top": str(adapter)}), "cpu")
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    group.answer(SpecialistRequest(PREFIX, SUFFIX, GenParams(max_tokens=2000, ignore_eos=True), model="top"),
+                 events.put, threading.Event())
+    assert events.get(timeout=120)[0] == "token"            # decoding
+    group.stop()
+    while (ev := events.get(timeout=60))[0] == "token":
+        pass
+    assert ev == ("error", "error: the engine stopped"), ev
+    assert group.active.get("top") == 0, "the stopped row still counts as running"
