@@ -77,8 +77,9 @@ class GroupEngine:
     def share(self, name: str) -> float:
         """The share of a prefill that adapter `name` computes itself over a prefix (1.0: its own prefill), by
         layer count: an artifact's blocks, and its tail's share of the tokens."""
-        if name in self.plans:
-            art = self.plans[name][0]
+        plan = self.plans.get(name)                   # (read once: an artifact may be set meanwhile)
+        if plan is not None:
+            art = plan[0]
             tail = art.tail_tokens / art.tail_of if art.tail_of else 0.0
             return art.consumer_layers / self.group.layers + tail
         return self.group.prefill_share([name])[name]
