@@ -115,7 +115,8 @@ def submit_adapter_calibration(cfg, name: str, adapter_path: str) -> str:
     """Submit the calibration of the pair producer -> `name`, a PEFT adapter of the producer's model loaded at
     run time (a LoRA group's), as a Ray Job on the connected cluster, and return its id without waiting: it
     publishes into the config's store, where the group's replicas find it. The job reads the deployment's
-    config as this process holds it (written beside its checkpoints) with the adapter named by `--adapter`.
+    config as this process holds it, its API key left out (written beside its checkpoints), with the adapter
+    named by `--adapter`.
     NoJobsApi: the cluster has no Jobs API to take it."""
     import yaml
     from ray._private.services import get_webui_url_from_internal_kv
@@ -125,7 +126,7 @@ def submit_adapter_calibration(cfg, name: str, adapter_path: str) -> str:
     work = Path(cfg.calibration.work_dir) / "loaded-adapters"
     work.mkdir(parents=True, exist_ok=True)
     config = work / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"auth"})))   # no API key on disk
     pair = f"{cfg.producer.name}:{name}"
     entry = shlex.join(["python", "-m", "jobs.calibrate", "--pair", pair, "--config", str(config), "--adapter",
                         adapter_path, "--store", cfg.artifacts.uri, "--work-dir", cfg.calibration.work_dir])

@@ -25,9 +25,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from actors.adapter_book import SYNC_S, book
 from actors.messages import Codes, FallbackReason, GenParams, Output, SpecialistRequest, pair_id
-from engines.group import NotServed
 from actors.producer_actor import one_line
 from cluster.config import DeploymentConfig
+from engines.group import NotServed
 from scd.online.lora_group import AdapterError
 from serve_app import responses, telemetry
 from serve_app.errors import ApiError, Guard, install, overloaded
