@@ -98,7 +98,6 @@ class Router:
         # LoRA groups' members: their group's engine prefills the prefix itself (no producer, no codes)
         self.grouped = {m.name for members in cfg.groups().values() for m in members}
         self.group_handles = {g: specialists[members[0].name] for g, members in cfg.groups().items()}
-        self.calibrating: dict[str, str] = {}      # adapter loaded at run time -> its calibration job, or why none
         self.book = book(cfg.ray.namespace) if self.group_handles else None
         self.from_book: set[str] = set()                        # adapters loaded at run time (any router's)
         self.book_read_at = 0.0
@@ -301,9 +300,14 @@ class Router:
         producers, answers = await asyncio.gather(self.producers.stats(), asyncio.gather(
             *(status(n, h) for n, h in self.handles.items())))
         specialists = dict(zip(self.handles, answers))
-        for name, job in self.calibrating.items():
-            if name in specialists:
-                specialists[name]["calibration"] = job
+        if self.from_book:                          # adapters loaded at run time: their calibration jobs
+            try:
+                notes = await within(self.book.calibrations.remote(), self.limits.control_timeout_s)
+            except (ray.exceptions.RayError, asyncio.TimeoutError):
+                notes = {}
+            for name, job in notes.items():
+                if name in specialists:
+                    specialists[name]["calibration"] = job
         problems = self._problems(producers["producers"], specialists)
         failed = sum("error" in s for s in specialists.values())
         state = "down" if failed == len(specialists) else "degraded" if problems else "ok"
@@ -491,12 +495,15 @@ class Router:
         to its artifact once published); /healthz says which job, or why there is none."""
         from cluster.jobs import submit_adapter_calibration
         try:
-            job = submit_adapter_calibration(self.cfg, name, path)
-            self.calibrating[name] = f"Ray Job {job}"
-            log.info("calibrating %s as Ray Job %s", pair_id(self.base, name), job)
+            note = f"Ray Job {submit_adapter_calibration(self.cfg, name, path)}"
+            log.info("calibrating %s as %s", pair_id(self.base, name), note)
         except Exception as e:                  # noqa: BLE001 - the adapter is served all the same, by its own prefill
-            self.calibrating[name] = f"not calibrated: {one_line(e)}"
-            log.warning("%s is served by its own prefill, not calibrated: %s", name, one_line(e))
+            note = f"not calibrated: {one_line(e)}"
+            log.warning("%s is served by its own prefill, %s", name, note)
+        try:
+            ray.get(self.book.note.remote(name, note), timeout=self.limits.control_timeout_s)
+        except (ray.exceptions.RayError, TimeoutError):
+            log.warning("the adapter book did not take %s's note: %s", name, note)
 
     @api.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, body: UnloadLoraRequest):
