@@ -6,6 +6,7 @@ import asyncio
 import shlex
 import time
 from pathlib import Path
+from typing import Callable
 
 from cluster.config import ConfigError, load_config
 from cluster.runtime import use_token_auth
@@ -111,12 +112,13 @@ class NoJobsApi(RuntimeError):
     """The connected cluster runs no dashboard, so it takes no Ray Jobs (`ray.dashboard_port`)."""
 
 
-def submit_adapter_calibration(cfg, name: str, adapter_path: str) -> str:
-    """Submit the calibration of the pair producer -> `name`, a PEFT adapter of the producer's model loaded at
-    run time (a LoRA group's), as a Ray Job on the connected cluster, and return its id without waiting: it
-    publishes into the config's store, where the group's replicas find it. The job reads the deployment's
-    config as this process holds it, its API key left out (written beside its checkpoints), with the adapter
-    named by `--adapter`.
+def calibrate_adapter(cfg, name: str, adapter_path: str, report: Callable[[str], None], poll_s: float = 5.0) -> str:
+    """Calibrate the pair producer -> `name`, a PEFT adapter of the producer's model loaded at run time (a LoRA
+    group's), as a Ray Job on the connected cluster, and follow it to its end: `report` gets "Ray Job ID:
+    STATUS" whenever its status changes, and a job whose runtime environment Ray lost is submitted once more
+    (RESUBMIT: it resumes from its checkpoints). It publishes into the config's store, where the group's
+    replicas find it. The job reads the deployment's config as this process holds it, its API key left out
+    (written beside its checkpoints), with the adapter named by `--adapter`. Returns the last status.
     NoJobsApi: the cluster has no Jobs API to take it."""
     import yaml
     from ray._private.services import get_webui_url_from_internal_kv
@@ -132,5 +134,18 @@ def submit_adapter_calibration(cfg, name: str, adapter_path: str) -> str:
                         adapter_path, "--store", cfg.artifacts.uri, "--work-dir", cfg.calibration.work_dir])
     root = Path(__file__).resolve().parents[1]
     env = {"working_dir": str(root), "excludes": ["/runs/", "/.git/", "__pycache__"]}
-    address = address if address.startswith("http") else f"http://{address}"
-    return _submit(_client(address), entry, env, f"calibrate-{pair.replace(':', '-')}-{int(time.time())}")
+    client = _client(address if address.startswith("http") else f"http://{address}")
+    for attempt in range(2):
+        job = _submit(client, entry, env, f"calibrate-{pair.replace(':', '-')}-{int(time.time())}")
+        last = None
+        while last not in TERMINAL:
+            status = str(getattr(st := client.get_job_status(job), "value", st))
+            if status != last:
+                report(f"Ray Job {job}: {status}")
+                last = status
+            if last not in TERMINAL:
+                time.sleep(poll_s)
+        kind = str(getattr(client.get_job_info(job), "error_type", None) or "")
+        if last != "FAILED" or kind not in RESUBMIT:
+            return last
+    return last

@@ -491,19 +491,22 @@ class Router:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     def _calibrate(self, name: str, path: str) -> None:
-        """Submit the calibration of an adapter loaded at run time as a Ray Job (the group's replicas switch it
-        to its artifact once published); /healthz says which job, or why there is none."""
-        from cluster.jobs import submit_adapter_calibration
+        """Calibrate an adapter loaded at run time as a Ray Job, followed to its end (the group's replicas switch
+        it to its artifact once published); the adapter book keeps its job's status, or why there is none, for
+        every router's /healthz."""
+        from cluster.jobs import calibrate_adapter
+
+        def report(note: str) -> None:
+            try:
+                ray.get(self.book.note.remote(name, note), timeout=self.limits.control_timeout_s)
+            except (ray.exceptions.RayError, TimeoutError):
+                log.warning("the adapter book did not take %s's note: %s", name, note)
         try:
-            note = f"Ray Job {submit_adapter_calibration(self.cfg, name, path)}"
-            log.info("calibrating %s as %s", pair_id(self.base, name), note)
+            status = calibrate_adapter(self.cfg, name, path, report)
+            log.info("calibrating %s: %s", pair_id(self.base, name), status)
         except Exception as e:                  # noqa: BLE001 - the adapter is served all the same, by its own prefill
-            note = f"not calibrated: {one_line(e)}"
-            log.warning("%s is served by its own prefill, %s", name, note)
-        try:
-            ray.get(self.book.note.remote(name, note), timeout=self.limits.control_timeout_s)
-        except (ray.exceptions.RayError, TimeoutError):
-            log.warning("the adapter book did not take %s's note: %s", name, note)
+            report(f"not calibrated: {one_line(e)}")
+            log.warning("%s is served by its own prefill, not calibrated: %s", name, one_line(e))
 
     @api.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, body: UnloadLoraRequest):

@@ -9,7 +9,7 @@ from cluster.config import ConfigError, load_config
 from serve_app.app import undeploy
 from tests.conftest import DEMO, free_port, serving_config
 from tests.test_group_engine import ADAPTERS, _random_lora
-from tests.test_serve import PREFIX, _get, _post, deploy_and_wait
+from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, wait_for
 
 FIXED = {"min_replicas": 1, "max_replicas": 1}
 
@@ -92,7 +92,7 @@ def _job_report(dashboard: str, calibration: str) -> str:
     from ray.job_submission import JobSubmissionClient
     if not calibration.startswith("Ray Job "):
         return calibration
-    client, job = JobSubmissionClient(dashboard), calibration.split()[-1]
+    client, job = JobSubmissionClient(dashboard), calibration.split()[2].rstrip(":")
     return f"{job}: {client.get_job_status(job)}\n{client.get_job_logs(job)[-3000:]}"
 
 
@@ -135,8 +135,9 @@ def test_an_adapter_loaded_and_unloaded_at_run_time_with_no_failed_request(serve
     assert all(s == 200 for s, _ in answers), [o for s, o in answers if s != 200][:3]
     switched = next(o["scd"] for s, o in answers if o["model"] == "every" and o["scd"]["mode"] == "scd")
     assert switched["group"]["adapter_share"] == 0.0 and switched["artifact"], switched      # codes alone
-    st = _get(url + "/healthz")["specialists"]["every"]
-    assert st["calibration"].startswith("Ray Job") and st["artifact"] == switched["artifact"], st
+    health = lambda: _get(url + "/healthz")["specialists"]["every"]                    # noqa: E731
+    assert wait_for(lambda: health()["calibration"].endswith(": SUCCEEDED"), 60), health()   # the job, followed
+    assert health()["artifact"] == switched["artifact"], health()
 
     status, r = _post(url + "/v1/load_lora_adapter", {"lora_name": "every", "lora_path": str(tmp / "every")})
     assert status == 400 and r["error"]["param"] == "lora_name" and "already served" in r["error"]["message"], r
