@@ -29,9 +29,9 @@ import torch
 
 from actors.adapter_book import SYNC_S, book
 from actors.messages import FallbackReason, Output, SpecialistRequest, pair_id
-from actors.registry import fetch, registry
+from actors.registry import fetch, registry, unavailable_reason
 from actors.specialist_actor import Answering, concurrency, last_output, pieces
-from artifacts_store import ArtifactNotFound, ArtifactStoreError, Fingerprints, ModelFingerprint
+from artifacts_store import ArtifactStoreError, Fingerprints, ModelFingerprint
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
 from engines.interface import EngineConfig, build
 from scd.online.lora_group import read_adapter
@@ -62,6 +62,8 @@ class GroupActor(Answering):
         self.producer, self.config_hash = config.producer, ModelSpec.from_config(self.base.config).fingerprint()
         self.tokenizer_print = tokenizer_fingerprint(self.engine.tok)
         self.artifact_notes: dict[str, str] = {}           # adapter -> why it has none (a fallback reason)
+        self.refused: dict[str, str] = {}                  # adapter folder -> the artifact ref that did not fit it
+        self.expected: dict[str, Fingerprints] = {}        # adapter folder -> what its artifact must fit
         self.sync()
         self.refresh_artifacts()
         threading.Thread(target=self._sync_forever, daemon=True, name="adapter-book").start()
@@ -80,32 +82,34 @@ class GroupActor(Answering):
 
     def refresh_artifacts(self) -> None:
         """Serve each adapter that changes every layer from its pair's newest artifact, when there is one newer
-        than the one it has (fingerprints checked: the adapter merged into this base); note why not when not."""
+        than the one it has (fingerprints checked: the adapter merged into this base); note why not when not.
+        A version refused once is not fetched again."""
         if self.registry is None:
             return
         for name, path in self.engine.paths().items():
             if self.engine.group.prefill_share([name])[name] < 1.0:
                 continue                                      # shares layers with the base: needs no artifact
-            pair = pair_id(self.producer, name)
+            ref = None
             try:
-                ref = ray.get(self.registry.resolve.remote(f"{pair}@latest"), timeout=30)
-                if ref.split("@", 1)[1] == self.engine.status(name)["artifact"]:
+                ref = ray.get(self.registry.resolve.remote(f"{pair_id(self.producer, name)}@latest"), timeout=30)
+                if ref.split("@", 1)[1] == self.engine.status(name)["artifact"] or self.refused.get(path) == ref:
                     continue
-                consumer = ModelFingerprint(config_hash=self.config_hash,
-                                            weights_digest=merged_digest(self.base_path, path))
-                art, manifest = fetch(self.registry, ref, Fingerprints(consumer=consumer,
-                                                                       tokenizer=self.tokenizer_print), timeout_s=120)
-            except ArtifactNotFound:
-                self.artifact_notes[name] = FallbackReason.NO_ARTIFACT
-                continue
-            except ArtifactStoreError:
-                self.artifact_notes[name] = FallbackReason.ARTIFACT_MISMATCH
-                continue
-            except ray.exceptions.RayError:
-                self.artifact_notes[name] = FallbackReason.ARTIFACT_UNAVAILABLE
+                art, manifest = fetch(self.registry, ref, self._expect(path), timeout_s=120)
+            except (ArtifactStoreError, ray.exceptions.RayError) as e:
+                self.artifact_notes[name] = unavailable_reason(e)
+                if ref is not None and self.artifact_notes[name] == FallbackReason.ARTIFACT_MISMATCH:
+                    self.refused[path] = ref
                 continue
             self.engine.set_artifact(name, art.to(self.engine.device), manifest.version)
             self.artifact_notes.pop(name, None)
+
+    def _expect(self, path: str) -> Fingerprints:
+        """What an artifact for the adapter at `path` must have been calibrated for (its digest made once: it
+        reads the base's weight files)."""
+        if path not in self.expected:
+            consumer = ModelFingerprint(config_hash=self.config_hash, weights_digest=merged_digest(self.base_path, path))
+            self.expected[path] = Fingerprints(consumer=consumer, tokenizer=self.tokenizer_print)
+        return self.expected[path]
 
     def sync(self) -> None:
         """Hold what the book lists for this group: load the adapters it added, unload those it dropped (their

@@ -15,7 +15,9 @@ import ray
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints, Manifest, StorageUnavailable
+from actors.messages import FallbackReason
+from artifacts_store import (ArtifactNotFound, ArtifactStore, ArtifactStoreError, Fingerprints, Manifest,
+                             StorageUnavailable)
 from artifacts_store.fingerprints import check
 from scd.online.artifacts import PairArtifacts
 from scd.online.family_artifacts import FamilyArtifacts
@@ -127,6 +129,16 @@ def _get(reg, ref: str, kind: str, timeout_s: float | None) -> tuple[Manifest, o
     manifest = Manifest.model_validate_json(manifest_json)
     manifest.require(kind)
     return manifest, blob
+
+
+def unavailable_reason(e: BaseException) -> FallbackReason:
+    """The fallback reason a replica states for an artifact `fetch` (or the registry) could not give it: none
+    published, one that does not fit (fingerprints, checksums, manifest), or the registry or store failing."""
+    if isinstance(e, ArtifactNotFound):               # (a RayTaskError of one is an instance of it too)
+        return FallbackReason.NO_ARTIFACT
+    if isinstance(e, ArtifactStoreError):
+        return FallbackReason.ARTIFACT_MISMATCH
+    return FallbackReason.ARTIFACT_UNAVAILABLE
 
 
 def fetch(reg, ref: str, expect: Fingerprints | None = None,

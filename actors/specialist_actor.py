@@ -29,7 +29,7 @@ import torch
 from actors.drills import hold_until_open
 from actors.messages import FallbackReason, Output, SpecialistRequest, pair_id
 from actors.producer_actor import PRODUCER_NAME
-from actors.registry import fetch, fetch_family, registry
+from actors.registry import fetch, fetch_family, registry, unavailable_reason
 from engines.interface import EngineConfig, build
 from engines.specialist import Arriving
 from actors.transport import TransportError, make_transport
@@ -156,12 +156,9 @@ class SpecialistActor(Answering):
         storage or registry failure is stated (artifact_unavailable), never a dead replica."""
         try:
             art, manifest = fetch(self.registry, f"{self.pair}@{version}", self.expect, timeout_s=120)
-        except ArtifactNotFound:
-            return FallbackReason.QUALITY_GATE if self._refused() else FallbackReason.NO_ARTIFACT
-        except ArtifactStoreError:                           # fingerprints, checksums, manifest problems
-            return FallbackReason.ARTIFACT_MISMATCH
-        except ray.exceptions.RayError:                      # the registry actor or the store failed
-            return FallbackReason.ARTIFACT_UNAVAILABLE
+        except (ArtifactStoreError, ray.exceptions.RayError) as e:
+            reason = unavailable_reason(e)
+            return FallbackReason.QUALITY_GATE if reason == FallbackReason.NO_ARTIFACT and self._refused() else reason
         self.engine.set_artifact(art.to(self.engine.device), manifest.version)
         return None
 
