@@ -160,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from cluster.runtime import connect
+    from cluster.runtime import connect, name_for_jobs, shutdown
     from serve_app.app import deploy, wait_healthy
 
     ctx = ray.init(address="local", num_cpus=cfg.ray.num_cpus or 8, include_dashboard=True, namespace=cfg.ray.namespace,
                    log_to_driver=False)
+    name_for_jobs()
     phases.done("cluster start")
     try:
         connect(cfg.ray)
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         serve.shutdown()
-        ray.shutdown()
+        shutdown()
         phases.done("shutdown")
         print(f"shut down cleanly\nphases: {phases.line()}")
 

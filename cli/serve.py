@@ -44,9 +44,7 @@ def _interrupt(*_):
 
 
 def run(cfg: DeploymentConfig, ready_timeout_s: float = 300) -> int:
-    import ray
-
-    from cluster.runtime import connect
+    from cluster.runtime import connect, shutdown
     from serve_app.app import build, deploy, health, undeploy, wait_healthy
     if not cfg.ray.address and port_taken(cfg.http.host, cfg.http.port):
         print(f"port {cfg.http.port} on {cfg.http.host} is already taken (another `scd serve`?); stop it or set "
@@ -85,7 +83,7 @@ def run(cfg: DeploymentConfig, ready_timeout_s: float = 300) -> int:
         try:
             undeploy(cfg)
         finally:
-            ray.shutdown()
+            shutdown()
             signal.signal(signal.SIGTERM, previous)
 
 

@@ -27,7 +27,36 @@ def connect(settings: RaySettings, **overrides) -> dict:
                 kwargs.setdefault("dashboard_port", settings.dashboard_port)
             kwargs.setdefault("include_dashboard", False)
             ray.init(address="local", num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, **kwargs)
+            if kwargs["include_dashboard"]:
+                name_for_jobs()
     return ray.cluster_resources()
+
+
+def name_for_jobs() -> None:
+    """Name the embedded cluster in its temp dir's address file, as `ray start` does. A Ray Job's driver
+    joins the cluster its supervisor resolves from that file; with no file there Ray joins any cluster it
+    finds running on the machine, so a job submitted to this cluster's Jobs API could run on another one.
+    `shutdown` removes the name again."""
+    node = ray._private.worker._global_node
+    _address_file(node).write_text(node.gcs_address)
+
+
+def _address_file(node) -> Path:
+    return Path(node.get_temp_dir_path()) / "ray_current_cluster"
+
+
+def shutdown() -> None:
+    """`ray.shutdown()`, removing the address file `connect` wrote for an embedded cluster if it still names
+    this one (a stale name would send later `ray.init(address="auto")` calls to a cluster that is gone)."""
+    node = ray._private.worker._global_node
+    if node is not None and node.head:
+        try:
+            path = _address_file(node)
+            if path.read_text().strip() == node.gcs_address:
+                path.unlink()
+        except OSError:
+            pass
+    ray.shutdown()
 
 
 def actor_options(num_gpus: float, name: str | None = None, detached: bool = False,

@@ -60,18 +60,28 @@ def ray_cluster() -> str:
     """One Ray cluster for the test session (each pytest-xdist worker has its own); yields its dashboard URL (the
     Jobs API). 4 logical CPUs so two calibration jobs (two model actors each) can run side by side. Its dashboard
     agent listens on a free port, not Ray's fixed 52365: the Jobs API of a cluster that `scd serve` starts in
-    another test (which takes 52365) works alongside it. Its temporary folder is its own, not /tmp/ray: a job's
-    driver joins the cluster that the folder's address file names (Ray's job supervisor resolves "auto"), and
-    in /tmp/ray that is whichever cluster started last on the machine, another worker's or a `scd serve`'s."""
+    another test (which takes 52365) works alongside it. Its temporary folder is its own, and names it in its
+    address file: a job's driver joins the cluster that its supervisor's folder names (Ray resolves "auto"
+    there), and with no name there, any cluster running on the machine (another worker's, a `scd serve`'s).
+    Ray's test Cluster writes the name into /tmp/ray instead, where `scd serve` clusters of other tests look:
+    that file is put back as it was."""
     import shutil
     import tempfile
 
     import ray
     from ray.cluster_utils import Cluster
+    from ray._common.utils import get_ray_address_file
     temp_dir = tempfile.mkdtemp(prefix="scd-ray-", dir="/tmp")       # short: Ray's socket paths live under it
+    shared = Path(get_ray_address_file(None))
+    before = shared.read_text() if shared.is_file() else None
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "include_dashboard": True, "dashboard_port": free_port(),
         "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(), "temp_dir": temp_dir})
+    Path(get_ray_address_file(temp_dir)).write_text(cluster.address)
+    if before is None:
+        shared.unlink(missing_ok=True)
+    else:
+        shared.write_text(before)
     ctx = ray.init(address=cluster.address, namespace="scd-test", log_to_driver=False)
     yield "http://" + ctx.dashboard_url
     ray.shutdown()

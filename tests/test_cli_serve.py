@@ -75,8 +75,28 @@ def test_open_address_without_a_key_is_refused_before_anything_starts(tmp_path):
     assert not _raylets(p.pid), "a refused start left a raylet running"
 
 
+# a job's driver prints what it joined: scd serve's cluster has 3 logical CPUs (no other test's cluster has)
+JOB = "import ray; ray.init(); print('JOINED', ray.cluster_resources()['CPU'], ray.get_runtime_context().gcs_address)"
+
+
+def _submit(dashboard: int, code: str) -> str:
+    """`ray job submit` of `python -c code` to the Jobs API on `dashboard`, as a user types it: its output."""
+    from cluster.runtime import use_token_auth
+    env = dict(os.environ)
+    use_token_auth(env)
+    ray_cli = Path(sys.executable).parent / "ray"
+    out = subprocess.run([str(ray_cli), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--",
+                          sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return out.stdout
+
+
 def test_serve_ready_refuses_a_taken_port_and_stops_everything_on_sigterm(tmp_path):
-    cfg = _config(tmp_path)
+    """Also: a Ray Job submitted to its Jobs API runs on its cluster (the one its address file names), whatever
+    other clusters run on the machine, and the name is gone once it stops."""
+    from ray._common.utils import get_ray_address_file
+    dashboard = free_port()
+    cfg = _config(tmp_path, ray={"namespace": "scd-test-cli", "num_cpus": 3, "dashboard_port": dashboard})
     port = yaml.safe_load(open(cfg))["http"]["port"]
     server = _scd("serve", "--config", cfg)
     try:
@@ -95,6 +115,10 @@ def test_serve_ready_refuses_a_taken_port_and_stops_everything_on_sigterm(tmp_pa
         started = _raylets(server.pid)
         assert started, "scd serve did not start an embedded cluster"
 
+        joined = next(line.split() for line in _submit(dashboard, JOB).splitlines() if line.startswith("JOINED"))
+        assert joined[1] == "3.0", f"the job joined another cluster: {joined}"
+        assert Path(get_ray_address_file(None)).read_text().strip() == joined[2]
+
         second = _scd("serve", "--config", cfg)                  # same port: refused at once, nothing started
         _, err = second.communicate(timeout=60)
         assert second.returncode == 2 and f"port {port}" in err and "already taken" in err, (second.returncode, err)
@@ -108,6 +132,8 @@ def test_serve_ready_refuses_a_taken_port_and_stops_everything_on_sigterm(tmp_pa
     while time.monotonic() < deadline and _raylets(server.pid):
         time.sleep(0.5)
     assert not _raylets(server.pid), "the embedded cluster outlived scd serve"
+    named = Path(get_ray_address_file(None))
+    assert not (named.is_file() and named.read_text().strip() == joined[2]), "a stopped cluster is still named"
     from cli.serve import port_taken
     assert not port_taken("127.0.0.1", port), f"port {port} still held after scd serve stopped"
 
