@@ -25,17 +25,15 @@ import time
 from typing import Iterator
 
 import ray
-import torch
 
 from actors.adapter_book import SYNC_S, book
 from actors.messages import FallbackReason, Output, SpecialistRequest, pair_id
 from actors.registry import fetch, registry, unavailable_reason
 from actors.specialist_actor import Answering, concurrency, last_output, pieces
-from artifacts_store import ArtifactStoreError, Fingerprints, ModelFingerprint
+from artifacts_store.errors import ArtifactStoreError
+from artifacts_store.fingerprints import Fingerprints, ModelFingerprint
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
 from engines.interface import EngineConfig, build
-from scd.online.lora_group import read_adapter
-from scd.online.models import ModelSpec, merged_digest, tokenizer_fingerprint
 from serve_app import telemetry
 
 ARTIFACT_S = 10.0             # how often a replica looks for newly published artifacts of its adapters
@@ -47,6 +45,9 @@ class GroupActor(Answering):
         """config: a group's (kind "group"): its base, the members' adapter folders (the config's; the book's
         come on top), and where its members' pair artifacts are published (no store: every adapter is served
         by what sharing leaves it)."""
+        import torch
+
+        from scd.online.models import ModelSpec, tokenizer_fingerprint
         torch.set_num_threads(cpu_threads())
         lower_cpu_priority()
         telemetry.setup(**config.telemetry, service=f"group-{config.name}")
@@ -106,6 +107,7 @@ class GroupActor(Answering):
     def _expect(self, path: str) -> Fingerprints:
         """What an artifact for the adapter at `path` must have been calibrated for (its digest made once: it
         reads the base's weight files)."""
+        from scd.online.models import merged_digest
         if path not in self.expected:
             consumer = ModelFingerprint(config_hash=self.config_hash, weights_digest=merged_digest(self.base_path, path))
             self.expected[path] = Fingerprints(consumer=consumer, tokenizer=self.tokenizer_print)
@@ -124,6 +126,7 @@ class GroupActor(Answering):
     def load_adapter(self, name: str, path: str) -> float:
         """Serve adapter `name` from `path` (AdapterError: the group cannot hold it, said in one line); returns
         the share of a prefill it computes itself over a prefix (1.0: its own prefill, until its artifact)."""
+        from scd.online.lora_group import read_adapter
         with self.book_lock:
             if name not in self.from_book and name not in self.engine.names:
                 self.engine.load(read_adapter(name, path, self.base))

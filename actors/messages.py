@@ -1,22 +1,30 @@
 """What the processes of the request path say to each other, typed: a pair's id, why a request fell back to
 a prefill, the producer's answer to an encode (Codes), what the router asks a specialist replica
-(SpecialistRequest) and what the replica answers (Output: one per streamed piece, or the whole answer).
+(SpecialistRequest) and what the replica answers (Output: one per streamed piece, or the whole answer); the
+ticket to a payload on a transport (Ticket), an error as the one line health reports show (one_line), and the
+producers' actor names.
 
     router --encode(prefix ids, pairs)--> producer --Codes (a PairCodes per pair: ticket or reason)--> router
     router --SpecialistRequest (ids, GenParams, that pair's PairCodes)--> replica --Output...--> router
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
-from scd.online.decode import GenParams
+import ray
 
-__all__ = ["GenParams", "Codes", "PairCodes", "SpecialistRequest", "Output", "FallbackReason", "pair_id"]
+from scd.online.api import GenParams
 
-if TYPE_CHECKING:
-    from actors.transport import Ticket
+__all__ = ["GenParams", "Codes", "PairCodes", "SpecialistRequest", "Output", "FallbackReason", "Ticket", "pair_id",
+           "one_line", "PRODUCER_NAME", "producer_name"]
+
+PRODUCER_NAME = "scd-producer"        # the producers' actor names: the pool's are scd-producer-0, scd-producer-1, ...
+
+
+def producer_name(index: int) -> str:
+    return f"{PRODUCER_NAME}-{index}"
 
 
 def pair_id(producer: str, consumer: str) -> str:
@@ -37,6 +45,18 @@ class FallbackReason(StrEnum):
     QUALITY_GATE = "quality_gate"                   # calibration refused to publish an artifact for the pair
     INVOCATION_IN_PREFIX = "invocation_in_prefix"   # an activated LoRA switched on inside the shared prefix
     GROUP_OWN_PREFILL = "group_own_prefill"         # a LoRA group's adapter on every layer prefilled the prefix
+
+
+@dataclass(frozen=True)
+class Ticket:
+    kind: str                      # "object_store" | "nixl" | "cuda_ipc"
+    nbytes: int
+    ref: list | None = None        # object_store: [ObjectRef] (in a list so Ray does not resolve it in transit)
+    data: bytes | None = None      # a small payload itself (at most inline_bytes), carried in the ticket: the
+                                   # payload's bytes (object_store), a Wire's body as host bytes (nixl, cuda_ipc)
+    head: bytes | None = None      # nixl, cuda_ipc, carried in the ticket: the Wire's header
+    key: str | None = None         # nixl, cuda_ipc: the staged payload a replica pulls
+    producer: str | None = None    # nixl, cuda_ipc: the producer (actor name) that staged it
 
 
 @dataclass(frozen=True)
@@ -87,3 +107,16 @@ class Output:
     scd: dict | None = None
     tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)   # asked for: one entry per generated token (engine's shape)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line for health reports: its type and its message's first line, without the remote
+    traceback a RayTaskError carries or terminal colour codes (/healthz answers without authentication)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
+        e = cause
+    text = _ANSI.sub("", str(e)).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

@@ -9,11 +9,13 @@ cuda_ipc).
 Encodes run one at a time; stats, fault drills and the pulls run in a small "control" group of threads beside
 them, so health checks and transfers never wait behind a long prefill. Each start of the actor (first start or
 a restart by Ray) gets a new `incarnation` (what the fault drills tell restarts by).
+
+The module imports no torch: the model, the engine and the codecs load in the actor's own process, so the pool
+and the router, which only create producers or name them, stay light.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 import statistics
 import threading
 import time
@@ -21,37 +23,14 @@ import uuid
 from collections import deque
 
 import ray
-import torch
 from ray.util.metrics import Counter, Gauge
 
-from actors.messages import Codes, FallbackReason, PairCodes
-from engines.producer import ProducerEngine
+from actors.messages import PRODUCER_NAME, Codes, FallbackReason, PairCodes, one_line
 from actors.registry import fetch, fetch_family, registry
 from actors.transport import INLINE_BYTES, RDT_TRANSPORTS, TransportError, make_transport
-from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
+from artifacts_store.errors import ArtifactStoreError
+from artifacts_store.fingerprints import Fingerprints
 from cluster.runtime import cpu_threads, device
-from scd.online import codec, e_first
-from scd.online.models import load
-
-PRODUCER_NAME = "scd-producer"        # members of the pool are scd-producer-0, scd-producer-1, ...
-
-
-def producer_name(index: int) -> str:
-    return f"{PRODUCER_NAME}-{index}"
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def one_line(e: BaseException) -> str:
-    """An exception as one line for health reports: its type and its message's first line, without the remote
-    traceback a RayTaskError carries or terminal colour codes (/healthz answers without authentication)."""
-    cause = getattr(e, "cause", None)
-    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
-        e = cause
-    text = _ANSI.sub("", str(e)).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
-
 
 class Busy:
     """How much of the last `window_s` seconds the producer spent encoding (its prefill load), and how long
@@ -89,6 +68,10 @@ class ProducerActor:
                  watch_s: float = 10.0, link_gbps: dict[str, float] | None = None,
                  ttft_target_ms: float | None = None, families: dict[str, str] | None = None,
                  name: str = PRODUCER_NAME, inline_bytes: int = INLINE_BYTES, stage_bytes: int = 256 << 20):
+        import torch
+
+        from engines.producer import ProducerEngine
+        from scd.online.models import load
         torch.set_num_threads(cpu_threads())
         dev = device()
         model, tok, _ = load(model_path, device=dev)
@@ -180,6 +163,7 @@ class ProducerActor:
                 self.reload(ref, version)
         in_use = {ref: self._in_use(ref) for ref in (*self.wanted, *self.wanted_families)}
         try:
+            from artifacts_store.store import ArtifactStore
             self.store = self.store or ArtifactStore(self.store_uri)   # opened on first use, then kept
             for ref, version in in_use.items():
                 if version:
@@ -237,6 +221,7 @@ class ProducerActor:
 
     def _offer(self, e, receivers: int = 1) -> PairCodes:
         """A payload on the transport for `receivers` replicas (with the drills' damage), or why there is none."""
+        from scd.online import codec, e_first
         if e.payload is None:
             return PairCodes(e.version, reason=e.error, cache_hit=e.cache_hit)
         payload = e.payload

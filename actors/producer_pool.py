@@ -25,8 +25,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.messages import pair_id
-from actors.producer_actor import PRODUCER_NAME, ProducerActor, producer_name
+from actors.messages import PRODUCER_NAME, pair_id, producer_name
 from cluster.config import DeploymentConfig
 from cluster.runtime import actor_options
 
@@ -74,6 +73,7 @@ class ProducerPool:
 
     # -- membership -------------------------------------------------------------------------------------
     def _create(self, name: str):
+        from actors.producer_actor import ProducerActor      # torch (Ray's tensor transports): in the pool alone
         s = self.spec
         opts = actor_options(s["num_gpus"], name=name, detached=True, namespace=self.namespace,
                              num_cpus=s["num_cpus"], resources=s["resources"], node_labels=s["node_labels"])

@@ -2,7 +2,9 @@
 
 Many specialist replicas on a node then fetch the same object-store copy instead of each reading (and
 verifying) the store. What travels is safetensors bytes plus JSON, never pickled Python objects.
-The actor is a shim over `ArtifactCache`, which holds the logic and is tested without Ray.
+The actor is a shim over `ArtifactCache`, which holds the logic and is tested without Ray. The module imports
+no torch: the tensors are read (and the store opened) inside the calls, so processes that only name the
+registry or start it stay light.
 """
 from __future__ import annotations
 
@@ -11,19 +13,27 @@ import json
 from collections import OrderedDict
 from collections.abc import Callable
 
+from typing import TYPE_CHECKING
+
 import ray
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from actors.messages import FallbackReason
-from artifacts_store import (ArtifactNotFound, ArtifactStore, ArtifactStoreError, Fingerprints, Manifest,
-                             StorageUnavailable)
-from artifacts_store.fingerprints import check
-from scd.online.artifacts import PairArtifacts
-from scd.online.family_artifacts import FamilyArtifacts
+from artifacts_store.errors import ArtifactNotFound, ArtifactStoreError, StorageUnavailable
+from artifacts_store.fingerprints import Fingerprints, check
+from artifacts_store.manifest import Manifest
+
+if TYPE_CHECKING:
+    from artifacts_store.store import ArtifactStore
+    from scd.online.artifacts import PairArtifacts
+    from scd.online.family_artifacts import FamilyArtifacts
 
 REGISTRY_NAME = "scd-artifact-registry"
 MAX_ENTRIES = 8
+
+
+def _open_store(uri: str) -> ArtifactStore:
+    from artifacts_store.store import ArtifactStore
+    return ArtifactStore(uri)
 
 
 class ArtifactCache:
@@ -34,12 +44,15 @@ class ArtifactCache:
     Every failure reaches the caller as an ArtifactStoreError subclass: the store's own (ArtifactNotFound,
     ChecksumMismatch, FingerprintMismatch, ManifestError, StorageUnavailable for filesystem errors), and
     anything else raised while reading becomes ArtifactStoreError naming the ref and the store. The store is
-    opened on first use, and again after a failed open, so an unreachable store never kills the actor."""
+    opened (`open_store(uri)`) on first use, and again after a failed open, so an unreachable store never kills
+    the actor."""
 
-    def __init__(self, store_uri: str, max_entries: int = MAX_ENTRIES, put: Callable = ray.put):
+    def __init__(self, store_uri: str, max_entries: int = MAX_ENTRIES, put: Callable = ray.put,
+                 open_store: Callable[[str], ArtifactStore] | None = None):
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.store_uri, self.max_entries, self.put = store_uri, max_entries, put
+        self.open_store = open_store or _open_store
         self._store: ArtifactStore | None = None
         self.entries: OrderedDict[str, tuple[str, list]] = OrderedDict()
         self.store_reads = self.evictions = 0
@@ -47,7 +60,7 @@ class ArtifactCache:
     def _call(self, what: str, ref: str, fn: Callable):
         try:
             if self._store is None:
-                self._store = ArtifactStore(self.store_uri)
+                self._store = self.open_store(self.store_uri)
             return fn(self._store)
         except ArtifactStoreError:
             raise
@@ -69,6 +82,7 @@ class ArtifactCache:
             return self.entries[key]
 
         def read(store: ArtifactStore) -> tuple[str, list]:
+            from safetensors.torch import save as st_save
             art, manifest = store.load_any(key)                     # checksums verified here, once
             blob = self.put((json.dumps(art.description()), st_save(art.tensors())))
             return manifest.model_dump_json(), [blob]               # a list: callers get the ref, not the value
@@ -146,6 +160,9 @@ def fetch(reg, ref: str, expect: Fingerprints | None = None,
     """Artifacts for `ref` through the registry; refuses them when the fingerprints differ from `expect`.
     Raises ArtifactStoreError subclasses (through Ray they arrive as RayTaskError instances of them), and
     ray.exceptions.GetTimeoutError after `timeout_s` for each of the two reads."""
+    from safetensors.torch import load as st_load
+
+    from scd.online.artifacts import PairArtifacts
     manifest, blob = _get(reg, ref, "pair", timeout_s)
     if expect is not None:
         check(str(manifest.ref), manifest.fingerprints, expect)
@@ -157,6 +174,9 @@ def fetch_family(reg, ref: str, expect: Fingerprints | None = None, member: str 
                  timeout_s: float | None = None) -> tuple[FamilyArtifacts, Manifest]:
     """A family artifact through the registry, as `fetch`. `expect` is checked against the family's producer
     and tokenizer, and with `member` (a consumer name) also against that member's consumer fingerprint."""
+    from safetensors.torch import load as st_load
+
+    from scd.online.family_artifacts import FamilyArtifacts
     manifest, blob = _get(reg, ref, "family", timeout_s)
     prints = manifest.member(member)
     if expect is not None:

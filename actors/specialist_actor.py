@@ -24,16 +24,14 @@ import time
 from typing import Iterator
 
 import ray
-import torch
 
 from actors.drills import hold_until_open
-from actors.messages import FallbackReason, Output, SpecialistRequest, pair_id
-from actors.producer_actor import PRODUCER_NAME
+from actors.messages import PRODUCER_NAME, FallbackReason, Output, SpecialistRequest, pair_id
 from actors.registry import fetch, fetch_family, registry, unavailable_reason
-from engines.interface import EngineConfig, build
-from engines.specialist import Arriving
+from engines.interface import Arriving, EngineConfig, build
 from actors.transport import TransportError, make_transport
-from artifacts_store import ArtifactNotFound, ArtifactStore, ArtifactStoreError, Fingerprints
+from artifacts_store.errors import ArtifactNotFound, ArtifactStoreError
+from artifacts_store.fingerprints import Fingerprints
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
 from serve_app import telemetry
 
@@ -115,6 +113,7 @@ class Answering:
 @ray.remote(max_concurrency=concurrency(16))       # the replica sets it from its own limit (concurrency())
 class SpecialistActor(Answering):
     def __init__(self, config: EngineConfig):
+        import torch
         torch.set_num_threads(cpu_threads())
         lower_cpu_priority()
         telemetry.setup(**config.telemetry, service=f"specialist-{config.name}")
@@ -183,6 +182,7 @@ class SpecialistActor(Answering):
 
     def _refused(self) -> bool:
         """Whether the pair's last calibration failed its quality gate (so none was published)."""
+        from artifacts_store.store import ArtifactStore
         try:
             return ArtifactStore(self.store_uri).refusal(self.pair) is not None
         except Exception:                  # storage trouble: the plain no_artifact reason is still true

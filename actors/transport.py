@@ -28,24 +28,14 @@ import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import ray
-import torch
 
-from scd.online import codec
+from actors.messages import Ticket
 
-
-@dataclass(frozen=True)
-class Ticket:
-    kind: str                      # "object_store" | "nixl" | "cuda_ipc"
-    nbytes: int
-    ref: list | None = None        # object_store: [ObjectRef] (in a list so Ray does not resolve it in transit)
-    data: bytes | None = None      # a small payload itself (at most inline_bytes), carried in the ticket: the
-                                   # payload's bytes (object_store), a Wire's body as host bytes (nixl, cuda_ipc)
-    head: bytes | None = None      # nixl, cuda_ipc, carried in the ticket: the Wire's header
-    key: str | None = None         # nixl, cuda_ipc: the staged payload a replica pulls
-    producer: str | None = None    # nixl, cuda_ipc: the producer (actor name) that staged it
+if TYPE_CHECKING:
+    from scd.online import codec
 
 
 class TransportError(RuntimeError):
@@ -147,7 +137,8 @@ class NixlTransport:
     def offer(self, payload: "codec.Wire", receivers: int = 1) -> Ticket:
         """Stage a payload until each of the `receivers` replicas that serve the request has pulled it; one of
         at most `inline_bytes` goes in the ticket instead (its body copied to host bytes)."""
-        if not isinstance(payload, codec.Wire):
+        from scd.online.codec import Wire
+        if not isinstance(payload, Wire):
             raise TransportError(f"the {self.name} transport moves tensors: offer a codec.Wire, not "
                                  f"{type(payload).__name__}")
         if len(payload) <= self.inline_bytes:
@@ -176,7 +167,8 @@ class CudaIpcTransport(NixlTransport):
     method = "pull_ipc"
 
     def offer(self, payload: "codec.Wire", receivers: int = 1) -> Ticket:
-        if not isinstance(payload, codec.Wire) or payload.body.device.type != "cuda":
+        from scd.online.codec import Wire
+        if not isinstance(payload, Wire) or payload.body.device.type != "cuda":
             raise TransportError("the cuda_ipc transport carries payloads encoded on a GPU only")
         return super().offer(payload, receivers)
 
@@ -203,10 +195,13 @@ class RdtReceiver:
         self.first = threading.Lock()
 
     def receive(self, ticket: Ticket) -> "codec.Wire":
+        import torch
+
+        from scd.online.codec import Wire
         if ticket.kind != self.kind or not (ticket.key or ticket.data is not None):
             raise TransportError(f"the {self.kind} transport cannot read a {ticket.kind!r} ticket")
         if ticket.data is not None:                # carried in the ticket: a host body (the engine moves the codes)
-            data = codec.Wire(ticket.head, torch.frombuffer(bytearray(ticket.data), dtype=torch.uint8))
+            data = Wire(ticket.head, torch.frombuffer(bytearray(ticket.data), dtype=torch.uint8))
             if len(data) != ticket.nbytes:
                 raise TransportError(f"a ticket carried {len(data)} bytes and says {ticket.nbytes}")
             return data
@@ -220,6 +215,7 @@ class RdtReceiver:
         return data
 
     def _pull(self, ticket: Ticket) -> "codec.Wire":
+        from scd.online.codec import Wire
         try:
             pulled = ray.get(getattr(rdt_handle(self.producer(ticket.producer)), self.method).remote(ticket.key),
                              timeout=self.timeout_s)
@@ -229,7 +225,7 @@ class RdtReceiver:
             raise TransportError(f"pull failed: {why}") from None
         # cuda_ipc hands out a view of the producer's memory, freed when it drops the staged copy: take ours
         body = pulled["body"].clone() if self.kind == "cuda_ipc" else pulled["body"]
-        data = codec.Wire(pulled["head"], body)
+        data = Wire(pulled["head"], body)
         if len(data) != ticket.nbytes:
             raise TransportError(f"{self.kind} pull returned {len(data)} bytes, ticket says {ticket.nbytes}")
         return data

@@ -6,19 +6,35 @@
     ref = store.lease("base:qa@latest", holder="qa#1", ttl_s=300)   # gc keeps ref.version while renewed
     store.gc(keep=3, protect=["base:qa@<version id>"])                # pins, leases and LATEST survive
 """
-from artifacts_store.errors import (ArtifactNotFound, ArtifactStoreError, ChecksumMismatch, FingerprintMismatch,
-                                    InvalidReference, ManifestError, StorageUnavailable)
-from artifacts_store.fingerprints import Fingerprints, ModelFingerprint, calibration_digest, weights_digest
-from artifacts_store.leases import GcReport, Kept, Lease
-from artifacts_store.manifest import SCHEMA_VERSION, CalibrationData, FileEntry, Manifest, upgrade
-from artifacts_store.refs import Ref, new_version_id, parse_ref
-from artifacts_store.results import FileProblem, VerifyResult, VersionInfo
-from artifacts_store.store import ArtifactStore
+import importlib
 
-__all__ = [
-    "ArtifactNotFound", "ArtifactStore", "ArtifactStoreError", "CalibrationData", "ChecksumMismatch", "FileEntry",
-    "FileProblem", "FingerprintMismatch", "Fingerprints", "GcReport", "InvalidReference", "Kept", "Lease", "Manifest",
-    "ManifestError", "ModelFingerprint", "Ref", "SCHEMA_VERSION", "StorageUnavailable", "VerifyResult", "VersionInfo",
-    "calibration_digest",
-    "new_version_id", "parse_ref", "upgrade", "weights_digest",
-]
+# name -> the module that defines it, imported at first use: `from artifacts_store import ArtifactStoreError`
+# loads the errors alone, and the router and Serve replicas that only name errors and fingerprints stay free
+# of torch (which the store's tensor files and the digests of loaded models need)
+_WHERE = {
+    **dict.fromkeys(["ArtifactNotFound", "ArtifactStoreError", "ChecksumMismatch", "FingerprintMismatch",
+                     "InvalidReference", "ManifestError", "StorageUnavailable"], "artifacts_store.errors"),
+    **dict.fromkeys(["Fingerprints", "ModelFingerprint"], "artifacts_store.fingerprints"),
+    **dict.fromkeys(["GcReport", "Kept", "Lease"], "artifacts_store.leases"),
+    **dict.fromkeys(["SCHEMA_VERSION", "CalibrationData", "FileEntry", "Manifest", "upgrade"],
+                    "artifacts_store.manifest"),
+    **dict.fromkeys(["Ref", "new_version_id", "parse_ref"], "artifacts_store.refs"),
+    **dict.fromkeys(["FileProblem", "VerifyResult", "VersionInfo"], "artifacts_store.results"),
+    "ArtifactStore": "artifacts_store.store",
+    "weights_digest": "scd.online.models",
+}
+_RENAMED = {"calibration_digest": ("scd.online.models", "data_digest")}     # one digest for data and weights
+
+__all__ = sorted([*_WHERE, *_RENAMED])
+
+
+def __getattr__(name: str):
+    if name in _RENAMED:
+        module, attr = _RENAMED[name]
+    elif name in _WHERE:
+        module, attr = _WHERE[name], name
+    else:
+        raise AttributeError(f"module 'artifacts_store' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

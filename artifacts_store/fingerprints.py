@@ -16,8 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from artifacts_store.errors import FingerprintMismatch, InvalidReference
 from artifacts_store.refs import parse_ref
-from scd.online.models import ModelSpec, model_digest, weights_digest  # noqa: F401  (weights_digest re-exported)
-from scd.online.models import data_digest as calibration_digest  # noqa: F401  (one digest for both)
 
 
 class ModelFingerprint(BaseModel):
@@ -28,6 +26,7 @@ class ModelFingerprint(BaseModel):
     @classmethod
     def of(cls, model) -> "ModelFingerprint":
         """Fingerprint of a loaded transformers model (its config must be one ModelSpec supports)."""
+        from scd.online.models import ModelSpec, model_digest
         return cls(config_hash=ModelSpec.from_config(model.config).fingerprint(), weights_digest=model_digest(model))
 
 

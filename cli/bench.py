@@ -34,7 +34,8 @@ from scd.evaluation import methods
 from scd.online import codec, links
 from scd.online.artifacts import level_tag
 from scd.fitting import scoring, structure
-from scd.online.models import is_adapter, load_pair
+from scd.online.model_files import is_adapter
+from scd.online.models import load_pair
 from scd.online.trace import capture
 
 

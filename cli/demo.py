@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = Phases()
     cfg = load_config(args.config)
     build_missing_producer(cfg.producer.path)
-    from scd.online.models import load_tokenizer
+    from scd.online.model_files import load_tokenizer
     tok = load_tokenizer(cfg.producer.path)
 
     import ray

@@ -22,7 +22,8 @@ from scd.fitting import exact, structure
 from scd.fitting.calibrate import Calibration
 from scd.online import codec
 from scd.online.artifacts import PairArtifacts
-from scd.online.models import is_adapter, load_pair
+from scd.online.model_files import is_adapter
+from scd.online.models import load_pair
 from scd.settings import CalibConfig
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo_models"

@@ -28,6 +28,7 @@ import torch
 
 from engines.batching import BatchDecoder
 from actors.messages import FallbackReason
+from engines.interface import NotServed
 from engines.prefix_cache import PrefixCodeCache, prefix_key
 from engines.specialist import ServedInfo, TextStream, answer_events, collected, events_as_text
 from scd.online.artifacts import PairArtifacts
@@ -35,10 +36,6 @@ from scd.online.decode import GenParams, Row
 from scd.online.lora_group import LoraGroup, adapter_view
 from scd.online.rebuild import encode, prepare, rebuild
 from scd.online.trace import capture
-
-
-class NotServed(ValueError):
-    """A request names an adapter the group does not hold (never loaded, or unloaded)."""
 
 
 def _nbytes(kept: tuple) -> int:

@@ -7,14 +7,24 @@ answer, to report its status and to stop. Two engines implement it: `SpecialistE
 its prefix rebuilt from a producer's codes) and `GroupEngine` (a LoRA group: one base and its adapters, the
 prefix's base layers computed once for all). The producer's engine encodes instead of answering
 (engines/producer.py); its actor builds it from its own settings.
+
+Also here, with no torch, for the processes that only forward requests: an E-first payload as it arrives
+(`Arriving`) and a request for an adapter a group does not hold (`NotServed`).
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
 from actors.messages import SpecialistRequest
+
+if TYPE_CHECKING:
+    from scd.online import e_first
+
+
+class NotServed(ValueError):
+    """A request names an adapter the group does not hold (never loaded, or unloaded)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,33 @@ class EngineConfig:
     transport: str = "object_store"        # how a specialist receives its codes
     control_timeout_s: float = 5.0         # the actor's calls to the producer and registry
     telemetry: dict = field(default_factory=dict)
+
+
+class Arriving:
+    """An E-first payload (e_first.Parts) as a replica receives it: the entry part in hand, the rest a receive
+    away. `receive()` -> (the rest or None, the fallback reason when None, ms it took) runs once, from
+    `rest()` or from `close()` when nothing asked for it (a staged payload is released when taken)."""
+
+    def __init__(self, entry, receive: Callable[[], tuple]):
+        self.entry, self._receive, self._rest = entry, receive, None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, parts: e_first.Parts) -> "Arriving":
+        """Both parts already in hand (in process)."""
+        return cls(parts.entry, lambda: (parts.rest, None, 0.0))
+
+    def rest(self) -> tuple:
+        with self._lock:
+            if self._rest is None:
+                self._rest = self._receive()
+            return self._rest
+
+    close = rest
+
+    def __len__(self) -> int:
+        rest = self._rest[0] if self._rest is not None else None
+        return len(self.entry) + (len(rest) if rest is not None else 0)
 
 
 class AnsweringEngine(Protocol):

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from engines.batching import BatchDecoder
+from engines.interface import Arriving
 from actors.messages import FallbackReason
 from engines.prefix_cache import PrefixCodeCache, prefix_key
 from scd.online import activated, cache, codec, e_first, fast_decode
@@ -90,33 +91,6 @@ class TextStream:
 
     def flush(self) -> str:
         return self.detok.flush()
-
-
-class Arriving:
-    """An E-first payload (e_first.Parts) as a replica receives it: the entry part in hand, the rest a receive
-    away. `receive()` -> (the rest or None, the fallback reason when None, ms it took) runs once, from
-    `rest()` or from `close()` when nothing asked for it (a staged payload is released when taken)."""
-
-    def __init__(self, entry, receive: Callable[[], tuple]):
-        self.entry, self._receive, self._rest = entry, receive, None
-        self._lock = threading.Lock()
-
-    @classmethod
-    def of(cls, parts: e_first.Parts) -> "Arriving":
-        """Both parts already in hand (in process)."""
-        return cls(parts.entry, lambda: (parts.rest, None, 0.0))
-
-    def rest(self) -> tuple:
-        with self._lock:
-            if self._rest is None:
-                self._rest = self._receive()
-            return self._rest
-
-    close = rest
-
-    def __len__(self) -> int:
-        rest = self._rest[0] if self._rest is not None else None
-        return len(self.entry) + (len(rest) if rest is not None else 0)
 
 
 def logprobs_entry(tok, token_id: int, lp: TokenLogprobs, offset: int) -> dict:

@@ -36,7 +36,8 @@ from scd.fitting import exact, points, structure
 from scd.fitting.calibrate import LEVEL_RULE, CalibConfig, Calibration
 from scd.fitting.checkpoints import artifact_digest, load_record, samples_digest, save_record
 from scd.online.artifacts import level_tag
-from scd.online.models import is_adapter, load_pair
+from scd.online.model_files import is_adapter
+from scd.online.models import load_pair
 
 STRUCTURE_NOISE = 1e-3          # the most a shared layer's K, V or residual may differ, run by both models
 HELD_OUT_CURVE = "each entry beside droidspeak@entry"   # what a block plan's held-out curve holds (a changed
@@ -151,7 +152,7 @@ def with_overrides(c: CalibrationSettings, overrides: list[str]) -> CalibrationS
 def with_adapter(cfg, name: str, path: str):
     """The config with one more specialist, `name`, the PEFT adapter of the producer's model at `path`."""
     from cluster.config import SpecialistSettings
-    from scd.online.models import adapter_problem
+    from scd.online.model_files import adapter_problem
     if name in [s.name for s in cfg.specialists]:
         raise SystemExit(f"--adapter: {name!r} is a specialist of the config already; leave --adapter out")
     if problem := adapter_problem(path, cfg.producer.path):

@@ -28,7 +28,8 @@ from artifacts_store.manifest import CalibrationData
 from cluster.config import ConfigError, load_config
 from scd.online import codec, shapes
 from scd.online.artifacts import PairArtifacts, exact_plan
-from scd.online.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
+from scd.online.model_files import load_tokenizer
+from scd.online.models import ModelSpec, tokenizer_fingerprint
 from scd.online.reuse import LinearCodec
 
 PLAN_KINDS = ("codes", "block_2_3", "block_1_3", "exact_half", "alora")

@@ -72,7 +72,7 @@ def engine_options(cfg: DeploymentConfig, name: str) -> dict:
 def group_base(cfg: DeploymentConfig, group: str) -> str:
     """The base model folder of a LoRA group: the producer's, which every member must be an adapter of (a
     ConfigError says which is not)."""
-    from scd.online.models import adapter_problem
+    from scd.online.model_files import adapter_problem
     producer = Path(cfg.producer.path).expanduser()
     if shapes.is_shape(cfg.producer.path):
         raise ConfigError(f"group {group!r}: the producer is a timing shape ({cfg.producer.path}), which no "

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import ray
 from ray.serve.metrics import Counter, Gauge
 
-from actors.messages import Codes, FallbackReason
-from actors.producer_actor import one_line
+from actors.messages import Codes, FallbackReason, one_line
 from actors.producer_pool import POOL_NAME, REFRESH_S
 from cluster.config import DeploymentConfig
 from serve_app.ring import HashRing, prefix_hash

@@ -24,11 +24,10 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
 from actors.adapter_book import SYNC_S, book
-from actors.messages import Codes, FallbackReason, GenParams, Output, SpecialistRequest, pair_id
-from actors.producer_actor import one_line
+from actors.messages import Codes, FallbackReason, GenParams, Output, SpecialistRequest, one_line, pair_id
 from cluster.config import DeploymentConfig
-from engines.group import NotServed
-from scd.online.lora_group import AdapterError
+from engines.interface import NotServed
+from scd.online.api import AdapterError
 from serve_app import responses, telemetry
 from serve_app.errors import ApiError, Guard, install, overloaded
 from serve_app.producer_client import Producers
@@ -89,7 +88,7 @@ def _iso(t: float) -> str:
 @serve.ingress(api)
 class Router:
     def __init__(self, specialists: dict, config: dict, key_sha: str | None = None):
-        from scd.online.models import context_length, load_tokenizer
+        from scd.online.model_files import context_length, load_tokenizer
         self.cfg = cfg = DeploymentConfig.model_validate(config)
         self.limits = cfg.limits
         telemetry.setup(**cfg.telemetry.model_dump(exclude={"access_log"}), service="router")
@@ -457,7 +456,7 @@ class Router:
         import re
 
         from cluster.config import NAME
-        from scd.online.models import adapter_problem
+        from scd.online.model_files import adapter_problem
         name = body.lora_name
         if body.load_inplace:
             raise ApiError(400, "load_inplace: replacing a loaded adapter is not supported; unload it first",

@@ -153,8 +153,7 @@ def real_family() -> Path:
 
 # The modules whose tests use the session's Ray cluster (`ray_cluster`, Serve apps on it) or the jobs that run
 # on it: under pytest-xdist they all go to one worker, in order. On a small machine two workers each running
-# such a cluster with model actors oversubscribe the cores, and with two of them live a job submitted to one
-# can start its driver against the other's address.
+# such a cluster with model actors oversubscribe the cores.
 RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_calibrate_job.py", "test_cli_calibrate.py",
                "test_exact_plans.py", "test_faults.py", "test_gpu.py", "test_loadtest.py", "test_producer_pool.py",
                "test_serve.py", "test_serve_group.py", "test_serve_nixl.py", "test_shapes.py", "test_transport.py"}

@@ -44,7 +44,7 @@ def served_faults(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
 
 
 def _producer():
-    from actors.producer_actor import producer_name
+    from actors.messages import producer_name
     return ray.get_actor(producer_name(0), namespace=NS)
 
 

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from artifacts_store.fingerprints import Fingerprints
 from jobs import train_lora
 from jobs.train_family import train_tokenizer
-from scd.online.models import adapter_digest, is_adapter, load
+from scd.online.model_files import is_adapter
+from scd.online.models import adapter_digest, load
 from tests.conftest import DEMO
 
 SMOLLM2_ADAPTERS = DEMO / "smollm2"      # the real family's committed specialists (checked without the base)

@@ -78,6 +78,46 @@ def test_scd_core_imports_without_ray_fastapi_or_distributed():
     assert r.returncode == 0, f"scd pulled in {r.stdout.strip()} {r.stderr[-500:]}"
 
 
+def test_the_processes_that_only_forward_requests_load_no_torch():
+    """The router, the Serve replicas' shims, the producer pool, the registry and the adapter book forward
+    requests, create or name actors and read small files: their modules, the messages they unpickle, and the
+    router's tokenizer and context length load no torch (about 2 s of CPU and 200 MB in each such process)."""
+    from tests.conftest import DEMO
+    code = ("import sys, serve_app.router, serve_app.specialist, actors.producer_pool, actors.registry, "
+            "actors.adapter_book, actors.messages, engines.interface, scd.online.api\n"
+            "from scd.online.model_files import context_length, load_tokenizer\n"
+            f"ids = load_tokenizer({str(DEMO / 'base')!r}).encode('Where does Tilda live?')\n"
+            f"n = context_length({str(DEMO / 'base')!r})\n"
+            "bad = [m for m in ('torch', 'peft', 'transformers.models.auto') if m in sys.modules]\n"
+            "print(bad, len(ids), n); sys.exit(1 if bad or not ids or n < 1 else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, f"loaded {r.stdout.strip()} {r.stderr[-1500:]}"
+
+
+def test_the_routers_tokenizer_gives_the_engines_ids_and_context_length():
+    """load_tokenizer (no torch) against AutoTokenizer (what a model load uses): the same ids, special tokens
+    and chat template on the demo family and, where it is built, the real one."""
+    from transformers import AutoTokenizer
+
+    from jobs.fetch_family import built
+    from scd.online.model_files import context_length, load_tokenizer
+    from tests.conftest import DEMO
+    real = built("smollm2")
+    texts = ["Question: Where does Tilda Vance live?\nAnswer:", " x", "\u00fcn\u00efc\u00f6d\u00e9\t\ttabs  ",
+             "<|im_start|>user\nhi<|im_end|>", ""]
+    chat = [{"role": "user", "content": "Who keeps bees?"}]
+    for folder in [DEMO / "base", *([real] if real else [])]:
+        ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        for t in texts:
+            assert ours.encode(t) == auto.encode(t), (folder, t, ours.encode(t), auto.encode(t))
+        assert (ours.eos_token_id, ours.bos_token_id, ours.chat_template) == \
+            (auto.eos_token_id, auto.bos_token_id, auto.chat_template), folder
+        if auto.chat_template:
+            assert ours.apply_chat_template(chat, add_generation_prompt=True) == \
+                auto.apply_chat_template(chat, add_generation_prompt=True), folder
+        assert context_length(folder) == AutoConfig.from_pretrained(folder).max_position_embeddings, folder
+
+
 def test_imports_run_one_way_online_evaluation_fitting_and_serving_never_imports_fitting():
     """The layering the README's layout table states, checked on every import statement (lazy ones too)."""
     import ast

@@ -5,7 +5,8 @@ import time
 import pytest
 import ray
 
-from actors.producer_actor import Busy, one_line
+from actors.messages import one_line
+from actors.producer_actor import Busy
 from actors.producer_pool import Autoscaler
 from cluster.config import ProducerAutoscaling
 

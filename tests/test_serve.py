@@ -47,7 +47,7 @@ def deploy_and_wait(cfg_path, raw: dict):
 
 @pytest.fixture(scope="module")
 def served(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
-    from actors.producer_actor import producer_name
+    from actors.messages import producer_name
     tmp = tmp_path_factory.mktemp("serve")
     cfg_path = serving_config(tmp, demo_store, demo_work_dir)
     store = ArtifactStore(tmp / "store")

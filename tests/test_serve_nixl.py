@@ -22,7 +22,7 @@ def serve_family(tmp_path_factory, demo_store, demo_work_dir, transport: str, na
     """qa and prose (calibrated, and published as the family "fam": the session's demo_store) served with
     `transport` in `namespace`; `qa`: more settings of the qa specialist; `gpus`: each model's share of a GPU
     (0: on CPU). Yields (url, the producer's handle); Serve stops after."""
-    from actors.producer_actor import producer_name
+    from actors.messages import producer_name
     tmp = tmp_path_factory.mktemp(f"serve-{transport}")
     cfg_path = serving_config(tmp, demo_store, demo_work_dir)
     raw = yaml.safe_load(cfg_path.read_text())

@@ -29,7 +29,8 @@ from scd.data.samples import pair_data
 from scd.online import activated, fast_decode
 from scd.online.decode import GenParams
 from scd.online.lora_group import AdapterError, LoraGroup, read_adapter
-from scd.online.models import ModelSpec, is_adapter, load, named_base
+from scd.online.model_files import is_adapter, named_base
+from scd.online.models import ModelSpec, load
 
 
 def weight_bytes(model) -> int:

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     from artifacts_store import ArtifactStore
     if not usable(ArtifactStore(cfg.artifacts.uri), pair_id(cfg.producer.name, name)):
         raise SystemExit(f"{name} has no published artifact in {cfg.artifacts.uri}: run `make demo` once first")
-    from scd.online.models import load_tokenizer
+    from scd.online.model_files import load_tokenizer
     from serve_app.app import deploy, undeploy, wait_healthy
     tok = load_tokenizer(cfg.producer.path)
     prefix, suffixes = demo_prompts(tok)

@@ -21,7 +21,7 @@ import torch
 
 from scd.fitting.traces import pad
 from scd.online import activated
-from scd.online.models import invocation_tokens
+from scd.online.model_files import invocation_tokens
 from scd.online.trace import capture
 
 

@@ -21,28 +21,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from scd.online import fast_decode
+from scd.online.api import GenParams, TokenLogprobs
 from scd.online.cache import assemble, cache_arg, extend
 from scd.online.lora_group import LoraGroup
-
-
-@dataclass(frozen=True)
-class GenParams:
-    max_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    min_tokens: int = 0                     # eos is masked out until this many tokens were generated
-    ignore_eos: bool = False                # eos is always masked out: only max_tokens or a stop string ends it
-    logprobs: int | None = None             # report each token's logprob and this many top alternatives
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """A generated token's log-probability under the model's own next-token distribution (its logits before
-    temperature, top-p or the eos mask), and the `top` most likely tokens with theirs, most likely first."""
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:

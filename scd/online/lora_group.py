@@ -30,15 +30,12 @@ import torch
 from safetensors.torch import load_file
 
 from scd.online import activated, fast_decode
+from scd.online.api import AdapterError
 
 # the projections a group adapts, as FastStep runs them: (fused kind, its modules in fused order)
 KINDS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
 MODULE_KIND = {m: k for k, ms in KINDS.items() for m in ms}
-
-
-class AdapterError(ValueError):
-    """An adapter a group cannot hold; the message is one line naming the adapter and why."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from scd.online import activated, shapes
+from scd.online.model_files import adapter_base, invocation_tokens, is_adapter, named_base
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -120,57 +121,6 @@ def data_digest(prefixes) -> str:
     return h.hexdigest()[:32]
 
 
-def is_adapter(path: str | Path) -> bool:
-    """A PEFT adapter folder (adapter_config.json, no config.json of its own)."""
-    p = Path(path).expanduser()
-    return (p / "adapter_config.json").is_file() and not (p / "config.json").is_file()
-
-
-def _adapter_config(path: str | Path) -> dict:
-    return json.loads((Path(path).expanduser() / "adapter_config.json").read_text())
-
-
-def named_base(path: str | Path) -> str | None:
-    """The base model an adapter's config names (base_model_name_or_path): a local folder or a hub id."""
-    return _adapter_config(path).get("base_model_name_or_path")
-
-
-def invocation_tokens(adapter_dir: str | Path | None) -> tuple[int, ...] | None:
-    """An aLoRA adapter's invocation token ids, from its adapter_config.json (None: not an aLoRA, or no adapter)."""
-    if adapter_dir is None or not (Path(adapter_dir).expanduser() / "adapter_config.json").is_file():
-        return None
-    tokens = _adapter_config(adapter_dir).get("alora_invocation_tokens")
-    return tuple(int(t) for t in tokens) if tokens else None
-
-
-def adapter_problem(path: str | Path, base_folder: str | Path, base: str | Path | None = None) -> str | None:
-    """Why `path` is not a PEFT adapter of the model in `base_folder` (`base`: the base its config should
-    name instead of its own), in one line; None when it is one."""
-    p = Path(path).expanduser()
-    if not is_adapter(p):
-        return f"{path} is not a PEFT adapter folder (adapter_config.json)"
-    try:
-        named = adapter_base(p, base)
-    except (FileNotFoundError, ValueError) as e:
-        return str(e)
-    if named.resolve() != Path(base_folder).expanduser().resolve():
-        return f"{path} is an adapter of {named}, not of {base_folder}"
-    return None
-
-
-def adapter_base(path: str | Path, base: str | Path | None = None) -> Path:
-    """The base model folder of an adapter: `base` if given, else the adapter config's base_model_name_or_path,
-    which must then be a local folder (nothing is fetched)."""
-    p = Path(path).expanduser()
-    named = named_base(p)
-    b = Path(base if base is not None else (named or "")).expanduser()
-    if not str(b) or not (b / "config.json").is_file():
-        raise FileNotFoundError(f"the base model of adapter {p} is not a local model folder: {str(b) or '(none named)'}"
-                                "; give it with --consumer-base (scd eval, scd bench) or `base:` on the specialist "
-                                "in the config")
-    return b
-
-
 def merged_digest(base: str | Path, adapter: str | Path) -> str:
     """The identity of an adapter merged into its base (`scd_weights_digest`, see load), from the two folders:
     the same wherever and however the merge is computed (a LoRA group holds it unmerged)."""
@@ -229,20 +179,6 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path 
         tokenizer.pad_token = tokenizer.eos_token         # else no pad token at all: padding uses any id (masked)
     tokenizer.padding_side = "left"
     return model, tokenizer, ModelSpec.from_config(model.config)
-
-
-def load_tokenizer(path: str | Path):
-    """The tokenizer of a model folder or of a `shape://` path (the demo family's), without the model."""
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(shapes.TOKENIZER if shapes.is_shape(path) else path, local_files_only=True)
-
-
-def context_length(path: str | Path) -> int:
-    """The model's context (max_position_embeddings) from its config, without the model."""
-    if shapes.is_shape(path):
-        return int(shapes.SHAPES[shapes.parse(str(path)).name]["max_position_embeddings"])
-    from transformers import AutoConfig
-    return int(AutoConfig.from_pretrained(path, local_files_only=True).max_position_embeddings)
 
 
 def load_pair(producer_path: str | Path, consumer_path: str | Path, dtype: torch.dtype = torch.float32,

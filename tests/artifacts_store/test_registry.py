@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import actors.registry as registry_mod
 from actors.registry import ArtifactCache
 from artifacts_store import (ArtifactNotFound, ArtifactStore, ArtifactStoreError, ChecksumMismatch, Manifest,
                              StorageUnavailable)
@@ -76,7 +75,7 @@ def test_store_failures_reach_the_caller_as_store_errors(store, tmp_path, monkey
     assert cache.get("base:qa")[0] and cache.stats()["store_reads"] == 1     # the cache still works
 
 
-def test_an_unreachable_store_is_opened_again_on_the_next_call(store, tmp_path, monkeypatch):
+def test_an_unreachable_store_is_opened_again_on_the_next_call(store, tmp_path):
     m = publish(store)
     opened = []
 
@@ -86,8 +85,7 @@ def test_an_unreachable_store_is_opened_again_on_the_next_call(store, tmp_path, 
             return ArtifactStore("nosuchscheme://bucket")
         return ArtifactStore(uri)
 
-    monkeypatch.setattr(registry_mod, "ArtifactStore", flaky)
-    cache = _cache(tmp_path)
+    cache = ArtifactCache(str(tmp_path / "store"), 2, put=lambda value: value, open_store=flaky)
     with pytest.raises(StorageUnavailable, match="opening the store failed"):
         cache.resolve("base:qa")
     assert cache.resolve("base:qa") == f"base:qa@{m.version}" and len(opened) == 2
