@@ -15,6 +15,8 @@ consumer's per-layer (K, V), the bytes that had to cross the wire, and the consu
               int4, the residual bf16; exact_klt: transform coded, scd.online.klt), the consumer runs
               s..L-1 itself: SCD on
               the exact plan of its structure (scd.fitting.structure), through the same wire format
+  <method>+<rule>@<f>  another method's cache repaired by selective token recompute at a share f of the
+              prefix's positions (Selective; scd.online.selective)
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scd.online import codec, e_first
+from scd.online import codec, e_first, selective
 from scd.online.artifacts import PairArtifacts, exact_plan, level_tag
 from scd.online.rebuild import encode, rebuild
 from scd.online.recompute import run_layers
@@ -147,6 +149,23 @@ class DroidSpeak(Method):
         b, _, tok, _ = tr.keys[0].shape
         entry = b * tok * tr.hidden[s].shape[-1] * 2          # the residual at s, sent first (E-first)
         return Built(kv, _bf16_bytes(tuple(tr.keys[0].shape), len(kv) - self.n) + entry, ms, {"recompute_ms": ms}, entry)
+
+
+class Selective(Method):
+    """Another method's cache repaired by selective token recompute (scd.online.selective): the consumer runs
+    every layer for `fraction` of the prefix's positions, chosen by `rule`; named <inner>+<rule>@<fraction>."""
+
+    def __init__(self, inner: Method, rule: str, fraction: float, tok=None, layers: int = 1):
+        self.inner, self.rule, self.fraction, self.tok, self.layers = inner, rule, fraction, tok, layers
+        self.name = f"{inner.name}+{rule}@{fraction:g}"
+
+    def build(self, consumer, ids, mask, producer_trace):
+        built = self.inner.build(consumer, ids, mask, producer_trace)
+        t = time.perf_counter()
+        kv, _ = selective.repair(consumer, built.kv, ids, mask, self.rule, self.fraction, self.tok, self.layers)
+        ms = (time.perf_counter() - t) * 1e3
+        return Built(kv, built.payload_bytes, built.consumer_ms + ms, {**built.phases, "selective_ms": ms},
+                     built.entry_bytes)
 
 
 def sync() -> None:

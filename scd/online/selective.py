@@ -1,0 +1,142 @@
+"""Selective token recompute: a rebuilt cache repaired at the positions where it deviates most, across models
+(CacheBlend, arXiv 2405.16444, which repairs a cache reused for another context).
+
+The consumer runs every layer for a chosen set S of the prefix's positions. At each layer the positions of S
+attend over the cache as it stands there: their own K, V (computed in this pass) at the positions of S, the
+rebuilt K, V at the others. Their own K, V then replace the rebuilt ones at S. Selecting every position is
+the consumer's own prefill; selecting the last k is a tail (`rebuild.run_tail`). It costs |S| / T of a
+prefill's projections and MLPs, and |S| x T of its attention.
+
+Which positions (each a rule with its own cost, counted by `cost`):
+- `deviation`: CacheBlend's rule. The consumer's own first `layers` layers over every position (that share of
+  a prefill), against the rebuilt K, V there; the positions that deviate most. Those first layers are then the
+  consumer's own for every position (they were computed anyway; `repair` puts them in before S runs).
+- `structural`: no compute. The prefix's last positions, then its separators (newlines, punctuation), then
+  the first tokens of capitalised words (names), then the latest others.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from scd.online.cache import assemble, cache_arg
+from scd.online.recompute import run_layers
+from scd.online.rope import cos_sin, positions_from_mask
+
+KV = tuple[torch.Tensor, torch.Tensor]
+RULES = ("deviation", "structural")
+
+
+def count_for(mask: torch.Tensor, fraction: float) -> int:
+    """How many positions a fraction of the prefix selects: of its shortest row's real (unpadded) ones."""
+    valid = int(mask.long().sum(-1).min())
+    return max(0, min(valid, round(fraction * valid)))
+
+
+@torch.no_grad()
+def recompute_tokens(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, sel: torch.Tensor) -> list[KV]:
+    """`kv` (per layer (K post-RoPE, V), each (B, n_kv, T, d)) with the positions `sel` (B, s) (column
+    indexes, sorted, each row's own and unpadded) replaced by the consumer's own K, V: every layer runs for
+    the s positions only."""
+    b, t = token_ids.shape
+    s = sel.shape[1]
+    if s == 0:
+        return list(kv)
+    dtype = kv[0][0].dtype
+    pos = positions_from_mask(mask).gather(1, sel)                            # (B, s) RoPE positions
+    chosen = torch.zeros(b, t, dtype=torch.bool, device=sel.device).scatter_(1, sel, True)
+    cols = torch.arange(t, device=sel.device)
+    # query i (column sel_i) sees: a column j <= sel_i that is not chosen (the rebuilt K, V there) and not
+    # padding, and a chosen column m with sel_m <= sel_i (its own K, V, appended after the T old ones)
+    see_old = (cols[None, None, :] <= sel[:, :, None]) & ~chosen[:, None, :] & mask.bool()[:, None, :]
+    see_new = sel[:, None, :] <= sel[:, :, None]
+    allowed = torch.cat([see_old, see_new], -1)[:, None]                      # (B, 1, s, T + s)
+    attn = torch.zeros(allowed.shape, dtype=dtype, device=sel.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    emb = cos_sin(model, pos, dtype)
+    cache = assemble(model, kv)
+    x = model.model.embed_tokens(token_ids.gather(1, sel)).to(dtype)
+    for l in range(len(kv)):
+        layer = model.model.layers[l]
+        x = layer(x, attention_mask=attn, position_ids=pos, use_cache=True, position_embeddings=emb,
+                  **cache_arg(layer, cache))
+        x = x[0] if isinstance(x, tuple) else x
+    out = []
+    for l, (k, v) in enumerate(kv):
+        new_k, new_v = cache.layers[l].keys[..., t:, :], cache.layers[l].values[..., t:, :]
+        idx = sel[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+        out.append((k.scatter(2, idx, new_k), v.scatter(2, idx, new_v)))
+    return out
+
+
+@torch.no_grad()
+def deviation(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, fraction: float,
+              layers: int = 1) -> tuple[torch.Tensor, list[KV]]:
+    """CacheBlend's selection: (sel (B, s), the consumer's own K, V of layers [0, layers) over every position).
+    A position's deviation is the squared distance of its rebuilt K and V from the consumer's own over those
+    layers, each layer's scaled by its own K and V's mean square."""
+    positions = positions_from_mask(mask)
+    dtype = kv[0][0].dtype
+    own = run_layers(model, model.model.embed_tokens(token_ids).to(dtype), mask, positions, 0, layers)
+    score = torch.zeros(token_ids.shape, dtype=torch.float32, device=token_ids.device)
+    for (k, v), (ok, ov) in zip(kv, own):
+        for got, ref in ((k, ok), (v, ov)):
+            d = (got.float() - ref.float()).pow(2).sum((1, 3))                # (B, T)
+            score += d / ref.float().pow(2).sum((1, 3)).mean(-1, keepdim=True).clamp(min=1e-12)
+    return top(score, mask, count_for(mask, fraction)), own
+
+
+SEPARATOR = re.compile(r"[\n.,:;?!()\[\]\"]")
+
+
+def structural(token_ids: torch.Tensor, mask: torch.Tensor, tok, fraction: float, last: int = 16) -> torch.Tensor:
+    """The positions a prefix's structure points at, no compute: its last `last`, its separators, the first
+    tokens of capitalised words, then the latest others, up to `fraction` of the prefix."""
+    b, t = token_ids.shape
+    score = torch.zeros(b, t)
+    for r in range(b):
+        pieces = tok.convert_ids_to_tokens(token_ids[r].tolist())
+        for c, piece in enumerate(pieces):
+            text = tok.convert_tokens_to_string([piece])
+            if SEPARATOR.search(text):
+                score[r, c] = 2.0
+            elif text[:1].isspace() and text.strip()[:1].isupper():
+                score[r, c] = 1.0
+    score += torch.arange(t, dtype=torch.float32) / t                         # later first among equals
+    score[:, max(0, t - last):] = 3.0 + torch.arange(min(t, last), dtype=torch.float32) / t
+    return top(score, mask, count_for(mask, fraction))
+
+
+def top(score: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """The k highest-scoring unpadded columns of each row, in column order: (B, k)."""
+    score = score.masked_fill(~mask.bool(), float("-inf"))
+    return score.topk(k, dim=-1).indices.sort(-1).values
+
+
+def cost(config, t: int, s: int, first_layers: int = 0) -> float:
+    """Multiply-adds of selective recompute over a prefix of t positions with s selected, as a share of the
+    consumer's own prefill of it (`config`: its transformers config): s positions through every layer (their
+    projections and MLP, and attention over t + s), plus `first_layers` layers over all t (the deviation
+    rule's)."""
+    h, f = config.hidden_size, config.intermediate_size
+    n, n_kv = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or h // n
+    linear = h * d * (2 * n + 2 * n_kv) + 3 * h * f                            # q, o, k, v; gate, up, down
+    prefill_layer = t * linear + n * d * t * (t + 1)                            # QK^T and AV over the causal half
+    selective_layer = s * linear + 2 * n * d * s * (t + s)
+    return (first_layers * prefill_layer + config.num_hidden_layers * selective_layer) / \
+        (config.num_hidden_layers * prefill_layer)
+
+
+@torch.no_grad()
+def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rule: str, fraction: float,
+           tok=None, layers: int = 1) -> tuple[list[KV], int]:
+    """`kv` repaired by `rule` at `fraction` of the prefix's positions: (the cache, the positions recomputed)."""
+    if rule == "deviation":
+        sel, own = deviation(model, kv, token_ids, mask, fraction, layers)
+        kv = own + list(kv[layers:])
+    elif rule == "structural":
+        sel = structural(token_ids, mask, tok, fraction)
+    else:
+        raise ValueError(f"selection rule {rule!r}: one of {RULES}")
+    return recompute_tokens(model, kv, token_ids, mask, sel), sel.shape[1]

@@ -1,0 +1,116 @@
+"""Selective token recompute across models (scd.online.selective) on a pair's held-out windows: a probe.
+
+    python -m tools.probe_selective --config configs/smollm2.yaml --pair smollm2:code --tokens 512,2048
+                                    [--artifact smollm2:code] [--fractions 0.05,0.1,0.2,0.35] [--json F]
+
+For each prefix length T it measures, on the same held-out windows, the teacher-forced KL of the next 32
+tokens against the consumer's own prefill for:
+
+  raw_kv                        the producer's K and V as they are (no consumer compute)
+  droidspeak@<e>                the consumer's layers e..L-1 from the producer's residual
+  raw_kv+<rule>@<f>             raw KV repaired at a fraction f of the positions, chosen by <rule>
+  codes, codes+<rule>@<f>       with --artifact: the pair's codes alone (no block, no tail), and repaired
+
+and prints each one's consumer compute (multiply-adds counted over the consumer's own prefill:
+selective.cost, and DroidSpeak's layers' share) and its KL over raw KV's. No artifact is needed for the raw-KV
+rows: CacheBlend's own setting (a cache computed elsewhere, repaired), across models.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from scd.data import samples
+from scd.evaluation import methods
+from scd.evaluation.evaluate import Evaluator
+from scd.fitting import points
+from scd.online import selective
+
+
+def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list[float], entries: list[int],
+            codes: methods.Method | None = None) -> list[dict]:
+    """One row per method on `held` (windows of one length): {"method", "tokens", "compute", "kl", "over_raw"}."""
+    n, t = config.num_hidden_layers, held[0].prefix.shape[-1]
+    bases = [methods.RawKV()] + ([codes] if codes else [])
+    ms = bases + [methods.DroidSpeak.entering(e, n) for e in entries] + [
+        methods.Selective(b, rule, f, ev.tok) for b in bases for rule in rules for f in fractions]
+    kl = {m.name: 0.0 for m in ms}
+    for s in tqdm(held, desc=f"selective at {t} tokens"):
+        ref = ev.reference(s)
+        for m in ms:
+            kl[m.name] += ev.kl(s, m, ref) / len(held)
+
+    def compute(m) -> float:
+        if isinstance(m, methods.Selective):
+            return selective.cost(config, t, selective.count_for(torch.ones(1, t), m.fraction),
+                                  m.layers if m.rule == "deviation" else 0)
+        if m.name.startswith("droidspeak@"):
+            return points.consumer_ratio(m.start, 0, n, t)
+        return 0.0
+    raw = kl["raw_kv"]
+    return [{"method": m.name, "tokens": t, "compute": compute(m), "kl": kl[m.name], "over_raw": kl[m.name] / raw}
+            for m in ms]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="tools.probe_selective", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/smollm2.yaml")
+    p.add_argument("--pair", required=True, help="PRODUCER:CONSUMER of the config")
+    p.add_argument("--artifact", help="PRODUCER:CONSUMER[@VERSION] in the config's store: also from its codes")
+    p.add_argument("--tokens", default="512,2048", help="prefix lengths, comma-separated")
+    p.add_argument("--samples", type=int, default=12, help="held-out windows per length")
+    p.add_argument("--fractions", default="0.05,0.1,0.2,0.35", help="shares of the positions recomputed")
+    p.add_argument("--rules", default=",".join(selective.RULES), help=f"selection rules ({', '.join(selective.RULES)})")
+    p.add_argument("--entries", default="24,19,14", help="DroidSpeak's entry layers")
+    p.add_argument("--json", help="write the rows here too")
+    args = p.parse_args(argv)
+    try:
+        lengths, entries = ([int(x) for x in v.split(",") if x] for v in (args.tokens, args.entries))
+        fractions = [float(x) for x in args.fractions.split(",") if x]
+    except ValueError as e:
+        raise SystemExit(f"--tokens, --entries and --fractions take comma-separated numbers: {e}") from None
+    rules = [r for r in args.rules.split(",") if r]
+    if bad := [r for r in rules if r not in selective.RULES]:
+        raise SystemExit(f"--rules: {bad} not among {selective.RULES}")
+    if args.samples < 1 or not lengths or min(lengths) < 2 or not all(0 < f <= 1 for f in fractions):
+        raise SystemExit("--samples must be >= 1, --tokens >= 2 and --fractions in (0, 1]")
+
+    from tools.pairs import config_pair
+    cfg, name, producer, consumer, tok, spec = config_pair(args.config, args.pair)
+    if any(not 0 < e < spec.num_layers for e in entries):
+        raise SystemExit(f"--entries must lie in 1..{spec.num_layers - 1}")
+    codes = None
+    if args.artifact:
+        from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
+        from tools.probe_tails import codes_alone
+        try:
+            art, _ = ArtifactStore(cfg.artifacts.uri).load(
+                args.artifact, expect=Fingerprints.of(producer=producer, consumer=consumer, tokenizer=tok))
+        except ArtifactStoreError as e:
+            raise SystemExit(f"--artifact {args.artifact}: {e}") from None
+        codes = methods.SCDMethod(codes_alone(art), "codes")
+    c = cfg.calibration_for(name)
+    ev = Evaluator(producer, consumer, tok)
+    rows = []
+    for t in lengths:
+        held = samples.pair_data(name, tok, 1, 1, args.samples, t, text_file=c.text_file)[2]
+        at = rows_at(ev, held, consumer.config, rules, fractions, entries, codes)
+        rows += at
+        print(f"\n{args.pair} at {t} tokens, {args.samples} held-out windows:")
+        print(f"  {'method':30s} {'compute':>8s} {'KL':>8s} {'/ raw KV':>9s}")
+        for r in sorted(at, key=lambda r: r["compute"]):
+            print(f"  {r['method']:30s} {r['compute']:8.3f} {r['kl']:8.4f} {r['over_raw']:9.3f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    sys.exit(0 if main() else 1)
