@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--rules", default=",".join(selective.RULES), help=f"selection rules ({', '.join(selective.RULES)})")
     p.add_argument("--entries", default="24,19,14", help="DroidSpeak's entry layers")
     p.add_argument("--json", help="write the rows here too")
+    p.add_argument("--plot", help="write the curves here (PNG): KL over raw KV's against consumer compute")
     args = p.parse_args(argv)
     try:
         lengths, entries = ([int(x) for x in v.split(",") if x] for v in (args.tokens, args.entries))
@@ -99,7 +100,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ev = Evaluator(producer, consumer, tok)
     rows = []
     for t in lengths:
-        held = samples.pair_data(name, tok, 1, 1, args.samples, t, text_file=c.text_file)[2]
+        try:
+            held = samples.pair_data(name, tok, 1, 1, args.samples, t, text_file=c.text_file)[2]
+        except ValueError as e:                         # documents shorter than t (qa's notes: about 512)
+            raise SystemExit(f"{args.pair}: no {args.samples} held-out prefixes of {t} tokens ({e})") from None
         at = rows_at(ev, held, consumer.config, rules, fractions, entries, codes)
         rows += at
         print(f"\n{args.pair} at {t} tokens, {args.samples} held-out windows:")
@@ -108,7 +112,36 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"  {r['method']:30s} {r['compute']:8.3f} {r['kl']:8.4f} {r['over_raw']:9.3f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.pair, args.plot)
     return rows
+
+
+def kind(method: str) -> str:
+    """A row's curve: droidspeak, or the method's base and rule (raw_kv+structural), or the base alone."""
+    return "droidspeak" if method.startswith("droidspeak@") else method.split("@")[0]
+
+
+def plot(rows: list[dict], pair: str, path: str) -> None:
+    """One panel per prefix length: each curve's KL over raw KV's against its counted consumer compute."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lengths = sorted({r["tokens"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4), squeeze=False, sharey=True)
+    for ax, t in zip(axes[0], lengths):
+        at = [r for r in rows if r["tokens"] == t]
+        raw = next(r for r in at if r["method"] == "raw_kv")
+        for k in dict.fromkeys(kind(r["method"]) for r in at if r["method"] != "raw_kv"):
+            pts = sorted([(0.0, 1.0)] * (k != "codes") + [(r["compute"], r["over_raw"]) for r in at
+                                                          if kind(r["method"]) == k])
+            ax.plot(*zip(*pts), marker="o", label=k)
+        ax.axhline(raw["over_raw"], color="grey", lw=0.5)
+        ax.set(title=f"{pair}, {t} tokens", xlabel="consumer compute (share of its own prefill, counted)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("held-out KL / raw KV's")
+    axes[0][-1].legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 if __name__ == "__main__":
