@@ -20,7 +20,7 @@ from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak, table
 from scd.fitting import exact, structure
 from scd.fitting.calibrate import Calibration
-from scd.online import codec
+from scd.online import codec, selective
 from scd.online.artifacts import PairArtifacts
 from scd.online.model_files import is_adapter
 from scd.online.models import load_pair
@@ -190,6 +190,21 @@ def positives(text: str, flag: str, kind: type = int) -> list:
     return values
 
 
+def selective_flags(text: str) -> list[tuple[str, float]]:
+    """--selective's RULE@F items; a clear exit otherwise."""
+    out = []
+    for item in text.split(","):
+        rule, _, f = item.partition("@")
+        try:
+            share = float(f)
+        except ValueError:
+            share = -1.0
+        if rule not in selective.RULES or not 0 < share <= 1:
+            raise SystemExit(f"--selective: {item!r} is not RULE@F with RULE one of {selective.RULES} and F in (0, 1]")
+        out.append((rule, share))
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="scd eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_args(p)
@@ -201,6 +216,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--droidspeak-entries", metavar="E,E,...", help=(
         "also DroidSpeak entered at each layer E: the consumer runs its layers E..L-1 from the producer's residual "
         "over the producer's K and V below (rows droidspeak@E; its curve against the consumer's compute)"))
+    p.add_argument("--selective", metavar="RULE@F,...", help=(
+        "also each of raw_kv and scd repaired by selective token recompute at a share F of the prefix's positions "
+        "chosen by RULE (structural, deviation; scd.online.selective): rows raw_kv+RULE@F, scd+RULE@F"))
     p.add_argument("--work-dir", default="runs/eval", help="traces and the calibrated artifact are kept here")
     p.add_argument("--cost-tokens", type=int, default=0, metavar="N",
                    help="also time each method's consumer compute over the consumer's own prefill on one prefix "
@@ -210,6 +228,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.cost_tokens < 0:
         p.error("--cost-tokens must be >= 0")
     entries = positives(args.droidspeak_entries, "--droidspeak-entries") if args.droidspeak_entries else []
+    repairs = selective_flags(args.selective) if args.selective else []
     wanted = args.methods.split(",")
     unknown = [m for m in wanted if m not in methods.METHODS]
     if unknown:
@@ -251,11 +270,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
                for name, dtype in (("exact", "bf16"), ("exact_int8", "int8"), ("exact_kivi4", "kivi4"),
                                    ("exact_klt", "klt"))}}
     ms = [make[m]() for m in wanted] + [methods.DroidSpeak.entering(e, spec.num_layers) for e in entries]
+    ms += [methods.Selective(m, rule, f, tok) for m in ms if m.name in ("raw_kv", "scd") for rule, f in repairs]
     rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}", cost_tokens=args.cost_tokens)
     # the consumer's compute the bound's ceiling counts: the share of its layers it runs over the prefix (a
     # count, not a timing: the same on a busy machine as on a quiet one)
-    layers_run = {m.name: (m.art.consumer_layers if isinstance(m, methods.SCDMethod) else
-                           m.n if isinstance(m, methods.DroidSpeak) else 0) / spec.num_layers for m in ms}
+    def compute(m) -> float:
+        if isinstance(m, methods.Selective):               # counted at the held-out prefixes' length
+            t = held[0].prefix.shape[-1]
+            return compute(m.inner) + selective.cost(consumer.config, t, selective.count_for(
+                torch.ones(1, t), m.fraction), m.layers if m.rule == "deviation" else 0)
+        return (m.art.consumer_layers if isinstance(m, methods.SCDMethod) else
+                m.n if isinstance(m, methods.DroidSpeak) else 0) / spec.num_layers
+    layers_run = {m.name: compute(m) for m in ms}
     raw = next((r["kl"] for r in rows if r["method"] == "raw_kv"), None)
     for r in rows:
         r["pair"], r["structure"] = pair, shared

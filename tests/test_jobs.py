@@ -80,6 +80,17 @@ def test_eval_json_on_the_demo_family(tmp_path, capsys):
     assert by["base"]["f1"] < by["oracle"]["f1"], by                # the base model alone is no QA specialist
 
 
+def test_eval_measures_selective_recompute_as_a_method_and_refuses_a_bad_rule(tmp_path, capsys):
+    scd(["eval", "--pair", "base:qa", "--json", "--samples", "2", "--val", "2", "--methods", "oracle,raw_kv",
+         "--selective", "structural@1,deviation@0.25", "--work-dir", str(tmp_path)])
+    by = {r["method"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(by) == {"oracle", "raw_kv", "raw_kv+structural@1", "raw_kv+deviation@0.25"}, by
+    assert by["raw_kv+structural@1"]["kl"] < 1e-6, "every position recomputed is the consumer's own prefill"
+    assert by["raw_kv+deviation@0.25"]["kl"] < by["raw_kv"]["kl"], by
+    with pytest.raises(SystemExit, match="--selective"):
+        scd(["eval", "--pair", "base:qa", "--selective", "tail@0.1", "--work-dir", str(tmp_path)])
+
+
 def test_bench_prints_side_by_side_ratio(tmp_path, capsys):
     import torch
     threads = torch.get_num_threads()
