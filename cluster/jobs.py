@@ -49,14 +49,16 @@ async def _ended(client, job_id: str) -> str:
         await asyncio.sleep(1)
 
 
-async def _run(client, pair: str, entry: str, env: dict, attempts: int = 2) -> str:
-    """Submit one pair's job, follow its log to its end, and submit it again (up to `attempts` in all) when Ray
+async def _run(client, pair: str, entry: str, env: dict, watch: Callable | None = None, attempts: int = 2) -> str:
+    """Submit one pair's job, follow it to its end (`watch(job_id)`, awaited: by default its log printed,
+    `_follow`; it says whether Ray lost its package), and submit it again (up to `attempts` in all) when Ray
     lost its working-dir package (RESUBMIT, LOST_PACKAGE). Returns its last status."""
+    watch = watch or (lambda job_id: _follow(client, job_id, pair))
     for attempt in range(attempts):
         job_id = _submit(client, entry, env, f"calibrate-{pair.replace(':', '-')}-{int(time.time())}"
                                              + (f"-{attempt}" if attempt else ""))
         print(f"submitted {job_id} for {pair}", flush=True)
-        lost = await _follow(client, job_id, pair)
+        lost = await watch(job_id)
         status = await _ended(client, job_id)
         if status != "FAILED" or attempt == attempts - 1:
             return status
@@ -135,17 +137,15 @@ def calibrate_adapter(cfg, name: str, adapter_path: str, report: Callable[[str],
     root = Path(__file__).resolve().parents[1]
     env = {"working_dir": str(root), "excludes": ["/runs/", "/.git/", "__pycache__"]}
     client = _client(address if address.startswith("http") else f"http://{address}")
-    for attempt in range(2):
-        job = _submit(client, entry, env, f"calibrate-{pair.replace(':', '-')}-{int(time.time())}")
+
+    async def watch(job_id: str) -> bool:             # its status, not its log: the router has no one to print to
         last = None
         while last not in TERMINAL:
-            status = str(getattr(st := client.get_job_status(job), "value", st))
+            status = str(getattr(st := client.get_job_status(job_id), "value", st))
             if status != last:
-                report(f"Ray Job {job}: {status}")
+                report(f"Ray Job {job_id}: {status}")
                 last = status
             if last not in TERMINAL:
-                time.sleep(poll_s)
-        kind = str(getattr(client.get_job_info(job), "error_type", None) or "")
-        if last != "FAILED" or kind not in RESUBMIT:
-            return last
-    return last
+                await asyncio.sleep(poll_s)
+        return False
+    return asyncio.run(_run(client, pair, entry, env, watch))
