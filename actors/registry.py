@@ -12,7 +12,6 @@ import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Callable
-
 from typing import TYPE_CHECKING
 
 import ray

@@ -276,9 +276,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # count, not a timing: the same on a busy machine as on a quiet one)
     def compute(m) -> float:
         if isinstance(m, methods.Selective):               # counted at the held-out prefixes' length
-            t = held[0].prefix.shape[-1]
-            return compute(m.inner) + selective.cost(consumer.config, t, selective.count_for(
-                torch.ones(1, t), m.fraction), m.layers if m.rule == "deviation" else 0)
+            return compute(m.inner) + m.counted(consumer.config, held[0].prefix.shape[-1])
         return (m.art.consumer_layers if isinstance(m, methods.SCDMethod) else
                 m.n if isinstance(m, methods.DroidSpeak) else 0) / spec.num_layers
     layers_run = {m.name: compute(m) for m in ms}

@@ -47,8 +47,7 @@ def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list
 
     def compute(m) -> float:
         if isinstance(m, methods.Selective):
-            return selective.cost(config, t, selective.count_for(torch.ones(1, t), m.fraction),
-                                  m.layers if m.rule == "deviation" else 0)
+            return m.counted(config, t)
         if m.name.startswith("droidspeak@"):
             return points.consumer_ratio(m.start, 0, n, t)
         return 0.0

@@ -167,6 +167,13 @@ class Selective(Method):
         return Built(kv, built.payload_bytes, built.consumer_ms + ms, {**built.phases, "selective_ms": ms},
                      built.entry_bytes)
 
+    def counted(self, config, t: int) -> float:
+        """The repair's multiply-adds over a prefix of t positions as a share of the consumer's own prefill
+        (`config`: its transformers config; the deviation rule's first layers included, the inner method's
+        compute not)."""
+        return selective.cost(config, t, selective.count_for(torch.ones(1, t), self.fraction),
+                              self.layers if self.rule == "deviation" else 0)
+
 
 def sync() -> None:
     """Wait for the GPU's queued work (where CUDA is in use), so that a wall-clock timer around it counts it."""
