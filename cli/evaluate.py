@@ -205,6 +205,27 @@ def selective_flags(text: str) -> list[tuple[str, float]]:
     return out
 
 
+def counted_compute(m: methods.Method, config, t: int) -> float:
+    """The consumer's compute the bound's ceiling counts for method `m` over a prefix of t positions: the share
+    of its layers it runs over the prefix, plus a selective repair's counted share (a count, not a timing: the
+    same on a busy machine as on a quiet one)."""
+    if isinstance(m, methods.Selective):
+        return counted_compute(m.inner, config, t) + m.counted(config, t)
+    return (m.art.consumer_layers if isinstance(m, methods.SCDMethod) else
+            m.n if isinstance(m, methods.DroidSpeak) else 0) / config.num_hidden_layers
+
+
+def mark_bound(rows: list[dict], ms: list[methods.Method], bound: exact.Bound, config, t: int) -> float | None:
+    """Set each row's "meets_bound" (None for the oracle and the base alone, or without a raw_kv row to
+    measure against); returns raw KV's KL."""
+    compute = {m.name: counted_compute(m, config, t) for m in ms}
+    raw = next((r["kl"] for r in rows if r["method"] == "raw_kv"), None)
+    for r in rows:
+        r["meets_bound"] = None if raw is None or r["method"] in ("oracle", "base") else bound.meets(
+            {"kl": r["kl"], "consumer_ratio": compute[r["method"]]}, raw)
+    return raw
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="scd eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_args(p)
@@ -272,19 +293,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ms = [make[m]() for m in wanted] + [methods.DroidSpeak.entering(e, spec.num_layers) for e in entries]
     ms += [methods.Selective(m, rule, f, tok) for m in ms if m.name in ("raw_kv", "scd") for rule, f in repairs]
     rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}", cost_tokens=args.cost_tokens)
-    # the consumer's compute the bound's ceiling counts: the share of its layers it runs over the prefix (a
-    # count, not a timing: the same on a busy machine as on a quiet one)
-    def compute(m) -> float:
-        if isinstance(m, methods.Selective):               # counted at the held-out prefixes' length
-            return compute(m.inner) + m.counted(consumer.config, held[0].prefix.shape[-1])
-        return (m.art.consumer_layers if isinstance(m, methods.SCDMethod) else
-                m.n if isinstance(m, methods.DroidSpeak) else 0) / spec.num_layers
-    layers_run = {m.name: compute(m) for m in ms}
-    raw = next((r["kl"] for r in rows if r["method"] == "raw_kv"), None)
+    raw = mark_bound(rows, ms, bound, consumer.config, held[0].prefix.shape[-1])
     for r in rows:
         r["pair"], r["structure"] = pair, shared
-        r["meets_bound"] = None if raw is None or r["method"] in ("oracle", "base") else bound.meets(
-            {"kl": r["kl"], "consumer_ratio": layers_run[r["method"]]}, raw)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
