@@ -183,7 +183,8 @@ class SpecialistSettings(ModelSettings):
 # samples, and have its own bound and exact-plan wire form (what it may be served at differs per specialist;
 # the deployment's gate and budgets do not)
 PAIR_DATA = {"text_file", "val", "max_kl", "max_kl_ratio", "max_consumer_prefill_ratio", "min_retained_gain",
-             "exact_dtype", "exact_step", "entries", "tails", "entry_train_samples", "entry_train_epochs", "entry_train_lr"}
+             "exact_dtype", "exact_step", "entries", "tails", "selective", "entry_train_samples", "entry_train_epochs",
+             "entry_train_lr"}
 
 
 class FamilySettings(_Strict):
@@ -328,6 +329,10 @@ class CalibrationSettings(CalibConfig):
         "recompute blocks: also measure each plan (the codes alone, each entry) with the consumer running the "
         "prefix's last k tokens itself through every layer, for each k listed (the continuation reads those "
         "tokens most); a tail chosen is served as the same share k / prefix_tokens of every prefix"))
+    selective: list[Annotated[float, Field(gt=0, le=1)]] = Field([0.05, 0.1, 0.2, 0.35], description=(
+        "recompute blocks: also measure each plan with the consumer running the share f of the prefix's positions "
+        "that its last 16 attend to most (over the rebuilt cache) through every layer, for each f listed "
+        "(selective recompute, scd.online.selective); those within max_consumer_prefill_ratio are measured"))
     entry_train_samples: int = Field(0, ge=0, description=(
         "recompute blocks: train each entry's aligner end to end on this many of the fine-tuning samples (the "
         "consumer's next-token KL, back through its own layers over the codes below; "

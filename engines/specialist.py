@@ -262,7 +262,7 @@ class SpecialistEngine:
         timings["rebuild"], timings["patch"] = ph["rebuild_ms"], ph["patch_ms"]
         if art.blocks:                                  # the consumer's own layers, run from the residual sent
             timings["recompute"] = ph["recompute_ms"]
-        if art.tail_tokens:                             # and its own run of the prefix's last tokens
+        if art.tail_tokens:                             # and its own run of some of the prefix's tokens
             timings["tail"] = ph["tail_ms"]
         return kv, codes
 

@@ -315,7 +315,8 @@ def fit_codes(job: PairJob, capture_pair, shared: dict) -> Fitted:
 def held_out_tag(art) -> str:
     """The held-out checkpoints' suffix of a plan with a block or a tail, or served at a level below its
     fitted ranks; "" for the codes at their full ranks."""
-    tag = "".join(f"-e{s}" for s, _ in art.blocks) + (f"-t{art.tail_tokens}" if art.tail_tokens else "")
+    mark = "t" if art.tail_rule == "last" else "s"
+    tag = "".join(f"-e{s}" for s, _ in art.blocks) + (f"-{mark}{art.tail_tokens}" if art.tail_tokens else "")
     level = art.info.get("level")
     if level and level["chosen"] != {k: level["tried"][-1][k] for k in level["chosen"]}:
         tag += "-" + level_tag(level["chosen"])
@@ -352,7 +353,8 @@ def weigh(job: PairJob, fit: Fitted, rows: list[dict]) -> tuple[list[dict], dict
     rows += checkpointed(cal.dir / f"curve{fit.tag}.json",
                          lambda: entry_curve(cal, fit.codes, entries, tried, job.tok, job.held, chosen),
                          job.held, artifact_digest(fit.codes, entries) + "".join(
-                             f"-{p['entry']}+{p['tail']}" for p in tried if p.get("tail")))
+                             f"-{p['entry']}+{p['tail']}" + ("s" if p.get("rule") else "") for p in tried
+                             if p.get("tail")))
     vs_ds = report.against_droidspeak(rows, chosen, n, c.prefix_tokens)
     log("held-out curve, SCD's KL over DroidSpeak's at the same consumer compute: "
         + ", ".join(f"{name} {v:.2f}" for name, v in vs_ds.items()))

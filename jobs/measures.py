@@ -50,16 +50,16 @@ def entry_curve(cal: Calibration, codes, entries: dict, tried: list[dict], tok, 
     """Held-out rows of the block stage's curve: SCD at each plan of `tried` (the validation points the stage
     measured beyond the codes alone, named by scd.fitting.points.point_name: the published codes below an entry,
     the consumer's layers from there through its trained entry, from `entries` (the tensors of
-    entry-aligners.safetensors), and the prefix's last tokens where the point has a tail), beside DroidSpeak
+    entry-aligners.safetensors), and the prefix's tokens where the point has a tail, by its rule), beside DroidSpeak
     entered at each entry tried (`droidspeak@<e>`: the producer's residual and K, V below), to compare at the
     same consumer compute. The chosen plan (named `chosen`) is the `scd` row already and is not run again."""
     n = cal.spec.num_layers
     of = codes.info.get("blocks", {}).get("prefix_tokens") or held[0].prefix.shape[-1]   # where tails were counted
     plans = {}
     for p in tried:
-        e, k = p["entry"], p.get("tail", 0)
+        e, k, rule = p["entry"], p.get("tail", 0), p.get("rule", "last")
         art = codes if e == n else blocks.block_artifact(codes, e, LinearCodec.from_tensors(entries, f"entry.{e}"))
-        plans[points.point_name(e, k, n)] = art.with_tail(k, of)
+        plans[points.point_name(e, k, n, rule)] = art.with_tail(k, of, rule)
     ms = [methods.SCDMethod(a, name) for name, a in plans.items() if name != chosen] + [
         methods.DroidSpeak.entering(e, n) for e in sorted({p["entry"] for p in tried if p["entry"] < n})]
     return Evaluator(cal.producer, cal.consumer, tok).run(held, ms, desc=f"held-out curve {cal.pair}")

@@ -60,9 +60,16 @@ def block_entries(cal: Calibration, c) -> list[int]:
     return sorted(set(c.entries))
 
 
+def key(point: dict) -> tuple[int, int, str]:
+    """A curve point's plan: (entry, tail, the tail's rule)."""
+    return point["entry"], point.get("tail", 0), point.get("rule", "last")
+
+
 def sorted_points(points: list[dict], num_layers: int) -> list[dict]:
-    """A curve's points in its record's order: the codes alone first, then by entry, each by its tail."""
-    return sorted(points, key=lambda p: (p["entry"] < num_layers, p["entry"], p.get("tail", 0)))
+    """A curve's points in its record's order: the codes alone first, then by entry, each alone and then by its
+    tail's rule and length."""
+    return sorted(points, key=lambda p: (p["entry"] < num_layers, p["entry"], bool(p.get("tail")), p.get("rule", "last"),
+                                         p.get("tail", 0)))
 
 
 def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, log: Log,
@@ -72,7 +79,8 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
     the quality gate decides). The curve is checkpointed point by point and recorded in art.info["blocks"]: a
     new entry (a raised ceiling, calibration.entries) measures only itself; its consumer time is then timed
     in another run than the others'. With calibration.tails each plan (the codes alone, each entry) is measured
-    with the consumer running the prefix's last k tokens too, for each k, and may be chosen so."""
+    with the consumer running the prefix's last k tokens too, for each k, and with calibration.selective the
+    share f of its positions that its last attend to most, for each f; each may be chosen so."""
     bound = quality_bound(c)
     n, es = cal.spec.num_layers, block_entries(cal, c)
     tokens = serving_tokens(cal, c)
@@ -88,9 +96,9 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
         codes_pts, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}",
                                       serving_tokens=tokens)
         rec = save_record(path, {"points": codes_pts, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio")}}, inputs)
-    have = {(p["entry"], p.get("tail", 0)) for p in rec["points"]}
+    have = {key(p) for p in rec["points"]}
     meets = bound.meets(rec["points"][0], rec["raw_kv"]["kl"])
-    todo = [e for e in es if (e, 0) not in have] if not meets else []
+    todo = [e for e in es if (e, 0, "last") not in have] if not meets else []
     if todo:
         aligners = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], todo)
         if c.entry_train_samples and not tune:
@@ -109,35 +117,40 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
         more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,
                                desc=f"recompute blocks {cal.pair}", serving_tokens=tokens)
         rec = save_record(path, {**rec, "points": sorted_points(rec["points"] + more, n)}, inputs)
-    tails = sorted(set(c.tails) - {0})
     t_val = val[0].prefix.shape[-1]
-    want = [(e, k) for e in [n] + es for k in tails
-            if points.consumer_ratio(e, k, n, t_val) <= c.max_consumer_prefill_ratio + 1e-9]
-    missing = [x for x in want if x not in have] if not meets else []
-    if missing:                                         # the consumer runs the prefix's last tokens too
+    runs = {"last": sorted(set(c.tails) - {0}),             # the consumer runs some of the prefix's tokens too
+            "attention": sorted({round(f * t_val) for f in c.selective} - {0})}
+    want = [(e, k, rule) for e in [n] + es for rule, ks in runs.items() for k in ks
+            if points.consumer_ratio(e, k, n, t_val, rule) <= c.max_consumer_prefill_ratio + 1e-9]
+    for rule in runs:
+        missing = [(e, k) for e, k, r in want if r == rule and (e, k, r) not in have] if not meets else []
+        if not missing:
+            continue
         ins = sorted({e for e, _ in missing})
         t = load_file(str(tensors)) if any(e < n for e in ins) else {}
         more, _ = blocks.curve(cal.producer, cal.consumer, tok, art,
                                {e: LinearCodec.from_tensors(t, f"entry.{e}") for e in ins if e < n}, val,
-                               with_codes=n in ins, desc=f"tails {cal.pair}", serving_tokens=tokens,
-                               tails=tuple(sorted({k for _, k in missing})), only=missing)
+                               with_codes=n in ins, desc=f"{'tails' if rule == 'last' else 'selective'} {cal.pair}",
+                               serving_tokens=tokens, tails=tuple(sorted({k for _, k in missing})), only=missing,
+                               rule=rule)
         rec = save_record(path, {**rec, "points": sorted_points(rec["points"] + more, n)}, inputs)
     rec = {**rec, "points": [p for p in rec["points"] if (p["entry"] == n or p["entry"] in es)
-                             and (not p.get("tail") or (p["entry"], p["tail"]) in want)]}
+                             and (not p.get("tail") or key(p) in want)]}
     raw_kl = rec["raw_kv"]["kl"]
     log(f"plans (validation): {blocks.describe(rec['points'], raw_kl, n)}")
     chosen = exact.choose(rec["points"], raw_kl, bound, gbps or DEFAULT_GBPS)
     art.info["blocks"] = {**rec, "chosen": chosen, "bound": vars(bound), "gbps": gbps or DEFAULT_GBPS,
                           "num_layers": n, "prefix_tokens": t_val}
-    tail = chosen.get("tail", 0) if chosen else 0
-    tail_note = f", and the prefix's last {tail} tokens through every layer" if tail else ""
+    tail, rule = (chosen.get("tail", 0), chosen.get("rule", "last")) if chosen else (0, "last")
+    tail_note = "" if not tail else f", and the prefix's last {tail} tokens through every layer" if rule == "last" \
+        else f", and the {tail} positions its last attend to most through every layer"
     if chosen is None or chosen["entry"] == n:
         log(("codes alone" + tail_note + " (within the quality bound)") if chosen
             else "codes alone: no plan meets the quality bound")
-        return art.with_tail(tail, t_val) if tail else art      # (a copy shares art.info)
+        return art.with_tail(tail, t_val, rule) if tail else art      # (a copy shares art.info)
     t = load_file(str(tensors))
     out = blocks.block_artifact(art, chosen["entry"], LinearCodec.from_tensors(t, f"entry.{chosen['entry']}"))
-    out = out.with_tail(tail, t_val)
+    out = out.with_tail(tail, t_val, rule)
     log(f"recompute block: the consumer runs layers {chosen['entry']}-{cal.spec.num_layers - 1} from the aligned "
         f"residual{tail_note} (validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the "
         f"least modeled TTFT within the bound{exact.at_length(chosen)})")

@@ -286,17 +286,18 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
 
 def held_out_curve(rows: list[dict], chosen: str | None, n: int, tokens: int) -> dict[str, list[tuple]]:
     """A block plan's held-out curve (jobs.measures.entry_curve's rows: SCD's `enter@<e>`, `codes+tail<k>`,
-    `enter@<e>+tail<k>`, the chosen plan being the `scd` row, named `chosen`; DroidSpeak's `droidspeak@<e>`, with
-    raw KV's at cost 0) as {"SCD": [...], "DroidSpeak": [...]}, each (consumer compute over its own prefill of
+    `enter@<e>+tail<k>`, the same with `+sel<k>`, the chosen plan being the `scd` row, named `chosen`;
+    DroidSpeak's `droidspeak@<e>`, with raw KV's at cost 0) as {"SCD": [...], "DroidSpeak": [...]}, each (consumer compute over its own prefill of
     `tokens`, KL, name), by compute."""
     by = {r["method"]: r["kl"] for r in rows}
     if chosen and "scd" in by:
         by[chosen] = by["scd"]
     out = {"SCD": [], "DroidSpeak": []}
     for name, kl in by.items():
-        if (point := points.parse_point(name, n)) is not None and point != (n, 0):
+        if (point := points.parse_point(name, n)) is not None and point[:2] != (n, 0):
+            entry, tail, rule = point
             out["DroidSpeak" if name.startswith("droidspeak@") else "SCD"].append(
-                (points.consumer_ratio(*point, n, tokens), kl, name))
+                (points.consumer_ratio(entry, tail, n, tokens, rule), kl, name))
     if out["DroidSpeak"] and "raw_kv" in by:
         out["DroidSpeak"].append((0.0, by["raw_kv"], "raw_kv"))
     return {k: sorted(v) for k, v in out.items()}

@@ -16,6 +16,9 @@ CODE_DTYPES = ("fp16", "bf16", "int8", "int4", "mixed")   # wire precisions of c
 # (scd.online.klt: each layer's K and V in its own principal axes, one uniform step, integer symbols that zstd
 # entropy-codes), the residual in bf16
 EXACT_DTYPES = CODE_DTYPES + ("kivi4", "klt")
+# selective recompute's attention rule: the prefix's last positions whose attention picks the positions the
+# consumer recomputes (scd.online.selective.attention); they run twice, so a plan's count includes them again
+SELECT_WINDOW = 16
 
 
 class CalibConfig(BaseModel):

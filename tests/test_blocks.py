@@ -68,7 +68,7 @@ def test_the_job_publishes_a_recompute_block_where_codes_miss_the_bound(tmp_path
     from artifacts_store import ArtifactStore
     from jobs.calibrate import main as calibrate
     cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.45, max_consumer_prefill_ratio=0.875,
-                       entry_train_samples=3, entry_train_epochs=1, entry_train_lr=1e-3)
+                       selective=[], entry_train_samples=3, entry_train_epochs=1, entry_train_lr=1e-3)
     ref = calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
     out = capsys.readouterr().out
     assert "plans (validation): codes KL" in out, out
@@ -133,7 +133,7 @@ def test_an_entry_added_to_the_curve_is_measured_alone_and_the_others_resume(tmp
     fit = blocks.fit_aligners
     monkeypatch.setattr(blocks, "fit_aligners", lambda p, c, pre, layers: fitted.append(list(layers)) or
                         fit(p, c, pre, layers))
-    kw = dict(recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.75)
+    kw = dict(recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.75, selective=[])
     first = calibrate(["--pair", "base:prose", "--config", str(write_config(tmp_path, entries=[6], **kw)),
                        "--no-actors"])
     second = calibrate(["--pair", "base:prose", "--config", str(write_config(tmp_path, entries=[4, 6], **kw)),

@@ -88,6 +88,39 @@ def test_the_deviation_rule_finds_the_positions_a_cache_got_wrong_and_gives_the_
     assert n == 3 and _err(fixed, own) < 1e-4, f"repaired at the positions it chose: {_err(fixed, own):.2e} off"
 
 
+def test_the_windows_attention_over_the_consumers_own_cache_is_its_own_forwards_attention_weights():
+    """`attended` sums the last positions' softmax attention over layers and heads: over the consumer's own
+    cache it equals what its eager forward over the whole prefix reports for those queries."""
+    b = tiny_llama(1)
+    b.config._attn_implementation = "eager"
+    ids, mask = left_padded_batch(lengths=(14, 10))
+    t, w = ids.shape[1], 4
+    out = b(input_ids=ids, attention_mask=mask, output_attentions=True)
+    want = sum(a[:, :, t - w:, :].sum((1, 2)) for a in out.attentions) * mask            # (B, T)
+    got = torch.zeros(2, t)
+    selective.recompute_tokens(b, _kv(b, ids, mask), ids, mask, torch.arange(t - w, t).expand(2, -1), attended=got)
+    err = (got - want).abs().max().item()
+    assert err < 1e-4, f"attention received differs from the eager forward's by {err:.2e}"
+    assert abs(got.sum().item() - 2 * w * 3 * 4) < 1e-3, "each query's weights sum to one, per layer and head"
+
+
+def test_the_attention_rule_keeps_its_window_and_takes_the_positions_the_window_reads():
+    """A position whose K the window's queries all align with is selected; the window is, and the count."""
+    b = tiny_llama(1)
+    ids, mask = left_padded_batch(lengths=(40,))
+    own = _kv(b, ids, mask)
+    w = selective.WINDOW
+    sel = selective.attention(b, own, ids, mask, 20 / 40)
+    assert sel.shape == (1, 20) and sel[0, -w:].tolist() == list(range(40 - w, 40)), sel
+    loud = [(k.clone(), v) for k, v in own]
+    for k, _ in loud:                                       # position 5's key scaled up: every query reads it
+        k[..., 5, :] *= 40
+    assert 5 in selective.attention(b, loud, ids, mask, (w + 1) / 40)[0].tolist()
+    repaired, n = selective.repair(b, loud, ids, mask, "attention", (w + 1) / 40)
+    assert n == w + 1 and _err(repaired, own, columns=[5]) < _err(loud, own, columns=[5]) / 10, \
+        "the selected position is the consumer's own again"
+
+
 def test_the_structural_rule_takes_the_last_tokens_then_separators_and_never_padding():
     from scd.online.model_files import load_tokenizer
     from tests.conftest import DEMO
@@ -115,3 +148,53 @@ def test_the_cost_is_zero_with_nothing_selected_a_prefill_with_every_layer_and_g
     assert abs(selective.cost(config, 2048, 0, first_layers=30) - 1) < 1e-9
     shares = [selective.cost(config, 2048, s) for s in (64, 256, 512, 1024)]
     assert shares == sorted(shares) and 0 < shares[0] < 64 / 2048 * 1.5, shares
+    assert selective.cost(config, 2048, 64, window=64) == 2 * shares[0], "the attention rule's window runs twice"
+
+
+def test_an_artifact_with_the_attention_rule_keeps_it_through_a_save_and_rebuilds_by_it(tmp_path):
+    """tail_rule "attention" round-trips in the manifest and rebuild runs selective.attention's positions over
+    the cache the plan rebuilt, not the last ones."""
+    import pytest
+
+    from scd.online import codec
+    from scd.online.artifacts import PairArtifacts
+    from scd.online.models import ModelSpec
+    from scd.online.rebuild import encode, rebuild, run_tail
+    a = tiny_llama(0, layers=4)
+    b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
+    spec = ModelSpec.from_config(a.config)
+    plain = PairArtifacts.exact("a:b", spec, ["exact", "shared", "shared", "shared"], "bf16")
+    plain.with_tail(10, 40, "attention").save(tmp_path / "art")
+    art = PairArtifacts.load(tmp_path / "art")
+    assert (art.tail_tokens, art.tail_of, art.tail_rule) == (10, 40, "attention")
+    assert "tail_rule" not in plain.with_tail(10, 40).description() and plain.with_tail(0, 0, "attention").tail_rule == "last"
+    with pytest.raises(ValueError, match="tail_rule must be one of"):
+        plain.with_tail(4, 0, "scattered")
+    ids = torch.randint(2, 97, (1, 80), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    codes = codec.as_received(encode(art, capture(a, ids, mask), ids), "bf16")
+    kv, phases = rebuild(b, art, codes)
+    base, _ = rebuild(b, plain, codes)
+    sel = selective.attention(b, base, ids, mask, 20 / 80)                    # 10 of 40: 20 of these 80
+    want = selective.recompute_tokens(b, base, ids, mask, sel)
+    assert _err(kv, want) < 1e-6 and "tail_ms" in phases, _err(kv, want)
+    assert _err(kv, run_tail(b, base, ids, mask, 20)) > 1e-3, "scattered positions, not a tail of the same count"
+
+
+def test_a_selective_plan_is_served_by_a_specialist():
+    from actors.messages import GenParams
+    from engines.producer import ProducerEngine
+    from engines.specialist import SpecialistEngine
+    from scd.online.artifacts import PairArtifacts
+    from scd.online.models import ModelSpec
+    from tests.test_models import _tokenizer
+    a = tiny_llama(0, layers=4)
+    b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
+    art = PairArtifacts.exact("a:b", ModelSpec.from_config(a.config), ["exact", "shared", "shared", "shared"],
+                              "bf16").with_tail(8, 0, "attention")
+    ids = list(range(5, 45))
+    payload = ProducerEngine(a, _tokenizer(97), {"a:b": (art, "v1")}, cache_bytes=1 << 20).encode(
+        ids, ["a:b"]).per_pair["a:b"].payload
+    _, info, _ = SpecialistEngine("b", b, _tokenizer(97), art, "v1").complete(ids, [11], payload, None,
+                                                                                GenParams(max_tokens=4))
+    assert info.mode == "scd" and "tail" in info.timings and info.tokens == 4, info

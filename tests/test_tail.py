@@ -101,9 +101,13 @@ def test_points_are_named_costed_and_compared_with_droidspeak_at_the_same_comput
     from jobs.report import against_droidspeak, held_out_curve
     n, t = 8, 100
     assert points.point_name(8, 0, n) == "codes" and points.point_name(6, 20, n) == "enter@6+tail20"
-    assert [points.parse_point(s, n) for s in ("codes+tail20", "enter@6", "droidspeak@4", "raw_kv", "enter@x")] == \
-        [(8, 20), (6, 0), (4, 0), None, None]
+    assert points.point_name(6, 20, n, "attention") == "enter@6+sel20"
+    assert [points.parse_point(s, n) for s in ("codes+tail20", "enter@6", "droidspeak@4", "raw_kv", "enter@x",
+                                               "codes+sel30", "enter@6+selx")] == \
+        [(8, 20, "last"), (6, 0, "last"), (4, 0, "last"), None, None, (8, 30, "attention"), None]
     assert points.consumer_ratio(6, 20, n, t) == pytest.approx(0.25 + 0.2)
+    # the attention rule's window runs twice: counted again
+    assert points.consumer_ratio(6, 20, n, t, "attention") == pytest.approx(0.25 + (20 + points.SELECT_WINDOW) / t)
     rows = [{"method": "scd", "kl": 0.1}, {"method": "enter@6", "kl": 0.3}, {"method": "codes+tail25", "kl": 0.2},
             {"method": "raw_kv", "kl": 1.0}, {"method": "droidspeak@4", "kl": 0.4},
             {"method": "droidspeak@6", "kl": 0.5}, {"method": "droidspeak", "kl": 0.9}]
@@ -144,3 +148,31 @@ def test_the_job_publishes_a_tail_where_it_is_the_cheapest_plan_within_the_bound
     assert art.tail_tokens == 8 and not art.blocks, (art.tail_tokens, art.plan)
     chosen = art.info["blocks"]["chosen"]
     assert (chosen["entry"], chosen["tail"]) == (8, 8) and chosen["consumer_ratio"] == pytest.approx(8 / 96), chosen
+
+
+def test_the_job_publishes_a_selective_plan_where_it_is_the_cheapest_within_the_bound(tmp_path, capsys, monkeypatch):
+    """calibration.selective's points beside the entries: one that meets the bound at the least modeled TTFT
+    (its KL set to 0 here, as for tails above) is published as the codes with tail_rule "attention", its share
+    of every prefix, and the held-out evaluation rebuilds with it."""
+    from artifacts_store import ArtifactStore
+    from jobs.calibrate import main as calibrate
+    from scd.fitting import blocks
+    from tests.conftest import write_config
+    curve = blocks.curve
+
+    def selective_meets(*a, **k):
+        pts, raw = curve(*a, **k)
+        return [{**p, "kl": 0.0} if p.get("rule") == "attention" else p for p in pts], raw
+    monkeypatch.setattr(blocks, "curve", selective_meets)
+    cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.3,
+                       entries=[7], selective=[0.1, 0.5])
+    ref = calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
+    out = capsys.readouterr().out
+    assert "codes+sel10 KL 0.0000" in out and "sel48" not in out, out        # 0.5 lies beyond the ceiling
+    assert "codes alone, and the 10 positions its last attend to most through every layer (within the quality " \
+           "bound)" in out, out
+    art, _ = ArtifactStore(tmp_path / "store").load(ref)
+    assert (art.tail_tokens, art.tail_of, art.tail_rule) == (10, 96, "attention") and not art.blocks, art.description()
+    chosen = art.info["blocks"]["chosen"]
+    assert (chosen["entry"], chosen["tail"], chosen["rule"]) == (8, 10, "attention"), chosen
+    assert chosen["consumer_ratio"] == pytest.approx((10 + points.SELECT_WINDOW) / 96), chosen

@@ -169,10 +169,12 @@ class Selective(Method):
 
     def counted(self, config, t: int) -> float:
         """The repair's multiply-adds over a prefix of t positions as a share of the consumer's own prefill
-        (`config`: its transformers config; the deviation rule's first layers included, the inner method's
-        compute not)."""
-        return selective.cost(config, t, selective.count_for(torch.ones(1, t), self.fraction),
-                              self.layers if self.rule == "deviation" else 0)
+        (`config`: its transformers config; the deviation rule's first layers and the attention rule's window
+        included, the inner method's compute not)."""
+        return selective.cost(config, t, max(selective.count_for(torch.ones(1, t), self.fraction),
+                                             selective.WINDOW if self.rule == "attention" else 0),
+                              self.layers if self.rule == "deviation" else 0,
+                              selective.WINDOW if self.rule == "attention" else 0)
 
 
 def sync() -> None:

@@ -126,25 +126,28 @@ def block_artifact(art: PairArtifacts, entry: int, align: LinearCodec | None) ->
 
 def curve(producer, consumer, tok, art: PairArtifacts, aligners: dict[int, LinearCodec], samples,
           with_codes: bool = True, desc: str = "recompute blocks", serving_tokens: int = 0,
-          tails: tuple[int, ...] = (0,), only: list[tuple[int, int]] | None = None) -> tuple[list[dict], dict]:
+          tails: tuple[int, ...] = (0,), only: list[tuple[int, int]] | None = None,
+          rule: str = "last") -> tuple[list[dict], dict]:
     """(one point per plan: the codes alone (entry num_layers; with_codes) and each entry of `aligners`, each
-    with each tail of `tails` (0: none; k: the consumer runs the prefix's last k tokens of the samples' length, the
-    same share at another: PairArtifacts.tail_for),
-    each {entry, tail, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms, greedy, f1,
+    with each tail of `tails` (0: none; k: the consumer runs k of the prefix's tokens of the samples' length, the
+    same share at another: PairArtifacts.tail_for; its last ones, or by `rule` "attention" the ones they attend
+    to most), each {entry, tail, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms, greedy, f1,
     retained_gain}; the raw-KV row), measured on `samples` beside the oracle and the base alone; `only`: just these
-    (entry, tail) plans of them. A tail's point records the length its share is of ("tail_of"): served, it is
-    that share of every prefix, timed at `serving_tokens` so."""
+    (entry, tail) plans of them. A tail's point records the length its share is of ("tail_of") and its rule
+    ("rule", when not "last"): served, it is that share of every prefix, timed at `serving_tokens` so."""
     n = art.spec.num_layers
     plans = {**({n: art} if with_codes else {}), **{e: block_artifact(art, e, a) for e, a in sorted(aligners.items())}}
     t = samples[0].prefix.shape[-1]
-    plans = {(e, k): a.with_tail(k, t) for e, a in plans.items() for k in tails if only is None or (e, k) in only}
+    plans = {(e, k): a.with_tail(k, t, rule) for e, a in plans.items() for k in tails
+             if only is None or (e, k) in only}
     ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV()] + [
-        methods.SCDMethod(a, point_name(e, k, n)) for (e, k), a in plans.items()]
+        methods.SCDMethod(a, point_name(e, k, n, rule)) for (e, k), a in plans.items()]
     rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc,
                                                                           cost_tokens=serving_tokens)}
     keys = exact.POINT_KEYS + ("f1", "retained_gain")
-    points = [{"entry": e, "tail": k, **({"tail_of": t} if k else {}), "consumer_ratio": consumer_ratio(e, k, n, t),
-               **exact.measured_point(rows[point_name(e, k, n)], keys)} for e, k in plans]
+    points = [{"entry": e, "tail": k, **({"tail_of": t} if k else {}), **({"rule": rule} if k and rule != "last" else {}),
+               "consumer_ratio": consumer_ratio(e, k, n, t, rule),
+               **exact.measured_point(rows[point_name(e, k, n, rule)], keys)} for e, k in plans]
     return points, rows["raw_kv"]
 
 
@@ -152,6 +155,6 @@ def describe(points: list[dict], raw_kl: float, num_layers: int) -> str:
     """One line of a curve: each plan's KL, retained gain and consumer compute, and raw KV's KL."""
     def gain(p):
         return "" if p.get("retained_gain") is None else f" gain {p['retained_gain']:.2f}"
-    return ", ".join(point_name(p["entry"], p.get("tail", 0), num_layers) +
+    return ", ".join(point_name(p["entry"], p.get("tail", 0), num_layers, p.get("rule", "last")) +
                      f" KL {p['kl']:.4f}{gain(p)} consumer {p['consumer_ratio']:.2f}" for p in points) + \
         f"; raw KV {raw_kl:.4f}"

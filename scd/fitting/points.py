@@ -2,19 +2,26 @@
 (no torch here: the report reads these too).
 
 A point is a plan the consumer pays for in compute: entering a recompute block at layer `entry` (num_layers:
-no block, the codes alone) and running the prefix's last `tail` tokens itself (0: none)."""
+no block, the codes alone) and running `tail` of the prefix's tokens itself through every layer (0: none):
+its last ones (rule "last"), or the ones its last attend to most (rule "attention": selective recompute)."""
 from __future__ import annotations
 
+from scd.settings import SELECT_WINDOW
 
-def point_name(entry: int, tail: int, num_layers: int) -> str:
+MARKS = {"last": "+tail", "attention": "+sel"}
+
+
+def point_name(entry: int, tail: int, num_layers: int, rule: str = "last") -> str:
     """A curve point's method name: codes, enter@<e>, each with +tail<k> when the consumer runs the prefix's
-    last k tokens too."""
-    return ("codes" if entry == num_layers else f"enter@{entry}") + (f"+tail{tail}" if tail else "")
+    last k tokens too, +sel<k> when it runs the k its last attend to most."""
+    return ("codes" if entry == num_layers else f"enter@{entry}") + (f"{MARKS[rule]}{tail}" if tail else "")
 
 
-def parse_point(name: str, num_layers: int) -> tuple[int, int] | None:
-    """(entry, tail) of a curve point's method name (point_name's, or droidspeak@<e>); None for another."""
-    head, _, tail = name.partition("+tail")
+def parse_point(name: str, num_layers: int) -> tuple[int, int, str] | None:
+    """(entry, tail, rule) of a curve point's method name (point_name's, or droidspeak@<e>); None for another."""
+    rule, (head, _, tail) = "last", name.partition("+tail")
+    if not tail and "+sel" in name:
+        rule, (head, _, tail) = "attention", name.partition("+sel")
     if head == "codes":
         entry = num_layers
     elif head.startswith(("enter@", "droidspeak@")) and head.partition("@")[2].isdigit():
@@ -22,14 +29,15 @@ def parse_point(name: str, num_layers: int) -> tuple[int, int] | None:
     else:
         return None
     if not tail:
-        return entry, 0
-    return (entry, int(tail)) if tail.isdigit() else None
+        return entry, 0, "last"
+    return (entry, int(tail), rule) if tail.isdigit() else None
 
 
-def consumer_ratio(entry: int, tail: int, num_layers: int, tokens: int) -> float:
+def consumer_ratio(entry: int, tail: int, num_layers: int, tokens: int, rule: str = "last") -> float:
     """A plan's compute over the consumer's own prefill of `tokens`, by count: its block's layers, plus the
-    tail's tokens through every layer."""
-    return (num_layers - entry) / num_layers + min(tail, tokens) / tokens
+    tail's tokens through every layer (and the attention rule's window, which runs twice)."""
+    window = SELECT_WINDOW if rule == "attention" and tail else 0
+    return (num_layers - entry) / num_layers + min(tail + window, tokens) / tokens
 
 
 def chosen_name(chosen: dict | None, num_layers: int) -> str | None:
@@ -37,7 +45,7 @@ def chosen_name(chosen: dict | None, num_layers: int) -> str | None:
     was chosen or the choice is the codes alone (which spend no compute)."""
     if chosen is None or (chosen["entry"] == num_layers and not chosen.get("tail")):
         return None
-    return point_name(chosen["entry"], chosen.get("tail", 0), num_layers)
+    return point_name(chosen["entry"], chosen.get("tail", 0), num_layers, chosen.get("rule", "last"))
 
 
 def pareto(points: list, cost=lambda p: p["consumer_ratio"], kl=lambda p: p["kl"]) -> list:

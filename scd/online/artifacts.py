@@ -36,6 +36,7 @@ KINDS = ("exact", "reuse", "hidden", "patch", "shared", "entry", "recompute", "s
 RUN_KINDS = ("entry", "recompute")          # layers the consumer runs itself over the prefix
 EXACT_KINDS = ("exact", "shared") + RUN_KINDS  # an exact plan's: nothing learned
 ENTERED = ("entry", "shared_entry")         # wire kinds that carry a residual stream
+TAIL_RULES = ("last", "attention")          # which of a prefix's positions a tail's tokens are
 # the code sizes one artifact serves, as fractions of its Reuse ranks (nested codes: a shorter code is the
 # leading columns of a longer one); the producer picks one per request (scd.online.links)
 LEVELS = (0.25, 0.5, 0.75, 1.0)
@@ -120,6 +121,10 @@ class PairArtifacts:
     # buys held at other lengths where a fixed count's did not (docs/method.md, "tails")
     tail_tokens: int = 0
     tail_of: int = 0
+    # which positions those tail_tokens are: "last" (the prefix's last ones), or "attention" (the positions
+    # the last selective.WINDOW attend to most over the rebuilt cache, those included:
+    # scd.online.selective.attention; the consumer runs every layer for them, docs/method.md)
+    tail_rule: str = "last"
 
     def __post_init__(self):
         exact_only = all(k in EXACT_KINDS + ("shared_entry",) for k in self.plan)
@@ -153,6 +158,8 @@ class PairArtifacts:
                                  f"have none" if missing else "klt is a pair's wire form, not a family's")
         if self.tail_tokens < 0 or self.tail_of < 0:
             raise ValueError(f"tail_tokens and tail_of must be 0 or more, got {self.tail_tokens} and {self.tail_of}")
+        if self.tail_rule not in TAIL_RULES:
+            raise ValueError(f"tail_rule must be one of {TAIL_RULES}, got {self.tail_rule!r}")
         covered = [l for g in self.x_groups for l in g]
         if len(covered) != len(set(covered)) or any(g != list(range(g[0], g[0] + len(g))) for g in self.x_groups):
             raise ValueError(f"x_groups must be disjoint runs of adjacent layers: {self.x_groups}")
@@ -321,10 +328,12 @@ class PairArtifacts:
         return dataclasses.replace(self, plan=list(plan), wire_plan=[], wire_x_codes=None, derived={},
                                    entry_align=dict(entry_align))
 
-    def with_tail(self, tokens: int, of: int = 0) -> "PairArtifacts":
-        """The same artifact with the consumer running the prefix's last `tokens` tokens itself (tail_tokens), or
-        with `of`, that share of a prefix of `of` tokens at every length (tail_of)."""
-        return dataclasses.replace(self, tail_tokens=tokens, tail_of=of if tokens else 0)
+    def with_tail(self, tokens: int, of: int = 0, rule: str = "last") -> "PairArtifacts":
+        """The same artifact with the consumer running `tokens` of the prefix's tokens itself (tail_tokens), or
+        with `of`, that share of a prefix of `of` tokens at every length (tail_of): its last ones, or with
+        rule "attention" the ones its last attend to most (tail_rule)."""
+        return dataclasses.replace(self, tail_tokens=tokens, tail_of=of if tokens else 0,
+                                   tail_rule=rule if tokens else "last")
 
     def tail_for(self, tokens: int) -> int:
         """How many of a prefix's last tokens the consumer runs itself, for a prefix of `tokens` (at least one
@@ -381,7 +390,8 @@ class PairArtifacts:
                 "aligner_window": self.aligner_window, "r_x": self.r_x, "code_dtype": self.code_dtype,
                 "x_groups": self.x_groups, "plan": self.plan, "info": self.info,
                 **({"tail_tokens": self.tail_tokens} if self.tail_tokens else {}),
-                **({"tail_of": self.tail_of} if self.tail_of else {})}
+                **({"tail_of": self.tail_of} if self.tail_of else {}),
+                **({"tail_rule": self.tail_rule} if self.tail_rule != "last" else {})}
 
     def save(self, directory: str | Path) -> None:
         d = Path(directory)
@@ -417,7 +427,7 @@ class PairArtifacts:
                    desc.get("aligner_tokens", 0), desc.get("aligner_window", 8), desc.get("r_x", 0), reuse_x,
                    desc.get("code_dtype", "fp16"), [list(g) for g in desc.get("x_groups", [])],
                    entry_align=entry_align, klt_k=klt_k, klt_v=klt_v, tail_tokens=desc.get("tail_tokens", 0),
-                   tail_of=desc.get("tail_of", 0))
+                   tail_of=desc.get("tail_of", 0), tail_rule=desc.get("tail_rule", "last"))
 
     @classmethod
     def load(cls, directory: str | Path) -> "PairArtifacts":

@@ -15,7 +15,8 @@ plus token ids and the left-padding mask, both (B, T).
 
 An artifact with a tail has the consumer run the prefix's last tokens itself after the rebuild (k of them,
 or k / tail_of of the prefix: PairArtifacts.tail_for), through every layer, over the cache rebuilt for the
-tokens before them (run_tail).
+tokens before them (run_tail); with tail_rule "attention", k positions its last tokens attend to most, over
+the cache rebuilt for every other position (scd.online.selective).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from scd.online import activated, cache, klt
+from scd.online import activated, cache, klt, selective
 from scd.online.artifacts import PairArtifacts
 from scd.online.patch import regenerate_kv
 from scd.online.recompute import run_layers
@@ -254,7 +255,10 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
     kv.update(run_blocks(model, art, codes) if own is None else own())
     t_end = time.perf_counter()
     out = [kv[l] for l in range(len(art.plan))]
-    if art.tail_tokens:
+    if art.tail_tokens and art.tail_rule == "attention":
+        sel = selective.attention(model, out, codes.token_ids, codes.mask, art.tail_for(t) / t)
+        out = selective.recompute_tokens(model, out, codes.token_ids, codes.mask, sel)
+    elif art.tail_tokens:
         out = run_tail(model, out, codes.token_ids, codes.mask, art.tail_for(t))
     return out, {"rebuild_ms": (t_patch - t0) * 1e3, "patch_ms": (t_run - t_patch) * 1e3,
                  "recompute_ms": (t_end - t_run) * 1e3, "tail_ms": (time.perf_counter() - t_end) * 1e3}

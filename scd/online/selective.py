@@ -8,6 +8,10 @@ the consumer's own prefill; selecting the last k is a tail (`rebuild.run_tail`).
 prefill's projections and MLPs, and |S| x T of its attention.
 
 Which positions (each a rule with its own cost, counted by `cost`):
+- `attention`: the consumer's own last `window` positions first, through every layer over the rebuilt cache
+  (a tail); the positions their queries attend to most, summed over layers and heads (SnapKV's observation
+  window, read on the consumer's side). Those last positions are then selected again, so that they attend
+  over the repaired cache: the window costs twice.
 - `deviation`: CacheBlend's rule. The consumer's own first `layers` layers over every position (that share of
   a prefill), against the rebuilt K, V there; the positions that deviate most. Those first layers are then the
   consumer's own for every position (they were computed anyway; `repair` puts them in before S runs).
@@ -22,10 +26,12 @@ import torch
 
 from scd.online.cache import assemble, cache_arg
 from scd.online.recompute import run_layers
-from scd.online.rope import cos_sin, positions_from_mask
+from scd.online.rope import apply_rope, cos_sin, positions_from_mask
+from scd.settings import SELECT_WINDOW
 
 KV = tuple[torch.Tensor, torch.Tensor]
-RULES = ("deviation", "structural")
+RULES = ("attention", "deviation", "structural")
+WINDOW = SELECT_WINDOW
 
 
 def count_for(mask: torch.Tensor, fraction: float) -> int:
@@ -35,10 +41,12 @@ def count_for(mask: torch.Tensor, fraction: float) -> int:
 
 
 @torch.no_grad()
-def recompute_tokens(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, sel: torch.Tensor) -> list[KV]:
+def recompute_tokens(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, sel: torch.Tensor,
+                     attended: torch.Tensor | None = None) -> list[KV]:
     """`kv` (per layer (K post-RoPE, V), each (B, n_kv, T, d)) with the positions `sel` (B, s) (column
     indexes, sorted, each row's own and unpadded) replaced by the consumer's own K, V: every layer runs for
-    the s positions only."""
+    the s positions only. With `attended` (B, T), the attention the s queries pay each column, summed over
+    layers and heads, is added to it."""
     b, t = token_ids.shape
     s = sel.shape[1]
     if s == 0:
@@ -56,17 +64,60 @@ def recompute_tokens(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.T
     emb = cos_sin(model, pos, dtype)
     cache = assemble(model, kv)
     x = model.model.embed_tokens(token_ids.gather(1, sel)).to(dtype)
-    for l in range(len(kv)):
-        layer = model.model.layers[l]
-        x = layer(x, attention_mask=attn, position_ids=pos, use_cache=True, position_embeddings=emb,
-                  **cache_arg(layer, cache))
-        x = x[0] if isinstance(x, tuple) else x
+    queries: list[torch.Tensor] = []
+    hooks = [] if attended is None else [layer.self_attn.q_proj.register_forward_hook(
+        lambda mod, i, o: queries.append(o)) for layer in model.model.layers]
+    try:
+        for l in range(len(kv)):
+            layer = model.model.layers[l]
+            x = layer(x, attention_mask=attn, position_ids=pos, use_cache=True, position_embeddings=emb,
+                      **cache_arg(layer, cache))
+            x = x[0] if isinstance(x, tuple) else x
+    finally:
+        for h in hooks:
+            h.remove()
+    if attended is not None:
+        _attention_received(model, queries, cache, emb, attn, sel, attended)
     out = []
     for l, (k, v) in enumerate(kv):
         new_k, new_v = cache.layers[l].keys[..., t:, :], cache.layers[l].values[..., t:, :]
         idx = sel[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
         out.append((k.scatter(2, idx, new_k), v.scatter(2, idx, new_v)))
     return out
+
+
+def _attention_received(model, queries: list[torch.Tensor], cache, emb, attn: torch.Tensor, sel: torch.Tensor,
+                        attended: torch.Tensor) -> None:
+    """Add to `attended` (B, T) the softmax attention of the s queries (each layer's q_proj output) over the
+    cache they saw (T old columns and s of their own, `attn` their additive mask), summed over layers and
+    heads; a chosen column's own K, V count at its column."""
+    b, s = sel.shape
+    t = attended.shape[1]
+    cos, sin = emb
+    for l, q in enumerate(queries):
+        att = model.model.layers[l].self_attn
+        q = q.view(b, s, -1, att.head_dim)
+        if hasattr(att, "q_norm"):                                              # Qwen3's per-head norm
+            q = att.q_norm(q)
+        q = apply_rope(q.transpose(1, 2).float(), cos.float(), sin.float())
+        k = cache.layers[l].keys.float()                                        # (B, n_kv, T + s, d)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        w = ((q @ k.transpose(-1, -2)) * att.head_dim ** -0.5 + attn.float()).softmax(-1).sum((1, 2))   # (B, T + s)
+        attended += w[:, :t]
+        attended.scatter_add_(1, sel, w[:, t:])
+
+
+def attention(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, fraction: float,
+              window: int = WINDOW) -> torch.Tensor:
+    """The attention rule's selection (B, s): the last `window` real positions, run through every layer over
+    `kv`, and the positions their queries attend to most (they themselves first)."""
+    b, t = token_ids.shape
+    w = min(window, int(mask.long().sum(-1).min()))
+    tail = torch.arange(t - w, t, device=token_ids.device).expand(b, -1)
+    score = torch.zeros(b, t, dtype=torch.float32, device=token_ids.device)
+    recompute_tokens(model, kv, token_ids, mask, tail, attended=score)
+    score.scatter_(1, tail, float("inf"))
+    return top(score, mask, max(w, count_for(mask, fraction)))
 
 
 @torch.no_grad()
@@ -113,26 +164,29 @@ def top(score: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
     return score.topk(k, dim=-1).indices.sort(-1).values
 
 
-def cost(config, t: int, s: int, first_layers: int = 0) -> float:
+def cost(config, t: int, s: int, first_layers: int = 0, window: int = 0) -> float:
     """Multiply-adds of selective recompute over a prefix of t positions with s selected, as a share of the
     consumer's own prefill of it (`config`: its transformers config): s positions through every layer (their
     projections and MLP, and attention over t + s), plus `first_layers` layers over all t (the deviation
-    rule's)."""
+    rule's), plus a first pass of `window` positions through every layer (the attention rule's)."""
     h, f = config.hidden_size, config.intermediate_size
     n, n_kv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // n
     linear = h * d * (2 * n + 2 * n_kv) + 3 * h * f                            # q, o, k, v; gate, up, down
     prefill_layer = t * linear + n * d * t * (t + 1)                            # QK^T and AV over the causal half
-    selective_layer = s * linear + 2 * n * d * s * (t + s)
-    return (first_layers * prefill_layer + config.num_hidden_layers * selective_layer) / \
-        (config.num_hidden_layers * prefill_layer)
+    def selective_layer(s: int) -> int:
+        return s * linear + 2 * n * d * s * (t + s)
+    return (first_layers * prefill_layer + config.num_hidden_layers * (selective_layer(s) + selective_layer(window))) \
+        / (config.num_hidden_layers * prefill_layer)
 
 
 @torch.no_grad()
 def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rule: str, fraction: float,
            tok=None, layers: int = 1) -> tuple[list[KV], int]:
     """`kv` repaired by `rule` at `fraction` of the prefix's positions: (the cache, the positions recomputed)."""
-    if rule == "deviation":
+    if rule == "attention":
+        sel = attention(model, kv, token_ids, mask, fraction)
+    elif rule == "deviation":
         sel, own = deviation(model, kv, token_ids, mask, fraction, layers)
         kv = own + list(kv[layers:])
     elif rule == "structural":
