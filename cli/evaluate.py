@@ -3,6 +3,10 @@
     scd eval --pair base:qa                      # demo family, prints a Table-2-shaped table
     scd eval --producer P --consumer C --text F  # any local pair of Llama/Mistral/Qwen2 checkpoints
     scd eval --pair base:prose --json            # one JSON object per method
+
+A calibrated pair's plan is chosen as the calibration job chooses it (codes, recompute blocks, tails, selective
+recompute; --no-recompute-blocks: the codes alone). Exit status 3, with the reason in one line, when no plan
+meets the quality bound (--max-kl-ratio, --max-consumer-prefill-ratio) on the validation prefixes.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from cluster.config import CalibrationSettings
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak, table
-from scd.fitting import exact, structure
+from scd.fitting import exact, points, structure
 from scd.fitting.calibrate import Calibration
 from scd.online import codec, selective
 from scd.online.artifacts import PairArtifacts
@@ -48,11 +52,10 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
     add_settings_flags(p)
 
 
-# settings of the calibration job that an evaluation does not use (it has --samples and its own --work-dir)
-# text_file: --text; min_retained_gain, recompute_blocks: the calibration job's recompute-block stage only;
-# diagnostics: its report only
-NOT_FLAGS = {"heldout", "gate_vs_raw_kv", "work_dir", "text_file", "min_retained_gain", "recompute_blocks", "diagnostics",
-             "entries", "tails"}
+# settings of the calibration job that are not flags of an evaluation (it has --samples and its own --work-dir)
+# text_file: --text; diagnostics: the job's report only; entries, tails, selective: the plan stages' lists, from
+# --config or at their defaults (--selective is the probe's RULE@F rows)
+NOT_FLAGS = {"heldout", "gate_vs_raw_kv", "work_dir", "text_file", "diagnostics", "entries", "tails", "selective"}
 SETTING_FLAGS = set(CalibrationSettings.model_fields) - NOT_FLAGS     # the settings that are flags too
 
 
@@ -123,6 +126,7 @@ def _from_config(args) -> tuple[str, str, str, str]:
     settings = cfg.calibration_for(b)                                   # what the calibration job fits with
     for name in SETTING_FLAGS - getattr(args, "given_settings", set()):
         setattr(args, name, getattr(settings, name))
+    args.plan_lists = {n: getattr(settings, n) for n in ("entries", "tails", "selective")}
     args.work_dir = cfg.calibration.work_dir
     args.consumer_base = cfg.specialist(b).base
     args.text = args.text or settings.text_file                         # the text the job calibrates on
@@ -152,9 +156,18 @@ def klt_codes(args, producer, spec, tok, pair: str) -> tuple[dict, dict]:
     return exact.klt_codecs(producer, calib, spec.num_layers, args.exact_step)
 
 
+def plan_settings(args) -> CalibrationSettings:
+    """The settings the plan stages read: the flags, and the config's entries, tails and selective shares (or
+    their defaults)."""
+    return CalibrationSettings(**{n: getattr(args, n) for n in SETTING_FLAGS}, **getattr(args, "plan_lists", {}))
+
+
 def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
-    """Calibrate the pair under --work-dir; a finished (or partly finished) calibration is resumed. With
-    --artifact, load that published artifact instead (refused if it was fitted for other models)."""
+    """Calibrate the pair under --work-dir, then (--recompute-blocks, the default) choose its plan as the
+    calibration job does: the codes alone where they meet the quality bound, else the recompute block, tail or
+    selective recompute over them that meets it at the least modeled TTFT (jobs.plans.block_plan); a finished
+    (or partly finished) calibration is resumed. With --artifact, load that published artifact instead
+    (refused if it was fitted for other models)."""
     if args.artifact:
         from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
         store_uri = args.store if "://" in args.store else str(Path(args.store).expanduser())
@@ -174,8 +187,13 @@ def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
                                       text_file=args.text, seed=args.seed)
     tune = samples.tune_samples(pair.split(":")[1], tok, cfg.finetune_samples, args.prefix_tokens,
                                 cfg.finetune_tokens, text_file=args.text, seed=args.seed)
-    return Calibration(producer, consumer, spec, pair, calib, args.work_dir, cfg, pad_id=tok.pad_token_id,
-                       log=lambda line: print(line, file=sys.stderr)).run(val, tune_samples=tune)
+    log = lambda line: print(line, file=sys.stderr)                   # noqa: E731
+    cal = Calibration(producer, consumer, spec, pair, calib, args.work_dir, cfg, pad_id=tok.pad_token_id, log=log)
+    art = cal.run(val, tune_samples=tune)
+    if not args.recompute_blocks:
+        return art
+    from jobs.plans import block_plan
+    return block_plan(cal, art, tok, calib, val, plan_settings(args), None, log, tune)
 
 
 def positives(text: str, flag: str, kind: type = int) -> list:
@@ -209,10 +227,13 @@ def counted_compute(m: methods.Method, config, t: int) -> float:
     """The consumer's compute the bound's ceiling counts for method `m` over a prefix of t positions: the share
     of its layers it runs over the prefix, plus a selective repair's counted share (a count, not a timing: the
     same on a busy machine as on a quiet one)."""
+    n = config.num_hidden_layers
     if isinstance(m, methods.Selective):
         return counted_compute(m.inner, config, t) + m.counted(config, t)
-    return (m.art.consumer_layers if isinstance(m, methods.SCDMethod) else
-            m.n if isinstance(m, methods.DroidSpeak) else 0) / config.num_hidden_layers
+    if isinstance(m, methods.SCDMethod):                        # its block's layers, and its tail's tokens
+        a = m.art
+        return points.consumer_ratio(n - a.consumer_layers, a.tail_for(t), n, t, a.tail_rule)
+    return (m.n if isinstance(m, methods.DroidSpeak) else 0) / n
 
 
 def mark_bound(rows: list[dict], ms: list[methods.Method], bound: exact.Bound, config, t: int) -> float | None:
@@ -222,8 +243,23 @@ def mark_bound(rows: list[dict], ms: list[methods.Method], bound: exact.Bound, c
     raw = next((r["kl"] for r in rows if r["method"] == "raw_kv"), None)
     for r in rows:
         r["meets_bound"] = None if raw is None or r["method"] in ("oracle", "base") else bound.meets(
-            {"kl": r["kl"], "consumer_ratio": compute[r["method"]]}, raw)
+            {"kl": r["kl"], "consumer_ratio": compute[r["method"]], "retained_gain": r.get("retained_gain")}, raw)
     return raw
+
+
+def no_plan(art: PairArtifacts | None, pair: str, bound: exact.Bound) -> str | None:
+    """The one line `scd eval` exits with when its plan stages found no plan within the quality bound on the
+    validation prefixes (as the calibration job would publish the codes alone for its gate to judge); else None."""
+    blocks = (art.info.get("blocks") if art is not None else None) or {}
+    if not blocks or blocks.get("chosen") is not None:
+        return None
+    raw = blocks["raw_kv"]["kl"]
+    within = [p for p in blocks["points"] if p["consumer_ratio"] <= bound.max_consumer_ratio + 1e-9]
+    best = min(within, key=lambda p: p["kl"])
+    return (f"no plan of {pair} meets the quality bound (KL <= {bound.max_kl_ratio:g} x raw KV's, consumer <= "
+            f"{bound.max_consumer_ratio:g} of a prefill) on {len(blocks['points'])} plans measured: the best, "
+            f"{points.point_name(best['entry'], best.get('tail', 0), blocks['num_layers'], best.get('rule', 'last'))}"
+            f", reads {best['kl'] / max(raw, 1e-12):.3f} x raw KV at {best['consumer_ratio']:.2f} of a prefill")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -268,7 +304,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                      seed=args.seed)
     found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
                                        pb if is_adapter(pb) else None)
-    bound = exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio, args.max_kl)
+    bound = exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio, args.max_kl, args.min_retained_gain)
     art = None
     if "scd" in wanted:
         art = exact_artifact(args, producer, consumer, spec, tok, pair, found, val)
@@ -307,6 +343,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if failing:
             print(f"outside the quality bound (KL <= {bound.max_kl_ratio:g} x raw KV {raw:.4f}, consumer <= "
                   f"{bound.max_consumer_ratio:g} of a prefill): {', '.join(failing)}")
+    if not args.artifact and (line := no_plan(art, pair, bound)):
+        print(line, file=sys.stderr)
+        raise SystemExit(3)
     return rows
 
 

@@ -162,6 +162,8 @@ def _other_value(name, field):
         return not field.default
     if field.default is None or field.default == []:
         return [2] if "list" in str(field.annotation) else 0.5
+    if isinstance(field.default, list):
+        return field.default[:1]
     return field.default + 1 if not isinstance(field.default, float) else min(field.default * 0.5 + 0.01, 1.0)
 
 

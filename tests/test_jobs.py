@@ -63,7 +63,7 @@ def test_validation_windows_come_from_documents_apart_from_the_fitted_ones(domai
 def test_eval_json_on_the_demo_family(tmp_path, capsys):
     scd(["eval", "--pair", "base:qa", "--json", "--samples", "3", "--calib", "24", "--val", "3",
          "--aligner-epochs", "3", "--pool", "2", "--finetune-samples", "8", "--finetune-epochs", "1",
-         "--work-dir", str(tmp_path)])
+         "--no-recompute-blocks", "--work-dir", str(tmp_path)])
     rows = json.loads(capsys.readouterr().out)
     # every method by default; the exact ones only for a pair that shares layers (the demo's qa shares none)
     assert [r["method"] for r in rows] == ["oracle", "base", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd"]
@@ -78,6 +78,30 @@ def test_eval_json_on_the_demo_family(tmp_path, capsys):
     assert by["oracle"]["f1"] == 1.0 and by["raw_kv"]["f1"] < 0.7 * by["oracle"]["f1"], by
     assert by["oracle"]["retained_gain"] == 1.0 and by["base"]["retained_gain"] == 0.0, by
     assert by["base"]["f1"] < by["oracle"]["f1"], by                # the base model alone is no QA specialist
+
+
+def test_eval_chooses_a_plan_as_the_job_does_and_exits_3_when_none_meets_the_bound(tmp_path, capsys):
+    """A pair scd eval calibrates gets the job's plan stages (codes, then entries, tails and selective shares
+    within the ceiling, on the validation prefixes); a bound nothing meets ends it with status 3 and one line."""
+    budget = ["--calib", "16", "--val", "2", "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8",
+              "--finetune-epochs", "1", "--prefix-tokens", "96", "--samples", "2", "--methods", "raw_kv,scd",
+              "--work-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as out:
+        scd(["eval", "--pair", "base:prose", "--max-kl-ratio", "0.0001", "--max-consumer-prefill-ratio", "0.3"] + budget)
+    err = capsys.readouterr().err
+    assert out.value.code == 3, err
+    curve = next(line for line in err.splitlines() if "plans (validation)" in line)
+    assert "codes KL" in curve and "codes+sel5 KL" in curve and "enter@7 KL" in curve, curve
+    assert "codes+sel19" not in curve, "a share beyond the ceiling is not measured"
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("no plan of base:prose meets the quality bound (KL <= 0.0001 x raw KV's, consumer <= 0.3"), line
+    # a bound the codes meet on the validation prefixes: they are the plan, and the command ends normally (the
+    # checkpoints of the run above resumed)
+    from cli.evaluate import main as evaluate
+    rows = {r["method"]: r for r in evaluate(["--pair", "base:prose", "--max-kl-ratio", "0.99", "--json"] + budget)}
+    err = capsys.readouterr().err
+    assert "codes alone (within the quality bound)" in err and "stage traces: resumed" in err, err
+    assert rows["scd"]["payload_ratio"] < 1, rows
 
 
 def test_eval_measures_selective_recompute_as_a_method_and_refuses_a_bad_rule(tmp_path, capsys):
