@@ -185,7 +185,8 @@ def test_an_unload_lets_running_requests_finish_and_refuses_new_ones(adapters):
 @pytest.fixture(scope="module")
 def every_artifacts(adapters, tmp_path_factory):
     """Artifacts of the pair (the demo base, "every" merged), fitted on a few random prefixes: codes alone
-    (Reuse, one Patch layer), and the same with a block of the consumer's own top three layers."""
+    (Reuse, one Patch layer), the same with a block of the consumer's own top three layers, and with selective
+    recompute of the positions the prefix's last attend to most."""
     import dataclasses
 
     from scd.fitting.calibrate import CalibConfig, Calibration
@@ -200,10 +201,10 @@ def every_artifacts(adapters, tmp_path_factory):
     cal.traces()
     codes = cal.artifacts_for(["exact", "reuse", "reuse", "patch", "reuse", "reuse", "reuse", "reuse"])
     block = dataclasses.replace(codes, plan=codes.plan[:5] + ["entry", "recompute", "recompute"])
-    return {"codes": codes, "block": block}
+    return {"codes": codes, "block": block, "selective": codes.with_tail(6, len(PREFIX), "attention")}
 
 
-@pytest.mark.parametrize("kind, share", [("codes", 0.0), ("block", 3 / 8)])
+@pytest.mark.parametrize("kind, share", [("codes", 0.0), ("block", 3 / 8), ("selective", None)])
 def test_an_every_layer_adapter_with_an_artifact_is_rebuilt_from_codes_of_the_bases_prefill(
         adapters, every_artifacts, kind, share):
     """Its cache is the artifact's rebuild from the base's own trace, on its view of the base (nothing merged),
@@ -215,6 +216,7 @@ def test_an_every_layer_adapter_with_an_artifact_is_rebuilt_from_codes_of_the_ba
     art = every_artifacts[kind]
     engine.set_artifact("every", art, "v1")
     _, info, _ = engine.complete("every", PREFIX, SUFFIX, PARAMS)
+    share = share if share is not None else 6 / len(PREFIX)
     assert (info.mode, info.artifact) == ("scd", "v1") and info.group["adapter_share"] == pytest.approx(share), \
         info.as_dict()
     assert engine.complete("top", PREFIX, SUFFIX, PARAMS)[1].group["base_cached"], "the base prefilled twice"
