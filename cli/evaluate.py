@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "over the producer's K and V below (rows droidspeak@E; its curve against the consumer's compute)"))
     p.add_argument("--selective", metavar="RULE@F,...", help=(
         "also each of raw_kv and scd repaired by selective token recompute at a share F of the prefix's positions "
-        "chosen by RULE (structural, deviation; scd.online.selective): rows raw_kv+RULE@F, scd+RULE@F"))
+        "chosen by RULE (attention, structural, deviation; scd.online.selective): rows raw_kv+RULE@F, scd+RULE@F"))
     p.add_argument("--work-dir", default="runs/eval", help="traces and the calibrated artifact are kept here")
     p.add_argument("--cost-tokens", type=int, default=0, metavar="N",
                    help="also time each method's consumer compute over the consumer's own prefill on one prefix "

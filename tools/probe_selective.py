@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--config", default="configs/smollm2.yaml")
     p.add_argument("--pair", required=True, help="PRODUCER:CONSUMER of the config")
     p.add_argument("--artifact", help="PRODUCER:CONSUMER[@VERSION] in the config's store: also from its codes")
+    p.add_argument("--store", help="the store --artifact is in (default: the config's artifacts.uri)")
     p.add_argument("--tokens", default="512,2048", help="prefix lengths, comma-separated")
     p.add_argument("--samples", type=int, default=12, help="held-out windows per length")
     p.add_argument("--fractions", default="0.05,0.1,0.2,0.35", help="shares of the positions recomputed")
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
         from tools.probe_tails import codes_alone
         try:
-            art, _ = ArtifactStore(cfg.artifacts.uri).load(
+            store = str(Path(args.store).expanduser()) if args.store and "://" not in args.store else args.store
+            art, _ = ArtifactStore(store or cfg.artifacts.uri).load(
                 args.artifact, expect=Fingerprints.of(producer=producer, consumer=consumer, tokenizer=tok))
         except ArtifactStoreError as e:
             raise SystemExit(f"--artifact {args.artifact}: {e}") from None
