@@ -68,8 +68,8 @@ def key(point: dict) -> tuple[int, int, str]:
 def sorted_points(points: list[dict], num_layers: int) -> list[dict]:
     """A curve's points in its record's order: the codes alone first, then by entry, each alone and then by its
     tail's rule and length."""
-    return sorted(points, key=lambda p: (p["entry"] < num_layers, p["entry"], bool(p.get("tail")), p.get("rule", "last"),
-                                         p.get("tail", 0)))
+    return sorted(points, key=lambda p: (p["entry"] < num_layers, p["entry"], bool(p.get("tail")),
+                                         p.get("rule", "last"), p.get("tail", 0)))
 
 
 def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, log: Log,

@@ -87,14 +87,16 @@ def test_eval_chooses_a_plan_as_the_job_does_and_exits_3_when_none_meets_the_bou
               "--finetune-epochs", "1", "--prefix-tokens", "96", "--samples", "2", "--methods", "raw_kv,scd",
               "--work-dir", str(tmp_path)]
     with pytest.raises(SystemExit) as out:
-        scd(["eval", "--pair", "base:prose", "--max-kl-ratio", "0.0001", "--max-consumer-prefill-ratio", "0.3"] + budget)
+        scd(["eval", "--pair", "base:prose", "--max-kl-ratio", "0.0001", "--max-consumer-prefill-ratio", "0.3"]
+            + budget)
     err = capsys.readouterr().err
     assert out.value.code == 3, err
     curve = next(line for line in err.splitlines() if "plans (validation)" in line)
     assert "codes KL" in curve and "codes+sel5 KL" in curve and "enter@7 KL" in curve, curve
     assert "codes+sel19" not in curve, "a share beyond the ceiling is not measured"
     line = err.strip().splitlines()[-1]
-    assert line.startswith("no plan of base:prose meets the quality bound (KL <= 0.0001 x raw KV's, consumer <= 0.3"), line
+    assert line.startswith("no plan of base:prose meets the quality bound (KL <= 0.0001 x raw KV's, consumer "
+                           "<= 0.3"), line
     # a bound the codes meet on the validation prefixes: they are the plan, and the command ends normally (the
     # checkpoints of the run above resumed)
     from cli.evaluate import main as evaluate

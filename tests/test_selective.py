@@ -167,7 +167,8 @@ def test_an_artifact_with_the_attention_rule_keeps_it_through_a_save_and_rebuild
     plain.with_tail(10, 40, "attention").save(tmp_path / "art")
     art = PairArtifacts.load(tmp_path / "art")
     assert (art.tail_tokens, art.tail_of, art.tail_rule) == (10, 40, "attention")
-    assert "tail_rule" not in plain.with_tail(10, 40).description() and plain.with_tail(0, 0, "attention").tail_rule == "last"
+    assert "tail_rule" not in plain.with_tail(10, 40).description()
+    assert plain.with_tail(0, 0, "attention").tail_rule == "last", "no tail, no rule"
     with pytest.raises(ValueError, match="tail_rule must be one of"):
         plain.with_tail(4, 0, "scattered")
     ids = torch.randint(2, 97, (1, 80), generator=torch.Generator().manual_seed(3))

@@ -145,8 +145,8 @@ def curve(producer, consumer, tok, art: PairArtifacts, aligners: dict[int, Linea
     rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc,
                                                                           cost_tokens=serving_tokens)}
     keys = exact.POINT_KEYS + ("f1", "retained_gain")
-    points = [{"entry": e, "tail": k, **({"tail_of": t} if k else {}), **({"rule": rule} if k and rule != "last" else {}),
-               "consumer_ratio": consumer_ratio(e, k, n, t, rule),
+    points = [{"entry": e, "tail": k, **({"tail_of": t} if k else {}),
+               **({"rule": rule} if k and rule != "last" else {}), "consumer_ratio": consumer_ratio(e, k, n, t, rule),
                **exact.measured_point(rows[point_name(e, k, n, rule)], keys)} for e, k in plans]
     return points, rows["raw_kv"]
 

@@ -174,10 +174,8 @@ def cost(config, t: int, s: int, first_layers: int = 0, window: int = 0) -> floa
     d = getattr(config, "head_dim", None) or h // n
     linear = h * d * (2 * n + 2 * n_kv) + 3 * h * f                            # q, o, k, v; gate, up, down
     prefill_layer = t * linear + n * d * t * (t + 1)                            # QK^T and AV over the causal half
-    def selective_layer(s: int) -> int:
-        return s * linear + 2 * n * d * s * (t + s)
-    return (first_layers * prefill_layer + config.num_hidden_layers * (selective_layer(s) + selective_layer(window))) \
-        / (config.num_hidden_layers * prefill_layer)
+    selective = sum(r * linear + 2 * n * d * r * (t + r) for r in (s, window))   # the window: a pass of its own
+    return (first_layers * prefill_layer + config.num_hidden_layers * selective) / (config.num_hidden_layers * prefill_layer)
 
 
 @torch.no_grad()
