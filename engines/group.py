@@ -36,6 +36,7 @@ from scd.online.decode import GenParams, Row
 from scd.online.lora_group import LoraGroup, adapter_view
 from scd.online.rebuild import encode, prepare, rebuild
 from scd.online.trace import capture
+from scd.settings import SELECT_WINDOW
 
 
 def _nbytes(kept: tuple) -> int:
@@ -73,11 +74,13 @@ class GroupEngine:
 
     def share(self, name: str) -> float:
         """The share of a prefill that adapter `name` computes itself over a prefix (1.0: its own prefill), by
-        layer count: an artifact's blocks, and its tail's share of the tokens."""
+        layer count: an artifact's blocks, and its tail's share of the tokens (the attention rule's window
+        included)."""
         plan = self.plans.get(name)                   # (read once: an artifact may be set meanwhile)
         if plan is not None:
             art = plan[0]
-            tail = art.tail_tokens / art.tail_of if art.tail_of else 0.0
+            window = SELECT_WINDOW if art.tail_rule == "attention" else 0       # run twice: counted again
+            tail = (art.tail_tokens + window) / art.tail_of if art.tail_of else 0.0
             return art.consumer_layers / self.group.layers + tail
         return self.group.prefill_share([name])[name]
 

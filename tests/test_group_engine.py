@@ -211,12 +211,13 @@ def test_an_every_layer_adapter_with_an_artifact_is_rebuilt_from_codes_of_the_ba
     the same tensors as the rebuild on the merged model; the base prefills once for it and the others."""
     from scd.online.rebuild import encode, rebuild
     from scd.online.trace import capture
+    from scd.settings import SELECT_WINDOW
     root, merged = adapters
     engine = _engine(root, ["every", "top"])
     art = every_artifacts[kind]
     engine.set_artifact("every", art, "v1")
     _, info, _ = engine.complete("every", PREFIX, SUFFIX, PARAMS)
-    share = share if share is not None else 6 / len(PREFIX)
+    share = share if share is not None else (6 + SELECT_WINDOW) / len(PREFIX)      # the rule's window counted
     assert (info.mode, info.artifact) == ("scd", "v1") and info.group["adapter_share"] == pytest.approx(share), \
         info.as_dict()
     assert engine.complete("top", PREFIX, SUFFIX, PARAMS)[1].group["base_cached"], "the base prefilled twice"
