@@ -51,6 +51,8 @@ def test_the_last_positions_recomputed_are_a_tail_and_the_others_stay_as_given_l
     got = selective.recompute_tokens(b, raw, ids, mask, sel)
     tail = run_tail(b, raw, ids, mask, 4)
     assert _err(got, tail, mask) < 1e-4, f"the last 4 recomputed differ from a tail of 4 by {_err(got, tail, mask):.2e}"
+    by_rule, n = selective.repair(b, raw, ids, mask, "last", 4 / 7)              # 4 of the shortest row's 7
+    assert n == 4 and _err(by_rule, tail, mask) < 1e-4, "the last rule is that tail"
     assert _err(got, raw, columns=slice(None, t - 4)) == 0, "positions not selected must stay as given"
 
 

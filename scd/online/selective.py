@@ -15,6 +15,8 @@ Which positions (each a rule with its own cost, counted by `cost`):
 - `deviation`: CacheBlend's rule. The consumer's own first `layers` layers over every position (that share of
   a prefill), against the rebuilt K, V there; the positions that deviate most. Those first layers are then the
   consumer's own for every position (they were computed anyway; `repair` puts them in before S runs).
+- `last`: the prefix's last positions, a tail (`rebuild.run_tail`), as the baseline the others are measured
+  against on the same windows.
 - `structural`: no compute. The prefix's last positions, then its separators (newlines, punctuation), then
   the first tokens of capitalised words (names), then the latest others.
 """
@@ -30,7 +32,7 @@ from scd.online.rope import apply_rope, cos_sin, positions_from_mask
 from scd.settings import SELECT_WINDOW
 
 KV = tuple[torch.Tensor, torch.Tensor]
-RULES = ("attention", "deviation", "structural")
+RULES = ("attention", "deviation", "structural", "last")
 WINDOW = SELECT_WINDOW
 
 
@@ -189,6 +191,9 @@ def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rul
         kv = own + list(kv[layers:])
     elif rule == "structural":
         sel = structural(token_ids, mask, tok, fraction)
+    elif rule == "last":
+        t = token_ids.shape[1]
+        sel = torch.arange(t - count_for(mask, fraction), t, device=token_ids.device).expand(token_ids.shape[0], -1)
     else:
         raise ValueError(f"selection rule {rule!r}: one of {RULES}")
     return recompute_tokens(model, kv, token_ids, mask, sel), sel.shape[1]
