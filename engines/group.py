@@ -31,12 +31,12 @@ from actors.messages import FallbackReason
 from engines.interface import NotServed
 from engines.prefix_cache import PrefixCodeCache, prefix_key
 from engines.specialist import ServedInfo, TextStream, answer_events, collected, events_as_text
+from scd.fitting import points
 from scd.online.artifacts import PairArtifacts
 from scd.online.decode import GenParams, Row
 from scd.online.lora_group import LoraGroup, adapter_view
 from scd.online.rebuild import encode, prepare, rebuild
 from scd.online.trace import capture
-from scd.settings import SELECT_WINDOW
 
 
 def _nbytes(kept: tuple) -> int:
@@ -78,10 +78,9 @@ class GroupEngine:
         included)."""
         plan = self.plans.get(name)                   # (read once: an artifact may be set meanwhile)
         if plan is not None:
-            art = plan[0]
-            window = SELECT_WINDOW if art.tail_rule == "attention" else 0       # run twice: counted again
-            tail = (art.tail_tokens + window) / art.tail_of if art.tail_of else 0.0
-            return art.consumer_layers / self.group.layers + tail
+            art, n = plan[0], self.group.layers
+            return points.consumer_ratio(n - art.consumer_layers, art.tail_tokens if art.tail_of else 0, n,
+                                         art.tail_of or 1, art.tail_rule)
         return self.group.prefill_share([name])[name]
 
     def set_artifact(self, name: str, art: PairArtifacts | None, version: str | None = None) -> None:

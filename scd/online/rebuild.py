@@ -256,8 +256,7 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
     t_end = time.perf_counter()
     out = [kv[l] for l in range(len(art.plan))]
     if art.tail_tokens and art.tail_rule == "attention":
-        sel = selective.attention(model, out, codes.token_ids, codes.mask, art.tail_for(t) / t)
-        out = selective.recompute_tokens(model, out, codes.token_ids, codes.mask, sel)
+        out, _ = selective.repair(model, out, codes.token_ids, codes.mask, "attention", art.tail_for(t) / t)
     elif art.tail_tokens:
         out = run_tail(model, out, codes.token_ids, codes.mask, art.tail_for(t))
     return out, {"rebuild_ms": (t_patch - t0) * 1e3, "patch_ms": (t_run - t_patch) * 1e3,
