@@ -89,12 +89,23 @@ def ray_cluster() -> str:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def shared_dir(tmp_path_factory, name: str) -> Path:
+    """A folder every pytest-xdist worker of this run sees (the parent of the workers' own temp folders); a
+    folder of this worker's own without xdist."""
+    import os
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def demo_work_dir(tmp_path_factory) -> str:
-    """One calibration work dir for the session: the tests that serve the demo family calibrate its pairs at
-    the same reduced budget, so the second one resumes the first one's checkpoints (it still evaluates and
-    publishes into its own store)."""
-    return str(tmp_path_factory.mktemp("demo-calibration"))
+    """One calibration work dir for the run, shared by the xdist workers: the tests that calibrate the demo
+    family at the same reduced budget resume each other's checkpoints (written atomically, so two workers
+    computing one stage at once each leave a whole file); each still evaluates and publishes into its own
+    store."""
+    return str(shared_dir(tmp_path_factory, "demo-calibration"))
 
 
 SERVE_BUDGET = {"prefixes": 8, "val": 2, "heldout": 1, "aligner_epochs": 2, "pool": 1}   # the serving tests' pairs
@@ -103,17 +114,27 @@ SERVE_BUDGET = {"prefixes": 8, "val": 2, "heldout": 1, "aligner_epochs": 2, "poo
 @pytest.fixture(scope="session")
 def demo_store(tmp_path_factory, demo_work_dir) -> Path:
     """A store with the demo family's three pairs and the family "fam" (qa, prose), calibrated once for the
-    session at SERVE_BUDGET (resuming demo_work_dir's checkpoints): the serving tests each take a copy
-    (`serving_config`) instead of publishing their own."""
+    run at SERVE_BUDGET (resuming demo_work_dir's checkpoints; the first xdist worker to ask builds it while
+    the other waits on a lock), copied for this worker (the serving tests each take a further copy,
+    `serving_config`, instead of publishing their own)."""
+    import fcntl
+    import shutil
+
     from jobs.calibrate import main as calibrate
     from jobs.family import main as family_job
-    tmp = tmp_path_factory.mktemp("demo-store")
-    cfg = write_config(tmp, **SERVE_BUDGET, work_dir=demo_work_dir)
-    for pair in ("base:qa", "base:prose", "base:code"):
-        calibrate(["--pair", pair, "--config", str(cfg), "--no-actors"])
-    family_job(["--config", str(cfg), "--members", "qa,prose", "--name", "fam", "--publish", "--repeats", "1",
-                "--out", str(tmp / "family")])
-    return tmp / "store"
+    shared = shared_dir(tmp_path_factory, "demo-store")
+    with open(shared / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "built").is_file():
+            cfg = write_config(shared, **SERVE_BUDGET, work_dir=demo_work_dir)
+            for pair in ("base:qa", "base:prose", "base:code"):
+                calibrate(["--pair", pair, "--config", str(cfg), "--no-actors"])
+            family_job(["--config", str(cfg), "--members", "qa,prose", "--name", "fam", "--publish", "--repeats",
+                        "1", "--out", str(shared / "family")])
+            (shared / "built").write_text("ok")
+    mine = tmp_path_factory.mktemp("demo-store") / "store"
+    shutil.copytree(shared / "store", mine)
+    return mine
 
 
 def serving_config(tmp_path, demo_store: Path, demo_work_dir: str) -> Path:

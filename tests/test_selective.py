@@ -52,7 +52,7 @@ def test_the_last_positions_recomputed_are_a_tail_and_the_others_stay_as_given_l
     tail = run_tail(b, raw, ids, mask, 4)
     assert _err(got, tail, mask) < 1e-4, f"the last 4 recomputed differ from a tail of 4 by {_err(got, tail, mask):.2e}"
     by_rule, n = selective.repair(b, raw, ids, mask, "last", 4 / 7)              # 4 of the shortest row's 7
-    assert n == 4 and _err(by_rule, tail, mask) < 1e-4, "the last rule is that tail"
+    assert n.shape[1] == 4 and _err(by_rule, tail, mask) < 1e-4, "the last rule is that tail"
     assert _err(got, raw, columns=slice(None, t - 4)) == 0, "positions not selected must stay as given"
 
 
@@ -75,6 +75,23 @@ def test_scattered_positions_are_the_consumers_own_where_every_earlier_position_
         "a selected position attending over another model's cache moves toward the consumer's own"
 
 
+def test_chunks_recompute_what_one_pass_does_and_read_the_same_attention():
+    """Chunks of 2 (each over the columns up to its last, the earlier chunks' own K, V in place) give the
+    K, V and the attention received of one pass over every column, left padding and all."""
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    ids, mask = left_padded_batch(lengths=(12, 9, 11))
+    raw = _kv(a, ids, mask)
+    sel = torch.tensor([[1, 4, 5, 8, 10, 11], [3, 6, 7, 9, 10, 11], [2, 3, 6, 7, 9, 11]])
+    seen_one, seen_chunks = torch.zeros(ids.shape), torch.zeros(ids.shape)
+    one = selective.recompute_tokens(b, raw, ids, mask, sel, attended=seen_one, chunk=64)
+    chunks = selective.recompute_tokens(b, raw, ids, mask, sel, attended=seen_chunks, chunk=2)
+    assert _err(chunks, one) < 1e-5, f"chunked recompute differs from one pass by {_err(chunks, one):.2e}"
+    err = (seen_chunks - seen_one).abs().max().item()
+    assert err < 1e-5, f"attention received differs by {err:.2e}"
+    assert _err(raw, one) > 1e-2 and _err(raw, _kv(a, ids, mask)) == 0, "the given cache is left as it was"
+
+
 def test_the_deviation_rule_finds_the_positions_a_cache_got_wrong_and_gives_the_first_layer_exact():
     b = tiny_llama(1)
     ids, mask = left_padded_batch(lengths=(16,))
@@ -87,7 +104,7 @@ def test_the_deviation_rule_finds_the_positions_a_cache_got_wrong_and_gives_the_
     assert sel.tolist() == [[3, 8, 13]], sel
     assert _err(first, own[:1]) < 1e-4, "the rule's first layer is the consumer's own over every position"
     fixed, n = selective.repair(b, wrong, ids, mask, "deviation", 3 / 16)
-    assert n == 3 and _err(fixed, own) < 1e-4, f"repaired at the positions it chose: {_err(fixed, own):.2e} off"
+    assert n.tolist() == [[3, 8, 13]] and _err(fixed, own) < 1e-4, f"repaired at the positions it chose: {_err(fixed, own):.2e} off"
 
 
 def test_the_windows_attention_over_the_consumers_own_cache_is_its_own_forwards_attention_weights():
@@ -119,7 +136,7 @@ def test_the_attention_rule_keeps_its_window_and_takes_the_positions_the_window_
         k[..., 5, :] *= 40
     assert 5 in selective.attention(b, loud, ids, mask, (w + 1) / 40)[0].tolist()
     repaired, n = selective.repair(b, loud, ids, mask, "attention", (w + 1) / 40)
-    assert n == w + 1 and _err(repaired, own, columns=[5]) < _err(loud, own, columns=[5]) / 10, \
+    assert n.shape[1] == w + 1 and _err(repaired, own, columns=[5]) < _err(loud, own, columns=[5]) / 10, \
         "the selected position is the consumer's own again"
 
 
@@ -151,6 +168,10 @@ def test_the_cost_is_zero_with_nothing_selected_a_prefill_with_every_layer_and_g
     shares = [selective.cost(config, 2048, s) for s in (64, 256, 512, 1024)]
     assert shares == sorted(shares) and 0 < shares[0] < 64 / 2048 * 1.5, shares
     assert selective.cost(config, 2048, 64, window=64) == 2 * shares[0], "the attention rule's window runs twice"
+    every = selective.cost(config, 2048, 2048, columns=list(range(2048)), chunk=1)
+    assert abs(every - 1) < 0.01, f"every position, one at a time, is a prefill: {every:.4f}"
+    early, late = (selective.cost(config, 2048, 256, columns=list(c)) for c in (range(256), range(1792, 2048)))
+    assert early < late < shares[1], (early, late, shares[1])
 
 
 def test_an_artifact_with_the_attention_rule_keeps_it_through_a_save_and_rebuilds_by_it(tmp_path):

@@ -158,23 +158,31 @@ class Selective(Method):
     def __init__(self, inner: Method, rule: str, fraction: float, tok=None, layers: int = 1):
         self.inner, self.rule, self.fraction, self.tok, self.layers = inner, rule, fraction, tok, layers
         self.name = f"{inner.name}+{rule}@{fraction:g}"
+        self.spent: dict[int, list[float]] = {}         # prefix length -> each repaired row's counted share
 
     def build(self, consumer, ids, mask, producer_trace):
         built = self.inner.build(consumer, ids, mask, producer_trace)
         t = time.perf_counter()
-        kv, _ = selective.repair(consumer, built.kv, ids, mask, self.rule, self.fraction, self.tok, self.layers)
+        kv, sel = selective.repair(consumer, built.kv, ids, mask, self.rule, self.fraction, self.tok, self.layers)
         ms = (time.perf_counter() - t) * 1e3
+        self.spent.setdefault(ids.shape[1], []).extend(self._cost(consumer.config, ids.shape[1], row.tolist())
+                                                       for row in sel)
         return Built(kv, built.payload_bytes, built.consumer_ms + ms, {**built.phases, "selective_ms": ms},
                      built.entry_bytes)
+
+    def _cost(self, config, t: int, columns: list[int] | None = None) -> float:
+        s = len(columns) if columns is not None else max(selective.count_for(torch.ones(1, t), self.fraction),
+                                                          selective.WINDOW if self.rule == "attention" else 0)
+        return selective.cost(config, t, s, self.layers if self.rule == "deviation" else 0,
+                              selective.WINDOW if self.rule == "attention" else 0, columns)
 
     def counted(self, config, t: int) -> float:
         """The repair's multiply-adds over a prefix of t positions as a share of the consumer's own prefill
         (`config`: its transformers config; the deviation rule's first layers and the attention rule's window
-        included, the inner method's compute not)."""
-        return selective.cost(config, t, max(selective.count_for(torch.ones(1, t), self.fraction),
-                                             selective.WINDOW if self.rule == "attention" else 0),
-                              self.layers if self.rule == "deviation" else 0,
-                              selective.WINDOW if self.rule == "attention" else 0)
+        included, the inner method's compute not): the mean over the rows it repaired at that length, or, before
+        any, the most its selection can cost."""
+        spent = self.spent.get(t)
+        return sum(spent) / len(spent) if spent else self._cost(config, t)
 
 
 def sync() -> None:

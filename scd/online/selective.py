@@ -34,6 +34,7 @@ from scd.settings import SELECT_WINDOW
 KV = tuple[torch.Tensor, torch.Tensor]
 RULES = ("attention", "deviation", "structural", "last")
 WINDOW = SELECT_WINDOW
+CHUNK = 128                  # positions recomputed together (`recompute_tokens`)
 
 
 def count_for(mask: torch.Tensor, fraction: float) -> int:
@@ -44,27 +45,41 @@ def count_for(mask: torch.Tensor, fraction: float) -> int:
 
 @torch.no_grad()
 def recompute_tokens(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, sel: torch.Tensor,
-                     attended: torch.Tensor | None = None) -> list[KV]:
+                     attended: torch.Tensor | None = None, chunk: int = CHUNK) -> list[KV]:
     """`kv` (per layer (K post-RoPE, V), each (B, n_kv, T, d)) with the positions `sel` (B, s) (column
     indexes, sorted, each row's own and unpadded) replaced by the consumer's own K, V: every layer runs for
-    the s positions only. With `attended` (B, T), the attention the s queries pay each column, summed over
-    layers and heads, is added to it."""
-    b, t = token_ids.shape
-    s = sel.shape[1]
-    if s == 0:
+    the s positions only. They run in chunks of `chunk` in column order, as a chunked prefill does: a chunk
+    attends over the columns up to its last one only (the earlier chunks' own K, V in place there), so the
+    attention costs about the causal triangle of the selection, not s x T. With `attended` (B, T), the
+    attention the s queries pay each column, summed over layers and heads, is added to it."""
+    if sel.shape[1] == 0:
         return list(kv)
+    out = [(k.clone(), v.clone()) for k, v in kv]
+    positions = positions_from_mask(mask)
+    for lo in range(0, sel.shape[1], chunk):
+        _recompute_chunk(model, out, token_ids, mask, positions, sel[:, lo:lo + chunk], attended)
+    return out
+
+
+def _recompute_chunk(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                     sel: torch.Tensor, attended: torch.Tensor | None) -> None:
+    """One chunk of `recompute_tokens`: every layer for the positions `sel` over `kv`'s columns up to the
+    chunk's last, whose K, V then replace `kv`'s (in place) at `sel`."""
+    b, s = sel.shape
+    t = int(sel.max()) + 1                                                    # the columns this chunk sees
     dtype = kv[0][0].dtype
-    pos = positions_from_mask(mask).gather(1, sel)                            # (B, s) RoPE positions
+    pos = positions.gather(1, sel)                                            # (B, s) RoPE positions
     chosen = torch.zeros(b, t, dtype=torch.bool, device=sel.device).scatter_(1, sel, True)
     cols = torch.arange(t, device=sel.device)
-    # query i (column sel_i) sees: a column j <= sel_i that is not chosen (the rebuilt K, V there) and not
-    # padding, and a chosen column m with sel_m <= sel_i (its own K, V, appended after the T old ones)
-    see_old = (cols[None, None, :] <= sel[:, :, None]) & ~chosen[:, None, :] & mask.bool()[:, None, :]
+    # query i (column sel_i) sees: a column j <= sel_i that is not chosen (kv's K, V there: rebuilt, or an
+    # earlier chunk's own) and not padding, and a chosen column m with sel_m <= sel_i (its own K, V, appended
+    # after the t old ones)
+    see_old = (cols[None, None, :] <= sel[:, :, None]) & ~chosen[:, None, :] & mask[:, :t].bool()[:, None, :]
     see_new = sel[:, None, :] <= sel[:, :, None]
-    allowed = torch.cat([see_old, see_new], -1)[:, None]                      # (B, 1, s, T + s)
+    allowed = torch.cat([see_old, see_new], -1)[:, None]                      # (B, 1, s, t + s)
     attn = torch.zeros(allowed.shape, dtype=dtype, device=sel.device).masked_fill(~allowed, torch.finfo(dtype).min)
     emb = cos_sin(model, pos, dtype)
-    cache = assemble(model, kv)
+    cache = assemble(model, [(k[..., :t, :], v[..., :t, :]) for k, v in kv])
     x = model.model.embed_tokens(token_ids.gather(1, sel)).to(dtype)
     queries: list[torch.Tensor] = []
     hooks = [] if attended is None else [layer.self_attn.q_proj.register_forward_hook(
@@ -79,13 +94,11 @@ def recompute_tokens(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.T
         for h in hooks:
             h.remove()
     if attended is not None:
-        _attention_received(model, queries, cache, emb, attn, sel, attended)
-    out = []
+        _attention_received(model, queries, cache, emb, attn, sel, attended[:, :t])
     for l, (k, v) in enumerate(kv):
-        new_k, new_v = cache.layers[l].keys[..., t:, :], cache.layers[l].values[..., t:, :]
         idx = sel[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-        out.append((k.scatter(2, idx, new_k), v.scatter(2, idx, new_v)))
-    return out
+        k.scatter_(2, idx, cache.layers[l].keys[..., t:, :])
+        v.scatter_(2, idx, cache.layers[l].values[..., t:, :])
 
 
 def _attention_received(model, queries: list[torch.Tensor], cache, emb, attn: torch.Tensor, sel: torch.Tensor,
@@ -166,24 +179,33 @@ def top(score: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
     return score.topk(k, dim=-1).indices.sort(-1).values
 
 
-def cost(config, t: int, s: int, first_layers: int = 0, window: int = 0) -> float:
+def cost(config, t: int, s: int, first_layers: int = 0, window: int = 0, columns: list[int] | None = None,
+         chunk: int = CHUNK) -> float:
     """Multiply-adds of selective recompute over a prefix of t positions with s selected, as a share of the
     consumer's own prefill of it (`config`: its transformers config): s positions through every layer (their
-    projections and MLP, and attention over t + s), plus `first_layers` layers over all t (the deviation
-    rule's), plus a first pass of `window` positions through every layer (the attention rule's)."""
+    projections and MLP, and attention as `recompute_tokens` runs it: each chunk over the columns up to its
+    last and its own), plus `first_layers` layers over all t (the deviation rule's), plus a first pass of
+    `window` positions through every layer (the attention rule's: the prefix's last, one chunk over all t).
+    `columns` (one row's s selected columns, sorted) places the chunks; without it each chunk counts all t
+    columns, the most it can see."""
     h, f = config.hidden_size, config.intermediate_size
     n, n_kv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // n
     linear = h * d * (2 * n + 2 * n_kv) + 3 * h * f                            # q, o, k, v; gate, up, down
     prefill_layer = t * linear + n * d * t * (t + 1)                            # QK^T and AV over the causal half
-    selective = sum(r * linear + 2 * n * d * r * (t + r) for r in (s, window))   # the window: a pass of its own
+    ends = ([columns[min(i + chunk, s) - 1] + 1 for i in range(0, s, chunk)] if columns is not None
+            else [t] * -(-s // chunk))
+    seen = sum(min(chunk, s - i) * (ends[i // chunk] + min(chunk, s - i)) for i in range(0, s, chunk))
+    seen += window * (t + window)
+    selective = (s + window) * linear + 2 * n * d * seen
     return (first_layers * prefill_layer + config.num_hidden_layers * selective) / (config.num_hidden_layers * prefill_layer)
 
 
 @torch.no_grad()
 def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rule: str, fraction: float,
            tok=None, layers: int = 1) -> tuple[list[KV], int]:
-    """`kv` repaired by `rule` at `fraction` of the prefix's positions: (the cache, the positions recomputed)."""
+    """`kv` repaired by `rule` at `fraction` of the prefix's positions: (the cache, the columns recomputed
+    (B, s))."""
     if rule == "attention":
         sel = attention(model, kv, token_ids, mask, fraction)
     elif rule == "deviation":
@@ -196,4 +218,4 @@ def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rul
         sel = torch.arange(t - count_for(mask, fraction), t, device=token_ids.device).expand(token_ids.shape[0], -1)
     else:
         raise ValueError(f"selection rule {rule!r}: one of {RULES}")
-    return recompute_tokens(model, kv, token_ids, mask, sel), sel.shape[1]
+    return recompute_tokens(model, kv, token_ids, mask, sel), sel
