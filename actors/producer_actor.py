@@ -99,6 +99,8 @@ class ProducerActor:
         self.fault: str | None = None
         self.incarnation = uuid.uuid4().hex[:12]
         self.skipped = 0                               # encodes whose deadline passed while they were queued
+        self.begun: deque = deque(maxlen=4096)         # the callers' keys of the latest encodes begun
+        self.begun_lock = threading.Lock()             # encode appends, `started` (a control thread) reads
         self.watch_s = watch_s
         for pair, version in pairs.items():
             self.reload(pair, version)
@@ -183,15 +185,19 @@ class ProducerActor:
         self.fault = fault
 
     def encode(self, prefix_ids: list[int], pairs: list[str], deadline: float | None = None,
-               sent_at: float | None = None) -> Codes | None:
+               sent_at: float | None = None, key: str | None = None) -> Codes | None:
         """Prefill once, encode for every pair, offer each payload on the transport; tickets come back. `pairs`
         names a pair once per request that will receive its codes (a fan-out may ask a specialist twice).
         `deadline` (time.time() of the caller's give-up): an encode still queued past it is skipped (None).
-        `sent_at` (time.time() when the caller asked): how long it waited in this producer's queue."""
+        `sent_at` (time.time() when the caller asked): how long it waited in this producer's queue. `key`: the
+        caller's name for this encode, which `started` answers for once it has begun."""
         if deadline is not None and time.time() > deadline:
             self.skipped += 1
             return None
         self.busy.start(time.time() - sent_at if sent_at is not None else None)
+        if key is not None:
+            with self.begun_lock:
+                self.begun.append(key)
         try:
             if self.fault and self.fault.startswith("delay:"):
                 time.sleep(float(self.fault.split(":", 1)[1]))
@@ -202,6 +208,13 @@ class ProducerActor:
             self.busy.stop()
             self.m_busy.set(self.busy.fraction())
             self.m_wait.set(self.busy.queue_wait_ms())
+
+    @ray.method(concurrency_group="control")
+    def started(self, key: str) -> bool:
+        """Whether the encode the caller named `key` has begun (running, or its codes on their way): a caller
+        at its deadline waits for one that has, where falling back would prefill the same prefix twice."""
+        with self.begun_lock:
+            return key in self.begun
 
     def _encode(self, prefix_ids: list[int], pairs: list[str]) -> Codes:
         res = self.engine.encode(list(prefix_ids), list(dict.fromkeys(pairs)))

@@ -387,7 +387,9 @@ class DeploymentConfig(_Strict):
         "pull: a pull costs a Ray round trip to the producer, 2.5-6 ms on a GPU machine); 0: every payload "
         "travels by the transport itself"))
     producer_timeout_s: float = Field(10.0, gt=0, description="router waits this long for codes, then the "
-                                                                "specialists prefill themselves (fallback)")
+                                                                "specialists prefill themselves (fallback); an encode "
+                                                                "the producer has begun by then is waited for up to "
+                                                                "this long again")
     http: HttpSettings = Field(default_factory=HttpSettings, description="where the HTTP API listens")
     auth: AuthSettings = Field(default_factory=AuthSettings, description="the API key, if any")
     limits: LimitSettings = Field(default_factory=LimitSettings, description="bounds on requests and remote calls")

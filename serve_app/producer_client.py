@@ -8,13 +8,16 @@ over at once: the request goes to the next producer on the ring within the same 
 probed in the background until it answers (Ray restarts a crashed producer; the pool recreates one killed for
 good). One that does not answer in time is passed over for `producer_retry_s` while another serves. Requests
 never wait for a producer that is known to be down: with none left they fall back at once
-(`producer_unavailable`).
+(`producer_unavailable`). An encode the producer already runs when its deadline comes is waited for, up to
+`producer_timeout_s` more: falling back then would prefill the same prefix twice on a machine that is short of
+compute already (a producer's queue is long under load, and the request that times out is at its head).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import ray
@@ -147,11 +150,18 @@ class Producers:
             except ValueError:
                 self._mark_down(m, "no producer actor")
                 continue
-            ref = m.encode.remote(prefix_ids, pairs, deadline, time.time())
+            key = uuid.uuid4().hex
+            ref = m.encode.remote(prefix_ids, pairs, deadline, time.time(), key)
             m.inflight += 1
             m.routed += 1
+            done = asyncio.ensure_future(ref)
             try:
-                out = await asyncio.wait_for(ref, timeout=remaining)
+                try:
+                    out = await asyncio.wait_for(asyncio.shield(done), timeout=remaining)
+                except asyncio.TimeoutError:
+                    if not await self._started(m, key):
+                        raise
+                    out = await asyncio.wait_for(done, timeout=self.timeout_s)
             except asyncio.TimeoutError:
                 ray.cancel(ref)                        # dropped if still queued; skipped by its deadline otherwise
                 m.slow_until = time.monotonic() + self.retry_s
@@ -168,6 +178,13 @@ class Producers:
             return out, None
         return None, (FallbackReason.PRODUCER_TIMEOUT if time.time() >= deadline
                       else FallbackReason.PRODUCER_UNAVAILABLE)
+
+    async def _started(self, m: Member, key: str) -> bool:
+        """Whether the producer is running the encode named `key` (False when it cannot say in time)."""
+        try:
+            return await asyncio.wait_for(m.handle.started.remote(key), timeout=self.control_s)
+        except Exception:                              # noqa: BLE001 - gone or busy: treated as not started
+            return False
 
     async def stats(self) -> dict:
         """Each producer's stats with this router's view of it (state, share of the ring, routed, in flight);

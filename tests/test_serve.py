@@ -267,6 +267,24 @@ def _reason(url, model, prompt=PREFIX + "Question: Where does Clara Petrov live?
     return out["scd"]["mode"], out["scd"]["reason"]
 
 
+def test_an_encode_begun_before_its_deadline_is_waited_for_not_prefilled_twice(served):
+    """producer_timeout_s is 1.5 s here; the producer's encode takes 2 s (the drill's delay), begun at once:
+    the router waits for it (up to another 1.5 s) and answers from its codes, where falling back would have
+    the specialist prefill the same prefix again."""
+    url, cfg, producer = served
+    before = ray.get(producer.stats.remote())["prefills"]
+    ray.get(producer.inject.remote("delay:2"))
+    try:
+        t0 = time.monotonic()
+        got = _reason(url, "qa", PREFIX + "Begun. Question:")
+        took = time.monotonic() - t0
+    finally:
+        ray.get(producer.inject.remote(None))
+    assert got == ("scd", None), f"{got} after {took:.1f} s"
+    assert took > cfg.producer_timeout_s, f"answered in {took:.1f} s: the drill's delay never ran"
+    assert ray.get(producer.stats.remote())["prefills"] - before == 1
+
+
 def test_every_fallback_reason_on_purpose_in_response_and_metrics(served):
     url, cfg, producer = served
     assert _reason(url, "nocal") == ("fallback", "no_artifact")

@@ -5,7 +5,8 @@ The consumer runs every layer for a chosen set S of the prefix's positions. At e
 attend over the cache as it stands there: their own K, V (computed in this pass) at the positions of S, the
 rebuilt K, V at the others. Their own K, V then replace the rebuilt ones at S. Selecting every position is
 the consumer's own prefill; selecting the last k is a tail (`rebuild.run_tail`). It costs |S| / T of a
-prefill's projections and MLPs, and |S| x T of its attention.
+prefill's projections and MLPs, and about the causal triangle of S in attention: the positions run in
+chunks in column order, each over the columns up to its last, as a chunked prefill does.
 
 Which positions (each a rule with its own cost, counted by `cost`):
 - `attention`: the consumer's own last `window` positions first, through every layer over the rebuilt cache
@@ -34,7 +35,7 @@ from scd.settings import SELECT_WINDOW
 KV = tuple[torch.Tensor, torch.Tensor]
 RULES = ("attention", "deviation", "structural", "last")
 WINDOW = SELECT_WINDOW
-CHUNK = 128                  # positions recomputed together (`recompute_tokens`)
+CHUNK = 256                  # positions recomputed together (`recompute_tokens`)
 
 
 def count_for(mask: torch.Tensor, fraction: float) -> int:
