@@ -170,8 +170,8 @@ def test_the_cost_is_zero_with_nothing_selected_a_prefill_with_every_layer_and_g
     assert selective.cost(config, 2048, 64, window=64) == 2 * shares[0], "the attention rule's window runs twice"
     every = selective.cost(config, 2048, 2048, columns=list(range(2048)), chunk=1)
     assert abs(every - 1) < 0.01, f"every position, one at a time, is a prefill: {every:.4f}"
-    early, late = (selective.cost(config, 2048, 256, columns=list(c)) for c in (range(256), range(1792, 2048)))
-    assert early < late < shares[1], (early, late, shares[1])
+    early, late = (selective.cost(config, 2048, 512, columns=list(c), chunk=128) for c in (range(512), range(1536, 2048)))
+    assert early < late < shares[2], f"chunks count the columns up to their last: {(early, late, shares[2])}"
 
 
 def test_an_artifact_with_the_attention_rule_keeps_it_through_a_save_and_rebuilds_by_it(tmp_path):
