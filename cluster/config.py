@@ -117,6 +117,9 @@ class Autoscaling(_ReplicaRange):
     upscale_delay_s: float = Field(2.0, ge=0, description="how long more replicas must be wanted before one is added")
     downscale_delay_s: float = Field(10.0, ge=0, description="how long fewer replicas must be wanted before one "
                                                              "is removed")
+    look_back_period_s: float = Field(30.0, gt=10, description="the window Serve averages each replica's ongoing "
+                                      "requests over before it decides, longer than Serve's 10 s metrics interval "
+                                      "(shorter: replicas follow a burst's end sooner; longer: they ride out a lull)")
 
 
 class ProducerAutoscaling(_ReplicaRange):

@@ -65,10 +65,12 @@ def test_a_producers_code_cache_and_staging_default_by_its_device_and_reach_its_
 
 def test_serve_deploy_config_carries_autoscaling_and_placement():
     cfg = parse({**GOOD, "specialists": [{**GOOD["specialists"][0], "num_gpus": 0.5,
-                                          "autoscaling": {"min_replicas": 1, "max_replicas": 4}}]})
+                                          "autoscaling": {"min_replicas": 1, "max_replicas": 4,
+                                                          "look_back_period_s": 12}}]})
     out = serve_deploy_config(cfg, "/etc/scd.yaml")
     dep = out["applications"][0]["deployments"][0]
     assert dep["name"] == "specialist-qa" and dep["autoscaling_config"]["max_replicas"] == 4
+    assert dep["autoscaling_config"]["look_back_period_s"] == 12
     assert dep["ray_actor_options"] == {"num_cpus": 0}            # a thin shim: the engine actor holds the GPU
     assert engine_options(cfg, "qa")["num_gpus"] == 0.5
     assert out["applications"][0]["args"] == {"config": "/etc/scd.yaml"}
