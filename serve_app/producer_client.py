@@ -8,7 +8,7 @@ over at once: the request goes to the next producer on the ring within the same 
 probed in the background until it answers (Ray restarts a crashed producer; the pool recreates one killed for
 good). One that does not answer in time is passed over for `producer_retry_s` while another serves. Requests
 never wait for a producer that is known to be down: with none left they fall back at once
-(`producer_unavailable`). An encode the producer already runs when its deadline comes is waited for, up to
+(`producer_unavailable`). An encode the producer has begun when its deadline comes is waited for, up to
 `producer_timeout_s` more: falling back then would prefill the same prefix twice on a machine that is short of
 compute already (a producer's queue is long under load, and the request that times out is at its head).
 """
@@ -180,7 +180,8 @@ class Producers:
                       else FallbackReason.PRODUCER_UNAVAILABLE)
 
     async def _started(self, m: Member, key: str) -> bool:
-        """Whether the producer is running the encode named `key` (False when it cannot say in time)."""
+        """Whether the producer has begun the encode named `key` (running, or its codes on their way; False when
+        it cannot say in time)."""
         try:
             return await asyncio.wait_for(m.handle.started.remote(key), timeout=self.control_s)
         except Exception:                              # noqa: BLE001 - gone or busy: treated as not started

@@ -204,7 +204,7 @@ def cost(config, t: int, s: int, first_layers: int = 0, window: int = 0, columns
 
 @torch.no_grad()
 def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rule: str, fraction: float,
-           tok=None, layers: int = 1) -> tuple[list[KV], int]:
+           tok=None, layers: int = 1) -> tuple[list[KV], torch.Tensor]:
     """`kv` repaired by `rule` at `fraction` of the prefix's positions: (the cache, the columns recomputed
     (B, s))."""
     if rule == "attention":
