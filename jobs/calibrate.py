@@ -22,7 +22,7 @@ import yaml
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from artifacts_store import ArtifactStore, calibration_digest
+from artifacts_store import ArtifactNotFound, ArtifactStore, calibration_digest
 from cluster.config import CalibrationSettings, load_config
 from cluster.runtime import actor_options, connect
 from jobs import report
@@ -202,10 +202,17 @@ def prepare(args: argparse.Namespace, t0: float) -> PairJob:
 
 
 def already_published(job: PairJob) -> str | None:
-    """The ref this pair was published as under the job's publish key, if it was."""
+    """The ref this pair was published as under the job's publish key, if it was and the store still holds it
+    (a version removed since, or a store emptied at the same URI, is published again from the checkpoints)."""
     ref = (load_record(job.published, job.publish_key) or {}).get("ref")
-    if ref:
-        log(f"already published as {ref}; nothing to do")
+    if not ref:
+        return None
+    try:
+        job.store.resolve(ref)
+    except ArtifactNotFound:
+        log(f"published as {ref}, which the store no longer holds: publishing again")
+        return None
+    log(f"already published as {ref}; nothing to do")
     return ref
 
 

@@ -220,3 +220,18 @@ def test_a_finished_calibration_is_published_to_another_store_from_its_checkpoin
     assert ArtifactStore(other).verify(ref).ok
     assert calibrate(["--pair", "base:qa", "--config", str(cfg), "--store", str(other)]) == ref
     assert "already published" in capsys.readouterr().out
+
+
+def test_a_version_removed_from_its_store_is_published_again_from_the_checkpoints(job, capsys):
+    """What the job published counts only while the store holds it: a version removed since (by hand, or a
+    store emptied at the same URI) is published again, without fitting anything again."""
+    import shutil
+    tmp_path, cfg, _, _ = job
+    store = tmp_path / "store-emptied"
+    first = calibrate(["--pair", "base:qa", "--config", str(cfg), "--store", str(store)])
+    capsys.readouterr()
+    shutil.rmtree(store)
+    again = calibrate(["--pair", "base:qa", "--config", str(cfg), "--store", str(store)])
+    out = capsys.readouterr().out
+    assert f"published as {first}, which the store no longer holds: publishing again" in out, out[-2000:]
+    assert "stage policy: resumed" in out and again != first and ArtifactStore(store).verify(again).ok, out[-2000:]
