@@ -26,10 +26,50 @@ def connect(settings: RaySettings, **overrides) -> dict:
                 kwargs.setdefault("include_dashboard", True)
                 kwargs.setdefault("dashboard_port", settings.dashboard_port)
             kwargs.setdefault("include_dashboard", False)
-            ray.init(address="local", num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, **kwargs)
+            start_local(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus, **kwargs)
             if kwargs["include_dashboard"]:
                 name_for_jobs()
     return ray.cluster_resources()
+
+
+LOCAL_STARTS = 3        # Ray gives a new node's raylet 30 s to register, which a machine busy enough can miss
+
+
+def start_local(**kwargs) -> None:
+    """`ray.init(address="local")`, started again (up to LOCAL_STARTS times) when its raylet did not register in
+    time; the processes of a start that timed out are stopped first (Ray leaves them running)."""
+    import sys
+
+    from ray._common.utils import get_default_ray_temp_dir
+    for attempt in range(1, LOCAL_STARTS + 1):
+        try:
+            ray.init(address="local", **kwargs)
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == LOCAL_STARTS:
+                raise
+            print(f"[scd] Ray's local cluster did not start within Ray's 30 s (try {attempt} of {LOCAL_STARTS}): "
+                  "starting it again", file=sys.stderr, flush=True)
+            ray.shutdown()
+            _stop_session(kwargs.get("_temp_dir") or get_default_ray_temp_dir())
+
+
+def _stop_session(temp_dir: str) -> None:
+    """Stop the processes of the newest Ray session under temp_dir (a start that failed), by their command
+    lines, which name the session's folder."""
+    import signal
+    session = Path(temp_dir) / "session_latest"
+    if not session.is_symlink():
+        return
+    name = session.resolve().name
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if name in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
 
 
 def name_for_jobs() -> None:

@@ -77,3 +77,52 @@ def test_cpu_is_counted_by_role_from_the_first_snapshot_and_new_processes_from_z
     assert cpu_by_role(before, after) == {"SpecialistActor": 6.5, "replica:Router": 0.5}
     assert counts(after) == {"processes": 3, "threads": 212,
                              "by_role": {"SpecialistActor": [2, 171], "replica:Router": [1, 41]}}
+
+
+def test_a_local_cluster_whose_raylet_missed_rays_startup_deadline_is_started_again(monkeypatch, tmp_path, capsys):
+    """Ray gives a new node's raylet 30 s to register; on a machine too busy for that, `connect` stops what the
+    failed start left running (the newest session's processes) and starts the cluster again, up to
+    LOCAL_STARTS times, and then raises Ray's error."""
+    import subprocess
+    import sys
+
+    import ray
+
+    from cluster import runtime
+    from cluster.config import RaySettings
+    session = tmp_path / "session_2026-01-01_00-00-00_000000_1"
+    session.mkdir()
+    (tmp_path / "session_latest").symlink_to(session)
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(session)])   # names the session
+    import time
+    while session.name not in (Path("/proc") / str(left.pid) / "cmdline").read_text(errors="replace"):
+        time.sleep(0.01)                                  # until the child runs its own command line
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) < 2:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    try:
+        assert runtime.connect(RaySettings(), _temp_dir=str(tmp_path)) == {"CPU": 2.0}
+        assert len(calls) == 2 and all(c["address"] == "local" for c in calls), calls
+        assert left.wait(timeout=10) == -9, "the failed start's process was left running"
+        assert "try 1 of 3" in capsys.readouterr().err
+        calls.clear()
+        monkeypatch.setattr(runtime, "LOCAL_STARTS", 2)
+
+        def always_late(**kwargs):
+            calls.append(kwargs)
+            raise Exception("The current node timed out during startup.")
+
+        monkeypatch.setattr(ray, "init", always_late)
+        with pytest.raises(Exception, match="timed out during startup"):
+            runtime.connect(RaySettings(), _temp_dir=str(tmp_path))
+        assert len(calls) == 2, calls
+    finally:
+        left.kill()
