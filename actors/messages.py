@@ -44,7 +44,7 @@ class FallbackReason(StrEnum):
     PREFIX_TOO_SHORT = "prefix_too_short"           # nothing shared to rebuild
     QUALITY_GATE = "quality_gate"                   # calibration refused to publish an artifact for the pair
     INVOCATION_IN_PREFIX = "invocation_in_prefix"   # an activated LoRA switched on inside the shared prefix
-    GROUP_OWN_PREFILL = "group_own_prefill"         # a LoRA group's adapter on every layer prefilled the prefix
+    GROUP_OWN_PREFILL = "group_own_prefill"         # a LoRA group's adapter with an artifact prefilled the prefix
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ group); each adapter then computes what sharing leaves to it (`LoraGroup.adapter
 - a LoRA on every layer: its pair's artifact when it has one (`set_artifact`): codes of the base's prefill
   (the producer's side, `rebuild.encode`) and the adapter's cache rebuilt from them on its view of the base
   (`lora_group.adapter_view`: recompute blocks and tails included), all in memory, with no wire format and no
-  transfer; without one, its own prefill of the prefix, stated as a fallback (`group_own_prefill`).
+  transfer; without one, its own prefill of the prefix, stated as a fallback (`no_artifact`).
 Every answer but a rebuilt one equals the adapter merged into the base (up to float rounding); `exact` makes
-an adapter with an artifact prefill the prefix itself. Rows of every adapter decode in one batch
+an adapter with an artifact prefill the prefix itself (`group_own_prefill`). Rows of every adapter decode in one batch
 (`scd.online.decode.Batch` over the group).
 
 Plain Python, tested without Ray; a GroupActor (actors/group_actor.py) holds one in a Serve replica.
@@ -201,8 +201,7 @@ class GroupEngine:
             info = ServedInfo("oracle", None, None, 0, timings)
         else:
             share = 1.0 if own else self.share(name) if plan is not None else self.group.prefill_share([name])[name]
-            reason = FallbackReason.PREFIX_TOO_SHORT if not prefix_ids else \
-                FallbackReason.GROUP_OWN_PREFILL if share == 1.0 else None
+            reason = FallbackReason.PREFIX_TOO_SHORT if not prefix_ids else self._own_prefill(name, share)
             info = ServedInfo("fallback" if reason else "scd", reason, plan[1] if plan else None, 0, timings,
                               group={"base_cached": cached, "adapter_share": share})
         t2 = time.perf_counter()
@@ -259,8 +258,16 @@ class GroupEngine:
         plan = self.plans.get(name)
         return {"members": self.names, "adapter_share": share, "artifact": plan[1] if plan else None,
                 "running": self.active.get(name, 0) if name else sum(self.active.values()),
-                "unavailable_reason": FallbackReason.GROUP_OWN_PREFILL if share == 1.0 else None,
+                "unavailable_reason": self._own_prefill(name, share) if name else None,
                 "decode": self.decoder.stats()}
+
+    def _own_prefill(self, name: str, share: float | None) -> FallbackReason | None:
+        """Why adapter `name` prefills a prefix itself when its share of a prefill is 1.0: it has no artifact
+        (`no_artifact`, as a specialist outside a group), or it has one and prefilled anyway (`exact`, or a prefix
+        the base prefilled before the artifact came: `group_own_prefill`); None when it shares the prefix."""
+        if share != 1.0:
+            return None
+        return FallbackReason.GROUP_OWN_PREFILL if name in self.plans else FallbackReason.NO_ARTIFACT
 
     def stop(self) -> None:
         self.decoder.stop()

@@ -116,7 +116,8 @@ def test_a_fan_out_prefills_the_base_once_and_says_how_each_adapter_was_served(e
     cached = sorted(info.group["base_cached"] for info in results.values())
     assert cached == [False, True, True], f"the base prefilled the prefix more than once: {cached}"
     every, top, act = (results[n] for n in ("every", "top", "act"))
-    assert (every.mode, every.reason) == ("fallback", "group_own_prefill"), every.as_dict()
+    assert (every.mode, every.reason) == ("fallback", "no_artifact"), every.as_dict()
+    assert [engine.status(n)["unavailable_reason"] for n in ("every", "top", "act")] == ["no_artifact", None, None]
     assert top.mode == "scd" and top.group["adapter_share"] == pytest.approx(3 / 8), top.as_dict()
     assert act.mode == "scd" and act.group["adapter_share"] == 0.0, act.as_dict()
 
@@ -241,4 +242,4 @@ def test_exact_makes_an_adapter_with_an_artifact_prefill_and_answer_as_merged(ad
         (info.as_dict(), want)
     engine.set_artifact("every", None)                  # dropped: its own prefill again, stated
     _, info, _ = engine.complete("every", PREFIX, SUFFIX, PARAMS)
-    assert (info.mode, info.reason) == ("fallback", "group_own_prefill") and info.ids == want, info.as_dict()
+    assert (info.mode, info.reason) == ("fallback", "no_artifact") and info.ids == want, info.as_dict()

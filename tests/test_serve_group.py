@@ -111,7 +111,7 @@ def test_an_adapter_loaded_and_unloaded_at_run_time_with_no_failed_request(serve
         assert all(f.result()[0] == 200 for f in others), [f.result() for f in others]
     assert "every" in {m["id"] for m in _get(url + "/v1/models")["data"]}
     status, r = _post(url + "/v1/completions", {**body, "model": "every"})
-    assert status == 200 and (r["scd"]["mode"], r["scd"]["reason"]) == ("fallback", "group_own_prefill"), r
+    assert status == 200 and (r["scd"]["mode"], r["scd"]["reason"]) == ("fallback", "no_artifact"), r
 
     answers, stop = [], threading.Event()            # requests for "every" and "top" through the switch
 
