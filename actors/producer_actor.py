@@ -25,12 +25,13 @@ from collections import deque
 import ray
 from ray.util.metrics import Counter, Gauge
 
-from actors.messages import PRODUCER_NAME, Codes, FallbackReason, PairCodes, one_line
+from actors.messages import Codes, FallbackReason, PairCodes, one_line
 from actors.registry import fetch, fetch_family, registry
-from actors.transport import INLINE_BYTES, RDT_TRANSPORTS, TransportError, make_transport
+from actors.transport import RDT_TRANSPORTS, TransportError, make_transport
 from artifacts_store.errors import ArtifactStoreError
 from artifacts_store.fingerprints import Fingerprints
 from cluster.runtime import cpu_threads, device
+from engines.interface import ProducerConfig
 
 class Busy:
     """How much of the last `window_s` seconds the producer spent encoding (its prefill load), and how long
@@ -63,37 +64,35 @@ class Busy:
 
 @ray.remote(concurrency_groups={"control": 4})
 class ProducerActor:
-    def __init__(self, model_path: str, pairs: dict[str, str], store_uri: str, namespace: str | None = None,
-                 cache_bytes: int = 64 << 20, transport: str = "object_store",
-                 watch_s: float = 10.0, link_gbps: dict[str, float] | None = None,
-                 ttft_target_ms: float | None = None, families: dict[str, str] | None = None,
-                 name: str = PRODUCER_NAME, inline_bytes: int = INLINE_BYTES, stage_bytes: int = 256 << 20):
+    def __init__(self, config: ProducerConfig):
         import torch
 
         from engines.producer import ProducerEngine
         from scd.online.models import load
         torch.set_num_threads(cpu_threads())
         dev = device()
-        model, tok, _ = load(model_path, device=dev)
+        c = config
+        model, tok, _ = load(c.model_path, device=dev)
         # a transport that moves tensors (Ray Direct Transport) takes payloads as tensors where they are encoded
-        self.engine = ProducerEngine(model.to(dev), tok, {}, cache_bytes, dev, link_gbps, ttft_target_ms,
-                                     device_payloads=transport in RDT_TRANSPORTS)
-        self.registry = registry(store_uri, namespace)
-        self.store_uri, self.store = store_uri, None       # the store itself only for leases (registry reads)
+        self.engine = ProducerEngine(model.to(dev), tok, {}, c.cache_bytes, dev, c.link_gbps, c.ttft_target_ms,
+                                     device_payloads=c.transport in RDT_TRANSPORTS)
+        self.registry = registry(c.store_uri, c.namespace)
+        self.store_uri, self.store = c.store_uri, None     # the store itself only for leases (registry reads)
         self.expect = Fingerprints.of(producer=model, tokenizer=tok)
-        self.transport_kind = transport
-        self.name = name                                # its actor name: tickets say whom to pull from
-        self.transport = make_transport(transport, owner=name, inline_bytes=inline_bytes, stage_bytes=stage_bytes)
+        self.transport_kind = c.transport
+        self.name = c.name                              # its actor name: tickets say whom to pull from
+        self.transport = make_transport(c.transport, owner=c.name, inline_bytes=c.inline_bytes,
+                                        stage_bytes=c.stage_bytes)
         self.busy = Busy()
-        tags = {"producer": name}
+        tags = {"producer": c.name}
         self.m_encodes = Counter("scd_producer_encodes_total", "encodes by how they were served (prefill: a new "
                                  "prefix; cache_hit)", tag_keys=("producer", "served")).set_default_tags(tags)
         self.m_busy = Gauge("scd_producer_busy", "fraction of the last 10 s spent prefilling and encoding",
                             tag_keys=("producer",)).set_default_tags(tags)
         self.m_wait = Gauge("scd_producer_queue_wait_ms", "median wait of the last 64 encodes in this producer's "
                             "queue", tag_keys=("producer",)).set_default_tags(tags)
-        self.wanted = dict(pairs)                      # pair -> "latest" or a pinned version
-        self.wanted_families = dict(families or {})    # family id -> "latest" or a pinned version
+        self.wanted = dict(c.pairs)                    # pair -> "latest" or a pinned version
+        self.wanted_families = dict(c.families)        # family id -> "latest" or a pinned version
         self.problems: dict[str, dict] = {}            # what -> {"reason": one line, "since": unix time}
         self.refused: dict[str, str] = {}              # "pair@version" -> why it was not loaded (never retried)
         self.fault: str | None = None
@@ -101,12 +100,12 @@ class ProducerActor:
         self.skipped = 0                               # encodes whose deadline passed while they were queued
         self.begun: deque = deque(maxlen=4096)         # the callers' keys of the latest encodes begun
         self.begun_lock = threading.Lock()             # encode appends, `started` (a control thread) reads
-        self.watch_s = watch_s
-        for pair, version in pairs.items():
+        self.watch_s = c.watch_s
+        for pair, version in c.pairs.items():
             self.reload(pair, version)
         for fid, version in self.wanted_families.items():
             self.reload(fid, version)
-        if watch_s > 0:
+        if c.watch_s > 0:
             threading.Thread(target=self._watch, daemon=True, name="artifact-watch").start()
 
     def _problem(self, what: str, reason: str) -> None:

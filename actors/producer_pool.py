@@ -74,13 +74,15 @@ class ProducerPool:
     # -- membership -------------------------------------------------------------------------------------
     def _create(self, name: str):
         from actors.producer_actor import ProducerActor      # torch (Ray's tensor transports): in the pool alone
+        from engines.interface import ProducerConfig
         s = self.spec
         opts = actor_options(s["num_gpus"], name=name, detached=True, namespace=self.namespace,
                              num_cpus=s["num_cpus"], resources=s["resources"], node_labels=s["node_labels"])
-        return ProducerActor.options(**opts, max_restarts=-1, max_task_retries=0).remote(
-            s["path"], s["pairs"], s["store"], self.namespace, transport=s["transport"], watch_s=s["watch_s"],
-            inline_bytes=s["inline_bytes"], cache_bytes=s["memory_bytes"][0], stage_bytes=s["memory_bytes"][1],
-            link_gbps=s["link_gbps"], ttft_target_ms=s["ttft_target_ms"], families=s["families"], name=name)
+        return ProducerActor.options(**opts, max_restarts=-1, max_task_retries=0).remote(ProducerConfig(
+            s["path"], s["pairs"], s["store"], self.namespace, name=name, transport=s["transport"],
+            families=s["families"] or {}, cache_bytes=s["memory_bytes"][0], stage_bytes=s["memory_bytes"][1],
+            inline_bytes=s["inline_bytes"], watch_s=s["watch_s"], link_gbps=s["link_gbps"],
+            ttft_target_ms=s["ttft_target_ms"]))
 
     def _adopt(self) -> None:
         """Take over the producers a previous start of this pool left running (named in index order)."""

@@ -6,7 +6,7 @@ the engine in its own process (`build`: the model is loaded where it computes), 
 answer, to report its status and to stop. Two engines implement it: `SpecialistEngine` (a model of its own,
 its prefix rebuilt from a producer's codes) and `GroupEngine` (a LoRA group: one base and its adapters, the
 prefix's base layers computed once for all). The producer's engine encodes instead of answering
-(engines/producer.py); its actor builds it from its own settings.
+(engines/producer.py); its actor builds it from a `ProducerConfig` the same way.
 
 Also here, with no torch, for the processes that only forward requests: an E-first payload as it arrives
 (`Arriving`) and a request for an adapter a group does not hold (`NotServed`).
@@ -17,7 +17,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
-from actors.messages import SpecialistRequest
+from actors.messages import PRODUCER_NAME, SpecialistRequest
+from actors.transport import INLINE_BYTES
 
 if TYPE_CHECKING:
     from scd.online import e_first
@@ -43,6 +44,24 @@ class EngineConfig:
     transport: str = "object_store"        # how a specialist receives its codes
     control_timeout_s: float = 5.0         # the actor's calls to the producer and registry
     telemetry: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProducerConfig:
+    """What a producer's engine and the actor that holds it are made from (one per producer of the pool)."""
+    model_path: str                        # the producer's (base) model folder
+    pairs: dict[str, str]                  # pair -> "latest" or a pinned version: the artifacts it encodes for
+    store_uri: str                         # the artifact store
+    namespace: str | None = None           # the Ray namespace of the registry
+    name: str = PRODUCER_NAME              # its actor name: tickets say whom to pull from
+    transport: str = "object_store"        # how the specialists receive its codes
+    families: dict[str, str] = field(default_factory=dict)   # family id -> "latest" or a pinned version
+    cache_bytes: int = 64 << 20            # the prefix code cache
+    stage_bytes: int = 256 << 20           # payloads staged for pulls (nixl, cuda_ipc)
+    inline_bytes: int = INLINE_BYTES       # a payload up to this size rides in its ticket
+    watch_s: float = 10.0                  # how often it looks for new artifact versions (0: never)
+    link_gbps: dict[str, float] | None = None     # the links to the specialists, for modeled TTFT
+    ttft_target_ms: float | None = None
 
 
 class Arriving:

@@ -162,14 +162,14 @@ def test_replicas_take_an_exact_plan_entry_first_and_answer_as_the_oracle(top_fo
     from actors.messages import SpecialistRequest
     from actors.producer_actor import ProducerActor
     from actors.specialist_actor import SpecialistActor
-    from engines.interface import EngineConfig
+    from engines.interface import EngineConfig, ProducerConfig
     folder, _ = top_folder
     _, store_dir, _, _ = top_published
     ns = f"scd-test-efirst-{transport}"
     name = f"producer-efirst-{transport}"
-    producer = ProducerActor.options(name=name, namespace=ns, num_cpus=0).remote(
-        str(DEMO / "base"), {"base:top": "latest"}, str(store_dir), ns, transport=transport, watch_s=0,
-        name=name, inline_bytes=0)
+    producer = ProducerActor.options(name=name, namespace=ns, num_cpus=0).remote(ProducerConfig(
+        str(DEMO / "base"), {"base:top": "latest"}, str(store_dir), ns, name=name, transport=transport, watch_s=0,
+        inline_bytes=0))
     replica = SpecialistActor.options(namespace=ns, num_cpus=0).remote(EngineConfig(
         "specialist", "top", str(folder), producer="base", store_uri=str(store_dir), namespace=ns, transport=transport))
     try:
