@@ -57,19 +57,17 @@ def start_local(**kwargs) -> None:
 def _stop_session(temp_dir: str) -> None:
     """Stop the processes of the newest Ray session under temp_dir (a start that failed), by their command
     lines, which name the session's folder."""
-    import signal
+    import psutil
     session = Path(temp_dir) / "session_latest"
     if not session.is_symlink():
         return
     name = session.resolve().name
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if name in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
+    for proc in psutil.process_iter(["cmdline"]):
+        if proc.pid != os.getpid() and any(name in arg for arg in proc.info["cmdline"] or ()):
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
 
 
 def name_for_jobs() -> None:
