@@ -11,8 +11,8 @@ group); each adapter then computes what sharing leaves to it (`LoraGroup.adapter
   (`lora_group.adapter_view`: recompute blocks and tails included), all in memory, with no wire format and no
   transfer; without one, its own prefill of the prefix, stated as a fallback (`no_artifact`).
 Every answer but a rebuilt one equals the adapter merged into the base (up to float rounding); `exact` makes
-an adapter with an artifact prefill the prefix itself (`group_own_prefill`). Rows of every adapter decode in one batch
-(`scd.online.decode.Batch` over the group).
+an adapter with an artifact prefill the prefix itself (`group_own_prefill`). Rows of every adapter decode in one
+batch (`scd.online.decode.Batch` over the group).
 
 Plain Python, tested without Ray; a GroupActor (actors/group_actor.py) holds one in a Serve replica.
 """
@@ -258,10 +258,10 @@ class GroupEngine:
         plan = self.plans.get(name)
         return {"members": self.names, "adapter_share": share, "artifact": plan[1] if plan else None,
                 "running": self.active.get(name, 0) if name else sum(self.active.values()),
-                "unavailable_reason": self._own_prefill(name, share) if name else None,
+                "unavailable_reason": self._own_prefill(name, share),
                 "decode": self.decoder.stats()}
 
-    def _own_prefill(self, name: str, share: float | None) -> FallbackReason | None:
+    def _own_prefill(self, name: str | None, share: float | None) -> FallbackReason | None:
         """Why adapter `name` prefills a prefix itself when its share of a prefill is 1.0: it has no artifact
         (`no_artifact`, as a specialist outside a group), or it has one and prefilled anyway (`exact`, or a prefix
         the base prefilled before the artifact came: `group_own_prefill`); None when it shares the prefix."""

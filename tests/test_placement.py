@@ -85,6 +85,7 @@ def test_a_local_cluster_whose_raylet_missed_rays_startup_deadline_is_started_ag
     LOCAL_STARTS times, and then raises Ray's error."""
     import subprocess
     import sys
+    import time
 
     import ray
 
@@ -94,7 +95,6 @@ def test_a_local_cluster_whose_raylet_missed_rays_startup_deadline_is_started_ag
     session.mkdir()
     (tmp_path / "session_latest").symlink_to(session)
     left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(session)])   # names the session
-    import time
     while session.name not in (Path("/proc") / str(left.pid) / "cmdline").read_text(errors="replace"):
         time.sleep(0.01)                                  # until the child runs its own command line
     calls = []

@@ -29,7 +29,8 @@ from cli.loadtest import Shape, prompt
 def call(url: str, body: dict | None = None, timeout: float = 600) -> tuple[int, str]:
     """(HTTP status, body text); status 0 when no answer came."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method="GET" if data is None else "POST")
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"},
+                                 method="GET" if data is None else "POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         threads.append(threading.Thread(target=tl.loop, args=(args.others.split(","),), daemon=True))
     for th in threads:
         th.start()
-    job, artifact, first = None, None, False
+    job, artifact, first, switch = None, None, False, False
     deadline = time.monotonic() + args.bound_s
     while time.monotonic() < deadline:
         own = [a for a in tl.answers if a["model"] == args.name]
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             artifact = h.get("artifact")
             tl.event(f"healthz artifact: {artifact}")
         switched = [a for a in own if a["mode"] == "scd" and a["artifact"]]
-        if len(switched) == 1 and not any(e[1].startswith("switch") for e in tl.events):
+        if switched and not switch:
+            switch = True
             tl.event(f"switch: first answer from {switched[0]['artifact']} (issued at {switched[0]['t']} s)")
         if len(switched) >= args.after or (job or "").endswith((": FAILED", ": STOPPED")):
             break
