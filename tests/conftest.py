@@ -74,6 +74,7 @@ def ray_cluster() -> str:
     temp_dir = tempfile.mkdtemp(prefix="scd-ray-", dir="/tmp")       # short: Ray's socket paths live under it
     shared = Path(get_ray_address_file(None))
     before = shared.read_text() if shared.is_file() else None
+    shared.parent.mkdir(parents=True, exist_ok=True)       # a fresh machine has no /tmp/ray yet
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "include_dashboard": True, "dashboard_port": free_port(),
         "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(), "temp_dir": temp_dir})
