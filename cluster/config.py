@@ -120,6 +120,10 @@ class Autoscaling(_ReplicaRange):
     look_back_period_s: float = Field(30.0, gt=10, description="the window Serve averages each replica's ongoing "
                                       "requests over before it decides, longer than Serve's 10 s metrics interval "
                                       "(shorter: replicas follow a burst's end sooner; longer: they ride out a lull)")
+    max_replicas_per_node: int | None = Field(None, ge=1, le=100, description=(
+        "most replicas on one node (Serve's max_replicas_per_node): 1 puts each on a node of its own, so that a "
+        "node's failure takes one of them; a replica with no node left to take it waits for one to join. "
+        "default: no limit"))
 
 
 class ProducerAutoscaling(_ReplicaRange):

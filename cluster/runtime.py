@@ -172,11 +172,14 @@ def replica_caps(cfg: DeploymentConfig, cores: int | None) -> dict[str, int]:
     each CPU specialist starts with take theirs first (`num_cpus` each, at least one), and autoscaling adds a
     CPU replica only while the cores left hold it, one specialist after the other in config order. A replica
     beyond the cores adds no compute: its start (a process, a model load) and its smaller batches take the
-    cores the running ones need. GPU specialists, and every specialist on a cluster of declared resources
-    (`cores` None: Ray places replicas where nodes have CPUs to grant), keep their configured maximum."""
+    cores the running ones need; nor more than `max_replicas_per_node` (the machine is one node). GPU
+    specialists, and every specialist on a cluster of declared resources (`cores` None: Ray places replicas
+    where nodes have CPUs to grant), keep their configured maximum."""
     caps = {s.name: s.autoscaling.max_replicas for s in cfg.specialists}
     if cores is not None:
         _cap_by_cores(cfg, cores, caps)
+        for s in cfg.specialists:
+            caps[s.name] = min(caps[s.name], s.autoscaling.max_replicas_per_node or caps[s.name])
     for first, members in cfg.engines():           # a LoRA group's members share its replicas
         caps.update({m.name: caps[first.name] for m in members})
     return caps

@@ -47,6 +47,7 @@ def specialist_options(cfg: DeploymentConfig, name: str, max_replicas: int | Non
                                    "target_ongoing_requests": a.target_ongoing_requests,
                                    "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
                                    "look_back_period_s": a.look_back_period_s},
+            **({"max_replicas_per_node": a.max_replicas_per_node} if a.max_replicas_per_node else {}),
             "max_ongoing_requests": cfg.limits.specialist_max_ongoing,
             "max_queued_requests": cfg.limits.specialist_max_queued,
             "logging_config": logging_config(cfg),

@@ -3,16 +3,17 @@ while requests flow, and watch the app heal. Prints one JSON line of what it saw
 runs it in its own process (the test session's Ray is a different cluster) and asserts on that line.
 
     head      : GCS, Serve controller, HTTP proxy (HeadOnly); no `scd_worker` resource, no worker label
-    worker x2 : resources {scd_worker: 4}, labels {scd-role: worker}
+    worker x2 : resources {scd_worker: 4}, labels {scd-role: worker}; a third joins after one is killed
     producer  : resources {scd_worker: 1}         -> a worker, by custom resource
-    qa (x2)   : node_labels {scd-role: worker}    -> the workers, by label selector (Serve spreads replicas)
+    qa (x2)   : node_labels {scd-role: worker}    -> the workers, by label selector, one replica a node
 
 Timeline: the head starts alone and the app is deployed on it, so the router (which has no placement key)
 lives on the head and the drill kills a model node, not the front door; the models wait until both workers
-join; one qa replica is replaced until the two sit on different workers. Then load (a few threads posting
-/v1/completions), kill the producer's node without grace, keep the load on until the producer is ALIVE on
-a surviving node and answers `scd` again and Serve runs both qa replicas on survivors (or `--bound-s`
-passes), then a short tail of load. On failure the JSON line carries `error`, and the exit status is 1.
+join, one qa replica on each (`max_replicas_per_node: 1`). Then load (a few threads posting
+/v1/completions), kill the producer's node without grace and start a third worker in its place (as a
+cluster's autoscaler would; the surviving worker holds one qa replica already), keep the load on until the
+producer is ALIVE on a surviving node and answers `scd` again and Serve runs both qa replicas on nodes
+other than the dead one (or `--bound-s` passes), then a short tail of load. On failure the JSON line carries `error`, and the exit status is 1.
 
     python tests/multinode_drill.py [--bound-s 60] [--threads 3] [--store STORE_WITH_BASE_QA]
 """
@@ -76,7 +77,8 @@ def write_drill_config(tmp: Path, port: int, store: Path | None = None) -> Path:
     raw["producer"].update(num_cpus=0.25, resources={"scd_worker": 1})
     raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25,
                            "node_labels": {"scd-role": "worker"},
-                           "autoscaling": {"min_replicas": QA_REPLICAS, "max_replicas": QA_REPLICAS}}]
+                           "autoscaling": {"min_replicas": QA_REPLICAS, "max_replicas": QA_REPLICAS,
+                                           "max_replicas_per_node": 1}}]
     raw["ray"] = {"namespace": "scd-drill"}
     raw["http"] = {"port": port}
     raw["producer_timeout_s"] = 2.0
@@ -123,28 +125,17 @@ class Placement:
         return (live[0]["state"], live[0]["node_id"], live[0]["actor_id"]) if live else (None, None, None)
 
 
-def spread_qa(where: Placement, tries: int = 20) -> int:
-    """Both qa replicas start on the first worker to join (they were pending until it did); replace one
-    until Serve's SPREAD has put them on different workers (it may take several: 8 were once not enough).
-    Returns the replacements it took."""
-    import ray
-    for n in range(tries + 1):
+def wait_spread(where: Placement, timeout_s: float = 120) -> float:
+    """Seconds until both qa replicas run, each on a worker of its own (`max_replicas_per_node: 1`: the second
+    waits for the second worker); a RuntimeError after `timeout_s`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
         nodes = [a["node_id"] for a in where.actors()
                  if a["state"] == "ALIVE" and a["class_name"] == "ServeReplica:scd:specialist-qa"]
-        if len(nodes) == QA_REPLICAS and running_replicas() == QA_REPLICAS and len(set(nodes)) == QA_REPLICAS:
-            return n
-        if len(nodes) == QA_REPLICAS and running_replicas() == QA_REPLICAS:
-            victim = next(a["name"] for a in where.actors() if a["state"] == "ALIVE"
-                          and a["class_name"] == "ServeReplica:scd:specialist-qa")
-            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:                # Serve notices and starts a replacement
-            time.sleep(1)
-            alive = [a for a in where.actors() if a["state"] == "ALIVE"
-                     and a["class_name"] == "ServeReplica:scd:specialist-qa"]
-            if len(alive) == QA_REPLICAS and running_replicas() == QA_REPLICAS:
-                break
-    raise RuntimeError(f"qa replicas still on one node after {tries} replacements")
+        if len(set(nodes)) == len(nodes) == QA_REPLICAS and running_replicas() == QA_REPLICAS:
+            return round(time.monotonic() - t0, 1)
+        time.sleep(0.5)
+    raise RuntimeError(f"qa replicas not on two workers after {timeout_s} s: {where.snapshot()}")
 
 
 def running_replicas(deployment: str = "specialist-qa") -> int:
@@ -178,6 +169,7 @@ def drill(seen: dict, bound_s: float, threads: int, store: Path | None = None) -
             "num_cpus": 2, "include_dashboard": True, "dashboard_port": free_port(),
             "dashboard_agent_listen_port": free_port(), "_system_config": FAST_HEALTH})
         ctx = ray.init(address=cluster.address, namespace=cfg.ray.namespace, log_to_driver=False)
+        cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"address": cluster.address})})   # joined
         names = {cluster.head_node.node_id: "head"}
         where = Placement("http://" + ctx.dashboard_url, names)
         # The router has no placement key; deploying before the workers join puts it on the head, so the
@@ -205,7 +197,7 @@ def drill(seen: dict, bound_s: float, threads: int, store: Path | None = None) -
         url = f"http://127.0.0.1:{port}"
         if deploying.is_alive() or failed or not wait_healthy(url, timeout_s=120):
             raise RuntimeError(f"the app never became healthy {failed}")
-        seen["spread_replacements"] = spread_qa(where)
+        seen["spread_wait_s"] = wait_spread(where)
         seen["deploy_s"] = round(time.monotonic() - t_all, 1)
         seen["placement_before"] = where.snapshot()
 
@@ -243,6 +235,8 @@ def drill(seen: dict, bound_s: float, threads: int, store: Path | None = None) -
         t_kill = time.monotonic() - t0
         seen["kill_at_s"] = round(t_kill, 1)             # seconds into the load
         cluster.remove_node(victim, allow_graceful=False)
+        spare = cluster.add_node(num_cpus=2, wait=False, **WORKER)   # as a cluster's autoscaler replaces a node:
+        names[spare.node_id] = "worker3"                              # the replica the survivor may not take goes there
 
         back: dict = {}
         qa_min = QA_REPLICAS

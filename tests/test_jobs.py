@@ -117,13 +117,19 @@ def test_eval_measures_selective_recompute_as_a_method_and_refuses_a_bad_rule(tm
         scd(["eval", "--pair", "base:qa", "--selective", "tail@0.1", "--work-dir", str(tmp_path)])
 
 
-def test_bench_prints_side_by_side_ratio(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def bench_work_dir(tmp_path_factory) -> str:
+    """One calibration for the bench tests, which ask for the same budget: the second resumes the first's."""
+    return str(tmp_path_factory.mktemp("bench-work"))
+
+
+def test_bench_prints_side_by_side_ratio(bench_work_dir, capsys):
     import torch
     threads = torch.get_num_threads()
     try:                                # --threads 1: as a replica of num_cpus 1 runs
         scd(["bench", "--pair", "base:qa", "--tokens", "128,256", "--repeats", "2", "--calib", "16", "--val", "2",
              "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
-             "--work-dir", str(tmp_path), "--threads", "1", "--json"])
+             "--work-dir", bench_work_dir, "--threads", "1", "--json"])
     finally:
         torch.set_num_threads(threads)
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -133,10 +139,10 @@ def test_bench_prints_side_by_side_ratio(tmp_path, capsys):
     assert rows[1]["payload_bytes"] > rows[0]["payload_bytes"]
 
 
-def test_bench_fanout_and_bandwidth_views_of_one_measurement(tmp_path, capsys):
+def test_bench_fanout_and_bandwidth_views_of_one_measurement(bench_work_dir, tmp_path, capsys):
     scd(["bench", "--pair", "base:qa", "--tokens", "128", "--repeats", "1", "--calib", "16", "--val", "2",
          "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
-         "--work-dir", str(tmp_path / "eval"), "--fanout", "1,4", "--bandwidth", "10,400",
+         "--work-dir", bench_work_dir, "--fanout", "1,4", "--bandwidth", "10,400",
          "--plot-dir", str(tmp_path / "plots"), "--ttft-target", "1e9", "--kl-samples", "2", "--json",
          "--no-choose-level"])            # the artifact at its fitted ranks: the levels below are known
     (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -44,7 +44,7 @@ def drill(demo_store):
 def test_models_run_only_where_the_config_places_them(drill):
     before = drill["placement_before"]
     assert before["producer"][0].startswith("worker"), before
-    assert sorted(before["specialist-qa"]) == ["worker1", "worker2"], before    # label selector + Serve's spread
+    assert sorted(before["specialist-qa"]) == ["worker1", "worker2"], before    # label selector, one a node
 
 
 def test_every_request_during_the_drill_is_answered(drill):

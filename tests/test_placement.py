@@ -29,6 +29,17 @@ def test_the_demo_config_scales_nowhere_on_two_cores_and_as_configured_on_sixtee
     assert (opts["min_replicas"], opts["max_replicas"], opts["initial_replicas"]) == (1, 1, 1)
 
 
+def test_replicas_per_node_reach_serve_and_cap_a_one_machine_cluster():
+    cfg = config([{"name": "qa", "autoscaling": {"min_replicas": 2, "max_replicas": 3, "max_replicas_per_node": 1}},
+                  {"name": "code", "autoscaling": {"min_replicas": 1, "max_replicas": 3}}])
+    assert replica_caps(cfg, 16) == {"qa": 1, "code": 3}                 # one machine is one node
+    assert replica_caps(cfg, None) == {"qa": 3, "code": 3}               # a cluster's nodes take one each
+    assert specialist_options(cfg, "qa")["max_replicas_per_node"] == 1
+    assert "max_replicas_per_node" not in specialist_options(cfg, "code")
+    auto = specialist_options(cfg, "qa", replica_caps(cfg, 16)["qa"])["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"]) == (1, 1), auto
+
+
 def test_spare_cores_go_round_robin_in_config_order_up_to_each_maximum():
     auto = lambda lo, hi: {"autoscaling": {"min_replicas": lo, "max_replicas": hi}}      # noqa: E731
     cfg = config([{"name": "qa", **auto(1, 4)}, {"name": "prose", **auto(1, 2)}, {"name": "code", **auto(1, 4)}])

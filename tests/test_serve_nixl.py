@@ -94,20 +94,6 @@ def test_replicas_pull_from_a_restarted_producer(served_nixl):
     assert ray.get(producer.stats.remote())["incarnation"] != before
 
 
-def test_replicas_added_and_removed_by_autoscaling_pull_with_nothing_to_join(served_nixl):
-    """qa scales 1 -> 2 under held requests, every one answered from codes pulled by whichever replica Serve
-    picked, then back to 1; answers from codes again after."""
-    url, _ = served_nixl
-    peak, timeline, answers = scale_up_with_held_requests(url, NS, running_replicas, body={
-        "model": "qa", "prompt": PREFIX + "Load. Question:", "max_tokens": 4})
-    assert peak >= 2, f"qa never reached 2 replicas; (t s, replicas, held): {timeline}"
-    assert all(status == 200 and out["scd"]["mode"] == "scd" for status, out in answers), answers
-    assert wait_for(lambda: running_replicas() == 1, 180), f"qa stayed at {running_replicas()} replicas"
-    status, out = _post(url + "/v1/completions", {"model": "qa", "prompt": PREFIX + "After. Question:",
-                                                   "max_tokens": 2})
-    assert status == 200 and out["scd"]["mode"] == "scd", out
-
-
 def test_a_replica_killed_under_its_requests_loses_none(served_nixl, ray_cluster):
     """A request held at qa's one replica (one: more in flight would scale qa up, and the replica killed might
     not be the one holding it); the replica is killed, and with it its engine actor: the request is answered
@@ -121,7 +107,7 @@ def test_a_replica_killed_under_its_requests_loses_none(served_nixl, ray_cluster
     body = {"model": "qa", "prompt": PREFIX + "Killed. Question:", "max_tokens": 2}
     alive = lambda: [a for a in list_actors(address=ray_cluster, filters=[("state", "=", "ALIVE")])  # noqa: E731
                      if a.class_name.endswith("specialist-qa")]
-    assert wait_for(lambda: len(alive()) == 1, 180), f"qa replicas alive: {alive()}"   # a scaled-down one drained
+    assert wait_for(lambda: len(alive()) == 1, 180), f"qa replicas alive: {alive()}"   # qa has not scaled up yet
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         with holding_qa(NS) as gate:
             future = pool.submit(_post, url + "/v1/completions", body, 600)
@@ -131,4 +117,18 @@ def test_a_replica_killed_under_its_requests_loses_none(served_nixl, ray_cluster
         status, out = future.result()                # (the gate is open by now, whichever replica held it)
     assert status == 200, out                        # retried on the replacement
     status, out = _post(url + "/v1/completions", body)
+    assert status == 200 and out["scd"]["mode"] == "scd", out
+
+
+def test_replicas_added_and_removed_by_autoscaling_pull_with_nothing_to_join(served_nixl):
+    """qa scales 1 -> 2 under held requests, every one answered from codes pulled by whichever replica Serve
+    picked, then back to 1; answers from codes again after."""
+    url, _ = served_nixl
+    peak, timeline, answers = scale_up_with_held_requests(url, NS, running_replicas, body={
+        "model": "qa", "prompt": PREFIX + "Load. Question:", "max_tokens": 4})
+    assert peak >= 2, f"qa never reached 2 replicas; (t s, replicas, held): {timeline}"
+    assert all(status == 200 and out["scd"]["mode"] == "scd" for status, out in answers), answers
+    assert wait_for(lambda: running_replicas() == 1, 180), f"qa stayed at {running_replicas()} replicas"
+    status, out = _post(url + "/v1/completions", {"model": "qa", "prompt": PREFIX + "After. Question:",
+                                                   "max_tokens": 2})
     assert status == 200 and out["scd"]["mode"] == "scd", out
