@@ -204,14 +204,18 @@ def deploy(cfg: DeploymentConfig, app=None, blocking: bool = False):
     return pool
 
 
-def undeploy(cfg: DeploymentConfig) -> None:
+def undeploy(cfg: DeploymentConfig, keep_serve: bool = False) -> None:
     """Stop what deploy started: the Serve app and its proxy, and the detached actors beside it (the producer
     pool with its producers, the adapter book, the artifact registry), which would otherwise outlive it on a
-    shared cluster. Safe to call when any of it is gone."""
+    shared cluster. `keep_serve`: delete this app only, and leave Serve (its controller, the HTTP proxy and any
+    other application) running for the next deploy. Safe to call when any of it is gone."""
     import ray
     if not ray.is_initialized():
         return
-    serve.shutdown()
+    if keep_serve:
+        serve.delete(APP_NAME)
+    else:
+        serve.shutdown()
     stop_pool(cfg.ray.namespace)
     stop_book(cfg.ray.namespace)
     stop_registry(cfg.artifacts.uri, cfg.ray.namespace)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from serve_app.app import undeploy
-from tests.conftest import DEMO, free_port, write_config
+from tests.conftest import DEMO, write_config
 from tests.test_serve import deploy_and_wait
 
 KEY = "scd-bad-input-key-0123456789"
@@ -38,11 +38,11 @@ def served(ray_cluster, tmp_path_factory):
     raw["specialists"] = [{"name": n, "path": str(DEMO / n), "num_cpus": 0.25, "autoscaling": one}
                           for n in ("qa", "prose")]
     raw["producer"]["num_cpus"] = 0.25
-    raw.update(ray={"namespace": NS}, http={"port": free_port()}, auth={"api_key": KEY},
+    raw.update(ray={"namespace": NS}, auth={"api_key": KEY},
                limits={"max_body_bytes": MAX_BODY, "max_fanout": MAX_FANOUT, "max_tokens": MAX_TOKENS})
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url
-    undeploy(cfg)
+    undeploy(cfg, keep_serve=True)
 
 
 def send(url: str, method: str, path: str, body=None, headers: dict | None = None, chunked: bool = False,

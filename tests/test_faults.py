@@ -15,7 +15,7 @@ import yaml
 
 from artifacts_store import ArtifactStore
 from serve_app.app import undeploy
-from tests.conftest import DEMO, REPO, free_port, serving_config
+from tests.conftest import DEMO, REPO, serving_config
 from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, holding_qa, wait_for
 
 NS = "scd-test-faults"
@@ -34,13 +34,13 @@ def served_faults(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25,
                            "autoscaling": {"min_replicas": 1, "max_replicas": 1}}]
     raw["producer"]["num_cpus"] = 0.25
-    raw.update(ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=PRODUCER_TIMEOUT_S,
+    raw.update(ray={"namespace": NS}, producer_timeout_s=PRODUCER_TIMEOUT_S,
                artifacts={"uri": str(tmp / "store"), "watch_s": 0},    # the tests ask the producer to refresh
                limits={"request_timeout_s": 300, "producer_retry_s": 0.5, "router_max_ongoing": 6,
                        "retry_after_s": 2})
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, cfg, tmp / "store", cfg_path
-    undeploy(cfg)
+    undeploy(cfg, keep_serve=True)
 
 
 def _producer():

@@ -11,7 +11,7 @@ import ray
 import yaml
 
 from serve_app.app import undeploy
-from tests.conftest import DEMO, free_port, serving_config
+from tests.conftest import DEMO, serving_config
 from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, wait_for
 
 NS = "scd-test-pool"
@@ -28,11 +28,11 @@ def served_pool(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     raw["specialists"] = [{"name": "qa", "path": str(DEMO / "qa"), **one},
                           {"name": "nocal", "path": str(DEMO / "qa"), **one}]
     raw["producer"].update(num_cpus=0.25, replicas=2)
-    raw.update(ray={"namespace": NS}, http={"port": free_port()}, producer_timeout_s=60,
+    raw.update(ray={"namespace": NS}, producer_timeout_s=60,
                limits={"request_timeout_s": 600, "specialist_max_ongoing": 8, "producer_retry_s": 0.5})
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, ray.get_actor(POOL_NAME, namespace=NS)
-    undeploy(cfg)
+    undeploy(cfg, keep_serve=True)
 
 
 def ask(url: str, prefix: int, tag: str = "") -> dict:

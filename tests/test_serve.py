@@ -33,10 +33,16 @@ def _get(url, timeout=30):
         return json.loads(r.read())
 
 
+# One HTTP port for every module's app on the session's cluster: Serve (its controller and proxy) starts with the
+# first and keeps running between them (`undeploy(cfg, keep_serve=True)`), as it would for apps on one cluster.
+SERVE_PORT = free_port()
+
+
 def deploy_and_wait(cfg_path, raw: dict):
-    """Write the config, deploy the app on the session's Ray, wait until everything it started answers
-    (serve_app.app.wait_healthy): (cfg, url)."""
+    """Write the config (on SERVE_PORT), deploy the app on the session's Ray, wait until everything it started
+    answers (serve_app.app.wait_healthy): (cfg, url)."""
     from serve_app.app import deploy, wait_healthy
+    raw["http"] = {**raw.get("http", {}), "port": SERVE_PORT}
     cfg_path.write_text(yaml.safe_dump(raw))
     cfg = load_config(cfg_path)
     deploy(cfg)
@@ -64,13 +70,12 @@ def served(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
           for n, p in (("prose", "prose"), ("code", "code"), ("nocal", "qa"), ("wrong", "prose")))]
     raw["producer"]["num_cpus"] = 0.25
     raw["ray"] = {"namespace": "scd-test"}
-    raw["http"] = {"port": free_port()}
     raw["producer_timeout_s"] = 1.5
     raw["families"] = [{"name": "fam"}, {"name": "ghost"}]           # ghost: configured, never published
     raw["limits"] = {"request_timeout_s": 600, "specialist_max_ongoing": 8}    # room for the held-requests drill
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, cfg, ray.get_actor(producer_name(0), namespace="scd-test")
-    undeploy(cfg)
+    undeploy(cfg, keep_serve=True)
 
 
 def test_openai_client_lists_models_and_completes_plain_and_streamed(served):

@@ -7,7 +7,7 @@ import yaml
 
 from cluster.config import ConfigError, load_config
 from serve_app.app import undeploy
-from tests.conftest import DEMO, free_port, serving_config
+from tests.conftest import DEMO, serving_config
 from tests.test_group_engine import ADAPTERS, _random_lora
 from tests.test_serve import PREFIX, _get, _post, deploy_and_wait, wait_for
 
@@ -24,7 +24,6 @@ def group_config(tmp, demo_store, demo_work_dir) -> dict:
                             for n in ("top", "act"))]
     raw["producer"]["num_cpus"] = 0.25
     raw["ray"] = {"namespace": "scd-test"}
-    raw["http"] = {"port": free_port()}
     return raw
 
 
@@ -34,7 +33,7 @@ def served_group(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     raw = group_config(tmp, demo_store, demo_work_dir)
     cfg, url = deploy_and_wait(tmp / "group.yaml", raw)
     yield url, tmp
-    undeploy(cfg)
+    undeploy(cfg, keep_serve=True)
 
 
 def test_each_member_answers_by_its_name_from_the_groups_own_prefill(served_group):

@@ -10,7 +10,7 @@ import ray
 import yaml
 
 from serve_app.app import undeploy
-from tests.conftest import DEMO, free_port, serving_config
+from tests.conftest import DEMO, serving_config
 from tests.test_serve import (PREFIX, _get, _post, deploy_and_wait, running_replicas, scale_up_with_held_requests,
                               wait_for)
 
@@ -31,13 +31,13 @@ def serve_family(tmp_path_factory, demo_store, demo_work_dir, transport: str, na
                           {"name": "prose", "path": str(DEMO / "prose"), **place}]
     # ray.cores: autoscaling's mechanics on any machine (on 2 real cores the engines would stay at one replica)
     raw.update(transport=transport, transport_inline_bytes=0, ray={"namespace": namespace, "cores": 16},
-               http={"port": free_port()},
+              
                producer_timeout_s=5,
                limits={"request_timeout_s": 600, "specialist_max_ongoing": 8}, families=[{"name": "fam"}])
     raw["producer"].update(place)
     cfg, url = deploy_and_wait(cfg_path, raw)
     yield url, ray.get_actor(producer_name(0), namespace=namespace)
-    undeploy(cfg)
+    undeploy(cfg, keep_serve=True)
 
 
 def codes_again_after_a_producer_crash(url: str, producer) -> list:

@@ -10,7 +10,7 @@ import yaml
 from cluster.config import ConfigError, load_config, parse
 from scd.online import shapes
 from scd.online.models import load
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 
 PUBLISHED_PARAMS = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248}   # the released checkpoints'
 
@@ -113,9 +113,10 @@ def test_a_tiny_timing_family_serves_every_plan_kind_and_every_answer_says_timin
     from ray import serve
 
     from jobs.timing_family import main as publish
-    from serve_app.app import deploy, wait_healthy
+    from serve_app.app import deploy, undeploy, wait_healthy
+    from tests.test_serve import SERVE_PORT
     raw = yaml.safe_load((REPO / "configs" / "timing-tiny.yaml").read_text())
-    raw.update(ray={"namespace": "scd-test-timing"}, http={"port": free_port()},
+    raw.update(ray={"namespace": "scd-test-timing"}, http={"port": SERVE_PORT},
                artifacts={"uri": str(tmp_path / "store")})
     (tmp_path / "timing.yaml").write_text(yaml.safe_dump(raw))
     assert publish(["--config", str(tmp_path / "timing.yaml")]) == 0
@@ -130,5 +131,9 @@ def test_a_tiny_timing_family_serves_every_plan_kind_and_every_answer_says_timin
         served = {r["specialist"]: (r["scd"]["mode"], r["scd"]["reason"], r["scd"]["timing_only"])
                   for r in fan["results"]}
         assert served == {s: ("scd", None, True) for s in names}, served
+        undeploy(cfg, keep_serve=True)                 # the app goes; Serve's proxy stays for the next one
+        assert "scd" not in serve.status().applications, serve.status().applications
+        assert requests.get(url + "/-/healthz", timeout=30).status_code == 200
+        assert requests.get(url + "/healthz", timeout=30).status_code == 404
     finally:
-        serve.shutdown()
+        undeploy(cfg, keep_serve=True)
