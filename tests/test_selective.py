@@ -222,3 +222,21 @@ def test_a_selective_plan_is_served_by_a_specialist():
     _, info, _ = SpecialistEngine("b", b, _tokenizer(97), art, "v1").complete(ids, [11], payload, None,
                                                                                 GenParams(max_tokens=4))
     assert info.mode == "scd" and "tail" in info.timings and info.tokens == 4, info
+
+
+def test_the_probes_oracle_reads_what_the_continuation_attends_to_in_the_consumers_eager_forward():
+    """tools.probe_selective --oracle: the attention a continuation pays each prefix position, read over the
+    consumer's own cache, equals its eager forward's weights over the prefix and the continuation together."""
+    from tools.probe_selective import continuation_reads
+    b = tiny_llama(1)
+    b.config._attn_implementation = "eager"
+    ids, mask = left_padded_batch(lengths=(14, 10))
+    ids, mask = ids[1:], mask[1:]                                   # one row, left-padded, as a sample is
+    t, cont = ids.shape[1], torch.tensor([5, 9, 11])
+    whole = torch.cat([mask, torch.ones(1, 3, dtype=mask.dtype)], 1)
+    full = b(input_ids=torch.cat([ids, cont[None]], 1), attention_mask=whole, output_attentions=True)
+    want = sum(a[:, :, t:, :t].sum((1, 2)) for a in full.attentions) * mask
+    got = continuation_reads(b, _kv(b, ids, mask), mask, cont)
+    err = (got - want).abs().max().item()
+    assert err < 1e-4, f"the continuation's reads differ from the eager forward's by {err:.2e}"
+    assert got[mask == 0].abs().max().item() == 0.0, "padding is never read"

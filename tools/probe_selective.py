@@ -10,6 +10,10 @@ tokens against the consumer's own prefill for:
   droidspeak@<e>                the consumer's layers e..L-1 from the producer's residual
   raw_kv+<rule>@<f>             raw KV repaired at a fraction f of the positions, chosen by <rule>
   codes, codes+<rule>@<f>       with --artifact: the pair's codes alone (no block, no tail), and repaired
+  raw_kv+oracle@<f>             with --oracle: the positions the continuation itself reads most in the
+                                consumer's own forward (its queries' attention over the own cache, summed
+                                over layers and heads). Not a rule anything can serve (it needs the answer
+                                and the consumer's own prefill): the most a choice of positions can buy
 
 and prints each one's consumer compute (multiply-adds counted over the consumer's own prefill:
 selective.cost, and DroidSpeak's layers' share) and its KL over raw KV's. No artifact is needed for the raw-KV
@@ -32,20 +36,73 @@ from scd.fitting import points
 from scd.online import selective
 
 
+class OracleSelective(methods.Method):
+    """Raw KV repaired at the positions the continuation reads most in the consumer's own forward (an upper
+    bound for any rule; `read` is set per sample to that attention, (1, T))."""
+
+    def __init__(self, fraction: float):
+        self.fraction, self.name, self.read, self.spent = fraction, f"raw_kv+oracle@{fraction:g}", None, []
+
+    def build(self, consumer, ids, mask, producer_trace):
+        built = methods.RawKV().build(consumer, ids, mask, producer_trace)
+        sel = selective.top(self.read, mask, selective.count_for(mask, self.fraction))
+        self.spent += [selective.cost(consumer.config, ids.shape[1], sel.shape[1], columns=row.tolist()) for row in sel]
+        return methods.Built(selective.recompute_tokens(consumer, built.kv, ids, mask, sel), built.payload_bytes, 0.0)
+
+
+def continuation_reads(model, own_kv, mask: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
+    """(B, T): the attention the continuation's queries pay each prefix position as the consumer runs it over
+    its own prefix cache, summed over layers, heads and the continuation's tokens."""
+    from scd.online import cache as kvcache
+    from scd.online.rope import apply_rope, cos_sin, positions_from_mask
+    queries = []
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda mod, i, o: queries.append(o))
+             for layer in model.model.layers]
+    try:
+        c = kvcache.assemble(model, own_kv)
+        kvcache.extend(model, c, mask, cont[None], logits=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    b, t = mask.shape
+    n = cont.shape[-1]
+    pos = positions_from_mask(torch.cat([mask, torch.ones(b, n, dtype=mask.dtype)], 1))[:, t:]
+    cos, sin = cos_sin(model, pos)
+    causal = torch.ones(n, t + n, dtype=torch.bool).tril(t)                     # prefix, then cont up to itself
+    allowed = causal[None, None] & torch.cat([mask.bool(), torch.ones(b, n, dtype=torch.bool)], 1)[:, None, None]
+    read = torch.zeros(b, t)
+    for l, q in enumerate(queries):
+        att = model.model.layers[l].self_attn
+        q = apply_rope(q.view(b, n, -1, att.head_dim).transpose(1, 2).float(), cos.float(), sin.float())
+        k = c.layers[l].keys.float()
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        w = (q @ k.transpose(-1, -2) * att.head_dim ** -0.5).masked_fill(~allowed, float("-inf")).softmax(-1)
+        read += w.sum((1, 2))[:, :t]
+    return read
+
+
 def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list[float], entries: list[int],
-            codes: methods.Method | None = None) -> list[dict]:
+            codes: methods.Method | None = None, oracle: bool = False) -> list[dict]:
     """One row per method on `held` (windows of one length): {"method", "tokens", "compute", "kl", "over_raw"}."""
     n, t = config.num_hidden_layers, held[0].prefix.shape[-1]
     bases = [methods.RawKV()] + ([codes] if codes else [])
+    oracles = [OracleSelective(f) for f in fractions] if oracle else []
     ms = bases + [methods.DroidSpeak.entering(e, n) for e in entries] + [
-        methods.Selective(b, rule, f, ev.tok) for b in bases for rule in rules for f in fractions]
+        methods.Selective(b, rule, f, ev.tok) for b in bases for rule in rules for f in fractions] + oracles
     kl = {m.name: 0.0 for m in ms}
     for s in tqdm(held, desc=f"selective at {t} tokens"):
         ref = ev.reference(s)
+        if oracles:
+            ids, mask, _, own, _ = ref
+            read = continuation_reads(ev.consumer, own.kv, mask, s.cont)
+            for m in oracles:
+                m.read = read
         for m in ms:
             kl[m.name] += ev.kl(s, m, ref) / len(held)
 
     def compute(m) -> float:
+        if isinstance(m, OracleSelective):
+            return sum(m.spent) / len(m.spent)
         if isinstance(m, methods.Selective):
             return m.counted(config, t)
         if m.name.startswith("droidspeak@"):
@@ -68,6 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--fractions", default="0.05,0.1,0.2,0.35", help="shares of the positions recomputed")
     p.add_argument("--rules", default=",".join(selective.RULES), help=f"selection rules ({', '.join(selective.RULES)})")
     p.add_argument("--entries", default="24,19,14", help="DroidSpeak's entry layers")
+    p.add_argument("--oracle", action="store_true", help="also the positions the continuation reads most (a bound)")
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--plot", help="write the curves here (PNG): KL over raw KV's against consumer compute")
     args = p.parse_args(argv)
@@ -105,7 +163,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             held = samples.pair_data(name, tok, 1, 1, args.samples, t, text_file=c.text_file)[2]
         except ValueError as e:                         # documents shorter than t (qa's notes: about 512)
             raise SystemExit(f"{args.pair}: no {args.samples} held-out prefixes of {t} tokens ({e})") from None
-        at = rows_at(ev, held, consumer.config, rules, fractions, entries, codes)
+        at = rows_at(ev, held, consumer.config, rules, fractions, entries, codes, args.oracle)
         rows += at
         print(f"\n{args.pair} at {t} tokens, {args.samples} held-out windows:")
         print(f"  {'method':30s} {'compute':>8s} {'KL':>8s} {'/ raw KV':>9s}")
