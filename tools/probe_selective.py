@@ -14,6 +14,10 @@ tokens against the consumer's own prefill for:
                                 consumer's own forward (its queries' attention over the own cache, summed
                                 over layers and heads). Not a rule anything can serve (it needs the answer
                                 and the consumer's own prefill): the most a choice of positions can buy
+  raw_kv+suffix@<f>             with --suffix K: the positions the request's own first tokens read most over
+                                the given cache (a QA sample's question; else the continuation's first K
+                                tokens, as a prompt's suffix): what a specialist knows when a request comes.
+                                Every row's KL is then over the continuation's positions from K on
 
 and prints each one's consumer compute (multiply-adds counted over the consumer's own prefill:
 selective.cost, and DroidSpeak's layers' share) and its KL over raw KV's. No artifact is needed for the raw-KV
@@ -37,22 +41,26 @@ from scd.online import selective
 
 
 class OracleSelective(methods.Method):
-    """Raw KV repaired at the positions the continuation reads most in the consumer's own forward (an upper
-    bound for any rule; `read` is set per sample to that attention, (1, T))."""
+    """Raw KV repaired at the positions some tokens read most (`read`, (1, T), set per sample): the
+    continuation's over the consumer's own cache (`oracle`, an upper bound for any rule), or the request's
+    first tokens' over the given cache (`suffix`)."""
 
-    def __init__(self, fraction: float):
-        self.fraction, self.name, self.read, self.spent = fraction, f"raw_kv+oracle@{fraction:g}", None, []
+    def __init__(self, fraction: float, rule: str = "oracle"):
+        self.fraction, self.name, self.read, self.spent = fraction, f"raw_kv+{rule}@{fraction:g}", None, []
+        self.window = 0          # the reading tokens' own pass, counted (the suffix's: over the given cache)
 
     def build(self, consumer, ids, mask, producer_trace):
         built = methods.RawKV().build(consumer, ids, mask, producer_trace)
         sel = selective.top(self.read, mask, selective.count_for(mask, self.fraction))
-        self.spent += [selective.cost(consumer.config, ids.shape[1], sel.shape[1], columns=row.tolist()) for row in sel]
+        self.spent += [selective.cost(consumer.config, ids.shape[1], sel.shape[1], window=self.window,
+                                      columns=row.tolist()) for row in sel]
         return methods.Built(selective.recompute_tokens(consumer, built.kv, ids, mask, sel), built.payload_bytes, 0.0)
 
 
 def continuation_reads(model, own_kv, mask: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
-    """(B, T): the attention the continuation's queries pay each prefix position as the consumer runs it over
-    its own prefix cache, summed over layers, heads and the continuation's tokens."""
+    """(B, T): the attention the queries of `cont` (tokens after the prefix) pay each prefix position as the
+    consumer runs them over the prefix cache `own_kv` (its own, or a given one), summed over layers, heads and
+    those tokens."""
     from scd.online import cache as kvcache
     from scd.online.rope import apply_rope, cos_sin, positions_from_mask
     queries = []
@@ -81,24 +89,46 @@ def continuation_reads(model, own_kv, mask: torch.Tensor, cont: torch.Tensor) ->
     return read
 
 
+def kl_from(ev: Evaluator, s, m: methods.Method, ref: tuple, start: int) -> float:
+    """The teacher-forced KL of the continuation's positions from `start` on (after the tokens a rule read)."""
+    from scd.evaluation import metrics
+    ids, mask, ptrace, _, want = ref
+    got = ev._logits(m.build(ev.consumer, ids, mask, ptrace).kv, mask, s.cont)
+    return metrics.kl_tv_top1(want[:, start:], got[:, start:])[0]
+
+
 def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list[float], entries: list[int],
-            codes: methods.Method | None = None, oracle: bool = False) -> list[dict]:
+            codes: methods.Method | None = None, oracle: bool = False, suffix: int = 0) -> list[dict]:
     """One row per method on `held` (windows of one length): {"method", "tokens", "compute", "kl", "over_raw"}."""
     n, t = config.num_hidden_layers, held[0].prefix.shape[-1]
     bases = [methods.RawKV()] + ([codes] if codes else [])
     oracles = [OracleSelective(f) for f in fractions] if oracle else []
+    suffixes = [OracleSelective(f, "suffix") for f in fractions] if suffix else []
     ms = bases + [methods.DroidSpeak.entering(e, n) for e in entries] + [
-        methods.Selective(b, rule, f, ev.tok) for b in bases for rule in rules for f in fractions] + oracles
+        methods.Selective(b, rule, f, ev.tok) for b in bases for rule in rules for f in fractions] + oracles + suffixes
     kl = {m.name: 0.0 for m in ms}
+    qa = held[0].answer is not None                     # answers: each method's F1 too
+    f1 = {m.name: 0.0 for m in [methods.Oracle()] + ms}
     for s in tqdm(held, desc=f"selective at {t} tokens"):
         ref = ev.reference(s)
+        ids, mask, ptrace, own, _ = ref
         if oracles:
-            ids, mask, _, own, _ = ref
             read = continuation_reads(ev.consumer, own.kv, mask, s.cont)
             for m in oracles:
                 m.read = read
+        if suffixes:
+            given = methods.RawKV().build(ev.consumer, ids, mask, ptrace).kv
+            first = s.question if s.question is not None else s.cont[:suffix]
+            read = continuation_reads(ev.consumer, given, mask, first)
+            for m in suffixes:
+                m.read, m.window = read, first.shape[-1]
+        if qa:
+            for r in ev.sample(s, [methods.Oracle()] + ms):
+                kl[r.method] = kl.get(r.method, 0.0) + r.kl / len(held)
+                f1[r.method] += r.f1 / len(held)
+            continue
         for m in ms:
-            kl[m.name] += ev.kl(s, m, ref) / len(held)
+            kl[m.name] += kl_from(ev, s, m, ref, suffix) / len(held)
 
     def compute(m) -> float:
         if isinstance(m, OracleSelective):
@@ -109,8 +139,8 @@ def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list
             return points.consumer_ratio(m.start, 0, n, t)
         return 0.0
     raw = kl["raw_kv"]
-    return [{"method": m.name, "tokens": t, "compute": compute(m), "kl": kl[m.name], "over_raw": kl[m.name] / raw}
-            for m in ms]
+    return [{"method": m.name, "tokens": t, "compute": compute(m), "kl": kl[m.name], "over_raw": kl[m.name] / raw,
+             **({"f1": f1[m.name], "oracle_f1": f1["oracle"]} if qa else {})} for m in ms]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -126,6 +156,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--rules", default=",".join(selective.RULES), help=f"selection rules ({', '.join(selective.RULES)})")
     p.add_argument("--entries", default="24,19,14", help="DroidSpeak's entry layers")
     p.add_argument("--oracle", action="store_true", help="also the positions the continuation reads most (a bound)")
+    p.add_argument("--suffix", type=int, default=0, help="also the positions a request's first K tokens read "
+                   "most over the given cache (a QA sample's question whatever K)")
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--plot", help="write the curves here (PNG): KL over raw KV's against consumer compute")
     args = p.parse_args(argv)
@@ -163,12 +195,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             held = samples.pair_data(name, tok, 1, 1, args.samples, t, text_file=c.text_file)[2]
         except ValueError as e:                         # documents shorter than t (qa's notes: about 512)
             raise SystemExit(f"{args.pair}: no {args.samples} held-out prefixes of {t} tokens ({e})") from None
-        at = rows_at(ev, held, consumer.config, rules, fractions, entries, codes, args.oracle)
+        at = rows_at(ev, held, consumer.config, rules, fractions, entries, codes, args.oracle, args.suffix)
         rows += at
         print(f"\n{args.pair} at {t} tokens, {args.samples} held-out windows:")
-        print(f"  {'method':30s} {'compute':>8s} {'KL':>8s} {'/ raw KV':>9s}")
+        print(f"  {'method':30s} {'compute':>8s} {'KL':>8s} {'/ raw KV':>9s}" + ("      F1" if "f1" in at[0] else ""))
         for r in sorted(at, key=lambda r: r["compute"]):
-            print(f"  {r['method']:30s} {r['compute']:8.3f} {r['kl']:8.4f} {r['over_raw']:9.3f}", flush=True)
+            f1 = f" {r['f1']:7.3f}" if "f1" in r else ""
+            print(f"  {r['method']:30s} {r['compute']:8.3f} {r['kl']:8.4f} {r['over_raw']:9.3f}{f1}", flush=True)
+        if "f1" in at[0]:
+            print(f"  (the consumer's own prefill: F1 {at[0]['oracle_f1']:.3f})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.plot:
