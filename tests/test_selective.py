@@ -6,7 +6,7 @@ import torch
 from scd.online import selective
 from scd.online.rebuild import run_tail
 from scd.online.trace import capture
-from tests.conftest import left_padded_batch, perturbed, tiny_llama
+from tests.conftest import REPO, left_padded_batch, perturbed, tiny_llama
 
 
 def _kv(model, ids, mask):
@@ -240,3 +240,18 @@ def test_the_probes_oracle_reads_what_the_continuation_attends_to_in_the_consume
     err = (got - want).abs().max().item()
     assert err < 1e-4, f"the continuation's reads differ from the eager forward's by {err:.2e}"
     assert got[mask == 0].abs().max().item() == 0.0, "padding is never read"
+
+
+def test_the_probe_with_every_position_recomputed_is_the_own_prefill_whichever_tokens_chose_them():
+    """tools.probe_selective on the demo family's QA pair: at a share of 1 the oracle's, the suffix's and the
+    tail's repairs are the consumer's own prefill (KL 0), raw KV is not, and each row carries its F1."""
+    from tools.probe_selective import main
+    argv = ["--config", str(REPO / "ray_config.yaml"), "--pair", "base:qa", "--tokens", "96", "--samples", "1",
+            "--rules", "last", "--fractions", "1", "--entries", "", "--suffix", "4", "--oracle"]
+    rows = {r["method"]: r for r in main(argv)}
+    assert set(rows) == {"raw_kv", "raw_kv+last@1", "raw_kv+oracle@1", "raw_kv+suffix@1"}, rows
+    assert rows["raw_kv"]["kl"] > 1e-2, rows["raw_kv"]
+    for name in ("raw_kv+last@1", "raw_kv+oracle@1", "raw_kv+suffix@1"):
+        assert rows[name]["kl"] < 1e-6, f"{name}: KL {rows[name]['kl']:.2e} with every position recomputed"
+        assert rows[name]["f1"] == rows[name]["oracle_f1"], rows[name]
+    assert rows["raw_kv+suffix@1"]["compute"] > rows["raw_kv+oracle@1"]["compute"] >= 1.0, rows
