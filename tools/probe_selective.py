@@ -40,7 +40,7 @@ from scd.fitting import points
 from scd.online import selective
 
 
-class OracleSelective(methods.Method):
+class ReadSelective(methods.Method):
     """Raw KV repaired at the positions some tokens read most (`read`, (1, T), set per sample): the
     continuation's over the consumer's own cache (`oracle`, an upper bound for any rule), or the request's
     first tokens' over the given cache (`suffix`)."""
@@ -89,21 +89,13 @@ def continuation_reads(model, own_kv, mask: torch.Tensor, cont: torch.Tensor) ->
     return read
 
 
-def kl_from(ev: Evaluator, s, m: methods.Method, ref: tuple, start: int) -> float:
-    """The teacher-forced KL of the continuation's positions from `start` on (after the tokens a rule read)."""
-    from scd.evaluation import metrics
-    ids, mask, ptrace, _, want = ref
-    got = ev._logits(m.build(ev.consumer, ids, mask, ptrace).kv, mask, s.cont)
-    return metrics.kl_tv_top1(want[:, start:], got[:, start:])[0]
-
-
 def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list[float], entries: list[int],
             codes: methods.Method | None = None, oracle: bool = False, suffix: int = 0) -> list[dict]:
     """One row per method on `held` (windows of one length): {"method", "tokens", "compute", "kl", "over_raw"}."""
     n, t = config.num_hidden_layers, held[0].prefix.shape[-1]
     bases = [methods.RawKV()] + ([codes] if codes else [])
-    oracles = [OracleSelective(f) for f in fractions] if oracle else []
-    suffixes = [OracleSelective(f, "suffix") for f in fractions] if suffix else []
+    oracles = [ReadSelective(f) for f in fractions] if oracle else []
+    suffixes = [ReadSelective(f, "suffix") for f in fractions] if suffix else []
     ms = bases + [methods.DroidSpeak.entering(e, n) for e in entries] + [
         methods.Selective(b, rule, f, ev.tok) for b in bases for rule in rules for f in fractions] + oracles + suffixes
     kl = {m.name: 0.0 for m in ms}
@@ -128,10 +120,10 @@ def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list
                 f1[r.method] += r.f1 / len(held)
             continue
         for m in ms:
-            kl[m.name] += kl_from(ev, s, m, ref, suffix) / len(held)
+            kl[m.name] += ev.kl(s, m, ref, start=suffix) / len(held)
 
     def compute(m) -> float:
-        if isinstance(m, OracleSelective):
+        if isinstance(m, ReadSelective):
             return sum(m.spent) / len(m.spent)
         if isinstance(m, methods.Selective):
             return m.counted(config, t)
@@ -169,8 +161,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rules = [r for r in args.rules.split(",") if r]
     if bad := [r for r in rules if r not in selective.RULES]:
         raise SystemExit(f"--rules: {bad} not among {selective.RULES}")
-    if args.samples < 1 or not lengths or min(lengths) < 2 or not all(0 < f <= 1 for f in fractions):
-        raise SystemExit("--samples must be >= 1, --tokens >= 2 and --fractions in (0, 1]")
+    if args.samples < 1 or not lengths or min(lengths) < 2 or not all(0 < f <= 1 for f in fractions) or args.suffix < 0:
+        raise SystemExit("--samples must be >= 1, --tokens >= 2, --fractions in (0, 1] and --suffix >= 0")
 
     from tools.pairs import config_pair
     cfg, name, producer, consumer, tok, spec = config_pair(args.config, args.pair)

@@ -78,12 +78,13 @@ class Evaluator:
         return cache.extend(model, cache.assemble(model, kv), mask, cont[None])[0]
 
     @torch.no_grad()
-    def kl(self, s: Sample, method: Method, ref: tuple | None = None) -> float:
+    def kl(self, s: Sample, method: Method, ref: tuple | None = None, start: int = 0) -> float:
         """Teacher-forced KL(oracle || method) only: the cheap score used to profile a method's settings.
-        Pass `ref` (from reference()) to score several settings against one oracle run."""
+        Pass `ref` (from reference()) to score several settings against one oracle run; `start`: over the
+        continuation's positions from there on."""
         ids, mask, ptrace, _, ref_logits = ref or self.reference(s)
         got = self._logits(method.build(self.consumer, ids, mask, ptrace).kv, mask, s.cont)
-        return metrics.kl_tv_top1(ref_logits, got)[0]
+        return metrics.kl_tv_top1(ref_logits[:, start:], got[:, start:])[0]
 
     @torch.no_grad()
     def sample(self, s: Sample, methods: list[Method]) -> list[SampleResult]:
