@@ -1,6 +1,7 @@
 """Selective token recompute (scd.online.selective): every position selected is the consumer's own prefill,
 the last k are a tail, the others stay as given; CacheBlend's deviation rule finds the positions a cache got
 wrong; the structural rule takes the last tokens and separators; the cost model's ends."""
+import pytest
 import torch
 
 from scd.online import selective
@@ -242,12 +243,15 @@ def test_the_probes_oracle_reads_what_the_continuation_attends_to_in_the_consume
     assert got[mask == 0].abs().max().item() == 0.0, "padding is never read"
 
 
-def test_the_probe_with_every_position_recomputed_is_the_own_prefill_whichever_tokens_chose_them():
-    """tools.probe_selective on the demo family's QA pair: at a share of 1 the oracle's, the suffix's and the
-    tail's repairs are the consumer's own prefill (KL 0), raw KV is not, and each row carries its F1."""
+@pytest.mark.parametrize("cache", ["own", "given"])
+def test_the_probe_with_every_position_recomputed_is_the_own_prefill_whichever_tokens_chose_them(cache):
+    """tools.probe_selective on the demo family's QA pair: at a share of 1 the oracle's (its reads over either
+    cache), the suffix's and the tail's repairs are the consumer's own prefill (KL 0), raw KV is not, and each
+    row carries its F1."""
     from tools.probe_selective import main
     argv = ["--config", str(REPO / "ray_config.yaml"), "--pair", "base:qa", "--tokens", "96", "--samples", "1",
-            "--rules", "last", "--fractions", "1", "--entries", "", "--suffix", "4", "--oracle"]
+            "--rules", "last", "--fractions", "1", "--entries", "", "--suffix", "4", "--oracle",
+            "--oracle-cache", cache]
     rows = {r["method"]: r for r in main(argv)}
     assert set(rows) == {"raw_kv", "raw_kv+last@1", "raw_kv+oracle@1", "raw_kv+suffix@1"}, rows
     assert rows["raw_kv"]["kl"] > 1e-2, rows["raw_kv"]

@@ -13,7 +13,8 @@ tokens against the consumer's own prefill for:
   raw_kv+oracle@<f>             with --oracle: the positions the continuation itself reads most in the
                                 consumer's own forward (its queries' attention over the own cache, summed
                                 over layers and heads). Not a rule anything can serve (it needs the answer
-                                and the consumer's own prefill): the most a choice of positions can buy
+                                and the consumer's own prefill): the most a choice of positions can buy.
+                                With --oracle-cache given, its reads over the given cache instead
   raw_kv+suffix@<f>             with --suffix K: the positions the request's own first tokens read most over
                                 the given cache (a QA sample's question; else the continuation's first K
                                 tokens, as a prompt's suffix): what a specialist knows when a request comes.
@@ -90,7 +91,8 @@ def continuation_reads(model, own_kv, mask: torch.Tensor, cont: torch.Tensor) ->
 
 
 def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list[float], entries: list[int],
-            codes: methods.Method | None = None, oracle: bool = False, suffix: int = 0) -> list[dict]:
+            codes: methods.Method | None = None, oracle: bool = False, suffix: int = 0,
+            oracle_cache: str = "own") -> list[dict]:
     """One row per method on `held` (windows of one length): {"method", "tokens", "compute", "kl", "over_raw"}."""
     n, t = config.num_hidden_layers, held[0].prefix.shape[-1]
     bases = [methods.RawKV()] + ([codes] if codes else [])
@@ -105,7 +107,8 @@ def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list
         ref = ev.reference(s)
         ids, mask, ptrace, own, _ = ref
         if oracles:
-            read = continuation_reads(ev.consumer, own.kv, mask, s.cont)
+            over = own.kv if oracle_cache == "own" else methods.RawKV().build(ev.consumer, ids, mask, ptrace).kv
+            read = continuation_reads(ev.consumer, over, mask, s.cont)
             for m in oracles:
                 m.read = read
         if suffixes:
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--rules", default=",".join(selective.RULES), help=f"selection rules ({', '.join(selective.RULES)})")
     p.add_argument("--entries", default="24,19,14", help="DroidSpeak's entry layers")
     p.add_argument("--oracle", action="store_true", help="also the positions the continuation reads most (a bound)")
+    p.add_argument("--oracle-cache", choices=("own", "given"), default="own",
+                   help="the cache the continuation's reads are taken over (default: the consumer's own)")
     p.add_argument("--suffix", type=int, default=0, help="also the positions a request's first K tokens read "
                    "most over the given cache (a QA sample's question whatever K)")
     p.add_argument("--json", help="write the rows here too")
@@ -187,7 +192,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             held = samples.pair_data(name, tok, 1, 1, args.samples, t, text_file=c.text_file)[2]
         except ValueError as e:                         # documents shorter than t (qa's notes: about 512)
             raise SystemExit(f"{args.pair}: no {args.samples} held-out prefixes of {t} tokens ({e})") from None
-        at = rows_at(ev, held, consumer.config, rules, fractions, entries, codes, args.oracle, args.suffix)
+        at = rows_at(ev, held, consumer.config, rules, fractions, entries, codes, args.oracle, args.suffix,
+                     args.oracle_cache)
         rows += at
         print(f"\n{args.pair} at {t} tokens, {args.samples} held-out windows:")
         print(f"  {'method':30s} {'compute':>8s} {'KL':>8s} {'/ raw KV':>9s}" + ("      F1" if "f1" in at[0] else ""))
