@@ -100,26 +100,26 @@ def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list
     suffixes = [ReadSelective(f, "suffix") for f in fractions] if suffix else []
     ms = bases + [methods.DroidSpeak.entering(e, n) for e in entries] + [
         methods.Selective(b, rule, f, ev.tok) for b in bases for rule in rules for f in fractions] + oracles + suffixes
-    kl = {m.name: 0.0 for m in ms}
     qa = held[0].answer is not None                     # answers: each method's F1 too
-    f1 = {m.name: 0.0 for m in [methods.Oracle()] + ms}
+    kl = {m.name: 0.0 for m in [methods.Oracle()] + ms}
+    f1 = dict(kl)
     for s in tqdm(held, desc=f"selective at {t} tokens"):
         ref = ev.reference(s)
         ids, mask, ptrace, own, _ = ref
+        given = methods.RawKV().build(ev.consumer, ids, mask, ptrace).kv \
+            if suffixes or (oracles and oracle_cache == "given") else None    # the producer's K, V as they are
         if oracles:
-            over = own.kv if oracle_cache == "own" else methods.RawKV().build(ev.consumer, ids, mask, ptrace).kv
-            read = continuation_reads(ev.consumer, over, mask, s.cont)
+            read = continuation_reads(ev.consumer, own.kv if oracle_cache == "own" else given, mask, s.cont)
             for m in oracles:
                 m.read = read
         if suffixes:
-            given = methods.RawKV().build(ev.consumer, ids, mask, ptrace).kv
             first = s.question if s.question is not None else s.cont[:suffix]
             read = continuation_reads(ev.consumer, given, mask, first)
             for m in suffixes:
                 m.read, m.window = read, first.shape[-1]
         if qa:
             for r in ev.sample(s, [methods.Oracle()] + ms):
-                kl[r.method] = kl.get(r.method, 0.0) + r.kl / len(held)
+                kl[r.method] += r.kl / len(held)
                 f1[r.method] += r.f1 / len(held)
             continue
         for m in ms:
