@@ -13,7 +13,8 @@ join, one qa replica on each (`max_replicas_per_node: 1`). Then load (a few thre
 /v1/completions), kill the producer's node without grace and start a third worker in its place (as a
 cluster's autoscaler would; the surviving worker holds one qa replica already), keep the load on until the
 producer is ALIVE on a surviving node and answers `scd` again and Serve runs both qa replicas on nodes
-other than the dead one (or `--bound-s` passes), then a short tail of load. On failure the JSON line carries `error`, and the exit status is 1.
+other than the dead one (or `--bound-s` passes), then a short tail of load. On failure the JSON line carries
+`error`, and the exit status is 1.
 
     python tests/multinode_drill.py [--bound-s 60] [--threads 3] [--store STORE_WITH_BASE_QA]
 """
@@ -235,8 +236,9 @@ def drill(seen: dict, bound_s: float, threads: int, store: Path | None = None) -
         t_kill = time.monotonic() - t0
         seen["kill_at_s"] = round(t_kill, 1)             # seconds into the load
         cluster.remove_node(victim, allow_graceful=False)
-        spare = cluster.add_node(num_cpus=2, wait=False, **WORKER)   # as a cluster's autoscaler replaces a node:
-        names[spare.node_id] = "worker3"                              # the replica the survivor may not take goes there
+        # a new worker, as a cluster's autoscaler starts one: the replica the survivor may not take goes there
+        spare = cluster.add_node(num_cpus=2, wait=False, **WORKER)
+        names[spare.node_id] = "worker3"
 
         back: dict = {}
         qa_min = QA_REPLICAS
