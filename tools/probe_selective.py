@@ -63,7 +63,7 @@ def continuation_reads(model, own_kv, mask: torch.Tensor, cont: torch.Tensor) ->
     consumer runs them over the prefix cache `own_kv` (its own, or a given one), summed over layers, heads and
     those tokens."""
     from scd.online import cache as kvcache
-    from scd.online.rope import apply_rope, cos_sin, positions_from_mask
+    from scd.online.rope import cos_sin, positions_from_mask
     queries = []
     hooks = [layer.self_attn.q_proj.register_forward_hook(lambda mod, i, o: queries.append(o))
              for layer in model.model.layers]
@@ -76,18 +76,13 @@ def continuation_reads(model, own_kv, mask: torch.Tensor, cont: torch.Tensor) ->
     b, t = mask.shape
     n = cont.shape[-1]
     pos = positions_from_mask(torch.cat([mask, torch.ones(b, n, dtype=mask.dtype)], 1))[:, t:]
-    cos, sin = cos_sin(model, pos)
     causal = torch.ones(n, t + n, dtype=torch.bool).tril(t)                     # prefix, then cont up to itself
     allowed = causal[None, None] & torch.cat([mask.bool(), torch.ones(b, n, dtype=torch.bool)], 1)[:, None, None]
-    read = torch.zeros(b, t)
-    for l, q in enumerate(queries):
-        att = model.model.layers[l].self_attn
-        q = apply_rope(q.view(b, n, -1, att.head_dim).transpose(1, 2).float(), cos.float(), sin.float())
-        k = c.layers[l].keys.float()
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-        w = (q @ k.transpose(-1, -2) * att.head_dim ** -0.5).masked_fill(~allowed, float("-inf")).softmax(-1)
-        read += w.sum((1, 2))[:, :t]
-    return read
+    attn = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    read = torch.zeros(b, t + n)                          # every column; no selected ones of its own to add
+    selective.attention_received(model, queries, c, cos_sin(model, pos), attn,
+                                 torch.zeros(b, 0, dtype=torch.long), read)
+    return read[:, :t]
 
 
 def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list[float], entries: list[int],

@@ -95,19 +95,20 @@ def _recompute_chunk(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.T
         for h in hooks:
             h.remove()
     if attended is not None:
-        _attention_received(model, queries, cache, emb, attn, sel, attended[:, :t])
+        attention_received(model, queries, cache, emb, attn, sel, attended[:, :t])
     for l, (k, v) in enumerate(kv):
         idx = sel[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
         k.scatter_(2, idx, cache.layers[l].keys[..., t:, :])
         v.scatter_(2, idx, cache.layers[l].values[..., t:, :])
 
 
-def _attention_received(model, queries: list[torch.Tensor], cache, emb, attn: torch.Tensor, sel: torch.Tensor,
+def attention_received(model, queries: list[torch.Tensor], cache, emb, attn: torch.Tensor, sel: torch.Tensor,
                         attended: torch.Tensor) -> None:
     """Add to `attended` (B, T) the softmax attention of the s queries (each layer's q_proj output) over the
     cache they saw (T old columns and s of their own, `attn` their additive mask), summed over layers and
-    heads; a chosen column's own K, V count at its column."""
-    b, s = sel.shape
+    heads; a chosen column's own K, V count at its column. With no chosen columns (`sel` (B, 0)) and
+    `attended` (B, T + s), every column counts where it is (tools.probe_selective reads a continuation so)."""
+    b, s = queries[0].shape[:2]
     t = attended.shape[1]
     cos, sin = emb
     for l, q in enumerate(queries):
