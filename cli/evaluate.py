@@ -166,7 +166,8 @@ def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
     """Calibrate the pair under --work-dir, then (--recompute-blocks, the default) choose its plan as the
     calibration job does: the codes alone where they meet the quality bound, else the recompute block, tail or
     selective recompute over them that meets it at the least modeled TTFT (jobs.plans.block_plan); a finished
-    (or partly finished) calibration is resumed. With --artifact, load that published artifact instead
+    (or partly finished) calibration is resumed; its selector of positions to recompute is fitted as the job
+    fits it (--selector-samples). With --artifact, load that published artifact instead
     (refused if it was fitted for other models)."""
     if args.artifact:
         from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
@@ -190,9 +191,11 @@ def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
     log = lambda line: print(line, file=sys.stderr)                   # noqa: E731
     cal = Calibration(producer, consumer, spec, pair, calib, args.work_dir, cfg, pad_id=tok.pad_token_id, log=log)
     art = cal.run(val, tune_samples=tune)
+    from jobs.plans import block_plan, with_selector
+    if args.selector_samples and tune:
+        art = with_selector(cal, art, tune[:args.selector_samples], log)
     if not args.recompute_blocks:
         return art
-    from jobs.plans import block_plan
     return block_plan(cal, art, tok, calib, val, plan_settings(args), None, log, tune)
 
 
@@ -206,6 +209,12 @@ def positives(text: str, flag: str, kind: type = int) -> list:
     if any(not v > 0 for v in values):
         raise SystemExit(f"{flag} must be positive, got {text!r}")
     return values
+
+
+def selector_of(m: methods.Method) -> tuple | None:
+    """A method's learned selector (weights, layers): its artifact's, where it has one."""
+    art = getattr(m, "art", None)
+    return (art.selector, art.selector_layers) if art is not None and art.selector is not None else None
 
 
 def selective_flags(text: str) -> list[tuple[str, float]]:
@@ -275,7 +284,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "over the producer's K and V below (rows droidspeak@E; its curve against the consumer's compute)"))
     p.add_argument("--selective", metavar="RULE@F,...", help=(
         "also each of raw_kv and scd repaired by selective token recompute at a share F of the prefix's positions "
-        "chosen by RULE (attention, structural, deviation; scd.online.selective): rows raw_kv+RULE@F, scd+RULE@F"))
+        "chosen by RULE (attention, structural, deviation; scd.online.selective): rows raw_kv+RULE@F, scd+RULE@F; "
+        "learned (the artifact's selector) repairs scd alone"))
     p.add_argument("--work-dir", default="runs/eval", help="traces and the calibrated artifact are kept here")
     p.add_argument("--cost-tokens", type=int, default=0, metavar="N",
                    help="also time each method's consumer compute over the consumer's own prefill on one prefix "
@@ -327,7 +337,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                for name, dtype in (("exact", "bf16"), ("exact_int8", "int8"), ("exact_kivi4", "kivi4"),
                                    ("exact_klt", "klt"))}}
     ms = [make[m]() for m in wanted] + [methods.DroidSpeak.entering(e, spec.num_layers) for e in entries]
-    ms += [methods.Selective(m, rule, f, tok) for m in ms if m.name in ("raw_kv", "scd") for rule, f in repairs]
+    ms += [methods.Selective(m, rule, f, tok, selector=selector_of(m)) for m in ms if m.name in ("raw_kv", "scd")
+           for rule, f in repairs if rule != "learned" or selector_of(m)]
+    if any(rule == "learned" for rule, _ in repairs) and not any(m.name.startswith("scd+learned") for m in ms):
+        raise SystemExit("--selective learned@F repairs the scd row by its artifact's selector: there is no scd row "
+                         "(--methods) or its artifact has no selector (--selector-samples > 0 fits one)")
     rows = Evaluator(producer, consumer, tok).run(held, ms, desc=f"eval {pair}", cost_tokens=args.cost_tokens)
     raw = mark_bound(rows, ms, bound, consumer.config, held[0].prefix.shape[-1])
     for r in rows:

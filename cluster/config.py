@@ -190,7 +190,7 @@ class SpecialistSettings(ModelSettings):
 # samples, and have its own bound and exact-plan wire form (what it may be served at differs per specialist;
 # the deployment's gate and budgets do not)
 PAIR_DATA = {"text_file", "val", "max_kl", "max_kl_ratio", "max_consumer_prefill_ratio", "min_retained_gain",
-             "exact_dtype", "exact_step", "entries", "tails", "selective", "entry_train_samples", "entry_train_epochs",
+             "exact_dtype", "exact_step", "entries", "tails", "selective", "selector_samples", "entry_train_samples", "entry_train_epochs",
              "entry_train_lr"}
 
 
@@ -340,6 +340,11 @@ class CalibrationSettings(CalibConfig):
         "recompute blocks: also measure each plan with the consumer running the share f of the prefix's positions "
         "that its last 16 attend to most (over the rebuilt cache) through every layer, for each f listed "
         "(selective recompute, scd.online.selective); those within max_consumer_prefill_ratio are measured"))
+    selector_samples: int = Field(32, ge=0, description=(
+        "fit a selector of the positions to recompute on this many fine-tuning samples: a linear score of each "
+        "position's rebuilt V and distance from the prefix's end, fitted to the attention the consumer's own "
+        "continuation pays it (scd.online.selective.fit_selector); each share of `selective` is then measured "
+        "with the positions it picks too (no window run to choose them). 0: no selector"))
     entry_train_samples: int = Field(0, ge=0, description=(
         "recompute blocks: train each entry's aligner end to end on this many of the fine-tuning samples (the "
         "consumer's next-token KL, back through its own layers over the codes below; "

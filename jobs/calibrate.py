@@ -27,7 +27,7 @@ from cluster.config import CalibrationSettings, load_config
 from cluster.runtime import actor_options, connect
 from jobs import report
 from jobs.measures import curve_tried, entry_curve, error_split, pareto, tradeoff, xnorm_profile
-from jobs.plans import block_plan, exact_plan, quality_bound
+from jobs.plans import block_plan, exact_plan, quality_bound, with_selector
 from jobs.publish import codes_gate, exact_gate, publish_codes, publish_exact, quality_gate
 from scd.data import samples
 from scd.evaluation import methods
@@ -313,6 +313,8 @@ def fit_codes(job: PairJob, capture_pair, shared: dict) -> Fitted:
                                 text_file=c.text_file)
     art = codes = cal.run(job.val, capture_pair, tune)
     art.info["structure"] = shared
+    if c.selector_samples and tune:
+        art = codes = with_selector(cal, art, tune[:c.selector_samples], log)
     if c.recompute_blocks:
         art = block_plan(cal, art, tok, job.calib, job.val, c, job.cfg.link_gbps().get(job.pair), log, tune)
     log(f"plan {art.plan}")
@@ -322,7 +324,7 @@ def fit_codes(job: PairJob, capture_pair, shared: dict) -> Fitted:
 def held_out_tag(art) -> str:
     """The held-out checkpoints' suffix of a plan with a block or a tail, or served at a level below its
     fitted ranks; "" for the codes at their full ranks."""
-    mark = "t" if art.tail_rule == "last" else "s"
+    mark = {"last": "t", "attention": "s", "learned": "l"}[art.tail_rule]
     tag = "".join(f"-e{s}" for s, _ in art.blocks) + (f"-{mark}{art.tail_tokens}" if art.tail_tokens else "")
     level = art.info.get("level")
     if level and level["chosen"] != {k: level["tried"][-1][k] for k in level["chosen"]}:

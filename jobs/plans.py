@@ -4,14 +4,18 @@ at the least modeled TTFT on its link. An exact plan where the consumer shares l
 (scd.fitting.blocks). Each curve is measured on the validation samples and checkpointed."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
+import torch
 from safetensors.torch import load_file, save_file
 
-from scd.fitting import blocks, exact, points
+from scd.fitting import blocks, exact, points, selector
 from scd.fitting.calibrate import Calibration
-from scd.fitting.checkpoints import load_record, samples_digest, save_record
+from scd.fitting.checkpoints import artifact_digest, load_record, samples_digest, save_record
+from scd.online import selective
 from scd.online.reuse import LinearCodec
+from scd.online.trace import capture
 
 DEFAULT_GBPS = 25.0             # the link a plan is chosen for when the config names none
 Log = Callable[[str], None]
@@ -72,6 +76,26 @@ def sorted_points(points: list[dict], num_layers: int) -> list[dict]:
                                          p.get("rule", "last"), p.get("tail", 0)))
 
 
+def with_selector(cal: Calibration, art, tune: list, log: Log):
+    """The codes `art` with a selector of the positions selective recompute runs (scd.fitting.selector),
+    fitted on `tune` (samples with continuations) over the cache the codes rebuild; checkpointed in
+    selector.json. Its penalty and ranking overlap go to art.info["selector"]."""
+    layers = selective.selector_layers(cal.spec.num_layers)
+    path = cal.dir / "selector.json"
+    inputs = {"samples": samples_digest(tune), "artifact": artifact_digest(art)}
+    rec = load_record(path, inputs, log)
+    if rec is None:
+        w, fitted = selector.fit_over(cal.consumer, tune, lambda ids, mask: blocks.codes_kv(
+            cal.consumer, art, ids, capture(cal.producer, ids, mask)), layers, desc=f"selector {cal.pair}")
+        rec = save_record(path, {"weights": w.tolist(), "layers": layers, "penalty": fitted["penalty"],
+                                 "overlap": {f"{k:g}": round(v, 4) for k, v in fitted["overlap"].items()}}, inputs)
+    overlap = rec["overlap"][f"{rec['penalty']:g}"]
+    log(f"selector: fitted on {len(tune)} samples, V of layers {rec['layers']}; its top 20 % hold {overlap:.2f} "
+        f"of the 20 % most read on the fifth of them it was not fitted on")
+    art.info["selector"] = {k: rec[k] for k in ("layers", "penalty", "overlap")} | {"samples": len(tune)}
+    return dataclasses.replace(art, selector=torch.tensor(rec["weights"]), selector_layers=list(rec["layers"]))
+
+
 def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, log: Log,
                tune: list | None = None):
     """The fitted codes where they meet the quality bound on the validation samples; else the recompute block
@@ -80,7 +104,8 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
     new entry (a raised ceiling, calibration.entries) measures only itself; its consumer time is then timed
     in another run than the others'. With calibration.tails each plan (the codes alone, each entry) is measured
     with the consumer running the prefix's last k tokens too, for each k, and with calibration.selective the
-    share f of its positions that its last attend to most, for each f; each may be chosen so."""
+    share f of its positions that its last attend to most, for each f, and that its selector picks where the
+    codes carry one (calibration.selector_samples); each may be chosen so."""
     bound = quality_bound(c)
     n, es = cal.spec.num_layers, block_entries(cal, c)
     tokens = serving_tokens(cal, c)
@@ -118,8 +143,9 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
                                desc=f"recompute blocks {cal.pair}", serving_tokens=tokens)
         rec = save_record(path, {**rec, "points": sorted_points(rec["points"] + more, n)}, inputs)
     t_val = val[0].prefix.shape[-1]
+    shares = sorted({round(f * t_val) for f in c.selective} - {0})
     runs = {"last": sorted(set(c.tails) - {0}),             # the consumer runs some of the prefix's tokens too
-            "attention": sorted({round(f * t_val) for f in c.selective} - {0})}
+            "attention": shares, **({"learned": shares} if art.selector is not None else {})}
     want = [(e, k, rule) for e in [n] + es for rule, ks in runs.items() for k in ks
             if points.consumer_ratio(e, k, n, t_val, rule) <= c.max_consumer_prefill_ratio + 1e-9]
     for rule in runs:
@@ -130,7 +156,7 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
         t = load_file(str(tensors)) if any(e < n for e in ins) else {}
         more, _ = blocks.curve(cal.producer, cal.consumer, tok, art,
                                {e: LinearCodec.from_tensors(t, f"entry.{e}") for e in ins if e < n}, val,
-                               with_codes=n in ins, desc=f"{'tails' if rule == 'last' else 'selective'} {cal.pair}",
+                               with_codes=n in ins, desc=f"{'tails' if rule == 'last' else rule + ' selective'} {cal.pair}",
                                serving_tokens=tokens, tails=tuple(sorted({k for _, k in missing})), only=missing,
                                rule=rule)
         rec = save_record(path, {**rec, "points": sorted_points(rec["points"] + more, n)}, inputs)
@@ -143,7 +169,8 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
                           "num_layers": n, "prefix_tokens": t_val}
     tail, rule = (chosen.get("tail", 0), chosen.get("rule", "last")) if chosen else (0, "last")
     tail_note = "" if not tail else f", and the prefix's last {tail} tokens through every layer" if rule == "last" \
-        else f", and the {tail} positions its last attend to most through every layer"
+        else f", and the {tail} positions its last attend to most through every layer" if rule == "attention" \
+        else f", and the {tail} positions its selector picks through every layer"
     if chosen is None or chosen["entry"] == n:
         log(("codes alone" + tail_note + " (within the quality bound)") if chosen
             else "codes alone: no plan meets the quality bound")

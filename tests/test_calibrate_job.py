@@ -40,6 +40,9 @@ def test_job_publishes_a_verified_artifact_with_report_and_resumes(job, capsys):
     assert ladder[-1]["servable"] and art.servable_levels[-1] == art.levels[-1]     # the published code passed
     ratios = [e["payload_ratio"] for e in ladder]
     assert ratios == sorted(ratios) and ladder[-1]["kl"] == pytest.approx(m.metrics["kl"]), (ladder, m.metrics)
+    # a selector of the positions to recompute, fitted on the fine-tuning samples, travels in the artifact
+    assert art.selector is not None and art.info["selector"]["samples"] == 8, art.info.get("selector")
+    assert art.selector.shape[0] == len(art.selector_layers) * art.spec.num_kv_heads * art.spec.head_dim + 16
 
     # resubmitting a finished pair publishes nothing new
     assert calibrate(["--pair", "base:qa", "--config", str(cfg)]) == ref

@@ -93,6 +93,7 @@ def test_eval_chooses_a_plan_as_the_job_does_and_exits_3_when_none_meets_the_bou
     assert out.value.code == 3, err
     curve = next(line for line in err.splitlines() if "plans (validation)" in line)
     assert "codes KL" in curve and "codes+sel5 KL" in curve and "enter@7 KL" in curve, curve
+    assert "codes+lsel5 KL" in curve and "selector: fitted on 8 samples" in err, "the learned rule's shares too"
     assert "codes+sel19" not in curve, "a share beyond the ceiling is not measured"
     line = err.strip().splitlines()[-1]
     assert line.startswith("no plan of base:prose meets the quality bound (KL <= 0.0001 x raw KV's, consumer "
@@ -115,6 +116,9 @@ def test_eval_measures_selective_recompute_as_a_method_and_refuses_a_bad_rule(tm
     assert by["raw_kv+deviation@0.25"]["kl"] < by["raw_kv"]["kl"], by
     with pytest.raises(SystemExit, match="--selective"):
         scd(["eval", "--pair", "base:qa", "--selective", "tail@0.1", "--work-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="learned@F repairs the scd row by its artifact's selector: there is no"):
+        scd(["eval", "--pair", "base:qa", "--methods", "raw_kv", "--selective", "learned@0.2", "--work-dir",
+             str(tmp_path)])
 
 
 @pytest.fixture(scope="module")

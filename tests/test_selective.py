@@ -4,6 +4,7 @@ wrong; the structural rule takes the last tokens and separators; the cost model'
 import pytest
 import torch
 
+from scd.fitting.selector import fit_selector
 from scd.online import selective
 from scd.online.rebuild import run_tail
 from scd.online.trace import capture
@@ -225,10 +226,10 @@ def test_a_selective_plan_is_served_by_a_specialist():
     assert info.mode == "scd" and "tail" in info.timings and info.tokens == 4, info
 
 
-def test_the_probes_oracle_reads_what_the_continuation_attends_to_in_the_consumers_eager_forward():
-    """tools.probe_selective --oracle: the attention a continuation pays each prefix position, read over the
-    consumer's own cache, equals its eager forward's weights over the prefix and the continuation together."""
-    from tools.probe_selective import continuation_reads
+def test_reads_of_a_continuation_are_what_it_attends_to_in_the_consumers_eager_forward():
+    """selective.reads_of (a learned selector's target, the probe's oracle): the attention a continuation pays
+    each prefix position, read over the consumer's own cache, equals its eager forward's weights over the
+    prefix and the continuation together."""
     b = tiny_llama(1)
     b.config._attn_implementation = "eager"
     ids, mask = left_padded_batch(lengths=(14, 10))
@@ -237,7 +238,7 @@ def test_the_probes_oracle_reads_what_the_continuation_attends_to_in_the_consume
     whole = torch.cat([mask, torch.ones(1, 3, dtype=mask.dtype)], 1)
     full = b(input_ids=torch.cat([ids, cont[None]], 1), attention_mask=whole, output_attentions=True)
     want = sum(a[:, :, t:, :t].sum((1, 2)) for a in full.attentions) * mask
-    got = continuation_reads(b, _kv(b, ids, mask), mask, cont)
+    got = selective.reads_of(b, _kv(b, ids, mask), mask, cont[None])
     err = (got - want).abs().max().item()
     assert err < 1e-4, f"the continuation's reads differ from the eager forward's by {err:.2e}"
     assert got[mask == 0].abs().max().item() == 0.0, "padding is never read"
@@ -246,16 +247,87 @@ def test_the_probes_oracle_reads_what_the_continuation_attends_to_in_the_consume
 @pytest.mark.parametrize("cache", ["own", "given"])
 def test_the_probe_with_every_position_recomputed_is_the_own_prefill_whichever_tokens_chose_them(cache):
     """tools.probe_selective on the demo family's QA pair: at a share of 1 the oracle's (its reads over either
-    cache), the suffix's and the tail's repairs are the consumer's own prefill (KL 0), raw KV is not, and each
+    cache), the suffix's, the learned selector's and the tail's repairs are the consumer's own prefill (KL 0), raw KV is not, and each
     row carries its F1."""
     from tools.probe_selective import main
     argv = ["--config", str(REPO / "ray_config.yaml"), "--pair", "base:qa", "--tokens", "96", "--samples", "1",
-            "--rules", "last", "--fractions", "1", "--entries", "", "--suffix", "4", "--oracle",
-            "--oracle-cache", cache]
+            "--rules", "last,learned", "--fractions", "1", "--entries", "", "--suffix", "4", "--oracle",
+            "--oracle-cache", cache, "--learned-samples", "2"]
     rows = {r["method"]: r for r in main(argv)}
-    assert set(rows) == {"raw_kv", "raw_kv+last@1", "raw_kv+oracle@1", "raw_kv+suffix@1"}, rows
+    assert set(rows) == {"raw_kv", "raw_kv+last@1", "raw_kv+learned@1", "raw_kv+oracle@1", "raw_kv+suffix@1"}, rows
     assert rows["raw_kv"]["kl"] > 1e-2, rows["raw_kv"]
-    for name in ("raw_kv+last@1", "raw_kv+oracle@1", "raw_kv+suffix@1"):
+    for name in ("raw_kv+last@1", "raw_kv+learned@1", "raw_kv+oracle@1", "raw_kv+suffix@1"):
         assert rows[name]["kl"] < 1e-6, f"{name}: KL {rows[name]['kl']:.2e} with every position recomputed"
         assert rows[name]["f1"] == rows[name]["oracle_f1"], rows[name]
     assert rows["raw_kv+suffix@1"]["compute"] > rows["raw_kv+oracle@1"]["compute"] >= 1.0, rows
+
+
+def test_a_selector_fitted_to_a_planted_score_ranks_as_it_does_and_picks_its_penalty_on_held_back_prefixes():
+    """scd.fitting.selector.fit_selector: targets that are a linear score of the features (plus a little noise) are ranked as that
+    score ranks them on prefixes it was not fitted on, and the penalty it reports is one it tried."""
+    g = torch.Generator().manual_seed(0)
+    w_true = torch.randn(12, generator=g)
+    xs = [torch.randn(60, 12, generator=g) for _ in range(10)]
+    ys = [x @ w_true + 0.01 * torch.randn(60, generator=g) for x in xs]
+    w, fitted = fit_selector(xs[:8], ys[:8], penalties=(0.01, 1.0))
+    assert fitted["penalty"] in (0.01, 1.0) and set(fitted["overlap"]) == {0.01, 1.0}, fitted
+    for x, y in zip(xs[8:], ys[8:]):
+        k = 12
+        got = set((x @ w).topk(k).indices.tolist()) & set(y.topk(k).indices.tolist())
+        assert len(got) >= k - 1, f"{len(got)} of the {k} highest-scored positions found"
+    with pytest.raises(ValueError, match="at least 2 prefixes"):
+        fit_selector(xs[:1], ys[:1])
+
+
+def test_selector_features_read_each_layers_v_its_distance_from_the_end_and_the_first_real_position():
+    """selector_features on a left-padded batch: unit-norm V rows of the chosen layers, one distance bucket
+    per position (0 at the last, log2 beyond), and the first-position flag on each row's first real token."""
+    b = tiny_llama(0, layers=4)
+    ids, mask = left_padded_batch(lengths=(14, 10))
+    kv = _kv(b, ids, mask)
+    f = selective.selector_features(kv, mask, [1, 3])
+    nv = kv[0][1].shape[1] * kv[0][1].shape[-1]
+    t = ids.shape[1]
+    assert f.shape == (2, t, 2 * nv + selective.BUCKETS + 2), f.shape
+    v1 = kv[1][1][1].transpose(0, 1).reshape(t, -1)[4:]                    # row 1's real positions
+    err = (f[1, 4:, :nv] - v1 / v1.norm(dim=-1, keepdim=True)).abs().max().item()
+    assert err < 1e-5, f"layer 1's V differs by {err:.2e}"
+    near = f[0, :, 2 * nv:2 * nv + selective.BUCKETS].argmax(-1).tolist()
+    assert near[-1] == 0 and near[-2] == 1 and near[-4] == 2 and near[-5] == 2 and near[0] == 3, near
+    first = f[:, :, -2]
+    assert first[0].nonzero().flatten().tolist() == [0] and first[1].nonzero().flatten().tolist() == [4], first
+
+
+def test_an_artifact_with_a_learned_selector_keeps_it_through_a_save_and_rebuilds_by_its_positions(tmp_path):
+    """tail_rule "learned": the selector's weights and layers round-trip (safetensors and the manifest), an
+    artifact asking for the rule without a selector is refused, and rebuild recomputes the positions the
+    selector scores highest over the cache the plan rebuilt; every position selected is the own prefill."""
+    from scd.online import codec
+    from scd.online.artifacts import PairArtifacts
+    from scd.online.models import ModelSpec
+    from scd.online.rebuild import encode, rebuild
+    a = tiny_llama(0, layers=4)
+    b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
+    spec = ModelSpec.from_config(a.config)
+    plain = PairArtifacts.exact("a:b", spec, ["exact", "shared", "shared", "shared"], "bf16")
+    with pytest.raises(ValueError, match="needs a fitted selector"):
+        plain.with_tail(10, 40, "learned")
+    layers = [0, 2]
+    n = len(layers) * a.config.num_key_value_heads * (a.config.hidden_size // a.config.num_attention_heads)
+    w = torch.randn(n + selective.BUCKETS + 2, generator=torch.Generator().manual_seed(4))
+    import dataclasses
+    with_sel = dataclasses.replace(plain, selector=w, selector_layers=layers)
+    with_sel.with_tail(10, 40, "learned").save(tmp_path / "art")
+    art = PairArtifacts.load(tmp_path / "art")
+    assert art.tail_rule == "learned" and art.selector_layers == layers and torch.equal(art.selector, w)
+    ids = torch.randint(2, 97, (1, 80), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    codes = codec.as_received(encode(art, capture(a, ids, mask), ids), "bf16")
+    kv, _ = rebuild(b, art, codes)
+    base, _ = rebuild(b, plain, codes)
+    sel = selective.learned(base, mask, 20 / 80, (w, layers))
+    assert sel.shape == (1, 20)
+    want = selective.recompute_tokens(b, base, ids, mask, sel)
+    assert _err(kv, want) < 1e-6, _err(kv, want)
+    every, _ = rebuild(b, with_sel.with_tail(80, 80, "learned"), codes)
+    assert _err(every, _kv(b, ids, mask)) < 1e-4, f"every position selected: {_err(every, _kv(b, ids, mask)):.2e}"

@@ -8,7 +8,8 @@ tokens against the consumer's own prefill for:
 
   raw_kv                        the producer's K and V as they are (no consumer compute)
   droidspeak@<e>                the consumer's layers e..L-1 from the producer's residual
-  raw_kv+<rule>@<f>             raw KV repaired at a fraction f of the positions, chosen by <rule>
+  raw_kv+<rule>@<f>             raw KV repaired at a fraction f of the positions, chosen by <rule> (learned:
+                                a selector fitted here on --learned-samples fine-tuning windows)
   codes, codes+<rule>@<f>       with --artifact: the pair's codes alone (no block, no tail), and repaired
   raw_kv+oracle@<f>             with --oracle: the positions the continuation itself reads most in the
                                 consumer's own forward (its queries' attention over the own cache, summed
@@ -37,8 +38,9 @@ from tqdm import tqdm
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
-from scd.fitting import points
+from scd.fitting import points, selector
 from scd.online import selective
+from scd.online.trace import capture
 
 
 class ReadSelective(methods.Method):
@@ -58,43 +60,18 @@ class ReadSelective(methods.Method):
         return methods.Built(selective.recompute_tokens(consumer, built.kv, ids, mask, sel), built.payload_bytes, 0.0)
 
 
-def continuation_reads(model, own_kv, mask: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
-    """(B, T): the attention the queries of `cont` (tokens after the prefix) pay each prefix position as the
-    consumer runs them over the prefix cache `own_kv` (its own, or a given one), summed over layers, heads and
-    those tokens."""
-    from scd.online import cache as kvcache
-    from scd.online.rope import cos_sin, positions_from_mask
-    queries = []
-    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda mod, i, o: queries.append(o))
-             for layer in model.model.layers]
-    try:
-        c = kvcache.assemble(model, own_kv)
-        kvcache.extend(model, c, mask, cont[None], logits=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    b, t = mask.shape
-    n = cont.shape[-1]
-    pos = positions_from_mask(torch.cat([mask, torch.ones(b, n, dtype=mask.dtype)], 1))[:, t:]
-    causal = torch.ones(n, t + n, dtype=torch.bool).tril(t)                     # prefix, then cont up to itself
-    allowed = causal[None, None] & torch.cat([mask.bool(), torch.ones(b, n, dtype=torch.bool)], 1)[:, None, None]
-    attn = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    read = torch.zeros(b, t + n)                          # every column; no selected ones of its own to add
-    selective.attention_received(model, queries, c, cos_sin(model, pos), attn,
-                                 torch.zeros(b, 0, dtype=torch.long), read)
-    return read[:, :t]
-
-
 def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list[float], entries: list[int],
             codes: methods.Method | None = None, oracle: bool = False, suffix: int = 0,
-            oracle_cache: str = "own") -> list[dict]:
-    """One row per method on `held` (windows of one length): {"method", "tokens", "compute", "kl", "over_raw"}."""
+            oracle_cache: str = "own", selectors: dict | None = None) -> list[dict]:
+    """One row per method on `held` (windows of one length): {"method", "tokens", "compute", "kl", "over_raw"}.
+    The learned rule repairs each base with its selector in `selectors` (by the base's name)."""
     n, t = config.num_hidden_layers, held[0].prefix.shape[-1]
     bases = [methods.RawKV()] + ([codes] if codes else [])
     oracles = [ReadSelective(f) for f in fractions] if oracle else []
     suffixes = [ReadSelective(f, "suffix") for f in fractions] if suffix else []
     ms = bases + [methods.DroidSpeak.entering(e, n) for e in entries] + [
-        methods.Selective(b, rule, f, ev.tok) for b in bases for rule in rules for f in fractions] + oracles + suffixes
+        methods.Selective(b, rule, f, ev.tok, selector=(selectors or {}).get(b.name))
+        for b in bases for rule in rules for f in fractions] + oracles + suffixes
     qa = held[0].answer is not None                     # answers: each method's F1 too
     kl = {m.name: 0.0 for m in [methods.Oracle()] + ms}
     f1 = dict(kl)
@@ -104,12 +81,12 @@ def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list
         given = methods.RawKV().build(ev.consumer, ids, mask, ptrace).kv \
             if suffixes or (oracles and oracle_cache == "given") else None    # the producer's K, V as they are
         if oracles:
-            read = continuation_reads(ev.consumer, own.kv if oracle_cache == "own" else given, mask, s.cont)
+            read = selective.reads_of(ev.consumer, own.kv if oracle_cache == "own" else given, mask, s.cont[None])
             for m in oracles:
                 m.read = read
         if suffixes:
             first = s.question if s.question is not None else s.cont[:suffix]
-            read = continuation_reads(ev.consumer, given, mask, first)
+            read = selective.reads_of(ev.consumer, given, mask, first[None])
             for m in suffixes:
                 m.read, m.window = read, first.shape[-1]
         if qa:
@@ -150,6 +127,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="the cache the continuation's reads are taken over (default: the consumer's own)")
     p.add_argument("--suffix", type=int, default=0, help="also the positions a request's first K tokens read "
                    "most over the given cache (a QA sample's question whatever K)")
+    p.add_argument("--learned-samples", type=int, default=32, help="with the learned rule: the fine-tuning windows "
+                   "its selector is fitted on, over raw KV, and over the codes where the artifact has none")
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--plot", help="write the curves here (PNG): KL over raw KV's against consumer compute")
     args = p.parse_args(argv)
@@ -161,6 +140,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rules = [r for r in args.rules.split(",") if r]
     if bad := [r for r in rules if r not in selective.RULES]:
         raise SystemExit(f"--rules: {bad} not among {selective.RULES}")
+    if "learned" in rules and args.learned_samples < 2:
+        raise SystemExit("--learned-samples: a selector is fitted on 2 windows or more")
     if args.samples < 1 or not lengths or min(lengths) < 2 or not all(0 < f <= 1 for f in fractions) or args.suffix < 0:
         raise SystemExit("--samples must be >= 1, --tokens >= 2, --fractions in (0, 1] and --suffix >= 0")
 
@@ -168,7 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cfg, name, producer, consumer, tok, spec = config_pair(args.config, args.pair)
     if any(not 0 < e < spec.num_layers for e in entries):
         raise SystemExit(f"--entries must lie in 1..{spec.num_layers - 1}")
-    codes = None
+    codes = art = None
     if args.artifact:
         from artifacts_store import ArtifactStore, ArtifactStoreError, Fingerprints
         from tools.probe_tails import codes_alone
@@ -181,6 +162,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         codes = methods.SCDMethod(codes_alone(art), "codes")
     c = cfg.calibration_for(name)
     ev = Evaluator(producer, consumer, tok)
+    selectors = fit_selectors(producer, consumer, tok, name, c, args.learned_samples, codes, art) \
+        if "learned" in rules else {}
     rows = []
     for t in lengths:
         try:
@@ -188,7 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         except ValueError as e:                         # documents shorter than t (qa's notes: about 512)
             raise SystemExit(f"{args.pair}: no {args.samples} held-out prefixes of {t} tokens ({e})") from None
         at = rows_at(ev, held, consumer.config, rules, fractions, entries, codes, args.oracle, args.suffix,
-                     args.oracle_cache)
+                     args.oracle_cache, selectors)
         rows += at
         print(f"\n{args.pair} at {t} tokens, {args.samples} held-out windows:")
         print(f"  {'method':30s} {'compute':>8s} {'KL':>8s} {'/ raw KV':>9s}" + ("      F1" if "f1" in at[0] else ""))
@@ -202,6 +185,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.plot:
         plot(rows, args.pair, args.plot)
     return rows
+
+
+def fit_selectors(producer, consumer, tok, name: str, c, n: int, codes: methods.Method | None, art) -> dict:
+    """The learned rule's selector for each base, by name: fitted here (scd.fitting.selector) on `n`
+    fine-tuning windows of the calibration's prefix length over raw KV, and over the codes unless the artifact
+    carries the one its calibration fitted."""
+    tune = samples.tune_samples(name, tok, n, c.prefix_tokens, selective.READ_TOKENS, text_file=c.text_file)
+    layers = selective.selector_layers(consumer.config.num_hidden_layers)
+    out = {}
+    for base in [methods.RawKV()] + ([codes] if codes else []):
+        if base is codes and art.selector is not None:
+            out[base.name] = (art.selector, art.selector_layers)
+            continue
+        w, fitted = selector.fit_over(consumer, tune, lambda ids, mask, b=base: b.build(
+            consumer, ids, mask, capture(producer, ids, mask)).kv, layers, desc=f"selector over {base.name}")
+        print(f"selector over {base.name}: penalty {fitted['penalty']:g}, top-20 % overlap on held-back windows "
+              f"{fitted['overlap'][fitted['penalty']]:.2f}")
+        out[base.name] = (w, layers)
+    return out
 
 
 def kind(method: str) -> str:

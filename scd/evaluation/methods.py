@@ -153,17 +153,21 @@ class DroidSpeak(Method):
 
 class Selective(Method):
     """Another method's cache repaired by selective token recompute (scd.online.selective): the consumer runs
-    every layer for `fraction` of the prefix's positions, chosen by `rule`; named <inner>+<rule>@<fraction>."""
+    every layer for `fraction` of the prefix's positions, chosen by `rule` (the learned one by `selector`:
+    (weights, layers)); named <inner>+<rule>@<fraction>."""
 
-    def __init__(self, inner: Method, rule: str, fraction: float, tok=None, layers: int = 1):
+    def __init__(self, inner: Method, rule: str, fraction: float, tok=None, layers: int = 1,
+                 selector: tuple | None = None):
         self.inner, self.rule, self.fraction, self.tok, self.layers = inner, rule, fraction, tok, layers
+        self.selector = selector
         self.name = f"{inner.name}+{rule}@{fraction:g}"
         self.spent: dict[int, list[float]] = {}         # prefix length -> each repaired row's counted share
 
     def build(self, consumer, ids, mask, producer_trace):
         built = self.inner.build(consumer, ids, mask, producer_trace)
         t = time.perf_counter()
-        kv, sel = selective.repair(consumer, built.kv, ids, mask, self.rule, self.fraction, self.tok, self.layers)
+        kv, sel = selective.repair(consumer, built.kv, ids, mask, self.rule, self.fraction, self.tok, self.layers,
+                                   self.selector)
         ms = (time.perf_counter() - t) * 1e3
         self.spent.setdefault(ids.shape[1], []).extend(self._cost(consumer.config, ids.shape[1], row.tolist())
                                                        for row in sel)

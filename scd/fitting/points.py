@@ -3,25 +3,27 @@
 
 A point is a plan the consumer pays for in compute: entering a recompute block at layer `entry` (num_layers:
 no block, the codes alone) and running `tail` of the prefix's tokens itself through every layer (0: none):
-its last ones (rule "last"), or the ones its last attend to most (rule "attention": selective recompute)."""
+its last ones (rule "last"), or the ones its last attend to most (rule "attention": selective recompute), or
+the ones its selector fitted at calibration scores highest (rule "learned")."""
 from __future__ import annotations
 
 from scd.settings import SELECT_WINDOW
 
-MARKS = {"last": "+tail", "attention": "+sel"}
+MARKS = {"last": "+tail", "attention": "+sel", "learned": "+lsel"}
 
 
 def point_name(entry: int, tail: int, num_layers: int, rule: str = "last") -> str:
     """A curve point's method name: codes, enter@<e>, each with +tail<k> when the consumer runs the prefix's
-    last k tokens too, +sel<k> when it runs the k its last attend to most."""
+    last k tokens too, +sel<k> when it runs the k its last attend to most, +lsel<k> the k its selector picks."""
     return ("codes" if entry == num_layers else f"enter@{entry}") + (f"{MARKS[rule]}{tail}" if tail else "")
 
 
 def parse_point(name: str, num_layers: int) -> tuple[int, int, str] | None:
     """(entry, tail, rule) of a curve point's method name (point_name's, or droidspeak@<e>); None for another."""
     rule, (head, _, tail) = "last", name.partition("+tail")
-    if not tail and "+sel" in name:
-        rule, (head, _, tail) = "attention", name.partition("+sel")
+    for r in ("learned", "attention"):                  # "+lsel" before "+sel", which it contains
+        if not tail and MARKS[r] in name:
+            rule, (head, _, tail) = r, name.partition(MARKS[r])
     if head == "codes":
         entry = num_layers
     elif head.startswith(("enter@", "droidspeak@")) and head.partition("@")[2].isdigit():

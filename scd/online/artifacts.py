@@ -36,7 +36,7 @@ KINDS = ("exact", "reuse", "hidden", "patch", "shared", "entry", "recompute", "s
 RUN_KINDS = ("entry", "recompute")          # layers the consumer runs itself over the prefix
 EXACT_KINDS = ("exact", "shared") + RUN_KINDS  # an exact plan's: nothing learned
 ENTERED = ("entry", "shared_entry")         # wire kinds that carry a residual stream
-TAIL_RULES = ("last", "attention")          # which of a prefix's positions a tail's tokens are
+TAIL_RULES = ("last", "attention", "learned")          # which of a prefix's positions a tail's tokens are
 # the code sizes one artifact serves, as fractions of its Reuse ranks (nested codes: a shorter code is the
 # leading columns of a longer one); the producer picks one per request (scd.online.links)
 LEVELS = (0.25, 0.5, 0.75, 1.0)
@@ -125,6 +125,10 @@ class PairArtifacts:
     # the last selective.WINDOW attend to most over the rebuilt cache, those included:
     # scd.online.selective.attention; the consumer runs every layer for them, docs/method.md)
     tail_rule: str = "last"
+    # a selector fitted at calibration (scd.online.selective.fit_selector): its weights over
+    # selective.selector_features at selector_layers; tail_rule "learned" runs the positions it scores highest
+    selector: torch.Tensor | None = field(default=None, compare=False)
+    selector_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         exact_only = all(k in EXACT_KINDS + ("shared_entry",) for k in self.plan)
@@ -160,6 +164,10 @@ class PairArtifacts:
             raise ValueError(f"tail_tokens and tail_of must be 0 or more, got {self.tail_tokens} and {self.tail_of}")
         if self.tail_rule not in TAIL_RULES:
             raise ValueError(f"tail_rule must be one of {TAIL_RULES}, got {self.tail_rule!r}")
+        if self.tail_rule == "learned" and self.selector is None:
+            raise ValueError("tail_rule 'learned' needs a fitted selector; this artifact has none")
+        if self.selector is not None and any(not 0 <= l < self.spec.num_layers for l in self.selector_layers):
+            raise ValueError(f"selector_layers must lie in 0..{self.spec.num_layers - 1}: {self.selector_layers}")
         covered = [l for g in self.x_groups for l in g]
         if len(covered) != len(set(covered)) or any(g != list(range(g[0], g[0] + len(g))) for g in self.x_groups):
             raise ValueError(f"x_groups must be disjoint runs of adjacent layers: {self.x_groups}")
@@ -331,7 +339,8 @@ class PairArtifacts:
     def with_tail(self, tokens: int, of: int = 0, rule: str = "last") -> "PairArtifacts":
         """The same artifact with the consumer running `tokens` of the prefix's tokens itself (tail_tokens), or
         with `of`, that share of a prefix of `of` tokens at every length (tail_of): its last ones, or with
-        rule "attention" the ones its last attend to most (tail_rule)."""
+        rule "attention" the ones its last attend to most, with "learned" the ones its selector scores highest
+        (tail_rule)."""
         return dataclasses.replace(self, tail_tokens=tokens, tail_of=of if tokens else 0,
                                    tail_rule=rule if tokens else "last")
 
@@ -381,6 +390,8 @@ class PairArtifacts:
             out.update(c.tensors(f"entry.{l}"))
         for l in self.klt_k:
             out.update({**self.klt_k[l].tensors(f"klt.{l}.k"), **self.klt_v[l].tensors(f"klt.{l}.v")})
+        if self.selector is not None:
+            out["selector"] = self.selector
         return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
     def description(self) -> dict:
@@ -391,7 +402,8 @@ class PairArtifacts:
                 "x_groups": self.x_groups, "plan": self.plan, "info": self.info,
                 **({"tail_tokens": self.tail_tokens} if self.tail_tokens else {}),
                 **({"tail_of": self.tail_of} if self.tail_of else {}),
-                **({"tail_rule": self.tail_rule} if self.tail_rule != "last" else {})}
+                **({"tail_rule": self.tail_rule} if self.tail_rule != "last" else {}),
+                **({"selector_layers": self.selector_layers} if self.selector is not None else {})}
 
     def save(self, directory: str | Path) -> None:
         d = Path(directory)
@@ -427,7 +439,8 @@ class PairArtifacts:
                    desc.get("aligner_tokens", 0), desc.get("aligner_window", 8), desc.get("r_x", 0), reuse_x,
                    desc.get("code_dtype", "fp16"), [list(g) for g in desc.get("x_groups", [])],
                    entry_align=entry_align, klt_k=klt_k, klt_v=klt_v, tail_tokens=desc.get("tail_tokens", 0),
-                   tail_of=desc.get("tail_of", 0), tail_rule=desc.get("tail_rule", "last"))
+                   tail_of=desc.get("tail_of", 0), tail_rule=desc.get("tail_rule", "last"), selector=t.get("selector"),
+                   selector_layers=list(desc.get("selector_layers", [])))
 
     @classmethod
     def load(cls, directory: str | Path) -> "PairArtifacts":

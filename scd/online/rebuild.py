@@ -15,8 +15,9 @@ plus token ids and the left-padding mask, both (B, T).
 
 An artifact with a tail has the consumer run the prefix's last tokens itself after the rebuild (k of them,
 or k / tail_of of the prefix: PairArtifacts.tail_for), through every layer, over the cache rebuilt for the
-tokens before them (run_tail); with tail_rule "attention", k positions its last tokens attend to most, over
-the cache rebuilt for every other position (scd.online.selective).
+tokens before them (run_tail); with tail_rule "attention", k positions its last tokens attend to most, with
+"learned" the k its selector (fitted at calibration) scores highest, over the cache rebuilt for every other
+position (scd.online.selective).
 """
 from __future__ import annotations
 
@@ -255,8 +256,9 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
     kv.update(run_blocks(model, art, codes) if own is None else own())
     t_end = time.perf_counter()
     out = [kv[l] for l in range(len(art.plan))]
-    if art.tail_tokens and art.tail_rule == "attention":
-        out, _ = selective.repair(model, out, codes.token_ids, codes.mask, "attention", art.tail_for(t) / t)
+    if art.tail_tokens and art.tail_rule != "last":
+        out, _ = selective.repair(model, out, codes.token_ids, codes.mask, art.tail_rule, art.tail_for(t) / t,
+                                  selector=(art.selector, art.selector_layers))
     elif art.tail_tokens:
         out = run_tail(model, out, codes.token_ids, codes.mask, art.tail_for(t))
     return out, {"rebuild_ms": (t_patch - t0) * 1e3, "patch_ms": (t_run - t_patch) * 1e3,

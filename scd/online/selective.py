@@ -20,6 +20,10 @@ Which positions (each a rule with its own cost, counted by `cost`):
   against on the same windows.
 - `structural`: no compute. The prefix's last positions, then its separators (newlines, punctuation), then
   the first tokens of capitalised words (names), then the latest others.
+- `learned`: no compute to choose. A linear score of each position's features in the given cache (its V at a
+  few layers, its distance from the prefix's end, whether it is the first), fitted at calibration to the
+  attention the consumer's continuations pay each position over its own cache (scd.fitting.selector, over
+  `reads_of`): the positions the next tokens will read, as well as the rebuilt cache tells.
 """
 from __future__ import annotations
 
@@ -27,15 +31,17 @@ import re
 
 import torch
 
-from scd.online.cache import assemble, cache_arg
+from scd.online.cache import assemble, cache_arg, extend
 from scd.online.recompute import run_layers
 from scd.online.rope import apply_rope, cos_sin, positions_from_mask
 from scd.settings import SELECT_WINDOW
 
 KV = tuple[torch.Tensor, torch.Tensor]
-RULES = ("attention", "deviation", "structural", "last")
+RULES = ("attention", "deviation", "structural", "last", "learned")
 WINDOW = SELECT_WINDOW
 CHUNK = 256                  # positions recomputed together (`recompute_tokens`)
+READ_TOKENS = 32             # a continuation's tokens whose reads a learned selector fits (the evaluation's horizon)
+BUCKETS = 14                 # a learned selector's distance features: log2 of the distance from the prefix's end
 
 
 def count_for(mask: torch.Tensor, fraction: float) -> int:
@@ -175,6 +181,68 @@ def structural(token_ids: torch.Tensor, mask: torch.Tensor, tok, fraction: float
     return top(score, mask, count_for(mask, fraction))
 
 
+def selector_layers(num_layers: int, n: int = 5) -> list[int]:
+    """The layers whose V a learned selector reads: `n` spread from the first to the last."""
+    return sorted({round(i * (num_layers - 1) / (n - 1)) for i in range(n)})
+
+
+def selector_features(kv: list[KV], mask: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """(B, T, F): each position's V at `layers` (every KV head's, each layer's scaled to unit norm), its
+    distance from the prefix's last position in log2 buckets (BUCKETS), whether it is the first real position
+    (where attention sinks), and a constant 1."""
+    b, t = mask.shape
+    vs = [kv[l][1].float().transpose(1, 2).reshape(b, t, -1) for l in layers]
+    vs = [v / v.norm(dim=-1, keepdim=True).clamp(min=1e-6) for v in vs]
+    dist = torch.arange(t - 1, -1, -1, device=mask.device, dtype=torch.float32)
+    bucket = torch.log2(dist + 1).floor().long().clamp(max=BUCKETS - 1)
+    near = torch.nn.functional.one_hot(bucket, BUCKETS).float().expand(b, -1, -1)
+    first = (torch.arange(t, device=mask.device)[None] == (mask.long() == 0).sum(-1, keepdim=True)).float()
+    return torch.cat(vs + [near, first[..., None], torch.ones(b, t, 1, device=mask.device)], -1)
+
+
+@torch.no_grad()
+def reads_of(model, kv: list[KV], mask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, T): the attention the queries of `tokens` (B, n) (tokens after the prefix, e.g. its continuation)
+    pay each prefix position as `model` runs them over the prefix cache `kv`, summed over layers, heads and
+    those tokens."""
+    queries: list[torch.Tensor] = []
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda mod, i, o: queries.append(o))
+             for layer in model.model.layers]
+    try:
+        c = assemble(model, kv)
+        extend(model, c, mask, tokens, logits=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    b, t = mask.shape
+    n = tokens.shape[-1]
+    full = torch.cat([mask, torch.ones(b, n, dtype=mask.dtype, device=mask.device)], 1)
+    pos = positions_from_mask(full)[:, t:]
+    causal = torch.ones(n, t + n, dtype=torch.bool, device=mask.device).tril(t)   # the prefix, then up to itself
+    allowed = causal[None, None] & full.bool()[:, None, None]
+    attn = torch.zeros(allowed.shape, device=mask.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    read = torch.zeros(b, t + n, device=mask.device)        # every column; no selected ones of its own to add
+    attention_received(model, queries, c, cos_sin(model, pos, torch.float32), attn,
+                       torch.zeros(b, 0, dtype=torch.long, device=mask.device), read)
+    return read[:, :t]
+
+
+def selector_target(read: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T): what a learned selector fits: the log of each position's share of the reads, scaled so that a
+    uniform share is 1 (prefixes of any length on one scale), floored at 0.01 of it."""
+    valid = mask.float().sum(-1, keepdim=True)
+    share = read * mask / read.mul(mask).sum(-1, keepdim=True).clamp(min=1e-12) * valid
+    return torch.log(share + 0.01)
+
+
+def learned(kv: list[KV], mask: torch.Tensor, fraction: float, selector: tuple[torch.Tensor, list[int]]) -> torch.Tensor:
+    """The learned rule's selection (B, s): the positions a fitted selector (weights, its layers:
+    scd.fitting.selector) scores highest."""
+    w, layers = selector
+    score = selector_features(kv, mask, layers) @ w.to(mask.device)
+    return top(score, mask, count_for(mask, fraction))
+
+
 def top(score: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
     """The k highest-scoring unpadded columns of each row, in column order: (B, k)."""
     score = score.masked_fill(~mask.bool(), float("-inf"))
@@ -205,9 +273,10 @@ def cost(config, t: int, s: int, first_layers: int = 0, window: int = 0, columns
 
 @torch.no_grad()
 def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rule: str, fraction: float,
-           tok=None, layers: int = 1) -> tuple[list[KV], torch.Tensor]:
+           tok=None, layers: int = 1, selector: tuple[torch.Tensor, list[int]] | None = None
+           ) -> tuple[list[KV], torch.Tensor]:
     """`kv` repaired by `rule` at `fraction` of the prefix's positions: (the cache, the columns recomputed
-    (B, s))."""
+    (B, s)). The learned rule takes its `selector` (weights, layers: fit_selector's)."""
     if rule == "attention":
         sel = attention(model, kv, token_ids, mask, fraction)
     elif rule == "deviation":
@@ -215,6 +284,10 @@ def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rul
         kv = own + list(kv[layers:])
     elif rule == "structural":
         sel = structural(token_ids, mask, tok, fraction)
+    elif rule == "learned":
+        if selector is None:
+            raise ValueError("the learned rule needs a fitted selector (an artifact calibrated with one)")
+        sel = learned(kv, mask, fraction, selector)
     elif rule == "last":
         t = token_ids.shape[1]
         sel = torch.arange(t - count_for(mask, fraction), t, device=token_ids.device).expand(token_ids.shape[0], -1)
