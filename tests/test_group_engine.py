@@ -187,7 +187,7 @@ def test_an_unload_lets_running_requests_finish_and_refuses_new_ones(adapters):
 def every_artifacts(adapters, tmp_path_factory):
     """Artifacts of the pair (the demo base, "every" merged), fitted on a few random prefixes: codes alone
     (Reuse, one Patch layer), the same with a block of the consumer's own top three layers, and with selective
-    recompute of the positions the prefix's last attend to most."""
+    recompute of the positions the prefix's last attend to most, or that a selector picks."""
     import dataclasses
 
     from scd.fitting.calibrate import CalibConfig, Calibration
@@ -202,10 +202,13 @@ def every_artifacts(adapters, tmp_path_factory):
     cal.traces()
     codes = cal.artifacts_for(["exact", "reuse", "reuse", "patch", "reuse", "reuse", "reuse", "reuse"])
     block = dataclasses.replace(codes, plan=codes.plan[:5] + ["entry", "recompute", "recompute"])
-    return {"codes": codes, "block": block, "selective": codes.with_tail(6, len(PREFIX), "attention")}
+    width = base.config.num_key_value_heads * (base.config.hidden_size // base.config.num_attention_heads)
+    picking = dataclasses.replace(codes, selector=torch.linspace(-1, 1, 2 * width + 16), selector_layers=[1, 5])
+    return {"codes": codes, "block": block, "selective": codes.with_tail(6, len(PREFIX), "attention"),
+            "learned": picking.with_tail(6, len(PREFIX), "learned")}
 
 
-@pytest.mark.parametrize("kind, share", [("codes", 0.0), ("block", 3 / 8), ("selective", None)])
+@pytest.mark.parametrize("kind, share", [("codes", 0.0), ("block", 3 / 8), ("selective", None), ("learned", None)])
 def test_an_every_layer_adapter_with_an_artifact_is_rebuilt_from_codes_of_the_bases_prefill(
         adapters, every_artifacts, kind, share):
     """Its cache is the artifact's rebuild from the base's own trace, on its view of the base (nothing merged),
@@ -218,7 +221,8 @@ def test_an_every_layer_adapter_with_an_artifact_is_rebuilt_from_codes_of_the_ba
     art = every_artifacts[kind]
     engine.set_artifact("every", art, "v1")
     _, info, _ = engine.complete("every", PREFIX, SUFFIX, PARAMS)
-    share = share if share is not None else (6 + SELECT_WINDOW) / len(PREFIX)      # the rule's window counted
+    if share is None:                               # the attention rule's window counted; the selector runs none
+        share = (6 + (SELECT_WINDOW if kind == "selective" else 0)) / len(PREFIX)
     assert (info.mode, info.artifact) == ("scd", "v1") and info.group["adapter_share"] == pytest.approx(share), \
         info.as_dict()
     assert engine.complete("top", PREFIX, SUFFIX, PARAMS)[1].group["base_cached"], "the base prefilled twice"

@@ -207,7 +207,10 @@ def test_an_artifact_with_the_attention_rule_keeps_it_through_a_save_and_rebuild
     assert _err(kv, run_tail(b, base, ids, mask, 20)) > 1e-3, "scattered positions, not a tail of the same count"
 
 
-def test_a_selective_plan_is_served_by_a_specialist():
+@pytest.mark.parametrize("rule", ["attention", "learned"])
+def test_a_selective_plan_is_served_by_a_specialist(rule):
+    import dataclasses
+
     from actors.messages import GenParams
     from engines.producer import ProducerEngine
     from engines.specialist import SpecialistEngine
@@ -216,8 +219,10 @@ def test_a_selective_plan_is_served_by_a_specialist():
     from tests.test_models import _tokenizer
     a = tiny_llama(0, layers=4)
     b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
-    art = PairArtifacts.exact("a:b", ModelSpec.from_config(a.config), ["exact", "shared", "shared", "shared"],
-                              "bf16").with_tail(8, 0, "attention")
+    art = PairArtifacts.exact("a:b", ModelSpec.from_config(a.config), ["exact", "shared", "shared", "shared"], "bf16")
+    width = a.config.num_key_value_heads * (a.config.hidden_size // a.config.num_attention_heads)
+    art = dataclasses.replace(art, selector=torch.linspace(-1, 1, 2 * width + selective.BUCKETS + 2),
+                              selector_layers=[1, 3]).with_tail(8, 0, rule)
     ids = list(range(5, 45))
     payload = ProducerEngine(a, _tokenizer(97), {"a:b": (art, "v1")}, cache_bytes=1 << 20).encode(
         ids, ["a:b"]).per_pair["a:b"].payload
