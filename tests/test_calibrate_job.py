@@ -5,6 +5,7 @@ import pytest
 
 from artifacts_store import ArtifactNotFound, ArtifactStore, Fingerprints, FingerprintMismatch
 from jobs.calibrate import main as calibrate
+from scd.online.selective import POSITION_FEATURES
 from scd.online.models import load
 from tests.conftest import DEMO, write_config
 
@@ -42,7 +43,7 @@ def test_job_publishes_a_verified_artifact_with_report_and_resumes(job, capsys):
     assert ratios == sorted(ratios) and ladder[-1]["kl"] == pytest.approx(m.metrics["kl"]), (ladder, m.metrics)
     # a selector of the positions to recompute, fitted on the fine-tuning samples, travels in the artifact
     assert art.selector is not None and art.info["selector"]["samples"] == 8, art.info.get("selector")
-    assert art.selector.shape[0] == len(art.selector_layers) * art.spec.num_kv_heads * art.spec.head_dim + 16
+    assert art.selector.shape[0] == len(art.selector_layers) * art.spec.num_kv_heads * art.spec.head_dim + POSITION_FEATURES
 
     # resubmitting a finished pair publishes nothing new
     assert calibrate(["--pair", "base:qa", "--config", str(cfg)]) == ref

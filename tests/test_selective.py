@@ -1,6 +1,8 @@
 """Selective token recompute (scd.online.selective): every position selected is the consumer's own prefill,
 the last k are a tail, the others stay as given; CacheBlend's deviation rule finds the positions a cache got
 wrong; the structural rule takes the last tokens and separators; the cost model's ends."""
+import math
+
 import pytest
 import torch
 
@@ -221,7 +223,7 @@ def test_a_selective_plan_is_served_by_a_specialist(rule):
     b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
     art = PairArtifacts.exact("a:b", ModelSpec.from_config(a.config), ["exact", "shared", "shared", "shared"], "bf16")
     width = a.config.num_key_value_heads * (a.config.hidden_size // a.config.num_attention_heads)
-    art = dataclasses.replace(art, selector=torch.linspace(-1, 1, 2 * width + selective.BUCKETS + 2),
+    art = dataclasses.replace(art, selector=torch.linspace(-1, 1, 2 * width + selective.POSITION_FEATURES),
                               selector_layers=[1, 3]).with_tail(8, 0, rule)
     ids = list(range(5, 45))
     payload = ProducerEngine(a, _tokenizer(97), {"a:b": (art, "v1")}, cache_bytes=1 << 20).encode(
@@ -286,19 +288,22 @@ def test_a_selector_fitted_to_a_planted_score_ranks_as_it_does_and_picks_its_pen
 
 def test_selector_features_read_each_layers_v_its_distance_from_the_end_and_the_first_real_position():
     """selector_features on a left-padded batch: unit-norm V rows of the chosen layers, one distance bucket
-    per position (0 at the last, log2 beyond), and the first-position flag on each row's first real token."""
+    per position (0 at the last, log2 beyond), the log2 distance itself, and the first-position flag on each
+    row's first real token."""
     b = tiny_llama(0, layers=4)
     ids, mask = left_padded_batch(lengths=(14, 10))
     kv = _kv(b, ids, mask)
     f = selective.selector_features(kv, mask, [1, 3])
     nv = kv[0][1].shape[1] * kv[0][1].shape[-1]
     t = ids.shape[1]
-    assert f.shape == (2, t, 2 * nv + selective.BUCKETS + 2), f.shape
+    assert f.shape == (2, t, 2 * nv + selective.POSITION_FEATURES), f.shape
     v1 = kv[1][1][1].transpose(0, 1).reshape(t, -1)[4:]                    # row 1's real positions
     err = (f[1, 4:, :nv] - v1 / v1.norm(dim=-1, keepdim=True)).abs().max().item()
     assert err < 1e-5, f"layer 1's V differs by {err:.2e}"
-    near = f[0, :, 2 * nv:2 * nv + selective.BUCKETS].argmax(-1).tolist()
+    near = f[0, :, 2 * nv:2 * nv + selective.NEAR].argmax(-1).tolist()
     assert near[-1] == 0 and near[-2] == 1 and near[-4] == 2 and near[-5] == 2 and near[0] == 3, near
+    far = f[0, :, 2 * nv + selective.NEAR]
+    assert far[-1] == 0 and abs(far[0].item() - math.log2(t)) < 1e-6, far
     first = f[:, :, -2]
     assert first[0].nonzero().flatten().tolist() == [0] and first[1].nonzero().flatten().tolist() == [4], first
 
@@ -319,7 +324,7 @@ def test_an_artifact_with_a_learned_selector_keeps_it_through_a_save_and_rebuild
         plain.with_tail(10, 40, "learned")
     layers = [0, 2]
     n = len(layers) * a.config.num_key_value_heads * (a.config.hidden_size // a.config.num_attention_heads)
-    w = torch.randn(n + selective.BUCKETS + 2, generator=torch.Generator().manual_seed(4))
+    w = torch.randn(n + selective.POSITION_FEATURES, generator=torch.Generator().manual_seed(4))
     import dataclasses
     with_sel = dataclasses.replace(plain, selector=w, selector_layers=layers)
     with_sel.with_tail(10, 40, "learned").save(tmp_path / "art")

@@ -41,7 +41,9 @@ RULES = ("attention", "deviation", "structural", "last", "learned")
 WINDOW = SELECT_WINDOW
 CHUNK = 256                  # positions recomputed together (`recompute_tokens`)
 READ_TOKENS = 32             # a continuation's tokens whose reads a learned selector fits (the evaluation's horizon)
-BUCKETS = 14                 # a learned selector's distance features: log2 of the distance from the prefix's end
+NEAR = 8                     # a learned selector's distance buckets: log2 of the distance from the prefix's end,
+                             # the last for 2^(NEAR-1) - 1 and farther
+POSITION_FEATURES = NEAR + 3  # a learned selector's features besides V: those buckets, log2 distance, first, 1
 
 
 def count_for(mask: torch.Tensor, fraction: float) -> int:
@@ -187,17 +189,18 @@ def selector_layers(num_layers: int, n: int = 5) -> list[int]:
 
 
 def selector_features(kv: list[KV], mask: torch.Tensor, layers: list[int]) -> torch.Tensor:
-    """(B, T, F): each position's V at `layers` (every KV head's, each layer's scaled to unit norm), its
-    distance from the prefix's last position in log2 buckets (BUCKETS), whether it is the first real position
-    (where attention sinks), and a constant 1."""
+    """(B, T, F): each position's V at `layers` (every KV head's, each layer's scaled to unit norm); its
+    distance d from the prefix's last position as log2(d + 1) (a power law of the distance, which carries to
+    prefixes longer than those fitted on) and in NEAR log2 buckets (the shape near the end); whether it is the
+    first real position (where attention sinks); and a constant 1."""
     b, t = mask.shape
     vs = [kv[l][1].float().transpose(1, 2).reshape(b, t, -1) for l in layers]
     vs = [v / v.norm(dim=-1, keepdim=True).clamp(min=1e-6) for v in vs]
-    dist = torch.arange(t - 1, -1, -1, device=mask.device, dtype=torch.float32)
-    bucket = torch.log2(dist + 1).floor().long().clamp(max=BUCKETS - 1)
-    near = torch.nn.functional.one_hot(bucket, BUCKETS).float().expand(b, -1, -1)
+    far = torch.log2(torch.arange(t - 1, -1, -1, device=mask.device, dtype=torch.float32) + 1)
+    near = torch.nn.functional.one_hot(far.floor().long().clamp(max=NEAR - 1), NEAR).float()
     first = (torch.arange(t, device=mask.device)[None] == (mask.long() == 0).sum(-1, keepdim=True)).float()
-    return torch.cat(vs + [near, first[..., None], torch.ones(b, t, 1, device=mask.device)], -1)
+    return torch.cat(vs + [near.expand(b, -1, -1), far[None, :, None].expand(b, -1, -1), first[..., None],
+                           torch.ones(b, t, 1, device=mask.device)], -1)
 
 
 @torch.no_grad()
