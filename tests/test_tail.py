@@ -137,7 +137,7 @@ def test_the_job_publishes_a_tail_where_it_is_the_cheapest_plan_within_the_bound
 
     def tails_meet(*a, **k):
         pts, raw = curve(*a, **k)
-        return [{**p, "kl": 0.0} if p["tail"] else p for p in pts], raw
+        return [{**p, "kl": 0.0} if p["tail"] and p.get("rule", "last") == "last" else p for p in pts], raw
     monkeypatch.setattr(blocks, "curve", tails_meet)
     cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.1,
                        tails=[8])
@@ -150,10 +150,15 @@ def test_the_job_publishes_a_tail_where_it_is_the_cheapest_plan_within_the_bound
     assert (chosen["entry"], chosen["tail"]) == (8, 8) and chosen["consumer_ratio"] == pytest.approx(8 / 96), chosen
 
 
-def test_the_job_publishes_a_selective_plan_where_it_is_the_cheapest_within_the_bound(tmp_path, capsys, monkeypatch):
-    """calibration.selective's points beside the entries: one that meets the bound at the least modeled TTFT
-    (its KL set to 0 here, as for tails above) is published as the codes with tail_rule "attention", its share
-    of every prefix, and the held-out evaluation rebuilds with it."""
+@pytest.mark.parametrize("rule, mark, note, window", [
+    ("attention", "sel", "the 10 positions its last attend to most", points.SELECT_WINDOW),
+    ("learned", "lsel", "the 10 positions its selector picks", 0)])
+def test_the_job_publishes_a_selective_plan_where_it_is_the_cheapest_within_the_bound(
+        tmp_path, capsys, monkeypatch, rule, mark, note, window):
+    """calibration.selective's points beside the entries, under the attention rule and the selector the job
+    fitted: one that meets the bound at the least modeled TTFT (its KL set to 0 here, as for tails above) is
+    published as the codes with its tail_rule, its share of every prefix, and the held-out evaluation rebuilds
+    with it."""
     from artifacts_store import ArtifactStore
     from jobs.calibrate import main as calibrate
     from scd.fitting import blocks
@@ -162,17 +167,16 @@ def test_the_job_publishes_a_selective_plan_where_it_is_the_cheapest_within_the_
 
     def selective_meets(*a, **k):
         pts, raw = curve(*a, **k)
-        return [{**p, "kl": 0.0} if p.get("rule") == "attention" else p for p in pts], raw
+        return [{**p, "kl": 0.0} if p.get("rule") == rule else p for p in pts], raw
     monkeypatch.setattr(blocks, "curve", selective_meets)
     cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.3,
                        entries=[7], selective=[0.1, 0.5])
     ref = calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
     out = capsys.readouterr().out
-    assert "codes+sel10 KL 0.0000" in out and "sel48" not in out, out        # 0.5 lies beyond the ceiling
-    assert "codes alone, and the 10 positions its last attend to most through every layer (within the quality " \
-           "bound)" in out, out
+    assert f"codes+{mark}10 KL 0.0000" in out and f"{mark}48" not in out, out     # 0.5 lies beyond the ceiling
+    assert f"codes alone, and {note} through every layer (within the quality bound)" in out, out
     art, _ = ArtifactStore(tmp_path / "store").load(ref)
-    assert (art.tail_tokens, art.tail_of, art.tail_rule) == (10, 96, "attention") and not art.blocks, art.description()
+    assert (art.tail_tokens, art.tail_of, art.tail_rule) == (10, 96, rule) and not art.blocks, art.description()
     chosen = art.info["blocks"]["chosen"]
-    assert (chosen["entry"], chosen["tail"], chosen["rule"]) == (8, 10, "attention"), chosen
-    assert chosen["consumer_ratio"] == pytest.approx((10 + points.SELECT_WINDOW) / 96), chosen
+    assert (chosen["entry"], chosen["tail"], chosen["rule"]) == (8, 10, rule), chosen
+    assert chosen["consumer_ratio"] == pytest.approx((10 + window) / 96), chosen
