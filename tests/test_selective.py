@@ -259,7 +259,7 @@ def test_the_probe_with_every_position_recomputed_is_the_own_prefill_whichever_t
     from tools.probe_selective import main
     argv = ["--config", str(REPO / "ray_config.yaml"), "--pair", "base:qa", "--tokens", "96", "--samples", "1",
             "--rules", "last,learned", "--fractions", "1", "--entries", "", "--suffix", "4", "--oracle",
-            "--oracle-cache", cache, "--learned-samples", "2"]
+            "--oracle-cache", cache, "--learned-samples", "2", "--learned-tokens", "64,96"]
     rows = {r["method"]: r for r in main(argv)}
     assert set(rows) == {"raw_kv", "raw_kv+last@1", "raw_kv+learned@1", "raw_kv+oracle@1", "raw_kv+suffix@1"}, rows
     assert rows["raw_kv"]["kl"] > 1e-2, rows["raw_kv"]

@@ -28,6 +28,7 @@ rows: CacheBlend's own setting (a cache computed elsewhere, repaired), across mo
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -129,11 +130,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "most over the given cache (a QA sample's question whatever K)")
     p.add_argument("--learned-samples", type=int, default=32, help="with the learned rule: the fine-tuning windows "
                    "its selector is fitted on, over raw KV, and over the codes where the artifact has none")
+    p.add_argument("--learned-tokens", default="", help="the lengths of those windows, comma-separated, the "
+                   "samples split evenly among them (default: the calibration's prefix_tokens)")
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--plot", help="write the curves here (PNG): KL over raw KV's against consumer compute")
     args = p.parse_args(argv)
     try:
-        lengths, entries = ([int(x) for x in v.split(",") if x] for v in (args.tokens, args.entries))
+        lengths, entries, fit_lengths = ([int(x) for x in v.split(",") if x]
+                                         for v in (args.tokens, args.entries, args.learned_tokens))
         fractions = [float(x) for x in args.fractions.split(",") if x]
     except ValueError as e:
         raise SystemExit(f"--tokens, --entries and --fractions take comma-separated numbers: {e}") from None
@@ -162,8 +166,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         codes = methods.SCDMethod(codes_alone(art), "codes")
     c = cfg.calibration_for(name)
     ev = Evaluator(producer, consumer, tok)
-    selectors = fit_selectors(producer, consumer, tok, name, c, args.learned_samples, codes, art) \
-        if "learned" in rules else {}
+    selectors = fit_selectors(producer, consumer, tok, name, c, args.learned_samples, codes, art,
+                              fit_lengths or [c.prefix_tokens]) if "learned" in rules else {}
     rows = []
     for t in lengths:
         try:
@@ -187,11 +191,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def fit_selectors(producer, consumer, tok, name: str, c, n: int, codes: methods.Method | None, art) -> dict:
+def fit_selectors(producer, consumer, tok, name: str, c, n: int, codes: methods.Method | None, art,
+                  lengths: list[int]) -> dict:
     """The learned rule's selector for each base, by name: fitted here (scd.fitting.selector) on `n`
-    fine-tuning windows of the calibration's prefix length over raw KV, and over the codes unless the artifact
+    fine-tuning windows split evenly among `lengths`, over raw KV, and over the codes unless the artifact
     carries the one its calibration fitted."""
-    tune = samples.tune_samples(name, tok, n, c.prefix_tokens, selective.READ_TOKENS, text_file=c.text_file)
+    per_length = [samples.tune_samples(name, tok, n // len(lengths) + (i < n % len(lengths)), t,
+                                       selective.READ_TOKENS, text_file=c.text_file) for i, t in enumerate(lengths)]
+    tune = [s for group in itertools.zip_longest(*per_length) for s in group if s is not None]   # lengths interleaved
     layers = selective.selector_layers(consumer.config.num_hidden_layers)
     out = {}
     for base in [methods.RawKV()] + ([codes] if codes else []):
