@@ -191,12 +191,14 @@ def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
     log = lambda line: print(line, file=sys.stderr)                   # noqa: E731
     cal = Calibration(producer, consumer, spec, pair, calib, args.work_dir, cfg, pad_id=tok.pad_token_id, log=log)
     art = cal.run(val, tune_samples=tune)
-    from jobs.plans import block_plan, with_selector
+    from jobs.plans import block_plan, selector_windows, serving_tokens, with_selector
+    settings = plan_settings(args)
     if args.selector_samples and tune:
-        art = with_selector(cal, art, tune[:args.selector_samples], log)
+        windows = selector_windows(pair.split(":")[1], tok, settings, tune, serving_tokens(cal, settings), args.text)
+        art = with_selector(cal, art, windows, log)
     if not args.recompute_blocks:
         return art
-    return block_plan(cal, art, tok, calib, val, plan_settings(args), None, log, tune)
+    return block_plan(cal, art, tok, calib, val, settings, None, log, tune)
 
 
 def positives(text: str, flag: str, kind: type = int) -> list:

@@ -27,7 +27,7 @@ from cluster.config import CalibrationSettings, load_config
 from cluster.runtime import actor_options, connect
 from jobs import report
 from jobs.measures import curve_tried, entry_curve, error_split, pareto, tradeoff, xnorm_profile
-from jobs.plans import block_plan, exact_plan, quality_bound, with_selector
+from jobs.plans import block_plan, exact_plan, quality_bound, selector_windows, serving_tokens, with_selector
 from jobs.publish import codes_gate, exact_gate, publish_codes, publish_exact, quality_gate
 from scd.data import samples
 from scd.evaluation import methods
@@ -314,7 +314,8 @@ def fit_codes(job: PairJob, capture_pair, shared: dict) -> Fitted:
     art = codes = cal.run(job.val, capture_pair, tune)
     art.info["structure"] = shared
     if c.selector_samples and tune:
-        art = codes = with_selector(cal, art, tune[:c.selector_samples], log)
+        windows = selector_windows(cons_name, tok, c, tune, serving_tokens(cal, c), c.text_file)
+        art = codes = with_selector(cal, art, windows, log)
     if c.recompute_blocks:
         art = block_plan(cal, art, tok, job.calib, job.val, c, job.cfg.link_gbps().get(job.pair), log, tune)
     log(f"plan {art.plan}")

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from scd.data import samples
 from scd.fitting import blocks, exact, points, selector
 from scd.fitting.calibrate import Calibration
 from scd.fitting.checkpoints import artifact_digest, load_record, samples_digest, save_record
@@ -76,9 +77,29 @@ def sorted_points(points: list[dict], num_layers: int) -> list[dict]:
                                          p.get("rule", "last"), p.get("tail", 0)))
 
 
+def selector_windows(name: str, tok, c, tune: list, long_tokens: int, text_file: str | None = None) -> list:
+    """What a selector is fitted on (calibration.selector_samples windows with continuations, at most twice
+    the fine-tuning samples): half of them the fine-tuning samples (prefix_tokens long), half windows of
+    `long_tokens` (the length plans are served and timed at) where the consumer's data (`text_file`, else its
+    domain's) holds them, interleaved; else the fine-tuning samples alone. A selector fitted at one length
+    carries poorly to another (docs/results.md, "A selector learned at calibration")."""
+    n = c.selector_samples
+    if long_tokens <= c.prefix_tokens:
+        return tune[:n]
+    try:
+        long = samples.tune_samples(name, tok, min(n // 2, len(tune)), long_tokens, selective.READ_TOKENS,
+                                    text_file=text_file)
+    except ValueError:                                  # too few documents that long (qa's notes)
+        return tune[:n]
+    if any(x.prefix.shape[-1] < long_tokens for x in long):   # documents shorter than that, whole
+        return tune[:n]
+    short = tune[:n - len(long)]
+    return [s for pair in zip(short, long) for s in pair] + short[len(long):]
+
+
 def with_selector(cal: Calibration, art, tune: list, log: Log):
     """The codes `art` with a selector of the positions selective recompute runs (scd.fitting.selector),
-    fitted on `tune` (samples with continuations) over the cache the codes rebuild; checkpointed in
+    fitted on `tune` (samples with continuations: selector_windows) over the cache the codes rebuild; checkpointed in
     selector.json. Its penalty and ranking overlap go to art.info["selector"]."""
     layers = selective.selector_layers(cal.spec.num_layers)
     path = cal.dir / "selector.json"
@@ -90,7 +111,8 @@ def with_selector(cal: Calibration, art, tune: list, log: Log):
         rec = save_record(path, {"weights": w.tolist(), "layers": layers, "penalty": fitted["penalty"],
                                  "overlap": {f"{k:g}": round(v, 4) for k, v in fitted["overlap"].items()}}, inputs)
     overlap = rec["overlap"][f"{rec['penalty']:g}"]
-    log(f"selector: fitted on {len(tune)} samples, V of layers {rec['layers']}; its top 20 % hold {overlap:.2f} "
+    lengths = sorted({x.prefix.shape[-1] for x in tune})
+    log(f"selector: fitted on {len(tune)} samples of {lengths[0]}-{lengths[-1]} tokens, V of layers {rec['layers']}; its top 20 % hold {overlap:.2f} "
         f"of the 20 % most read on the fifth of them it was not fitted on")
     art.info["selector"] = {k: rec[k] for k in ("layers", "penalty", "overlap")} | {"samples": len(tune)}
     return dataclasses.replace(art, selector=torch.tensor(rec["weights"]), selector_layers=list(rec["layers"]))

@@ -93,7 +93,8 @@ def test_eval_chooses_a_plan_as_the_job_does_and_exits_3_when_none_meets_the_bou
     assert out.value.code == 3, err
     curve = next(line for line in err.splitlines() if "plans (validation)" in line)
     assert "codes KL" in curve and "codes+sel5 KL" in curve and "enter@7 KL" in curve, curve
-    assert "codes+lsel5 KL" in curve and "selector: fitted on 8 samples" in err, "the learned rule's shares too"
+    assert "codes+lsel5 KL" in curve, curve                            # the learned rule's shares too
+    assert "selector: fitted on 16 samples of 96-2048 tokens" in err, err  # 8 fine-tuning, 8 at the serving length
     assert "codes+sel19" not in curve, "a share beyond the ceiling is not measured"
     line = err.strip().splitlines()[-1]
     assert line.startswith("no plan of base:prose meets the quality bound (KL <= 0.0001 x raw KV's, consumer "

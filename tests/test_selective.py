@@ -341,3 +341,20 @@ def test_an_artifact_with_a_learned_selector_keeps_it_through_a_save_and_rebuild
     assert _err(kv, want) < 1e-6, _err(kv, want)
     every, _ = rebuild(b, with_sel.with_tail(80, 80, "learned"), codes)
     assert _err(every, _kv(b, ids, mask)) < 1e-4, f"every position selected: {_err(every, _kv(b, ids, mask)):.2e}"
+
+
+def test_a_selector_is_fitted_on_the_fine_tuning_length_and_the_serving_length_where_the_data_holds_both():
+    """jobs.plans.selector_windows: half the windows at the serving length, interleaved with the fine-tuning
+    samples, where the consumer's texts are that long; the fine-tuning samples alone where its documents are
+    shorter (the demo's notes) or the serving length is not longer."""
+    from cluster.config import CalibrationSettings
+    from jobs.plans import selector_windows
+    from scd.data import samples
+    from scd.online.models import load
+    tok = load(str(REPO / "demo_models" / "base"))[1]
+    c = CalibrationSettings(prefix_tokens=96, selector_samples=8)
+    code = samples.tune_samples("code", tok, 8, 96, 32)
+    assert [s.prefix.shape[-1] for s in selector_windows("code", tok, c, code, 256)] == [96, 256] * 4
+    assert selector_windows("code", tok, c, code, 96) == code
+    notes = samples.tune_samples("qa", tok, 8, 96, 32)
+    assert selector_windows("qa", tok, c, notes, 256) == notes

@@ -156,7 +156,7 @@ def test_the_job_publishes_a_tail_where_it_is_the_cheapest_plan_within_the_bound
 def test_the_job_publishes_a_selective_plan_where_it_is_the_cheapest_within_the_bound(
         tmp_path, capsys, monkeypatch, rule, mark, note, window):
     """calibration.selective's points beside the entries, under the attention rule and the selector the job
-    fitted: one that meets the bound at the least modeled TTFT (its KL set to 0 here, as for tails above) is
+    fitted: one over the codes alone that meets the bound (its KL set to 0 here, as for tails above) is
     published as the codes with its tail_rule, its share of every prefix, and the held-out evaluation rebuilds
     with it."""
     from artifacts_store import ArtifactStore
@@ -167,7 +167,7 @@ def test_the_job_publishes_a_selective_plan_where_it_is_the_cheapest_within_the_
 
     def selective_meets(*a, **k):
         pts, raw = curve(*a, **k)
-        return [{**p, "kl": 0.0} if p.get("rule") == rule else p for p in pts], raw
+        return [{**p, "kl": 0.0} if p.get("rule") == rule and p["entry"] == 8 else p for p in pts], raw
     monkeypatch.setattr(blocks, "curve", selective_meets)
     cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.3,
                        entries=[7], selective=[0.1, 0.5])
