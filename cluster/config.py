@@ -341,10 +341,11 @@ class CalibrationSettings(CalibConfig):
         "that its last 16 attend to most (over the rebuilt cache) through every layer, for each f listed "
         "(selective recompute, scd.online.selective); those within max_consumer_prefill_ratio are measured"))
     selector_samples: int = Field(32, ge=0, description=(
-        "fit a selector of the positions to recompute on this many fine-tuning samples: a linear score of each "
-        "position's rebuilt V and distance from the prefix's end, fitted to the attention the consumer's own "
-        "continuation pays it (scd.online.selective.fit_selector); each share of `selective` is then measured "
-        "with the positions it picks too (no window run to choose them). 0: no selector"))
+        "fit a selector of the positions to recompute on this many windows (half the fine-tuning samples, half "
+        "windows of serving_tokens where the texts are that long): a linear score of each position's rebuilt V "
+        "and distance from the prefix's end, fitted to the attention the consumer's own continuation pays it "
+        "(scd.fitting.selector); each share of `selective` is then measured with the positions it picks too "
+        "(no window run to choose them). 0: no selector"))
     entry_train_samples: int = Field(0, ge=0, description=(
         "recompute blocks: train each entry's aligner end to end on this many of the fine-tuning samples (the "
         "consumer's next-token KL, back through its own layers over the codes below; "
