@@ -286,9 +286,9 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
 
 def held_out_curve(rows: list[dict], chosen: str | None, n: int, tokens: int) -> dict[str, list[tuple]]:
     """A block plan's held-out curve (jobs.measures.entry_curve's rows: SCD's `enter@<e>`, `codes+tail<k>`,
-    `enter@<e>+tail<k>`, the same with `+sel<k>`, the chosen plan being the `scd` row, named `chosen`;
-    DroidSpeak's `droidspeak@<e>`, with raw KV's at cost 0) as {"SCD": [...], "DroidSpeak": [...]}, each
-    (consumer compute over its own prefill of `tokens`, KL, name), by compute."""
+    `enter@<e>+tail<k>`, the same with `+sel<k>` and `+lsel<k>`, the chosen plan being the `scd` row, named
+    `chosen`; DroidSpeak's `droidspeak@<e>`, with raw KV's at cost 0) as {"SCD": [...], "DroidSpeak": [...]},
+    each (consumer compute over its own prefill of `tokens`, KL, name), by compute."""
     by = {r["method"]: r["kl"] for r in rows}
     if chosen and "scd" in by:
         by[chosen] = by["scd"]
