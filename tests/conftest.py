@@ -147,13 +147,14 @@ def serving_config(tmp_path, demo_store: Path, demo_work_dir: str) -> Path:
 
 def write_config(tmp_path, **calibration) -> Path:
     """A ray_config.yaml for the demo family with a reduced calibration budget and stores under tmp_path.
-    The quality gates are off, and so are the recompute-block stage and the report's diagnostics: a budget this
-    small fits artifacts that may well lose to raw KV reuse, and these tests are about the mechanics (the
-    gates, the blocks and the report have their own tests)."""
+    The quality gates are off, and so are the recompute-block stage, the selector of positions to recompute and
+    the report's diagnostics: a budget this small fits artifacts that may well lose to raw KV reuse, and these
+    tests are about the mechanics (the gates, the blocks, the selector and the report have their own tests)."""
     import yaml
     cal = {"prefixes": 16, "val": 3, "heldout": 2, "aligner_epochs": 3, "pool": 2, "prefix_tokens": 96,
            "finetune_samples": 8, "finetune_epochs": 1, "gate_vs_raw_kv": 0, "family_vs_pair": 0,
-           "recompute_blocks": False, "diagnostics": False, "serving_tokens": 256, "work_dir": str(tmp_path / "work"),
+           "recompute_blocks": False, "diagnostics": False, "serving_tokens": 256, "selector_samples": 0,
+           "work_dir": str(tmp_path / "work"),
            **calibration}
     cfg = {"producer": {"name": "base", "path": str(DEMO / "base")},
            "specialists": [{"name": n, "path": str(DEMO / n)} for n in ("qa", "prose", "code")],

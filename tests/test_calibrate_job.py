@@ -16,7 +16,7 @@ def job(ray_cluster, tmp_path_factory):
     import contextlib
     import io
     tmp = tmp_path_factory.mktemp("calib")
-    cfg = write_config(tmp, diagnostics=True)
+    cfg = write_config(tmp, diagnostics=True, selector_samples=32)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         ref = calibrate(["--pair", "base:qa", "--config", str(cfg)])

@@ -134,7 +134,7 @@ def test_bench_prints_side_by_side_ratio(bench_work_dir, capsys):
     try:                                # --threads 1: as a replica of num_cpus 1 runs
         scd(["bench", "--pair", "base:qa", "--tokens", "128,256", "--repeats", "2", "--calib", "16", "--val", "2",
              "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
-             "--work-dir", bench_work_dir, "--threads", "1", "--json"])
+             "--selector-samples", "0", "--work-dir", bench_work_dir, "--threads", "1", "--json"])
     finally:
         torch.set_num_threads(threads)
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -147,7 +147,7 @@ def test_bench_prints_side_by_side_ratio(bench_work_dir, capsys):
 def test_bench_fanout_and_bandwidth_views_of_one_measurement(bench_work_dir, tmp_path, capsys):
     scd(["bench", "--pair", "base:qa", "--tokens", "128", "--repeats", "1", "--calib", "16", "--val", "2",
          "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
-         "--work-dir", bench_work_dir, "--fanout", "1,4", "--bandwidth", "10,400",
+         "--selector-samples", "0", "--work-dir", bench_work_dir, "--fanout", "1,4", "--bandwidth", "10,400",
          "--plot-dir", str(tmp_path / "plots"), "--ttft-target", "1e9", "--kl-samples", "2", "--json",
          "--no-choose-level"])            # the artifact at its fitted ranks: the levels below are known
     (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -170,7 +170,7 @@ def test_the_job_publishes_a_selective_plan_where_it_is_the_cheapest_within_the_
         return [{**p, "kl": 0.0} if p.get("rule") == rule and p["entry"] == 8 else p for p in pts], raw
     monkeypatch.setattr(blocks, "curve", selective_meets)
     cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.3,
-                       entries=[7], selective=[0.1, 0.5])
+                       entries=[7], selective=[0.1, 0.5], selector_samples=8 if rule == "learned" else 0)
     ref = calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
     out = capsys.readouterr().out
     assert f"codes+{mark}10 KL 0.0000" in out and f"{mark}48" not in out, out     # 0.5 lies beyond the ceiling
