@@ -101,6 +101,9 @@ def with_selector(cal: Calibration, art, tune: list, log: Log):
     """The codes `art` with a selector of the positions selective recompute runs (scd.fitting.selector),
     fitted on `tune` (samples with continuations: selector_windows) over the cache the codes rebuild; checkpointed in
     selector.json. Its penalty and ranking overlap go to art.info["selector"]."""
+    if len(tune) < 2:
+        log(f"selector: not fitted ({len(tune)} fine-tuning sample; it needs 2 or more)")
+        return art
     layers = selective.selector_layers(cal.spec.num_layers)
     path = cal.dir / "selector.json"
     inputs = {"samples": samples_digest(tune), "artifact": artifact_digest(art)}
