@@ -358,3 +358,10 @@ def test_a_selector_is_fitted_on_the_fine_tuning_length_and_the_serving_length_w
     assert selector_windows("code", tok, c, code, 96) == code
     notes = samples.tune_samples("qa", tok, 8, 96, 32)
     assert selector_windows("qa", tok, c, notes, 256) == notes
+
+
+def test_no_selector_is_fitted_on_fewer_than_two_windows_and_the_job_says_so():
+    from jobs.plans import with_selector
+    lines, art = [], object()
+    assert with_selector(None, art, ["one window"], lines.append) is art
+    assert lines == ["selector: not fitted (1 fine-tuning sample; it needs 2 or more)"], lines
