@@ -204,7 +204,8 @@ def every_artifacts(adapters, tmp_path_factory):
     codes = cal.artifacts_for(["exact", "reuse", "reuse", "patch", "reuse", "reuse", "reuse", "reuse"])
     block = dataclasses.replace(codes, plan=codes.plan[:5] + ["entry", "recompute", "recompute"])
     width = base.config.num_key_value_heads * (base.config.hidden_size // base.config.num_attention_heads)
-    picking = dataclasses.replace(codes, selector=torch.linspace(-1, 1, 2 * width + POSITION_FEATURES), selector_layers=[1, 5])
+    picking = dataclasses.replace(codes, selector=torch.linspace(-1, 1, 2 * width + POSITION_FEATURES),
+                                  selector_layers=[1, 5])
     return {"codes": codes, "block": block, "selective": codes.with_tail(6, len(PREFIX), "attention"),
             "learned": picking.with_tail(6, len(PREFIX), "learned")}
 

@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"--rules: {bad} not among {selective.RULES}")
     if "learned" in rules and args.learned_samples < 2:
         raise SystemExit("--learned-samples: a selector is fitted on 2 windows or more")
-    if args.samples < 1 or not lengths or min(lengths) < 2 or not all(0 < f <= 1 for f in fractions) or args.suffix < 0:
+    if (args.samples < 1 or not lengths or min(lengths) < 2 or not all(0 < f <= 1 for f in fractions)
+            or args.suffix < 0):
         raise SystemExit("--samples must be >= 1, --tokens >= 2, --fractions in (0, 1] and --suffix >= 0")
 
     from tools.pairs import config_pair

@@ -238,7 +238,8 @@ def selector_target(read: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.log(share + 0.01)
 
 
-def learned(kv: list[KV], mask: torch.Tensor, fraction: float, selector: tuple[torch.Tensor, list[int]]) -> torch.Tensor:
+def learned(kv: list[KV], mask: torch.Tensor, fraction: float,
+            selector: tuple[torch.Tensor, list[int]]) -> torch.Tensor:
     """The learned rule's selection (B, s): the positions a fitted selector (weights, its layers:
     scd.fitting.selector) scores highest."""
     w, layers = selector
@@ -279,7 +280,7 @@ def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rul
            tok=None, layers: int = 1, selector: tuple[torch.Tensor, list[int]] | None = None
            ) -> tuple[list[KV], torch.Tensor]:
     """`kv` repaired by `rule` at `fraction` of the prefix's positions: (the cache, the columns recomputed
-    (B, s)). The learned rule takes its `selector` (weights, layers: fit_selector's)."""
+    (B, s)). The learned rule takes its `selector` (weights, layers: scd.fitting.selector's)."""
     if rule == "attention":
         sel = attention(model, kv, token_ids, mask, fraction)
     elif rule == "deviation":
