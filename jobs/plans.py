@@ -139,7 +139,6 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
     trained = {k: getattr(c, k) for k in ("entry_train_samples", "entry_train_epochs", "entry_train_lr")}
     inputs = {"samples": samples_digest(val), **({"serving_tokens": tokens} if tokens else {}),
               **(trained if c.entry_train_samples else {})}
-    tensors = cal.dir / "entry-aligners.safetensors"
     rec = load_record(path, inputs, log)
     if rec is not None:     # a tail timed as a fixed count of tokens at the serving length (before tail_of): again
         rec["points"] = [p for p in rec["points"] if not p.get("tail") or p.get("tail_of")]
@@ -147,47 +146,88 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
         codes_pts, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}",
                                       serving_tokens=tokens)
         rec = save_record(path, {"points": codes_pts, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio")}}, inputs)
-    have = {key(p) for p in rec["points"]}
-    meets = bound.meets(rec["points"][0], rec["raw_kv"]["kl"])
-    todo = [e for e in es if (e, 0, "last") not in have] if not meets else []
-    if todo:
-        aligners = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], todo)
-        if c.entry_train_samples and not tune:
-            log("entry_train_samples is set but there are no fine-tuning samples (finetune_samples 0): the "
-                "entries keep their closed form")
-        elif c.entry_train_samples:                     # each entry trained end to end over these codes
-            below = lambda ids, tr: blocks.codes_kv(cal.consumer, art, ids, tr)   # noqa: E731
-            for e in todo:
-                aligners[e], curve = blocks.train_entry(cal.producer, cal.consumer, e, aligners[e], below,
-                                                        tune[:c.entry_train_samples],
-                                                        c.entry_train_epochs, c.entry_train_lr)
-                log(f"entry {e} trained end to end: training KL {' -> '.join(f'{v:.4f}' for v in curve)}")
-        kept = load_file(str(tensors)) if tensors.is_file() else {}
-        save_file({**kept, **{k: v for e, a in aligners.items() for k, v in a.tensors(f"entry.{e}").items()}},
-                  str(tensors))
-        more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,
-                               desc=f"recompute blocks {cal.pair}", serving_tokens=tokens)
+
+    def add(more: list[dict]) -> None:
+        nonlocal rec
         rec = save_record(path, {**rec, "points": sorted_points(rec["points"] + more, n)}, inputs)
+
     t_val = val[0].prefix.shape[-1]
-    shares = sorted({round(f * t_val) for f in c.selective} - {0})
-    runs = {"last": sorted(set(c.tails) - {0}),             # the consumer runs some of the prefix's tokens too
-            "attention": shares, **({"learned": shares} if art.selector is not None else {})}
-    want = [(e, k, rule) for e in [n] + es for rule, ks in runs.items() for k in ks
-            if points.consumer_ratio(e, k, n, t_val, rule) <= c.max_consumer_prefill_ratio + 1e-9]
-    for rule in runs:
-        missing = [(e, k) for e, k, r in want if r == rule and (e, k, r) not in have] if not meets else []
-        if not missing:
-            continue
-        ins = sorted({e for e, _ in missing})
-        t = load_file(str(tensors)) if any(e < n for e in ins) else {}
-        more, _ = blocks.curve(cal.producer, cal.consumer, tok, art,
-                               {e: LinearCodec.from_tensors(t, f"entry.{e}") for e in ins if e < n}, val,
-                               with_codes=n in ins, desc=f"{'tails' if rule == 'last' else rule + ' selective'} {cal.pair}",
-                               serving_tokens=tokens, tails=tuple(sorted({k for _, k in missing})), only=missing,
-                               rule=rule)
-        rec = save_record(path, {**rec, "points": sorted_points(rec["points"] + more, n)}, inputs)
+    want = share_plans(cal, c, es, t_val, learned=art.selector is not None)
+    if not bound.meets(rec["points"][0], rec["raw_kv"]["kl"]):
+        have = {key(p) for p in rec["points"]}
+        entry_points(cal, art, tok, calib, val, c, [e for e in es if (e, 0, "last") not in have], tune, log, add)
+        share_points(cal, art, tok, val, c, [w for w in want if w not in have], add)
     rec = {**rec, "points": [p for p in rec["points"] if (p["entry"] == n or p["entry"] in es)
                              and (not p.get("tail") or key(p) in want)]}
+    return chosen_plan(cal, art, rec, bound, gbps, t_val, log)
+
+
+def entry_tensors(cal: Calibration):
+    """Where the entries' aligners are kept."""
+    return cal.dir / "entry-aligners.safetensors"
+
+
+def entry_points(cal: Calibration, art, tok, calib, val, c, todo: list[int], tune: list | None, log: Log,
+                 add: Callable[[list[dict]], None]) -> None:
+    """The entries `todo` fitted (each trained end to end over the codes with calibration.entry_train_samples),
+    kept in entry_tensors, and their points measured (`add`ed to the curve)."""
+    if not todo:
+        return
+    aligners = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], todo)
+    if c.entry_train_samples and not tune:
+        log("entry_train_samples is set but there are no fine-tuning samples (finetune_samples 0): the "
+            "entries keep their closed form")
+    elif c.entry_train_samples:                     # each entry trained end to end over these codes
+        below = lambda ids, tr: blocks.codes_kv(cal.consumer, art, ids, tr)   # noqa: E731
+        for e in todo:
+            aligners[e], curve = blocks.train_entry(cal.producer, cal.consumer, e, aligners[e], below,
+                                                    tune[:c.entry_train_samples],
+                                                    c.entry_train_epochs, c.entry_train_lr)
+            log(f"entry {e} trained end to end: training KL {' -> '.join(f'{v:.4f}' for v in curve)}")
+    tensors = entry_tensors(cal)
+    kept = load_file(str(tensors)) if tensors.is_file() else {}
+    save_file({**kept, **{k: v for e, a in aligners.items() for k, v in a.tensors(f"entry.{e}").items()}},
+              str(tensors))
+    more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,
+                           desc=f"recompute blocks {cal.pair}", serving_tokens=serving_tokens(cal, c))
+    add(more)
+
+
+def share_plans(cal: Calibration, c, es: list[int], t_val: int, learned: bool) -> list[tuple[int, int, str]]:
+    """The plans with a share of the prefix's positions run by the consumer too, within its ceiling: (entry,
+    count, rule) for the codes alone and each entry, with each tail of calibration.tails (rule "last") and each
+    share of calibration.selective by the attention rule and, with `learned` (the codes carry a selector),
+    the learned one."""
+    n = cal.spec.num_layers
+    shares = sorted({round(f * t_val) for f in c.selective} - {0})
+    runs = {"last": sorted(set(c.tails) - {0}), "attention": shares,
+            **({"learned": shares} if learned else {})}
+    return [(e, k, rule) for e in [n] + es for rule, ks in runs.items() for k in ks
+            if points.consumer_ratio(e, k, n, t_val, rule) <= c.max_consumer_prefill_ratio + 1e-9]
+
+
+def share_points(cal: Calibration, art, tok, val, c, missing: list[tuple[int, int, str]],
+                 add: Callable[[list[dict]], None]) -> None:
+    """The plans `missing` (share_plans') measured, one run per rule (`add`ed to the curve)."""
+    n = cal.spec.num_layers
+    for rule in dict.fromkeys(r for _, _, r in missing):
+        mine = [(e, k) for e, k, r in missing if r == rule]
+        ins = sorted({e for e, _ in mine})
+        t = load_file(str(entry_tensors(cal))) if any(e < n for e in ins) else {}
+        more, _ = blocks.curve(cal.producer, cal.consumer, tok, art,
+                               {e: LinearCodec.from_tensors(t, f"entry.{e}") for e in ins if e < n}, val,
+                               with_codes=n in ins,
+                               desc=f"{'tails' if rule == 'last' else rule + ' selective'} {cal.pair}",
+                               serving_tokens=serving_tokens(cal, c), tails=tuple(sorted({k for _, k in mine})),
+                               only=mine, rule=rule)
+        add(more)
+
+
+def chosen_plan(cal: Calibration, art, rec: dict, bound: exact.Bound, gbps: float | None, t_val: int, log: Log):
+    """The plan of the curve `rec` within `bound` at the least modeled TTFT on the link (recorded in
+    art.info["blocks"]), as the artifact to publish: the codes, with a block and a share of positions run by the
+    consumer where chosen (`t_val`: the validation prefixes' length)."""
+    n = cal.spec.num_layers
     raw_kl = rec["raw_kv"]["kl"]
     log(f"plans (validation): {blocks.describe(rec['points'], raw_kl, n)}")
     chosen = exact.choose(rec["points"], raw_kl, bound, gbps or DEFAULT_GBPS)
@@ -201,10 +241,10 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
         log(("codes alone" + tail_note + " (within the quality bound)") if chosen
             else "codes alone: no plan meets the quality bound")
         return art.with_tail(tail, t_val, rule) if tail else art      # (a copy shares art.info)
-    t = load_file(str(tensors))
+    t = load_file(str(entry_tensors(cal)))
     out = blocks.block_artifact(art, chosen["entry"], LinearCodec.from_tensors(t, f"entry.{chosen['entry']}"))
     out = out.with_tail(tail, t_val, rule)
-    log(f"recompute block: the consumer runs layers {chosen['entry']}-{cal.spec.num_layers - 1} from the aligned "
-        f"residual{tail_note} (validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the "
-        f"least modeled TTFT within the bound{exact.at_length(chosen)})")
+    log(f"recompute block: the consumer runs layers {chosen['entry']}-{n - 1} from the aligned residual{tail_note} "
+        f"(validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the least "
+        f"modeled TTFT within the bound{exact.at_length(chosen)})")
     return out
