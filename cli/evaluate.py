@@ -273,7 +273,8 @@ def no_plan(art: PairArtifacts | None, pair: str, bound: exact.Bound) -> str | N
             f", reads {best['kl'] / max(raw, 1e-12):.3f} x raw KV at {best['consumer_ratio']:.2f} of a prefill")
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
+    """scd eval's arguments."""
     p = argparse.ArgumentParser(prog="scd eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_args(p)
     p.add_argument("--samples", type=int, default=48, help="held-out evaluation samples")
@@ -293,6 +294,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="also time each method's consumer compute over the consumer's own prefill on one prefix "
                         "of N tokens, side by side (Table 2 reads 2048; 0: only at the held-out prefixes' length)")
     p.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = parser()
     args = parse(p, argv)
     if args.cost_tokens < 0:
         p.error("--cost-tokens must be >= 0")
@@ -352,17 +358,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(rows, indent=1))
     else:
         plan = f", plan {art.plan}, codes {args.dtype or art.code_dtype}" if art is not None else ""
-        print(table(rows, f"{pair}: {len(held)} held-out prefixes{plan}"))
-        print(f"shared with the producer: {found.describe()}; verified on {len(val)} validation prefixes, max "
-              f"|difference| {shared['verified_max_abs']:.2e}")
-        failing = [r["method"] for r in rows if r["meets_bound"] is False]
-        if failing:
-            print(f"outside the quality bound (KL <= {bound.max_kl_ratio:g} x raw KV {raw:.4f}, consumer <= "
-                  f"{bound.max_consumer_ratio:g} of a prefill): {', '.join(failing)}")
+        print(report(rows, f"{pair}: {len(held)} held-out prefixes{plan}", found, len(val), shared, bound, raw))
     if not args.artifact and (line := no_plan(art, pair, bound)):
         print(line, file=sys.stderr)
         raise SystemExit(3)
     return rows
+
+
+def report(rows: list[dict], title: str, found, n_val: int, shared: dict, bound: exact.Bound, raw: float) -> str:
+    """The rows as a table, what the pair shares, and the rows outside the quality bound."""
+    lines = [table(rows, title), f"shared with the producer: {found.describe()}; verified on {n_val} validation "
+             f"prefixes, max |difference| {shared['verified_max_abs']:.2e}"]
+    failing = [r["method"] for r in rows if r["meets_bound"] is False]
+    if failing:
+        lines.append(f"outside the quality bound (KL <= {bound.max_kl_ratio:g} x raw KV {raw:.4f}, consumer <= "
+                     f"{bound.max_consumer_ratio:g} of a prefill): {', '.join(failing)}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
