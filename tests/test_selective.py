@@ -252,18 +252,23 @@ def test_reads_of_a_continuation_are_what_it_attends_to_in_the_consumers_eager_f
 
 
 @pytest.mark.parametrize("cache", ["own", "given"])
-def test_the_probe_with_every_position_recomputed_is_the_own_prefill_whichever_tokens_chose_them(cache):
-    """tools.probe_selective on the demo family's QA pair: at a share of 1 the oracle's (its reads over either
-    cache), the suffix's, the learned selector's and the tail's repairs are the consumer's own prefill (KL 0), raw KV is not, and each
-    row carries its F1."""
+def test_the_probe_with_every_position_recomputed_is_the_own_prefill_whichever_tokens_chose_them(cache, demo_store,
+                                                                                                 tmp_path):
+    """tools.probe_selective on the demo family's QA pair, over raw KV and over its published codes: at a share
+    of 1 the oracle's (its reads over either cache), the suffix's, the learned selector's and the tail's repairs
+    are the consumer's own prefill (KL 0), raw KV and the codes are not, each row carries its F1, and the curves
+    are drawn."""
     from tools.probe_selective import main
     argv = ["--config", str(REPO / "ray_config.yaml"), "--pair", "base:qa", "--tokens", "96", "--samples", "1",
             "--rules", "last,learned", "--fractions", "1", "--entries", "", "--suffix", "4", "--oracle",
-            "--oracle-cache", cache, "--learned-samples", "2", "--learned-tokens", "64,96"]
+            "--oracle-cache", cache, "--learned-samples", "2", "--learned-tokens", "64,96",
+            "--artifact", "base:qa", "--store", str(demo_store), "--plot", str(tmp_path / "curves.png")]
     rows = {r["method"]: r for r in main(argv)}
-    assert set(rows) == {"raw_kv", "raw_kv+last@1", "raw_kv+learned@1", "raw_kv+oracle@1", "raw_kv+suffix@1"}, rows
-    assert rows["raw_kv"]["kl"] > 1e-2, rows["raw_kv"]
-    for name in ("raw_kv+last@1", "raw_kv+learned@1", "raw_kv+oracle@1", "raw_kv+suffix@1"):
+    repaired = {f"{b}+{r}@1" for b in ("raw_kv", "codes") for r in ("last", "learned", "oracle")} | {"raw_kv+suffix@1"}
+    assert set(rows) == {"raw_kv", "codes"} | repaired, rows
+    assert rows["raw_kv"]["kl"] > 1e-2 and rows["codes"]["kl"] > 1e-4, (rows["raw_kv"], rows["codes"])
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    for name in repaired:
         assert rows[name]["kl"] < 1e-6, f"{name}: KL {rows[name]['kl']:.2e} with every position recomputed"
         assert rows[name]["f1"] == rows[name]["oracle_f1"], rows[name]
     assert rows["raw_kv+suffix@1"]["compute"] > rows["raw_kv+oracle@1"]["compute"] >= 1.0, rows

@@ -11,11 +11,12 @@ tokens against the consumer's own prefill for:
   raw_kv+<rule>@<f>             raw KV repaired at a fraction f of the positions, chosen by <rule> (learned:
                                 a selector fitted here on --learned-samples fine-tuning windows)
   codes, codes+<rule>@<f>       with --artifact: the pair's codes alone (no block, no tail), and repaired
-  raw_kv+oracle@<f>             with --oracle: the positions the continuation itself reads most in the
-                                consumer's own forward (its queries' attention over the own cache, summed
-                                over layers and heads). Not a rule anything can serve (it needs the answer
-                                and the consumer's own prefill): the most a choice of positions can buy.
-                                With --oracle-cache given, its reads over the given cache instead
+  raw_kv+oracle@<f>             with --oracle (and codes+oracle@<f> with --artifact): the positions the
+                                continuation itself reads most in the consumer's own forward (its queries'
+                                attention over the own cache, summed over layers and heads). Not a rule
+                                anything can serve (it needs the answer and the consumer's own prefill): the
+                                most a choice of positions can buy. With --oracle-cache given, its reads
+                                over the producer's K and V instead
   raw_kv+suffix@<f>             with --suffix K: the positions the request's own first tokens read most over
                                 the given cache (a QA sample's question; else the continuation's first K
                                 tokens, as a prompt's suffix): what a specialist knows when a request comes.
@@ -45,16 +46,17 @@ from scd.online.trace import capture
 
 
 class ReadSelective(methods.Method):
-    """Raw KV repaired at the positions some tokens read most (`read`, (1, T), set per sample): the
-    continuation's over the consumer's own cache (`oracle`, an upper bound for any rule), or the request's
-    first tokens' over the given cache (`suffix`)."""
+    """The cache `base` gives (raw KV, or the codes') repaired at the positions some tokens read most (`read`,
+    (1, T), set per sample): the continuation's over the consumer's own cache (`oracle`, an upper bound for any
+    rule), or the request's first tokens' over the given cache (`suffix`)."""
 
-    def __init__(self, fraction: float, rule: str = "oracle"):
-        self.fraction, self.name, self.read, self.spent = fraction, f"raw_kv+{rule}@{fraction:g}", None, []
+    def __init__(self, fraction: float, rule: str = "oracle", base: methods.Method | None = None):
+        self.base = base or methods.RawKV()
+        self.fraction, self.name, self.read, self.spent = fraction, f"{self.base.name}+{rule}@{fraction:g}", None, []
         self.window = 0          # the reading tokens' own pass, counted (the suffix's: over the given cache)
 
     def build(self, consumer, ids, mask, producer_trace):
-        built = methods.RawKV().build(consumer, ids, mask, producer_trace)
+        built = self.base.build(consumer, ids, mask, producer_trace)
         sel = selective.top(self.read, mask, selective.count_for(mask, self.fraction))
         self.spent += [selective.cost(consumer.config, ids.shape[1], sel.shape[1], window=self.window,
                                       columns=row.tolist()) for row in sel]
@@ -68,7 +70,7 @@ def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list
     The learned rule repairs each base with its selector in `selectors` (by the base's name)."""
     n, t = config.num_hidden_layers, held[0].prefix.shape[-1]
     bases = [methods.RawKV()] + ([codes] if codes else [])
-    oracles = [ReadSelective(f) for f in fractions] if oracle else []
+    oracles = [ReadSelective(f, "oracle", b) for b in bases for f in fractions] if oracle else []
     suffixes = [ReadSelective(f, "suffix") for f in fractions] if suffix else []
     ms = bases + [methods.DroidSpeak.entering(e, n) for e in entries] + [
         methods.Selective(b, rule, f, ev.tok, selector=(selectors or {}).get(b.name))
@@ -229,9 +231,11 @@ def plot(rows: list[dict], pair: str, path: str) -> None:
     for ax, t in zip(axes[0], lengths):
         at = [r for r in rows if r["tokens"] == t]
         raw = next(r for r in at if r["method"] == "raw_kv")
+        start = {r["method"]: (0.0, r["over_raw"]) for r in at if r["method"] in ("raw_kv", "codes")}
+        start["droidspeak"] = start["raw_kv"]              # entering at the last layer is raw KV
         for k in dict.fromkeys(kind(r["method"]) for r in at if r["method"] != "raw_kv"):
-            pts = sorted([(0.0, 1.0)] * (k != "codes") + [(r["compute"], r["over_raw"]) for r in at
-                                                          if kind(r["method"]) == k])
+            pts = sorted([start[k.split("+")[0]]] * (k != "codes") + [(r["compute"], r["over_raw"]) for r in at
+                                                                      if kind(r["method"]) == k])
             ax.plot(*zip(*pts), marker="o", label=k)
         ax.axhline(raw["over_raw"], color="grey", lw=0.5)
         ax.set(title=f"{pair}, {t} tokens", xlabel="consumer compute (share of its own prefill, counted)")
