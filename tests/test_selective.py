@@ -257,21 +257,28 @@ def test_the_probe_with_every_position_recomputed_is_the_own_prefill_whichever_t
     """tools.probe_selective on the demo family's QA pair, over raw KV and over its published codes: at a share
     of 1 the oracle's (its reads over either cache), the suffix's, the learned selector's and the tail's repairs
     are the consumer's own prefill (KL 0), raw KV and the codes are not, each row carries its F1, and the curves
-    are drawn."""
+    are drawn. The suffix's positions chosen in 2 steps cost its reading pass twice; the positions of the
+    second step come before some of the first's, which attended over the given cache there: not the own
+    prefill, but closer to it than what it repaired."""
     from tools.probe_selective import main
     argv = ["--config", str(REPO / "ray_config.yaml"), "--pair", "base:qa", "--tokens", "96", "--samples", "1",
             "--rules", "last,learned", "--fractions", "1", "--entries", "", "--suffix", "4", "--oracle",
             "--oracle-cache", cache, "--learned-samples", "2", "--learned-tokens", "64,96",
-            "--artifact", "base:qa", "--store", str(demo_store), "--plot", str(tmp_path / "curves.png")]
+            "--artifact", "base:qa", "--store", str(demo_store), "--plot", str(tmp_path / "curves.png"),
+            "--suffix-rounds", "2"]
     rows = {r["method"]: r for r in main(argv)}
-    repaired = {f"{b}+{r}@1" for b in ("raw_kv", "codes") for r in ("last", "learned", "oracle")} | {"raw_kv+suffix@1"}
-    assert set(rows) == {"raw_kv", "codes"} | repaired, rows
+    repaired = {f"{b}+{r}@1" for b in ("raw_kv", "codes") for r in ("last", "learned", "oracle", "suffix")}
+    stepped = {"raw_kv+suffixx2@1", "codes+suffixx2@1"}
+    assert set(rows) == {"raw_kv", "codes"} | repaired | stepped, rows
     assert rows["raw_kv"]["kl"] > 1e-2 and rows["codes"]["kl"] > 1e-4, (rows["raw_kv"], rows["codes"])
     assert (tmp_path / "curves.png").stat().st_size > 0
     for name in repaired:
         assert rows[name]["kl"] < 1e-6, f"{name}: KL {rows[name]['kl']:.2e} with every position recomputed"
         assert rows[name]["f1"] == rows[name]["oracle_f1"], rows[name]
     assert rows["raw_kv+suffix@1"]["compute"] > rows["raw_kv+oracle@1"]["compute"] >= 1.0, rows
+    for b in ("raw_kv", "codes"):
+        two, one = rows[f"{b}+suffixx2@1"], rows[f"{b}+suffix@1"]
+        assert two["compute"] > one["compute"] and two["kl"] < rows[b]["kl"], (two, one, rows[b])
 
 
 def test_a_selector_fitted_to_a_planted_score_ranks_as_it_does_and_picks_its_penalty_on_held_back_prefixes():

@@ -20,7 +20,9 @@ tokens against the consumer's own prefill for:
   raw_kv+suffix@<f>             with --suffix K: the positions the request's own first tokens read most over
                                 the given cache (a QA sample's question; else the continuation's first K
                                 tokens, as a prompt's suffix): what a specialist knows when a request comes.
-                                Every row's KL is then over the continuation's positions from K on
+                                Every row's KL is then over the continuation's positions from K on. With
+                                --artifact codes+suffix@<f> too; with --suffix-rounds R also +suffixxR@<f>:
+                                R steps, each reading over the cache the steps before it repaired
 
 and prints each one's consumer compute (multiply-adds counted over the consumer's own prefill:
 selective.cost, and DroidSpeak's layers' share) and its KL over raw KV's. No artifact is needed for the raw-KV
@@ -46,32 +48,50 @@ from scd.online.trace import capture
 
 
 class ReadSelective(methods.Method):
-    """The cache `base` gives (raw KV, or the codes') repaired at the positions some tokens read most (`read`,
-    (1, T), set per sample): the continuation's over the consumer's own cache (`oracle`, an upper bound for any
-    rule), or the request's first tokens' over the given cache (`suffix`)."""
+    """The cache `base` gives (raw KV, or the codes') repaired at the positions some tokens read most: the
+    continuation's over the consumer's own cache (`oracle`, an upper bound for any rule: `read`, (1, T), set per
+    sample), or the request's first tokens' (`suffix`: `first`, (n,), set per sample) over the cache as it
+    stands, in `rounds` steps: each step selects its share of the positions by those tokens' reads over the
+    cache the steps before it repaired (their pass counted each time)."""
 
-    def __init__(self, fraction: float, rule: str = "oracle", base: methods.Method | None = None):
+    def __init__(self, fraction: float, rule: str = "oracle", base: methods.Method | None = None, rounds: int = 1):
         self.base = base or methods.RawKV()
-        self.fraction, self.name, self.read, self.spent = fraction, f"{self.base.name}+{rule}@{fraction:g}", None, []
-        self.window = 0          # the reading tokens' own pass, counted (the suffix's: over the given cache)
+        self.fraction, self.rounds, self.read, self.first, self.spent = fraction, rounds, None, None, []
+        self.name = f"{self.base.name}+{rule}{f'x{rounds}' if rounds > 1 else ''}@{fraction:g}"
 
     def build(self, consumer, ids, mask, producer_trace):
         built = self.base.build(consumer, ids, mask, producer_trace)
-        sel = selective.top(self.read, mask, selective.count_for(mask, self.fraction))
-        self.spent += [selective.cost(consumer.config, ids.shape[1], sel.shape[1], window=self.window,
-                                      columns=row.tolist()) for row in sel]
-        return methods.Built(selective.recompute_tokens(consumer, built.kv, ids, mask, sel), built.payload_bytes, 0.0)
+        kv, total, t = built.kv, selective.count_for(mask, self.fraction), ids.shape[1]
+        if self.first is None:
+            sel = selective.top(self.read, mask, total)
+            self.spent += [selective.cost(consumer.config, t, sel.shape[1], columns=row.tolist()) for row in sel]
+            return methods.Built(selective.recompute_tokens(consumer, kv, ids, mask, sel), built.payload_bytes, 0.0)
+        done = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
+        spent = torch.zeros(ids.shape[0])
+        for r in range(self.rounds):
+            k = round(total * (r + 1) / self.rounds) - int(done.sum(-1).min())
+            if k <= 0:
+                continue
+            read = selective.reads_of(consumer, kv, mask, self.first[None].expand(ids.shape[0], -1))
+            sel = selective.top(read, mask.bool() & ~done, k)
+            kv = selective.recompute_tokens(consumer, kv, ids, mask, sel)
+            done.scatter_(1, sel, True)
+            spent += torch.tensor([selective.cost(consumer.config, t, k, window=self.first.shape[-1],
+                                                  columns=row.tolist()) for row in sel])
+        self.spent += spent.tolist()
+        return methods.Built(kv, built.payload_bytes, 0.0)
 
 
 def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list[float], entries: list[int],
             codes: methods.Method | None = None, oracle: bool = False, suffix: int = 0,
-            oracle_cache: str = "own", selectors: dict | None = None) -> list[dict]:
+            oracle_cache: str = "own", selectors: dict | None = None, rounds: int = 1) -> list[dict]:
     """One row per method on `held` (windows of one length): {"method", "tokens", "compute", "kl", "over_raw"}.
     The learned rule repairs each base with its selector in `selectors` (by the base's name)."""
     n, t = config.num_hidden_layers, held[0].prefix.shape[-1]
     bases = [methods.RawKV()] + ([codes] if codes else [])
     oracles = [ReadSelective(f, "oracle", b) for b in bases for f in fractions] if oracle else []
-    suffixes = [ReadSelective(f, "suffix") for f in fractions] if suffix else []
+    suffixes = [ReadSelective(f, "suffix", b, r) for b in bases for r in sorted({1, rounds}) for f in fractions] \
+        if suffix else []
     ms = bases + [methods.DroidSpeak.entering(e, n) for e in entries] + [
         methods.Selective(b, rule, f, ev.tok, selector=(selectors or {}).get(b.name))
         for b in bases for rule in rules for f in fractions] + oracles + suffixes
@@ -81,17 +101,13 @@ def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list
     for s in tqdm(held, desc=f"selective at {t} tokens"):
         ref = ev.reference(s)
         ids, mask, ptrace, own, _ = ref
-        given = methods.RawKV().build(ev.consumer, ids, mask, ptrace).kv \
-            if suffixes or (oracles and oracle_cache == "given") else None    # the producer's K, V as they are
         if oracles:
-            read = selective.reads_of(ev.consumer, own.kv if oracle_cache == "own" else given, mask, s.cont[None])
+            given = own.kv if oracle_cache == "own" else methods.RawKV().build(ev.consumer, ids, mask, ptrace).kv
+            read = selective.reads_of(ev.consumer, given, mask, s.cont[None])
             for m in oracles:
                 m.read = read
-        if suffixes:
-            first = s.question if s.question is not None else s.cont[:suffix]
-            read = selective.reads_of(ev.consumer, given, mask, first[None])
-            for m in suffixes:
-                m.read, m.window = read, first.shape[-1]
+        for m in suffixes:
+            m.first = s.question if s.question is not None else s.cont[:suffix]
         if qa:
             for r in ev.sample(s, [methods.Oracle()] + ms):
                 kl[r.method] += r.kl / len(held)
@@ -134,6 +150,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "its selector is fitted on, over raw KV, and over the codes where the artifact has none")
     p.add_argument("--learned-tokens", default="", help="the lengths of those windows, comma-separated, the "
                    "samples split evenly among them (default: the calibration's prefix_tokens)")
+    p.add_argument("--suffix-rounds", type=int, default=1, help="with --suffix: also its positions chosen in this "
+                   "many steps, each by the first tokens' reads over the cache the steps before it repaired")
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--plot", help="write the curves here (PNG): KL over raw KV's against consumer compute")
     args = p.parse_args(argv)
@@ -149,8 +167,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "learned" in rules and args.learned_samples < 2:
         raise SystemExit("--learned-samples: a selector is fitted on 2 windows or more")
     if (args.samples < 1 or not lengths or min(lengths) < 2 or not all(0 < f <= 1 for f in fractions)
-            or args.suffix < 0):
-        raise SystemExit("--samples must be >= 1, --tokens >= 2, --fractions in (0, 1] and --suffix >= 0")
+            or args.suffix < 0 or args.suffix_rounds < 1):
+        raise SystemExit("--samples must be >= 1, --tokens >= 2, --fractions in (0, 1], --suffix >= 0 and "
+                         "--suffix-rounds >= 1")
 
     from tools.pairs import config_pair
     cfg, name, producer, consumer, tok, spec = config_pair(args.config, args.pair)
@@ -178,7 +197,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         except ValueError as e:                         # documents shorter than t (qa's notes: about 512)
             raise SystemExit(f"{args.pair}: no {args.samples} held-out prefixes of {t} tokens ({e})") from None
         at = rows_at(ev, held, consumer.config, rules, fractions, entries, codes, args.oracle, args.suffix,
-                     args.oracle_cache, selectors)
+                     args.oracle_cache, selectors, args.suffix_rounds)
         rows += at
         print(f"\n{args.pair} at {t} tokens, {args.samples} held-out windows:")
         print(f"  {'method':30s} {'compute':>8s} {'KL':>8s} {'/ raw KV':>9s}" + ("      F1" if "f1" in at[0] else ""))
