@@ -298,6 +298,33 @@ def test_a_selector_fitted_to_a_planted_score_ranks_as_it_does_and_picks_its_pen
         fit_selector(xs[:1], ys[:1])
 
 
+def test_a_selector_fitted_to_reads_over_the_given_cache_is_the_own_caches_where_they_are_one():
+    """scd.fitting.selector.fit_over: the target's reads over the consumer's own cache or over the given one
+    give the same selector when the given cache is the consumer's own, and another when it is not."""
+    from types import SimpleNamespace
+
+    from scd.fitting.selector import fit_over
+    a = tiny_llama(0)
+    b = perturbed(a, 0.5)
+    g = torch.Generator().manual_seed(4)
+    windows = [SimpleNamespace(prefix=torch.randint(2, 97, (24,), generator=g),
+                               cont=torch.randint(2, 97, (selective.READ_TOKENS,), generator=g)) for _ in range(5)]
+
+    def cache_of(model):
+        return lambda ids, mask: (lambda t: list(zip(t.keys, t.values)))(capture(model, ids, mask, want_xnorm=False))
+    layers = selective.selector_layers(a.config.num_hidden_layers)
+    own, _ = fit_over(a, windows, cache_of(a), layers, target_cache="own")
+    same, _ = fit_over(a, windows, cache_of(a), layers, target_cache="given")
+    err = ((own - same).norm() / own.norm()).item()
+    assert err < 1e-4, f"reads over the own cache passed as the given one: relative difference {err:.2e}"
+    mine, _ = fit_over(a, windows, cache_of(b), layers, target_cache="own")
+    other, _ = fit_over(a, windows, cache_of(b), layers, target_cache="given")
+    rel = ((mine - other).norm() / mine.norm()).item()
+    assert rel > 1e-2, f"reads over another model's cache gave the own cache's selector (relative difference {rel:.2e})"
+    with pytest.raises(ValueError, match="target_cache"):
+        fit_over(a, windows, cache_of(a), layers, target_cache="theirs")
+
+
 def test_selector_features_read_each_layers_v_its_distance_from_the_end_and_the_first_real_position():
     """selector_features on a left-padded batch: unit-norm V rows of the chosen layers, one distance bucket
     per position (0 at the last, log2 beyond), the log2 distance itself, and the first-position flag on each

@@ -14,20 +14,26 @@ from scd.online import selective
 from scd.online.trace import capture
 
 
-def fit_over(consumer, samples: list, given: Callable, layers: list[int], desc: str = "selector"
-             ) -> tuple[torch.Tensor, dict]:
+def fit_over(consumer, samples: list, given: Callable, layers: list[int], desc: str = "selector",
+             target_cache: str = "own") -> tuple[torch.Tensor, dict]:
     """A selector fitted on `samples` (each with a prefix and a continuation): `given(ids, mask)` is the cache
     the consumer would be given for a prefix (rebuilt from codes, or raw KV), whose V at `layers` are the
-    features; the reads of the continuation's first READ_TOKENS over the consumer's own cache the target.
-    Returns fit_selector's (weights, report)."""
+    features; the reads of the continuation's first READ_TOKENS over the consumer's own cache (`target_cache`
+    "own") or over the given one ("given") the target. Returns fit_selector's (weights, report)."""
+    if target_cache not in ("own", "given"):
+        raise ValueError(f"target_cache {target_cache!r}: 'own' or 'given'")
     features, targets = [], []
     for s in tqdm(samples, desc=desc):
         ids = s.prefix[None]
         mask = torch.ones_like(ids)
-        own = capture(consumer, ids, mask, want_xnorm=False)
-        read = selective.reads_of(consumer, list(zip(own.keys, own.values)), mask,
-                                  s.cont[None, :selective.READ_TOKENS])
-        features.append(selective.selector_features(given(ids, mask), mask, layers)[0])
+        kv = given(ids, mask)
+        if target_cache == "own":
+            own = capture(consumer, ids, mask, want_xnorm=False)
+            read = selective.reads_of(consumer, list(zip(own.keys, own.values)), mask,
+                                      s.cont[None, :selective.READ_TOKENS])
+        else:
+            read = selective.reads_of(consumer, kv, mask, s.cont[None, :selective.READ_TOKENS])
+        features.append(selective.selector_features(kv, mask, layers)[0])
         targets.append(selective.selector_target(read, mask)[0])
     return fit_selector(features, targets)
 
