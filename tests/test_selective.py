@@ -257,9 +257,8 @@ def test_the_probe_with_every_position_recomputed_is_the_own_prefill_whichever_t
     """tools.probe_selective on the demo family's QA pair, over raw KV and over its published codes: at a share
     of 1 the oracle's (its reads over either cache), the suffix's, the learned selector's and the tail's repairs
     are the consumer's own prefill (KL 0), raw KV and the codes are not, each row carries its F1, and the curves
-    are drawn. The suffix's positions chosen in 2 steps cost its reading pass twice; the positions of the
-    second step come before some of the first's, which attended over the given cache there: not the own
-    prefill, but closer to it than what it repaired."""
+    are drawn. The suffix's positions chosen in 2 steps (the last running them all again) are the own
+    prefill too, at more compute."""
     from tools.probe_selective import main
     argv = ["--config", str(REPO / "ray_config.yaml"), "--pair", "base:qa", "--tokens", "96", "--samples", "1",
             "--rules", "last,learned", "--fractions", "1", "--entries", "", "--suffix", "4", "--oracle",
@@ -278,7 +277,7 @@ def test_the_probe_with_every_position_recomputed_is_the_own_prefill_whichever_t
     assert rows["raw_kv+suffix@1"]["compute"] > rows["raw_kv+oracle@1"]["compute"] >= 1.0, rows
     for b in ("raw_kv", "codes"):
         two, one = rows[f"{b}+suffixx2@1"], rows[f"{b}+suffix@1"]
-        assert two["compute"] > one["compute"] and two["kl"] < rows[b]["kl"], (two, one, rows[b])
+        assert two["compute"] > one["compute"] and two["kl"] < 1e-6, (two, one)
 
 
 def test_a_selector_fitted_to_a_planted_score_ranks_as_it_does_and_picks_its_penalty_on_held_back_prefixes():

@@ -52,7 +52,8 @@ class ReadSelective(methods.Method):
     continuation's over the consumer's own cache (`oracle`, an upper bound for any rule: `read`, (1, T), set per
     sample), or the request's first tokens' (`suffix`: `first`, (n,), set per sample) over the cache as it
     stands, in `rounds` steps: each step selects its share of the positions by those tokens' reads over the
-    cache the steps before it repaired (their pass counted each time)."""
+    cache the steps before it repaired (their pass counted each time); the last runs every step's positions
+    again in one pass over the given cache, so that each attends to the others' own K, V."""
 
     def __init__(self, fraction: float, rule: str = "oracle", base: methods.Method | None = None, rounds: int = 1):
         self.base = base or methods.RawKV()
@@ -70,13 +71,15 @@ class ReadSelective(methods.Method):
         spent = torch.zeros(ids.shape[0])
         for r in range(self.rounds):
             k = round(total * (r + 1) / self.rounds) - int(done.sum(-1).min())
-            if k <= 0:
-                continue
             read = selective.reads_of(consumer, kv, mask, self.first[None].expand(ids.shape[0], -1))
             sel = selective.top(read, mask.bool() & ~done, k)
-            kv = selective.recompute_tokens(consumer, kv, ids, mask, sel)
             done.scatter_(1, sel, True)
-            spent += torch.tensor([selective.cost(consumer.config, t, k, window=self.first.shape[-1],
+            if r < self.rounds - 1:          # a step's repair, for the next step's reads
+                kv = selective.recompute_tokens(consumer, kv, ids, mask, sel)
+            else:                            # every step's positions again, in one pass over the given cache
+                sel = selective.top(done.float(), mask, int(done.sum(-1).min()))
+                kv = selective.recompute_tokens(consumer, built.kv, ids, mask, sel)
+            spent += torch.tensor([selective.cost(consumer.config, t, row.numel(), window=self.first.shape[-1],
                                                   columns=row.tolist()) for row in sel])
         self.spent += spent.tolist()
         return methods.Built(kv, built.payload_bytes, 0.0)
