@@ -2,6 +2,7 @@
 
     python -m jobs.train_lora --specialist qa          # extractive QA over a notes document, chat template
     python -m jobs.train_lora --specialist code        # Python source of the standard library (LM)
+    python -m jobs.train_lora --specialist prose       # the reference manual's prose, code's recipe (LM)
 
 The base is the folder `scd fetch-family smollm2` builds. Each specialist is written as a PEFT adapter
 (adapter_config.json + adapter_model.safetensors, stored in bf16 to stay small) whose config names the base
@@ -37,6 +38,7 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 @dataclass(frozen=True)
 class Recipe:
     task: str                    # "qa" (chat, loss on the answers) or "lm" (loss on every token)
+    text: str = "code"           # lm: the text it learns (scd.data.demo_data: "code" or "prose")
     rank: int = 16
     alpha: int = 32
     targets: tuple[str, ...] = ALL_LINEAR
@@ -63,6 +65,9 @@ RECIPES = {
     # the same domain shift confined to 6 of the 30 layers (18-23; the paper's setting of a fine-tune that
     # moves few layers): layers 0-17 keep the base's KV exactly, layers from 18 on drift
     "code_few": Recipe(task="lm", layers=tuple(range(18, 24)), lr=3e-3, steps=300, seq_len=256),
+    # code's recipe on other text (the reference manual's prose): a new every-layer pair that no setting of
+    # the project's configs was tuned on, calibrated at a new pair's defaults
+    "prose": Recipe(task="lm", text="prose", lr=3e-3, steps=300, seq_len=256),
     # qa's task made to share with its base: every linear module of the top 8 layers only, so
     # layers 0-21 and the residual entering 22 stay the base's exactly
     "qa_top": Recipe(task="qa", layers=tuple(range(22, 30)), steps=150, seq_len=640),
@@ -112,7 +117,8 @@ class Batches:
         if recipe.task == "lm":
             eos = tok.eos_token_id if tok.eos_token_id is not None else 0
             ids = []
-            for t in demo_data.code_texts("train"):
+            texts = {"code": demo_data.code_texts, "prose": demo_data.prose_texts}[recipe.text]("train")
+            for t in texts:
                 ids += tok(t, add_special_tokens=False)["input_ids"] + [eos]
             self.stream = torch.tensor(ids, dtype=torch.long)
 

@@ -195,3 +195,15 @@ def test_the_committed_adapters_are_small_and_name_the_fetched_base():
         assert cfg["layers_to_transform"] == layers.get(name), cfg
         # the aLoRA is switched on by the assistant header of SmolLM2's chat template: <|im_start|>assistant\n
         assert cfg.get("alora_invocation_tokens") == ([1, 520, 9531, 198] if name == "qa_alora" else None), cfg
+
+
+def test_an_lm_recipe_learns_from_the_text_it_names(base):
+    """The prose recipe's windows are the reference manual's prose (demo_data.prose_texts), not code."""
+    from scd.data import demo_data
+    tok = AutoTokenizer.from_pretrained(base)
+    x, y, m = train_lora.Batches(tok, train_lora.RECIPES["prose"])(0)
+    assert x.shape == (train_lora.RECIPES["prose"].batch, train_lora.RECIPES["prose"].seq_len) and (x == y).all()
+    manual = "\n".join(demo_data.prose_texts("train"))
+    for row in x:
+        piece = max(tok.decode(row).split(tok.eos_token or "\0"), key=len)[2:-2]     # one text's, its ends cut
+        assert len(piece) > 100 and piece in manual, piece[:200]
