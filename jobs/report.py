@@ -15,8 +15,10 @@ The figures mirror the SCD paper's Figures 4-7:
   levels (`scd@...`, the nested codes one artifact serves, and `scd`, its full code) joined by a line, the
   full code circled, the baselines (raw KV, INT4 KV, DroidSpeak, Reuse-only) as labelled points.
 - `compute.png` (exact plans, and codes with recompute blocks tried): validation KL against the consumer's
-  compute over the prefix (the share of its layers it runs), one point per entry layer, the chosen one circled, raw KV reuse and
-  DroidSpeak at its best block as labelled points, the quality bound as a dashed line; with a block plan's
+  compute over the prefix (the share of its layers it runs and of the positions it runs through every
+  layer), one marker per plan kind (points.kind), the chosen plan circled, raw KV reuse and DroidSpeak at
+  its best block as labelled points, the quality bound as a dashed line; summary.md reads the curve at
+  points.BUDGETS of compute, each kind's least KL within each; with a block plan's
   held-out curve (rows `enter@<e>`, `codes+tail<k>`, `enter@<e>+tail<k>`, `droidspeak@<e>`): SCD's plans and
   DroidSpeak entering at each layer, held out, by the consumer's compute.
 - `xnorm_error.png` (Fig. 7, optional): relative error of the consumer's pre-attention input x_norm per layer
@@ -72,7 +74,7 @@ def build_report(pair: str, policy: dict | None, eval_rows: list[dict], pareto: 
         files["xnorm_error.png"] = _png(_fig_xnorm(pair, xnorm, policy["chosen"]))
     figures = [n for n in ("compute.png", "sensitivity.png", "greedy.png", "pareto.png", "tradeoff.png",
                            "xnorm_error.png") if n in files]
-    return {"summary.md": _summary(pair, policy, eval_rows, extra, figures).encode()} | files
+    return {"summary.md": _summary(pair, policy, eval_rows, extra, figures, compute).encode()} | files
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -239,23 +241,25 @@ def _fig_tradeoff(pair: str, rows: list[dict]):
 
 
 def _fig_compute(pair: str, compute: dict, rows: list[dict]):
-    """KL against the consumer's compute: the exact plans' curve (validation), the chosen plan, raw KV and
-    DroidSpeak (held-out rows, at their measured share of a prefill)."""
+    """KL against the consumer's compute: every plan of the curve by its kind (validation; e=<entry>, +k: k
+    positions run through every layer), the chosen plan, raw KV and DroidSpeak (held-out rows, at their measured
+    share of a prefill)."""
     fig, ax = plt.subplots(figsize=(6.8, 4.2))
     pts = sorted(compute["points"], key=lambda p: p["consumer_ratio"])
     n = compute.get("num_layers")
     floor = 1e-7                                # a lossless plan's KL is 0 up to rounding: drawn at the floor
     front = points.pareto(pts)                  # the curve: no plan costs less at a lower KL
-    ax.plot([p["consumer_ratio"] for p in front], [max(p["kl"], floor) for p in front], "o-", color="tab:blue", ms=5,
-            label="plans entering at layer e (+k: the last k tokens too; validation; e = L: none)")
-    rest = [p for p in pts if p not in front]
-    if rest:
-        ax.scatter([p["consumer_ratio"] for p in rest], [max(p["kl"], floor) for p in rest], s=25,
-                   facecolors="none", edgecolors="tab:blue", label="plans beaten at no more compute")
+    ax.plot([p["consumer_ratio"] for p in front], [max(p["kl"], floor) for p in front], "-", color="tab:blue", lw=1,
+            label="the plans no other beats at no more compute (validation)")
+    kinds = list(dict.fromkeys(points.kind(p, n) for p in pts))
+    for i, k in enumerate(kinds):               # a marker per plan kind: circles the codes, squares a block
+        mine = [p for p in pts if points.kind(p, n) == k]
+        ax.scatter([p["consumer_ratio"] for p in mine], [max(p["kl"], floor) for p in mine], s=28, zorder=3,
+                   marker="o" if k.startswith("codes") else "s", color=plt.get_cmap("tab10")(i % 10), label=k)
     for p in pts:
         ax.annotate(("codes" if p["entry"] == n else f"e={p['entry']}") + (f"+{p['tail']}" if p.get("tail") else ""),
                     (p["consumer_ratio"], max(p["kl"], floor)), textcoords="offset points", xytext=(4, 3),
-                    fontsize=7, color="tab:blue")
+                    fontsize=6, color="dimgray")
     c = compute["chosen"]
     if c is not None:
         ax.scatter([c["consumer_ratio"]], [max(c["kl"], floor)], s=160, facecolors="none", edgecolors="tab:red",
@@ -338,7 +342,27 @@ def _fmt(v, spec: str = ".4g") -> str:
     return format(v, spec) if isinstance(v, (int, float)) else str(v)
 
 
-def _summary(pair: str, policy: dict, rows: list[dict], extra: dict, figures: list[str]) -> str:
+def _by_kind(compute: dict) -> list[str]:
+    """The curve read at the budgets of points.BUDGETS: per plan kind, its least KL (over raw KV's) within each
+    budget of consumer compute, and the chosen plan."""
+    n, raw = compute["num_layers"], compute["raw_kv"]["kl"]
+    head = " | ".join(f"<= {b:g}" for b in points.BUDGETS)
+    out = ["", "## Plans by consumer compute (validation)", "",
+           "KL over raw KV's, the least of each plan kind within each budget of consumer compute (share of its "
+           "own prefill), at its compute; -: none that cheap.", "",
+           f"| plan kind | {head} |", "|---|" + "---:|" * len(points.BUDGETS)]
+    for k, best in points.best_by_kind(compute["points"], n).items():
+        cells = ["-" if p is None else f"{p['kl'] / raw:.3f} ({p['consumer_ratio']:.2f})" for p in best]
+        out.append(f"| {k} | " + " | ".join(cells) + " |")
+    c = compute.get("chosen")
+    name = None if c is None else points.point_name(c["entry"], c.get("tail", 0), n, c.get("rule", "last"))
+    out += ["", "Chosen: " + ("none within the bound" if c is None else f"{points.kind(c, n)}, {name}: "
+                              f"{c['kl'] / raw:.3f} x raw KV at {c['consumer_ratio']:.2f} of a prefill")]
+    return out
+
+
+def _summary(pair: str, policy: dict, rows: list[dict], extra: dict, figures: list[str],
+             compute: dict | None = None) -> str:
     rank = {m: i for i, m in enumerate(METHOD_ORDER)}
     rows = sorted(rows, key=lambda r: rank.get(r["method"], len(rank)))
     out = [f"# SCD calibration report — `{pair}`", "", "## Evaluation", ""]
@@ -364,6 +388,8 @@ def _summary(pair: str, policy: dict, rows: list[dict], extra: dict, figures: li
                 f"- Candidate pool: {', '.join(map(str, policy['pool'])) or 'none'}; "
                 f"greedy order: {', '.join(map(str, policy['order'])) or 'none'}",
                 f"- KL reuse-only {_fmt(policy['base_kl'])} -> with patches {_fmt(policy['curve'][k_star])}"]
+    if compute is not None and compute.get("num_layers") and compute.get("points"):
+        out += _by_kind(compute)
     if extra:
         out += ["", "## Calibration", ""]
         for key, val in extra.items():

@@ -101,3 +101,40 @@ def test_malformed_rows_and_xnorm():
         build_report("base:qa", _policy(), rows)
     with pytest.raises(ValueError, match="xnorm"):
         build_report("base:qa", _policy(), _rows(), xnorm={"reuse_only": [0.1, 0.2], "scd": [0.1]})
+
+
+def _curve() -> dict:
+    """A block plan's curve of 10 layers at 100 tokens: codes, codes + tails / attention / learned shares,
+    blocks at 8 and 5, one block with a learned share; the block at 5 chosen."""
+    def pt(entry, kl, tail=0, rule="last"):
+        from scd.fitting.points import consumer_ratio
+        return {"entry": entry, "tail": tail, **({"rule": rule} if tail and rule != "last" else {}),
+                "consumer_ratio": consumer_ratio(entry, tail, 10, 100, rule), "kl": kl}
+    pts = [pt(10, 0.7), pt(10, 0.5, 10), pt(10, 0.35, 30), pt(10, 0.55, 10, "attention"),
+           pt(10, 0.4, 10, "learned"), pt(10, 0.3, 30, "learned"), pt(8, 0.6), pt(5, 0.18), pt(8, 0.32, 10, "learned")]
+    return {"points": pts, "raw_kv": {"kl": 1.0}, "chosen": pts[7], "bound": {"max_kl_ratio": 0.2,
+            "max_consumer_ratio": 0.75}, "num_layers": 10, "prefix_tokens": 100}
+
+
+def test_a_curve_reads_by_plan_kind_at_each_budget_of_compute():
+    from scd.fitting.points import BUDGETS, best_by_kind, kind
+    c = _curve()
+    got = best_by_kind(c["points"], 10)
+    assert list(got) == ["codes", "codes + its last tokens", "codes + selective, learned", "block",
+                         "codes + selective, attention", "block + selective, learned"], list(got)   # by compute
+    assert BUDGETS == (0.1, 0.2, 0.35, 0.5)
+    kls = {k: [None if p is None else p["kl"] for p in best] for k, best in got.items()}
+    assert kls["codes"] == [0.7] * 4                                       # costs nothing
+    assert kls["codes + its last tokens"] == [0.5, 0.5, 0.35, 0.35]        # 0.1 and 0.3 of a prefill
+    assert kls["codes + selective, learned"] == [0.4, 0.4, 0.3, 0.3]
+    assert kls["codes + selective, attention"] == [None, None, 0.55, 0.55]  # with its window: (10 + 16) / 100
+    assert kls["block"] == [None, 0.6, 0.6, 0.18]                           # entering at 8: 0.2, at 5: 0.5
+    assert kls["block + selective, learned"] == [None, None, 0.32, 0.32]
+    assert kind(c["chosen"], 10) == "block"
+
+    files = build_report("base:code", None, _rows(), compute=c)
+    _check_png(files["compute.png"])
+    md = files["summary.md"].decode()
+    assert "## Plans by consumer compute (validation)" in md, md
+    assert "| codes + selective, learned | 0.400 (0.10) | 0.400 (0.10) | 0.300 (0.30) | 0.300 (0.30) |" in md, md
+    assert "Chosen: block, enter@5: 0.180 x raw KV at 0.50 of a prefill" in md, md

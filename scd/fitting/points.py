@@ -50,6 +50,31 @@ def chosen_name(chosen: dict | None, num_layers: int) -> str | None:
     return point_name(chosen["entry"], chosen.get("tail", 0), num_layers, chosen.get("rule", "last"))
 
 
+KIND_RULES = {"last": "its last tokens", "attention": "selective, attention", "learned": "selective, learned"}
+BUDGETS = (0.1, 0.2, 0.35, 0.5)         # the consumer compute a curve is read at (share of its own prefill)
+
+
+def kind(point: dict, num_layers: int) -> str:
+    """A curve point's plan kind: the codes alone or a recompute block (an exact plan's entry), with the
+    positions the consumer runs itself through every layer named by their rule."""
+    base = "codes" if point["entry"] == num_layers else "block"
+    return base + (f" + {KIND_RULES[point.get('rule', 'last')]}" if point.get("tail") else "")
+
+
+def best_by_kind(points: list[dict], num_layers: int, budgets: tuple[float, ...] = BUDGETS
+                 ) -> dict[str, list[dict | None]]:
+    """Per plan kind (`kind`), for each budget, its point of least KL among those costing at most the budget
+    (None where it has none), kinds in the order they first appear by compute."""
+    out: dict[str, list[dict | None]] = {}
+    for p in sorted(points, key=lambda p: p["consumer_ratio"]):
+        out.setdefault(kind(p, num_layers), [None] * len(budgets))
+    for k, best in out.items():
+        for i, b in enumerate(budgets):
+            within = [p for p in points if kind(p, num_layers) == k and p["consumer_ratio"] <= b + 1e-9]
+            best[i] = min(within, key=lambda p: p["kl"]) if within else None
+    return out
+
+
 def pareto(points: list, cost=lambda p: p["consumer_ratio"], kl=lambda p: p["kl"]) -> list:
     """The points no other beats: none at most as costly with a lower KL (curve points by default; pass
     `cost` and `kl` for other records)."""
