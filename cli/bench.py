@@ -112,7 +112,7 @@ def ttft(m: dict, gbps: list[float], prefilled: bool = False) -> dict[str, list[
     for name, p in m["methods"].items():
         producer = 0.0 if name == "oracle" else p["producer_ms"] + (0.0 if prefilled else m["producer_prefill_ms"])
         out[name] = [producer + links.ready_ms(p["payload_bytes"], p["consumer_ms"], g, p.get("entry_bytes", 0),
-                                               p.get("recompute_ms", 0.0)) for g in gbps]
+                                               p.get("recompute_ms", 0.0), p.get("tail_ms", 0.0)) for g in gbps]
     return out
 
 
@@ -130,7 +130,8 @@ def per_link(m: dict, art, gbps: list[float], target_ms: float | None, kls: dict
         p = m["methods"][name]
         rows.append({"gbps": g, "level": level, "method": name, "payload_ratio": p["payload_bytes"] / raw,
                      "ttft_ms": m["producer_prefill_ms"] + p["producer_ms"] + links.ready_ms(
-                         p["payload_bytes"], p["consumer_ms"], g, p.get("entry_bytes", 0), p.get("recompute_ms", 0.0)),
+                         p["payload_bytes"], p["consumer_ms"], g, p.get("entry_bytes", 0), p.get("recompute_ms", 0.0),
+                         p.get("tail_ms", 0.0)),
                      "kl": kls[name]})
     return rows
 

@@ -84,6 +84,15 @@ def test_the_entry_chosen_is_the_cheapest_modeled_ttft_that_meets_the_bound():
     assert exact.modeled_ttft_ms(pts[0], one_byte_a_ms) == pytest.approx(1000 + 50)
     served = {**pts[0], "serving": {"payload_bytes": 4000, "consumer_ms": 200.0, "producer_ms": 5.0, "tokens": 2048}}
     assert exact.modeled_ttft_ms(served, one_byte_a_ms) == pytest.approx(5 + 4000 + 200), "timed at serving length"
+    # a tail (its last tokens, or selective positions) runs over the whole rebuilt cache: after the block and the
+    # rest's decode, never beside them
+    tailed = {**piped, "tail": 8, "consumer_ms": 70.0, "tail_ms": 20.0}
+    assert exact.modeled_ttft_ms(tailed, one_byte_a_ms) == pytest.approx(max(100 + 48, 1000 + 2) + 20)
+    fast_link = 8e-3                                                      # the block decides: 0.1 + 48, then 20
+    assert exact.modeled_ttft_ms(tailed, fast_link) == pytest.approx(0.1 + 48 + 20)
+    untimed = {k: v for k, v in tailed.items() if k != "tail_ms"}       # a record from before tail_ms
+    assert exact.modeled_ttft_ms(untimed, fast_link) == pytest.approx(1.0 + 70), "nothing beside an untimed tail"
+    assert exact.modeled_ttft_ms({**piped, "tail_ms": 0.0}, one_byte_a_ms) == exact.modeled_ttft_ms(piped, one_byte_a_ms)
     assert exact.entries(18, 30) == [18, 21, 24, 27, 30] and exact.entries(4, 6) == [4, 5, 6]
     assert exact.entries(18, 30, adapted_until=24) == [18, 20, 21, 22, 30], "above layer 23 it is raw KV again"
 

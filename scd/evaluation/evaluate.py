@@ -45,6 +45,7 @@ class SampleResult:
     producer_ms: float = 0.0        # the producer's work after its prefill (SCD's encode)
     entry_bytes: int = 0            # E-first: the payload's entry part, sent first
     block_ms: float = 0.0           # the consumer's own layers (of consumer_ms), startable once the entry is in
+    tail_ms: float = 0.0            # the positions it runs through every layer (of consumer_ms), after the rest
 
 
 class Evaluator:
@@ -105,7 +106,8 @@ class Evaluator:
             out.append(SampleResult(m.name, kl, tv, top1, metrics.nll(logits[0, :-1], s.cont[1:]),
                                     metrics.greedy_agreement(ref_gen, gen), f1, em, built.payload_bytes,
                                     built.consumer_ms, oracle.consumer_ms, raw, built.phases.get("encode_ms", 0.0),
-                                    built.entry_bytes, built.phases.get("recompute_ms", 0.0)))
+                                    built.entry_bytes, built.phases.get("recompute_ms", 0.0),
+                                    built.phases.get("tail_ms", 0.0)))
         return out
 
     def run(self, samples: list[Sample], methods: list[Method], desc: str = "eval", cost_tokens: int = 0,
@@ -125,7 +127,7 @@ class Evaluator:
         """Each method's costs on one prefix of `tokens` tokens (the held-out prefixes end to end), measured side
         by side: the methods and the oracle's prefill take turns, `repeats` times; medians. Per method:
         {"ratio": consumer compute over the consumer's own prefill, "consumer_ms", "producer_ms" (encode),
-        "payload_bytes", "entry_bytes", "block_ms"} (what a modeled TTFT at that length needs); None for a
+        "payload_bytes", "entry_bytes", "block_ms", "tail_ms"} (what a modeled TTFT at that length needs); None for a
         method without a model (base)."""
         ids = torch.cat([s.prefix for s in samples])
         while ids.numel() < tokens:
@@ -145,7 +147,7 @@ class Evaluator:
         for name, built in runs.items():
             if name == "oracle":
                 out[name] = {"ratio": 1.0, "consumer_ms": own, "producer_ms": 0.0, "payload_bytes": 0,
-                             "entry_bytes": 0, "block_ms": 0.0}
+                             "entry_bytes": 0, "block_ms": 0.0, "tail_ms": 0.0}
                 continue
             if not built:
                 out[name] = None
@@ -155,7 +157,8 @@ class Evaluator:
             out[name] = {"ratio": consumer / own, "consumer_ms": consumer,
                          "producer_ms": med(lambda b: b.phases.get("encode_ms", 0.0)),
                          "payload_bytes": built[0].payload_bytes, "entry_bytes": built[0].entry_bytes,
-                         "block_ms": med(lambda b: b.phases.get("recompute_ms", 0.0))}
+                         "block_ms": med(lambda b: b.phases.get("recompute_ms", 0.0)),
+                         "tail_ms": med(lambda b: b.phases.get("tail_ms", 0.0))}
         return out
 
 
@@ -177,7 +180,8 @@ def summarize(results: list[SampleResult], order: list[str]) -> list[dict]:
             "em": statistics.fmean(r.em for r in qa) if qa else None,
             "consumer_ms": consumer, "prefill_ratio": consumer / oracle, "samples": len(rs),
             "producer_ms": statistics.median(r.producer_ms for r in rs),
-            "entry_bytes": round(mean("entry_bytes")), "block_ms": statistics.median(r.block_ms for r in rs)})
+            "entry_bytes": round(mean("entry_bytes")), "block_ms": statistics.median(r.block_ms for r in rs),
+            "tail_ms": statistics.median(r.tail_ms for r in rs)})
     return retained_gain(rows)
 
 

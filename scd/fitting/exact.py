@@ -97,7 +97,7 @@ def artifact(pair: str, spec, entry: int, code_dtype: str, info: dict | None = N
 
 
 POINT_KEYS = ("kl", "payload_ratio", "payload_bytes", "consumer_ms", "producer_ms", "greedy", "entry_bytes",
-              "block_ms")
+              "block_ms", "tail_ms")
 
 
 def measured_point(row: dict, keys: tuple[str, ...] = POINT_KEYS) -> dict:
@@ -132,8 +132,9 @@ def modeled_ttft_ms(point: dict, gbps: float) -> float:
     each measured; an older record without the encode or the parts counts none). At the serving length where
     the point was timed there too ("serving"), else at the samples' length."""
     p = point.get("serving") or point
+    tail = p.get("tail_ms", None if point.get("tail") else 0.0)       # a tail timed with the rest before tail_ms
     return p.get("producer_ms", 0.0) + ready_ms(p["payload_bytes"], p["consumer_ms"], gbps, p.get("entry_bytes", 0),
-                                                p.get("block_ms", 0.0))
+                                                p.get("block_ms", 0.0), tail)
 
 
 def choose(points: list[dict], raw_kl: float, bound: Bound, gbps: float) -> dict | None:

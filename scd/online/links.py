@@ -19,16 +19,19 @@ def transfer_ms(nbytes: int, gbps: float) -> float:
 
 
 def ready_ms(payload_bytes: int, consumer_ms: float, gbps: float, entry_bytes: int = 0,
-             block_ms: float = 0.0) -> float:
+             block_ms: float = 0.0, tail_ms: float | None = 0.0) -> float:
     """Milliseconds from the payload's first byte on the link to the consumer's cache: the link and the
-    consumer's compute (`consumer_ms`, of which `block_ms` runs its own layers). A payload sent whole is
-    computed on after its last byte. An E-first one (`entry_bytes`, its entry part, sent first) starts the
-    block once the entry is in, and the rest's decode once everything is; the two are modeled side by side
-    (the block is most of the compute; the rest's decode, a few per cent here, runs beside it)."""
-    if entry_bytes <= 0:
+    consumer's compute (`consumer_ms`, of which `block_ms` runs its own layers and `tail_ms` the positions it
+    runs through every layer, its tail or selective recompute). A payload sent whole is computed on after its
+    last byte. An E-first one (`entry_bytes`, its entry part, sent first) starts the block once the entry is
+    in, and the rest's decode once everything is; the two are modeled side by side (the block is most of the
+    compute; the rest's decode, a few per cent here, runs beside it). The tail runs last, over the whole
+    rebuilt cache: after both. `tail_ms` None: a tail of unknown time (a record from before it was timed
+    apart), counted with nothing beside it."""
+    if entry_bytes <= 0 or tail_ms is None:
         return transfer_ms(payload_bytes, gbps) + consumer_ms
     return max(transfer_ms(entry_bytes, gbps) + block_ms,
-               transfer_ms(payload_bytes, gbps) + consumer_ms - block_ms)
+               transfer_ms(payload_bytes, gbps) + consumer_ms - block_ms - tail_ms) + tail_ms
 
 
 def level_bytes(art: PairArtifacts, tokens: int, level: dict[str, int]) -> int:
