@@ -48,6 +48,17 @@ def left_padded_batch(vocab: int = 97, lengths=(12, 7, 9), seed: int = 3):
     return ids, mask
 
 
+def send_json(handler, status: int, body: dict) -> None:
+    """A JSON answer from an http.server request handler (the tests' stand-in servers)."""
+    import json
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

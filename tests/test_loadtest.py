@@ -14,6 +14,7 @@ import pytest
 
 from cli import loadtest
 from cluster.runtime import use_token_auth
+from tests.conftest import send_json
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["qa", "prose", "code"]
@@ -80,12 +81,7 @@ class FakeService:
 
     @staticmethod
     def json(h, status: int, body: dict):
-        data = json.dumps(body).encode()
-        h.send_response(status)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
+        send_json(h, status, body)
 
 
 @pytest.fixture
