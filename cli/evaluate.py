@@ -191,11 +191,9 @@ def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
     log = lambda line: print(line, file=sys.stderr)                   # noqa: E731
     cal = Calibration(producer, consumer, spec, pair, calib, args.work_dir, cfg, pad_id=tok.pad_token_id, log=log)
     art = cal.run(val, tune_samples=tune)
-    from jobs.plans import block_plan, selector_windows, serving_tokens, with_selector
+    from jobs.plans import block_plan, selector_stage
     settings = plan_settings(args)
-    if args.selector_samples and tune:
-        windows = selector_windows(pair.split(":")[1], tok, settings, tune, serving_tokens(cal, settings), args.text)
-        art = with_selector(cal, art, windows, log)
+    art = selector_stage(cal, art, tok, settings, tune, log, args.text)
     if not args.recompute_blocks:
         return art
     return block_plan(cal, art, tok, calib, val, settings, None, log, tune)

@@ -27,7 +27,7 @@ from cluster.config import CalibrationSettings, load_config
 from cluster.runtime import actor_options, connect
 from jobs import report
 from jobs.measures import curve_tried, entry_curve, error_split, pareto, tradeoff, xnorm_profile
-from jobs.plans import block_plan, exact_plan, quality_bound, selector_windows, serving_tokens, with_selector
+from jobs.plans import block_plan, exact_plan, quality_bound, selector_stage
 from jobs.publish import codes_gate, exact_gate, publish_codes, publish_exact, quality_gate
 from scd.data import samples
 from scd.evaluation import methods
@@ -313,9 +313,7 @@ def fit_codes(job: PairJob, capture_pair, shared: dict) -> Fitted:
                                 text_file=c.text_file)
     art = codes = cal.run(job.val, capture_pair, tune)
     art.info["structure"] = shared
-    if c.selector_samples and tune:
-        windows = selector_windows(cons_name, tok, c, tune, serving_tokens(cal, c), c.text_file)
-        art = codes = with_selector(cal, art, windows, log)
+    art = codes = selector_stage(cal, art, tok, c, tune, log, c.text_file)
     if c.recompute_blocks:
         art = block_plan(cal, art, tok, job.calib, job.val, c, job.cfg.link_gbps().get(job.pair), log, tune)
     log(f"plan {art.plan}")

@@ -97,6 +97,16 @@ def selector_windows(name: str, tok, c, tune: list, long_tokens: int, text_file:
     return [s for pair in zip(short, long) for s in pair] + short[len(long):]
 
 
+def selector_stage(cal: Calibration, art, tok, c, tune: list, log: Log, text_file: str | None = None):
+    """The calibration's selector stage: the codes `art` with a selector fitted on selector_windows of the
+    fine-tuning samples `tune` (with_selector); `art` as it is with calibration.selector_samples 0 or no
+    fine-tuning samples."""
+    if not (c.selector_samples and tune):
+        return art
+    windows = selector_windows(cal.pair.split(":")[1], tok, c, tune, serving_tokens(cal, c), text_file)
+    return with_selector(cal, art, windows, log)
+
+
 def with_selector(cal: Calibration, art, tune: list, log: Log):
     """The codes `art` with a selector of the positions selective recompute runs (scd.fitting.selector),
     fitted on `tune` (samples with continuations: selector_windows) over the cache the codes rebuild; checkpointed in

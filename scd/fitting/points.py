@@ -65,14 +65,11 @@ def best_by_kind(points: list[dict], num_layers: int, budgets: tuple[float, ...]
                  ) -> dict[str, list[dict | None]]:
     """Per plan kind (`kind`), for each budget, its point of least KL among those costing at most the budget
     (None where it has none), kinds in the order they first appear by compute."""
-    out: dict[str, list[dict | None]] = {}
+    by: dict[str, list[dict]] = {}
     for p in sorted(points, key=lambda p: p["consumer_ratio"]):
-        out.setdefault(kind(p, num_layers), [None] * len(budgets))
-    for k, best in out.items():
-        for i, b in enumerate(budgets):
-            within = [p for p in points if kind(p, num_layers) == k and p["consumer_ratio"] <= b + 1e-9]
-            best[i] = min(within, key=lambda p: p["kl"]) if within else None
-    return out
+        by.setdefault(kind(p, num_layers), []).append(p)
+    return {k: [min((p for p in pts if p["consumer_ratio"] <= b + 1e-9), key=lambda p: p["kl"], default=None)
+                for b in budgets] for k, pts in by.items()}
 
 
 def pareto(points: list, cost=lambda p: p["consumer_ratio"], kl=lambda p: p["kl"]) -> list:
