@@ -132,7 +132,8 @@ def rows_at(ev: Evaluator, held: list, config, rules: list[str], fractions: list
              **({"f1": f1[m.name], "oracle_f1": f1["oracle"]} if qa else {})} for m in ms]
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
+    """The probe's arguments."""
     p = argparse.ArgumentParser(prog="tools.probe_selective", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/smollm2.yaml")
@@ -159,7 +160,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "the continuation's reads it is fitted to, over the consumer's own cache or the given one")
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--plot", help="write the curves here (PNG): KL over raw KV's against consumer compute")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(argv)
     try:
         lengths, entries, fit_lengths = ([int(x) for x in v.split(",") if x]
                                          for v in (args.tokens, args.entries, args.learned_tokens))
