@@ -487,3 +487,43 @@ def test_droidspeak_profiles_a_block_on_a_two_layer_model():
     ds = methods.DroidSpeak()
     start = profile_droidspeak(ds, a, perturbed(a, 0.3), _samples(2, 5))
     assert (start, ds.n, list(ds.profile)) == (1, 1, [1]), (start, ds.n, ds.profile)
+
+
+def test_the_harness_decodes_every_method_in_one_batch_as_it_would_alone():
+    """Evaluator.sample decodes the methods of one model together (greedy tokens and QA answers); each method's
+    greedy agreement and F1 are those of decoding its cache alone, the base's over the producer."""
+    from scd.evaluation import metrics
+    from scd.online import cache, decode
+    a, b = tiny_llama(0), perturbed(tiny_llama(0), 0.5)
+
+    class Tok:                                       # ids as words: F1 over the answer's tokens
+        def get_vocab(self):
+            return {str(i): i for i in range(97)}
+
+        def convert_tokens_to_string(self, tokens):
+            return " ".join(tokens)
+
+        all_special_ids = [1]
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    ev = Evaluator(a, b, Tok(), greedy_tokens=6, answer_tokens=4)
+    s = _samples(1, 5)[0]
+    s = Sample(s.prefix, s.cont, question=s.cont[:3], answer="5 7 9")
+    ms = [methods.Oracle(), methods.RawKV(), methods.Int4KV(), methods.DroidSpeak(1, start=1), methods.BaseAlone(a)]
+    got = {r.method: r for r in ev.sample(s, ms)}
+    ids, mask, ptrace, oracle, _ = ev.reference(s)
+
+    def alone(model, kv, first, n):
+        return decode.generate(model, cache.assemble(model, kv), mask, first[None], n)
+
+    ref = alone(b, oracle.kv, s.question, 6)
+    for m in ms:
+        model = getattr(m, "model", None) or b
+        kv = m.build(b, ids, mask, ptrace).kv
+        greedy = metrics.greedy_agreement(ref, alone(model, kv, s.question, 6))
+        f1, _ = metrics.f1_em(ev._answer(alone(model, kv, s.question, 4)[0].tolist()), s.answer)
+        assert (got[m.name].greedy, got[m.name].f1) == (greedy, f1), \
+            f"{m.name}: batched greedy {got[m.name].greedy}, F1 {got[m.name].f1}; alone {greedy}, {f1}"
+    assert got["oracle"].greedy == 1.0, got["oracle"]

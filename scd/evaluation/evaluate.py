@@ -57,12 +57,27 @@ class Evaluator:
             i for t, i in tokenizer.get_vocab().items() if "\n" in tokenizer.convert_tokens_to_string([t])
         } | set(tokenizer.all_special_ids)
 
-    def _answer(self, built: Built, mask: torch.Tensor, question: torch.Tensor, model=None) -> str:
-        model = model or self.consumer
-        c = cache.assemble(model, built.kv)
-        out = decode.generate(model, c, mask, question[None], self.answer_tokens)[0].tolist()
+    def _answer(self, out: list[int]) -> str:
+        """An answer's text: its generated tokens up to a stop token."""
         cut = next((i for i, t in enumerate(out) if t in self.stop), len(out))
         return self.tok.decode(out[:cut])
+
+    @staticmethod
+    def _generate(model, kvs: list, mask: torch.Tensor, first: torch.Tensor, n: int) -> list[list[int]]:
+        """Greedy tokens after `first` (1, S) over each of several caches of one prefix (`mask` (1, T)), decoded
+        together: caches of one shape and dtype share a batch, as rows of the serving engines' decode loop."""
+        out: list[list[int] | None] = [None] * len(kvs)
+        groups: dict[tuple, list[int]] = {}
+        for i, kv in enumerate(kvs):
+            groups.setdefault(tuple((k.shape, k.dtype, v.shape, v.dtype) for k, v in kv), []).append(i)
+        for idx in groups.values():
+            kv = [(torch.cat([kvs[i][l][0] for i in idx]), torch.cat([kvs[i][l][1] for i in idx]))
+                  for l in range(len(kvs[idx[0]]))]
+            got = decode.generate(model, cache.assemble(model, kv), mask.expand(len(idx), -1),
+                                  first.expand(len(idx), -1), n)
+            for row, i in zip(got.tolist(), idx):
+                out[i] = row
+        return out
 
     @torch.no_grad()
     def reference(self, s: Sample) -> tuple:
@@ -92,20 +107,33 @@ class Evaluator:
         ids, mask, ptrace, oracle, ref_logits = self.reference(s)
         raw = len(oracle.kv) * 2 * oracle.kv[0][0].numel() * 2          # all layers, K and V, bf16
         first = (s.question if s.question is not None else s.cont[:1])[None]
-        ref_gen = decode.generate(self.consumer, cache.assemble(self.consumer, oracle.kv), mask, first, self.greedy_tokens)
+        builts = [oracle if m.name == "oracle" else m.build(self.consumer, ids, mask, ptrace) for m in methods]
+        models = [getattr(m, "model", None) or self.consumer for m in methods]   # base: the producer decodes
+        # every method's greedy tokens (and QA answer) after `first`, the methods of one model in one batch, the
+        # oracle's own first: it is the reference, and the oracle method's row
+        qa = s.answer is not None and self.tok is not None
+        gens: dict = {}
+        answers: dict = {}
+        for model in {id(m): m for m in [self.consumer, *models]}.values():
+            idx = [i for i, m in enumerate(models) if m is model and methods[i].name != "oracle"]
+            kvs = [builts[i].kv for i in idx]
+            if model is self.consumer:
+                idx, kvs = ["ref", *idx], [oracle.kv, *kvs]
+            gens.update(zip(idx, self._generate(model, kvs, mask, first, self.greedy_tokens)))
+            if qa:
+                answers.update(zip(idx, self._generate(model, kvs, mask, s.question[None], self.answer_tokens)))
+        ref_gen = torch.tensor([gens["ref"]])
+        for i, m in enumerate(methods):
+            if m.name == "oracle":
+                gens[i], answers[i] = gens["ref"], answers.get("ref")
         out = []
-        for m in methods:
-            built = oracle if m.name == "oracle" else m.build(self.consumer, ids, mask, ptrace)
-            model = getattr(m, "model", None) or self.consumer          # base: the producer decodes
+        for i, (m, built, model) in enumerate(zip(methods, builts, models)):
             logits = self._logits(built.kv, mask, s.cont, model)
             kl, tv, top1 = metrics.kl_tv_top1(ref_logits, logits)
-            gen = decode.generate(model, cache.assemble(model, built.kv), mask, first, self.greedy_tokens)
-            f1 = em = None
-            if s.answer is not None and self.tok is not None:
-                f1, em = metrics.f1_em(self._answer(built, mask, s.question, model), s.answer)
+            f1, em = metrics.f1_em(self._answer(answers[i]), s.answer) if qa else (None, None)
             out.append(SampleResult(m.name, kl, tv, top1, metrics.nll(logits[0, :-1], s.cont[1:]),
-                                    metrics.greedy_agreement(ref_gen, gen), f1, em, built.payload_bytes,
-                                    built.consumer_ms, oracle.consumer_ms, raw, built.phases.get("encode_ms", 0.0),
+                                    metrics.greedy_agreement(ref_gen, torch.tensor([gens[i]])), f1, em,
+                                    built.payload_bytes, built.consumer_ms, oracle.consumer_ms, raw, built.phases.get("encode_ms", 0.0),
                                     built.entry_bytes, built.phases.get("recompute_ms", 0.0),
                                     built.phases.get("tail_ms", 0.0)))
         return out
