@@ -4,6 +4,7 @@ Relative paths in the file are resolved against the file's own folder, so a conf
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -117,13 +118,31 @@ class Autoscaling(_ReplicaRange):
     upscale_delay_s: float = Field(2.0, ge=0, description="how long more replicas must be wanted before one is added")
     downscale_delay_s: float = Field(10.0, ge=0, description="how long fewer replicas must be wanted before one "
                                                              "is removed")
-    look_back_period_s: float = Field(30.0, gt=10, description="the window Serve averages each replica's ongoing "
-                                      "requests over before it decides, longer than Serve's 10 s metrics interval "
-                                      "(shorter: replicas follow a burst's end sooner; longer: they ride out a lull)")
+    look_back_period_s: float = Field(30.0, gt=0, description="the window Serve averages each replica's ongoing "
+                                      "requests over before it decides, longer than Serve's metrics interval (10 s, "
+                                      "or $RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S) (shorter: replicas "
+                                      "follow a burst's end sooner; longer: they ride out a lull)")
     max_replicas_per_node: int | None = Field(None, ge=1, le=100, description=(
         "most replicas on one node (Serve's max_replicas_per_node): 1 puts each on a node of its own, so that a "
         "node's failure takes one of them; a replica with no node left to take it waits for one to join. "
         "default: no limit"))
+
+    @model_validator(mode="after")
+    def _window(self):
+        every = serve_metrics_interval_s()
+        if self.look_back_period_s <= every:
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s:g}) must be longer than Serve's metrics "
+                             f"interval ({every:g} s): the window would hold no measurement")
+        return self
+
+
+def serve_metrics_interval_s() -> float:
+    """How often Serve's handles push the ongoing requests autoscaling averages (its own setting, 10 s unless
+    $RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S says otherwise)."""
+    try:
+        return float(os.environ.get("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", 10.0))
+    except ValueError:
+        return 10.0
 
 
 class ProducerAutoscaling(_ReplicaRange):

@@ -26,6 +26,9 @@ from serve_app.specialist import SpecialistServer
 log = logging.getLogger(__name__)
 
 APP_NAME = "scd"
+# How often a replica being stopped (a downscale, an undeploy) looks whether its requests have ended (Serve's
+# default: every 2 s): it still waits for all of them, up to Serve's graceful_shutdown_timeout_s, and goes soon after
+SHUTDOWN_POLL_S = 0.25
 
 
 def telemetry_settings(cfg: DeploymentConfig) -> dict:
@@ -50,6 +53,7 @@ def specialist_options(cfg: DeploymentConfig, name: str, max_replicas: int | Non
             **({"max_replicas_per_node": a.max_replicas_per_node} if a.max_replicas_per_node else {}),
             "max_ongoing_requests": cfg.limits.specialist_max_ongoing,
             "max_queued_requests": cfg.limits.specialist_max_queued,
+            "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
             "logging_config": logging_config(cfg),
             "user_config": {"artifact": s.artifact, "families": cfg.family_refs()}}
 
@@ -128,7 +132,7 @@ def build(cfg: DeploymentConfig):
     # an overload, not Serve's plain-text one: a request waits in the proxy's queue until a router replica is
     # assigned, so a burst arriving at once is queued there whole, however quickly the router refuses it
     return Router.options(ray_actor_options={"num_cpus": 0}, num_replicas=lim.router_replicas,
-                          logging_config=logging_config(cfg),
+                          logging_config=logging_config(cfg), graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
                           max_ongoing_requests=lim.router_max_ongoing + 16,
                           max_queued_requests=ROUTER_QUEUE_FACTOR * (lim.router_max_ongoing + 16)).bind(
         handles, cfg.model_dump(), key_digest(key))

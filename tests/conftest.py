@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random Llama pairs (seconds on a CPU) and the committed demo family."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -66,8 +67,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Serve's handles and replicas push the autoscaling metrics every second on the session's cluster (Serve's
+# default: every 10 s), so that its autoscaling drills scale within seconds of the load they make
+SERVE_METRICS_EVERY_S = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+                         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
+
+
+@contextlib.contextmanager
+def environ(**values: str):
+    """os.environ with `values` set, put back as it was after."""
+    import os
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> str:
+    """The session's cluster (_session_cluster) with Serve's autoscaling metrics every second
+    (SERVE_METRICS_EVERY_S: set for this process too, whose configs are checked against it)."""
+    with environ(**SERVE_METRICS_EVERY_S):              # the cluster's processes inherit it
+        yield from _session_cluster()
+
+
+def _session_cluster():
     """One Ray cluster for the test session (each pytest-xdist worker has its own); yields its dashboard URL (the
     Jobs API). 4 logical CPUs so two calibration jobs (two model actors each) can run side by side. Its dashboard
     agent listens on a free port, not Ray's fixed 52365: the Jobs API of a cluster that `scd serve` starts in

@@ -76,6 +76,21 @@ def test_serve_deploy_config_carries_autoscaling_and_placement():
     assert out["applications"][0]["args"] == {"config": "/etc/scd.yaml"}
 
 
+def test_the_autoscaling_window_is_longer_than_serves_metrics_interval(monkeypatch):
+    """A window with no measurement in it is refused, in one line that says why; Serve's interval is its own
+    setting (10 s unless its environment variable says otherwise)."""
+    def with_window(s: float):
+        return parse({**GOOD, "specialists": [{**GOOD["specialists"][0],
+                                               "autoscaling": {"look_back_period_s": s}}]})
+    monkeypatch.delenv("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", raising=False)
+    with pytest.raises(ConfigError, match=r"look_back_period_s \(10\) must be longer than Serve's metrics interval"
+                                          r" \(10 s\)"):
+        with_window(10)
+    assert with_window(11).specialists[0].autoscaling.look_back_period_s == 11
+    monkeypatch.setenv("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+    assert with_window(3).specialists[0].autoscaling.look_back_period_s == 3
+
+
 PLACED = {"producer": {**GOOD["producer"], "resources": {"scd_producer": 1},
                        "node_labels": {"scd-role": "worker", "example.com/gpu": "in(A100, H100)"}},
           "specialists": [{**GOOD["specialists"][0], "num_gpus": 0.5, "resources": {"specialist_host": 0.25},

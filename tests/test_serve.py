@@ -65,7 +65,7 @@ def served(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
         {"name": "qa", "path": str(DEMO / "qa"), "num_cpus": 0.25,
          "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
                          "upscale_delay_s": 0.5, "downscale_delay_s": 2,
-                         "look_back_period_s": 11}},
+                         "look_back_period_s": 3}},
         *({"name": n, "path": str(DEMO / p), "num_cpus": 0.25, "autoscaling": fast}
           for n, p in (("prose", "prose"), ("code", "code"), ("nocal", "qa"), ("wrong", "prose")))]
     raw["producer"]["num_cpus"] = 0.25

@@ -60,7 +60,7 @@ def codes_again_after_a_producer_crash(url: str, producer) -> list:
 def served_nixl(ray_cluster, tmp_path_factory, demo_store, demo_work_dir):
     yield from serve_family(tmp_path_factory, demo_store, demo_work_dir, "nixl", NS, {"autoscaling": {
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
-        "downscale_delay_s": 2, "look_back_period_s": 11}})
+        "downscale_delay_s": 2, "look_back_period_s": 3}})
 
 
 def test_a_fanout_is_served_from_payloads_each_replica_pulls(served_nixl):
