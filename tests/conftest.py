@@ -218,10 +218,12 @@ def real_family() -> Path:
 # The modules whose tests use the session's Ray cluster (`ray_cluster`, Serve apps on it) or the jobs that run
 # on it: under pytest-xdist they all go to one worker, in order. On a small machine two workers each running
 # such a cluster with model actors oversubscribe the cores.
-RAY_MODULES = {"test_bad_input.py", "test_bench_tools.py", "test_calibrate_job.py", "test_cli_calibrate.py",
-               "test_exact_plans.py", "test_faults.py", "test_gpu.py", "test_loadtest.py", "test_producer_pool.py",
-               "test_registry.py", "test_serve.py", "test_serve_group.py", "test_serve_nixl.py", "test_shapes.py",
-               "test_transport.py"}
+RAY_MODULES = {"test_bad_input.py", "test_calibrate_job.py", "test_cli_calibrate.py", "test_exact_plans.py",
+               "test_faults.py", "test_gpu.py", "test_loadtest.py", "test_producer_pool.py", "test_serve.py",
+               "test_serve_group.py", "test_serve_nixl.py", "test_shapes.py"}
+# The modules on a session cluster that start no Serve app and no Ray Job (actors and transports only): a group of
+# their own, which the worker that is free near the end runs on a session cluster of its own.
+RAY_ACTOR_MODULES = {"test_bench_tools.py", "test_registry.py", "test_transport.py"}
 # The modules whose tests start Ray clusters of their own (`scd serve` as a user runs it, the multi-node
 # drill), in /tmp/ray, one at a time: one group, beside the session cluster's (whose folder is its own).
 OWN_CLUSTER_MODULES = {"test_byom.py", "test_cli_serve.py", "test_multinode.py", "test_quickstart.py"}
@@ -229,18 +231,20 @@ OWN_CLUSTER_MODULES = {"test_byom.py", "test_cli_serve.py", "test_multinode.py",
 # groups in collection order (`--no-loadscope-reorder`), so these start first and the workers end together,
 # not one of them on a long module after the other has finished.
 LONG_GROUPS = ["ray", "ray-own", "test_jobs", "test_family_job", "test_real_family", "test_blocks", "test_tail",
-               "test_selective"]
+               "test_selective", "ray-actors"]
 
 
 @pytest.hookimpl(tryfirst=True)              # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (`--dist loadgroup`) the tests of RAY_MODULES are one group, which one worker runs in
-    order, those of OWN_CLUSTER_MODULES another, and every other module is a group of its own (its tests
-    share module fixtures and may read what an earlier test wrote); LONG_GROUPS come first."""
+    order, those of OWN_CLUSTER_MODULES another, those of RAY_ACTOR_MODULES a third, and every other module is
+    a group of its own (its tests share module fixtures and may read what an earlier test wrote); LONG_GROUPS
+    come first."""
     rank = {}
     for item in items:
         name = item.path.name
-        group = "ray" if name in RAY_MODULES else "ray-own" if name in OWN_CLUSTER_MODULES else item.path.stem
+        group = ("ray" if name in RAY_MODULES else "ray-own" if name in OWN_CLUSTER_MODULES else
+                 "ray-actors" if name in RAY_ACTOR_MODULES else item.path.stem)
         item.add_marker(pytest.mark.xdist_group(group))
         rank[item] = LONG_GROUPS.index(group) if group in LONG_GROUPS else len(LONG_GROUPS)
     items.sort(key=rank.__getitem__)                 # stable: within a group, and for the rest, as collected
