@@ -133,9 +133,9 @@ class Evaluator:
             f1, em = metrics.f1_em(self._answer(answers[i]), s.answer) if qa else (None, None)
             out.append(SampleResult(m.name, kl, tv, top1, metrics.nll(logits[0, :-1], s.cont[1:]),
                                     metrics.greedy_agreement(ref_gen, torch.tensor([gens[i]])), f1, em,
-                                    built.payload_bytes, built.consumer_ms, oracle.consumer_ms, raw, built.phases.get("encode_ms", 0.0),
-                                    built.entry_bytes, built.phases.get("recompute_ms", 0.0),
-                                    built.phases.get("tail_ms", 0.0)))
+                                    built.payload_bytes, built.consumer_ms, oracle.consumer_ms, raw,
+                                    built.phases.get("encode_ms", 0.0), built.entry_bytes,
+                                    built.phases.get("recompute_ms", 0.0), built.phases.get("tail_ms", 0.0)))
         return out
 
     def run(self, samples: list[Sample], methods: list[Method], desc: str = "eval", cost_tokens: int = 0,
