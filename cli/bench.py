@@ -224,7 +224,8 @@ def _print_links(pair: str, m: dict, target_ms: float | None, link_ms: float | N
         print(f"  {r['gbps']:6g}  {level_tag(r['level']):<16}{r['payload_ratio']:8.3f}{r['ttft_ms']:10.2f}{r['kl']:9.4f}")
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
+    """scd bench's arguments: the pair's (cli.evaluate.add_pair_args) and the measurement's."""
     p = argparse.ArgumentParser(prog="scd bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_args(p)
     p.add_argument("--tokens", default="1024", help="prefix length(s), e.g. 1024,2048,4096")
@@ -242,12 +243,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--threads", type=int, help="torch threads for every phase (default: torch's, every core); a "
                                                "replica runs with as many as its num_cpus (1 by default)")
     p.add_argument("--json", action="store_true")
-    args = parse(p, argv)
+    return p
+
+
+def checked(args: argparse.Namespace) -> tuple[list[int], list[int] | None, list[float] | None, bool]:
+    """The measurement's settings, refused in one line where they make no sense: (prefix lengths, fan-out
+    counts or None, bandwidths or None, whether to sweep the code levels against a time target)."""
     sizes = positives(args.tokens, "--tokens")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be positive, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"--threads must be positive, got {args.threads}")
     ns = positives(args.fanout, "--fanout") if args.fanout else None
     gbps = positives(args.bandwidth, "--bandwidth", float) if args.bandwidth else None
     if args.repeats < 1:
@@ -257,6 +261,47 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("give --ttft-target or --link-ms, not both")
     if sweep and (not gbps or not (args.ttft_target or args.link_ms or 0) > 0 or args.kl_samples < 1):
         raise SystemExit("--ttft-target and --link-ms need --bandwidth, a positive time and --kl-samples >= 1")
+    return sizes, ns, gbps, sweep
+
+
+def row(args, pair: str, m: dict, art, ns, gbps, plot_dir: Path | None, kls: dict | None) -> dict:
+    """One prefix length's result from its measurement `m`: the consumer's side, and the fan-out, the TTFT
+    against bandwidth (with its plot) and the level chosen at each link where asked."""
+    n = m["tokens"]
+    r = {**consumer_side(m), "threads": torch.get_num_threads()}
+    if ns:
+        r["fanout"] = fanout(m, ns)
+    if gbps:
+        cold, warm = ttft(m, gbps), ttft(m, gbps, prefilled=True)
+        png = plot_dir / f"ttft_vs_bandwidth_{pair.replace(':', '_')}_{n}.png"
+        plot_ttft(gbps, cold, warm, png, f"{pair}, {n}-token prefix: TTFT against link bandwidth")
+        r["bandwidth"] = {"gbps": gbps, "ttft_ms": cold, "ttft_prefilled_ms": warm, "plot": str(png),
+                          "phases": m["methods"], "producer_prefill_ms": m["producer_prefill_ms"]}
+        if kls is not None:
+            r["links"] = per_link(m, art, gbps, args.ttft_target, kls, args.link_ms)
+            raw = m["methods"]["raw_kv"]["payload_bytes"]
+            r["levels"] = [{"level": lv, "payload_ratio": m["methods"][name]["payload_bytes"] / raw, "kl": kls[name]}
+                           for lv, name in ((lv, methods.level_name(art, lv)) for lv in art.levels)]
+    return r
+
+
+def report(args, pair: str, m: dict, r: dict) -> None:
+    """A row as tables: the consumer's side, then the fan-out, the bandwidths and the links where measured."""
+    _print_default(pair, r)
+    if "fanout" in r:
+        _print_fanout(pair, m, r["fanout"])
+    if "bandwidth" in r:
+        bw = r["bandwidth"]
+        _print_bandwidth(pair, m, bw["gbps"], bw["ttft_ms"], bw["ttft_prefilled_ms"], Path(bw["plot"]))
+    if "links" in r:
+        _print_links(pair, m, args.ttft_target, args.link_ms, args.kl_samples, r["links"], r["levels"])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse(parser(), argv)
+    sizes, ns, gbps, sweep = checked(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     plot_dir = _plot_dir(args.plot_dir) if gbps else None
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
@@ -265,8 +310,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     found = structure.find(producer, consumer, pb if is_adapter(pb) else None)
     art = exact_artifact(args, producer, consumer, spec, tok, pair, found, val) or \
         calibrated(args, producer, consumer, spec, tok, pair)
-    text = "\n\n".join(demo_data.prose_texts("heldout"))
-    all_ids = tok(text, add_special_tokens=False)["input_ids"]
+    all_ids = tok("\n\n".join(demo_data.prose_texts("heldout")), add_special_tokens=False)["input_ids"]
     if len(all_ids) < max(sizes):
         raise SystemExit(f"only {len(all_ids)} tokens of text available, asked for {max(sizes)}")
     kls = None
@@ -279,31 +323,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for n in sizes:
         m = measure(producer, consumer, art, torch.tensor(all_ids[:n])[None], args.repeats, args.dtype,
                     every_method=gbps is not None)
-        r = {**consumer_side(m), "threads": torch.get_num_threads()}
-        if ns:
-            r["fanout"] = fanout(m, ns)
-        if gbps:
-            cold, warm = ttft(m, gbps), ttft(m, gbps, prefilled=True)
-            png = plot_dir / f"ttft_vs_bandwidth_{pair.replace(':', '_')}_{n}.png"
-            plot_ttft(gbps, cold, warm, png, f"{pair}, {n}-token prefix: TTFT against link bandwidth")
-            r["bandwidth"] = {"gbps": gbps, "ttft_ms": cold, "ttft_prefilled_ms": warm, "plot": str(png),
-                              "phases": m["methods"], "producer_prefill_ms": m["producer_prefill_ms"]}
-            if kls is not None:
-                r["links"] = per_link(m, art, gbps, args.ttft_target, kls, args.link_ms)
-                raw = m["methods"]["raw_kv"]["payload_bytes"]
-                r["levels"] = [{"level": lv, "payload_ratio": m["methods"][name]["payload_bytes"] / raw, "kl": kls[name]}
-                               for lv, name in ((lv, methods.level_name(art, lv)) for lv in art.levels)]
+        r = row(args, pair, m, art, ns, gbps, plot_dir, kls)
         out.append(r)
         if args.json:
             print(json.dumps(r))
-            continue
-        _print_default(pair, r)
-        if ns:
-            _print_fanout(pair, m, r["fanout"])
-        if gbps:
-            _print_bandwidth(pair, m, gbps, cold, warm, png)
-        if kls is not None:
-            _print_links(pair, m, args.ttft_target, args.link_ms, args.kl_samples, r["links"], r["levels"])
+        else:
+            report(args, pair, m, r)
     return out
 
 
