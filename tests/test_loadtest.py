@@ -39,8 +39,8 @@ class FakeService:
             self.auth.append(h.headers.get("Authorization"))
         if h.command == "GET":
             if h.path == "/v1/models":
-                return self.json(h, 200, {"object": "list", "data": [{"id": m} for m in MODELS]})
-            return self.json(h, self.health[0], {"status": self.health[1]})
+                return send_json(h, 200, {"object": "list", "data": [{"id": m} for m in MODELS]})
+            return send_json(h, self.health[0], {"status": self.health[1]})
         kind = "fanouts" if h.path == "/v1/fanout" else "streams" if body.get("stream") else "completions"
         with self.lock:
             n, self.hits[kind] = self.hits[kind], self.hits[kind] + 1
@@ -52,9 +52,9 @@ class FakeService:
             self.fallbacks -= self.fallbacks > 0
         time.sleep(self.delay_s[kind])
         if fault == "503":
-            return self.json(h, 503, {"error": {"message": "overloaded", "type": "server_error"}})
+            return send_json(h, 503, {"error": {"message": "overloaded", "type": "server_error"}})
         if fault == "error200":
-            return self.json(h, 200, {"error": {"message": "odd", "type": "server_error"}})
+            return send_json(h, 200, {"error": {"message": "odd", "type": "server_error"}})
         if fault == "drop":
             h.close_connection = True
             return h.connection.shutdown(socket.SHUT_RDWR)
@@ -65,9 +65,9 @@ class FakeService:
                        for r in body["requests"]]
             if fault == "partial":                               # one item failed, the others answered
                 results[-1] = {"specialist": results[-1]["specialist"], "error": {"message": "replica died"}}
-            return self.json(h, 200, {"object": "fanout", "results": results})
+            return send_json(h, 200, {"object": "fanout", "results": results})
         if kind == "completions":
-            return self.json(h, 200, {"choices": [{"text": " Hythe", "index": 0}], "scd": scd,
+            return send_json(h, 200, {"choices": [{"text": " Hythe", "index": 0}], "scd": scd,
                                       "usage": {"prompt_tokens": len(body["prefix"]) // 4}})
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream")
@@ -78,10 +78,6 @@ class FakeService:
             h.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
         if fault != "cut":
             h.wfile.write(b"data: [DONE]\n\n")
-
-    @staticmethod
-    def json(h, status: int, body: dict):
-        send_json(h, status, body)
 
 
 @pytest.fixture

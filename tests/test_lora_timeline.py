@@ -29,12 +29,9 @@ class Server:
             def log_message(self, *args):
                 pass
 
-            def send(self, status: int, body: dict) -> None:
-                send_json(self, status, body)
-
             def do_GET(self):
                 published = outer.asked > outer.switch_after
-                self.send(200, {"specialists": {NAME: {
+                send_json(self, 200, {"specialists": {NAME: {
                     "calibration": f"job-1: {'SUCCEEDED' if published else 'RUNNING'}",
                     "artifact": f"base:{NAME}@v1" if published else None, "running": outer.running}}})
 
@@ -42,19 +39,19 @@ class Server:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/v1/load_lora_adapter":
                     outer.loaded = True
-                    return self.send(200, {"loaded": body["lora_name"]})
+                    return send_json(self, 200, {"loaded": body["lora_name"]})
                 if self.path == "/v1/unload_lora_adapter":
                     outer.unloaded = True
-                    return self.send(200, {"unloaded": body["lora_name"]})
+                    return send_json(self, 200, {"unloaded": body["lora_name"]})
                 if body["model"] != NAME:
-                    return self.send(200, {"scd": {"mode": "scd", "artifact": "base:qa@v1"}})
+                    return send_json(self, 200, {"scd": {"mode": "scd", "artifact": "base:qa@v1"}})
                 if outer.unloaded and body["max_tokens"] <= 4:
-                    return self.send(404, {"error": {"message": f"no model {NAME}"}})
+                    return send_json(self, 404, {"error": {"message": f"no model {NAME}"}})
                 with outer.lock:
                     outer.asked += 1
                     n = outer.asked
                 if n == outer.error_at:
-                    return self.send(500, {"error": {"message": "boom"}})
+                    return send_json(self, 500, {"error": {"message": "boom"}})
                 if body["max_tokens"] > 4:                      # a long request: running until it ends
                     with outer.lock:
                         outer.running += 1
@@ -62,8 +59,8 @@ class Server:
                     with outer.lock:
                         outer.running -= 1
                 if n > outer.switch_after:
-                    return self.send(200, {"scd": {"mode": "scd", "artifact": f"base:{NAME}@v1"}})
-                return self.send(200, {"scd": {"mode": "fallback", "reason": "no artifact yet"}})
+                    return send_json(self, 200, {"scd": {"mode": "scd", "artifact": f"base:{NAME}@v1"}})
+                return send_json(self, 200, {"scd": {"mode": "fallback", "reason": "no artifact yet"}})
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
