@@ -489,11 +489,14 @@ def test_droidspeak_profiles_a_block_on_a_two_layer_model():
     assert (start, ds.n, list(ds.profile)) == (1, 1, [1]), (start, ds.n, ds.profile)
 
 
-def test_the_harness_decodes_every_method_in_one_batch_as_it_would_alone():
-    """Evaluator.sample decodes the methods of one model together (greedy tokens and QA answers); each method's
-    greedy agreement and F1 are those of decoding its cache alone, the base's over the producer."""
-    from scd.evaluation import metrics
+@pytest.mark.parametrize("batch", [2, 8])
+def test_the_harness_decodes_every_method_in_one_batch_as_it_would_alone(batch, monkeypatch):
+    """Evaluator.sample decodes the methods of one model together (greedy tokens and QA answers), DECODE_BATCH
+    methods at a time; each method's greedy agreement and F1 are those of decoding its cache alone, the base's
+    over the producer."""
+    from scd.evaluation import evaluate, metrics
     from scd.online import cache, decode
+    monkeypatch.setattr(evaluate, "DECODE_BATCH", batch)
     a, b = tiny_llama(0), perturbed(tiny_llama(0), 0.5)
 
     class Tok:                                       # ids as words: F1 over the answer's tokens

@@ -19,6 +19,8 @@ from scd.evaluation.methods import Built, DroidSpeak, Method, Oracle
 from scd.online import cache, decode
 from scd.online.trace import capture
 
+DECODE_BATCH = 8      # methods of a sample built and decoded together: their caches are held at once
+
 
 @dataclass
 class Sample:
@@ -79,6 +81,15 @@ class Evaluator:
                 out[i] = row
         return out
 
+    def _said(self, model, kvs: list, mask: torch.Tensor, s: Sample) -> list[tuple[list[int], list[int] | None]]:
+        """Per cache of `kvs`: (its greedy tokens after the question, or the continuation's first token; its
+        answer's tokens after the question, None for a sample that is not QA)."""
+        first = (s.question if s.question is not None else s.cont[:1])[None]
+        gens = self._generate(model, kvs, mask, first, self.greedy_tokens)
+        qa = s.answer is not None and self.tok is not None
+        answers = self._generate(model, kvs, mask, s.question[None], self.answer_tokens) if qa else [None] * len(kvs)
+        return list(zip(gens, answers))
+
     @torch.no_grad()
     def reference(self, s: Sample) -> tuple:
         """What every method of a sample is compared with, computed once: (ids, mask, producer trace,
@@ -106,36 +117,26 @@ class Evaluator:
     def sample(self, s: Sample, methods: list[Method]) -> list[SampleResult]:
         ids, mask, ptrace, oracle, ref_logits = self.reference(s)
         raw = len(oracle.kv) * 2 * oracle.kv[0][0].numel() * 2          # all layers, K and V, bf16
-        first = (s.question if s.question is not None else s.cont[:1])[None]
-        builts = [oracle if m.name == "oracle" else m.build(self.consumer, ids, mask, ptrace) for m in methods]
-        models = [getattr(m, "model", None) or self.consumer for m in methods]   # base: the producer decodes
-        # every method's greedy tokens (and QA answer) after `first`, the methods of one model in one batch, the
-        # oracle's own first: it is the reference, and the oracle method's row
-        qa = s.answer is not None and self.tok is not None
-        gens: dict = {}
-        answers: dict = {}
-        for model in {id(m): m for m in [self.consumer, *models]}.values():
-            idx = [i for i, m in enumerate(models) if m is model and methods[i].name != "oracle"]
-            kvs = [builts[i].kv for i in idx]
-            if model is self.consumer:
-                idx, kvs = ["ref", *idx], [oracle.kv, *kvs]
-            gens.update(zip(idx, self._generate(model, kvs, mask, first, self.greedy_tokens)))
-            if qa:
-                answers.update(zip(idx, self._generate(model, kvs, mask, s.question[None], self.answer_tokens)))
-        ref_gen = torch.tensor([gens["ref"]])
-        for i, m in enumerate(methods):
-            if m.name == "oracle":
-                gens[i], answers[i] = gens["ref"], answers.get("ref")
+        ref_gen, _ = ref = self._said(self.consumer, [oracle.kv], mask, s)[0]
         out = []
-        for i, (m, built, model) in enumerate(zip(methods, builts, models)):
-            logits = self._logits(built.kv, mask, s.cont, model)
-            kl, tv, top1 = metrics.kl_tv_top1(ref_logits, logits)
-            f1, em = metrics.f1_em(self._answer(answers[i]), s.answer) if qa else (None, None)
-            out.append(SampleResult(m.name, kl, tv, top1, metrics.nll(logits[0, :-1], s.cont[1:]),
-                                    metrics.greedy_agreement(ref_gen, torch.tensor([gens[i]])), f1, em,
-                                    built.payload_bytes, built.consumer_ms, oracle.consumer_ms, raw,
-                                    built.phases.get("encode_ms", 0.0), built.entry_bytes,
-                                    built.phases.get("recompute_ms", 0.0), built.phases.get("tail_ms", 0.0)))
+        for start in range(0, len(methods), DECODE_BATCH):
+            chunk = methods[start:start + DECODE_BATCH]
+            builts = [oracle if m.name == "oracle" else m.build(self.consumer, ids, mask, ptrace) for m in chunk]
+            models = [getattr(m, "model", None) or self.consumer for m in chunk]   # base: the producer decodes
+            said = {i: ref for i, m in enumerate(chunk) if m.name == "oracle"}
+            for model in {id(m): m for m in models}.values():         # the methods of one model in one batch
+                idx = [i for i, m in enumerate(models) if m is model and i not in said]
+                said.update(zip(idx, self._said(model, [builts[i].kv for i in idx], mask, s)))
+            for i, (m, built, model) in enumerate(zip(chunk, builts, models)):
+                logits = self._logits(built.kv, mask, s.cont, model)
+                kl, tv, top1 = metrics.kl_tv_top1(ref_logits, logits)
+                gen, answer = said[i]
+                f1, em = metrics.f1_em(self._answer(answer), s.answer) if answer is not None else (None, None)
+                out.append(SampleResult(m.name, kl, tv, top1, metrics.nll(logits[0, :-1], s.cont[1:]),
+                                        metrics.greedy_agreement(torch.tensor([ref_gen]), torch.tensor([gen])), f1,
+                                        em, built.payload_bytes, built.consumer_ms, oracle.consumer_ms, raw,
+                                        built.phases.get("encode_ms", 0.0), built.entry_bytes,
+                                        built.phases.get("recompute_ms", 0.0), built.phases.get("tail_ms", 0.0)))
         return out
 
     def run(self, samples: list[Sample], methods: list[Method], desc: str = "eval", cost_tokens: int = 0,
