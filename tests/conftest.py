@@ -1,7 +1,6 @@
 """Shared fixtures: tiny random Llama pairs (seconds on a CPU) and the committed demo family."""
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -75,27 +74,13 @@ SERVE_ON_THE_SESSION_CLUSTER = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERV
                                 "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.25"}
 
 
-@contextlib.contextmanager
-def environ(**values: str):
-    """os.environ with `values` set, put back as it was after."""
-    import os
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture(scope="session")
 def ray_cluster() -> str:
     """The session's cluster (_session_cluster) with SERVE_ON_THE_SESSION_CLUSTER's settings (set for this
     process too, whose configs are checked against Serve's metrics interval)."""
-    with environ(**SERVE_ON_THE_SESSION_CLUSTER):       # the cluster's processes inherit them
+    with pytest.MonkeyPatch.context() as env:           # the cluster's processes inherit them
+        for name, value in SERVE_ON_THE_SESSION_CLUSTER.items():
+            env.setenv(name, value)
         yield from _session_cluster()
 
 
