@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Literal, get_args, get_origin
@@ -291,6 +292,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-tokens", type=int, default=0, metavar="N",
                    help="also time each method's consumer compute over the consumer's own prefill on one prefix "
                         "of N tokens, side by side (Table 2 reads 2048; 0: only at the held-out prefixes' length)")
+    p.add_argument("--report", metavar="DIR", help=(
+        "also write the calibration job's report of the pair there: summary.md (the rows, and each plan kind's "
+        "least KL within 0.1, 0.2, 0.35 and 0.5 of a prefill) and its figures (compute.png: every plan measured "
+        "against the consumer's compute, the chosen one marked); written when no plan meets the bound too"))
     p.add_argument("--json", action="store_true")
     return p
 
@@ -300,6 +305,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(p, argv)
     if args.cost_tokens < 0:
         p.error("--cost-tokens must be >= 0")
+    report_dir = report_folder(p, args.report) if args.report else None
     entries = positives(args.droidspeak_entries, "--droidspeak-entries") if args.droidspeak_entries else []
     repairs = selective_flags(args.selective) if args.selective else []
     wanted = args.methods.split(",")
@@ -357,10 +363,36 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         plan = f", plan {art.plan}, codes {args.dtype or art.code_dtype}" if art is not None else ""
         print(report(rows, f"{pair}: {len(held)} held-out prefixes{plan}", found, len(val), shared, bound, raw))
+    if report_dir is not None:
+        write_report(report_dir, pair, rows, art)
     if not args.artifact and (line := no_plan(art, pair, bound)):
         print(line, file=sys.stderr)
         raise SystemExit(3)
     return rows
+
+
+def report_folder(p: argparse.ArgumentParser, given: str) -> Path:
+    """--report's folder, made if missing; refused before any work when it cannot be (a file there, no
+    permission)."""
+    d = Path(given).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--report {given}: cannot make that folder ({e.strerror or e})")
+    if not os.access(d, os.W_OK):
+        p.error(f"--report {given}: the folder is not writable")
+    return d
+
+
+def write_report(d: Path, pair: str, rows: list[dict], art: PairArtifacts | None) -> None:
+    """The calibration job's report of the pair (jobs.report) in `d`: the rows, the layer policy's figures and
+    the plan curve where the pair was calibrated here."""
+    from jobs.report import build_report
+    info = art.info if art is not None else {}
+    files = build_report(pair, info.get("policy"), rows, compute=info.get("blocks"))
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    print(f"report: {', '.join(sorted(files))} in {d}", file=sys.stderr)
 
 
 def report(rows: list[dict], title: str, found, n_val: int, shared: dict, bound: exact.Bound, raw: float) -> str:

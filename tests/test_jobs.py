@@ -87,10 +87,15 @@ def test_eval_chooses_a_plan_as_the_job_does_and_exits_3_when_none_meets_the_bou
               "--finetune-epochs", "1", "--prefix-tokens", "96", "--samples", "2", "--methods", "raw_kv,scd",
               "--work-dir", str(tmp_path)]
     with pytest.raises(SystemExit) as out:
-        scd(["eval", "--pair", "base:prose", "--max-kl-ratio", "0.0001", "--max-consumer-prefill-ratio", "0.3"]
-            + budget)
+        scd(["eval", "--pair", "base:prose", "--max-kl-ratio", "0.0001", "--max-consumer-prefill-ratio", "0.3",
+             "--report", str(tmp_path / "report")] + budget)
     err = capsys.readouterr().err
     assert out.value.code == 3, err
+    # the report is written all the same: the curve a user reads to see what the bound asked
+    summary = (tmp_path / "report" / "summary.md").read_text()
+    assert "| plan kind | <= 0.1 | <= 0.2 | <= 0.35 | <= 0.5 |" in summary and "| scd |" in summary, summary
+    assert "Chosen: none within the bound" in summary, summary
+    assert (tmp_path / "report" / "compute.png").read_bytes()[:4] == b"\x89PNG", "no plan curve drawn"
     curve = next(line for line in err.splitlines() if "plans (validation)" in line)
     assert "codes KL" in curve and "codes+sel5 KL" in curve and "enter@7 KL" in curve, curve
     assert "codes+lsel5 KL" in curve, curve                            # the learned rule's shares too
@@ -106,6 +111,15 @@ def test_eval_chooses_a_plan_as_the_job_does_and_exits_3_when_none_meets_the_bou
     err = capsys.readouterr().err
     assert "codes alone (within the quality bound)" in err and "stage traces: resumed" in err, err
     assert rows["scd"]["payload_ratio"] < 1, rows
+
+
+def test_eval_refuses_a_report_folder_it_cannot_make_before_any_work(tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file, not a folder")
+    with pytest.raises(SystemExit) as out:
+        scd(["eval", "--pair", "base:qa", "--report", str(tmp_path / "taken" / "report")])
+    err = capsys.readouterr().err
+    assert out.value.code == 2 and "--report" in err and "cannot make that folder" in err, err
+    assert "Traceback" not in err
 
 
 def test_eval_measures_selective_recompute_as_a_method_and_refuses_a_bad_rule(tmp_path, capsys):
