@@ -224,9 +224,13 @@ def test_ranks_are_chosen_by_validation_kl_within_the_payload_budget(tmp_path):
     val = _samples(3, 2)
     for source in ("kv", "hidden"):
         cfg = CalibConfig(payload_budget=0.3, reuse_source=source, aligner_epochs=2, pool=1, batch=16)
-        cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path / source, cfg, progress=False, log=lambda s: None)
+        said = []
+        cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path / source, cfg, progress=False, log=said.append)
         cal.traces()
         rec = cal.ranks(val)
+        line = next(s for s in said if "candidates within" in s)       # the choice is said, the best one or not
+        assert line.startswith(f"stage ranks: {rec['chosen']} (reuse-only KL "), line
+        assert f"; {len(rec['tried'])} candidates within 0.3)" in line, line
         assert rec["tried"] and all(t["payload_ratio"] <= 0.3 + 1e-9 for t in rec["tried"]), rec
         assert [{k: t[k] for k in rec["chosen"]} for t in rec["tried"]] == cal.rank_candidates()
         best = min(rec["tried"], key=lambda t: t["kl"])

@@ -327,10 +327,11 @@ class Calibration:
             record = save_record(path, {"budget": self.cfg.payload_budget, "source": self.cfg.reuse_source,
                                         "wire_factor": self._wire, "tried": tried, "best": {k: best[k] for k in chosen},
                                         "chosen": chosen}, inputs)
+            noise = "" if pick is best else (f"; the lowest, {best['kl']:.4f} at {best['payload_ratio']:.3f}, is no "
+                                             f"gain beyond the noise ({KEEP_RULE})")
             self.log(f"stage ranks: {chosen} (reuse-only KL {pick['kl']:.4f} at payload {pick['payload_ratio']:.3f} as "
-                     f"sent, the wire sending {self._wire:.3f} of the code bytes; the lowest, {best['kl']:.4f} at "
-                     f"{best['payload_ratio']:.3f}, is no gain beyond the noise ({KEEP_RULE})" * (pick is not best)
-                     + f"; {len(tried)} candidates within {self.cfg.payload_budget})")
+                     f"sent, the wire sending {self._wire:.3f} of the code bytes{noise}; {len(tried)} candidates "
+                     f"within {self.cfg.payload_budget})")
         self._ranks = dict(record["chosen"])
         return record
 
