@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from scd.data import demo_data, samples
-from cli.evaluate import add_pair_args, calibrated, exact_artifact, parse, positives, resolve_pair
+from cli.evaluate import add_pair_args, calibrated, exact_artifact, output_folder, parse, positives, resolve_pair
 from scd.evaluation import methods
 from scd.online import codec, links
 from scd.online.artifacts import level_tag
@@ -159,17 +159,6 @@ def plot_ttft(gbps: list[float], cold: dict[str, list[float]], warm: dict[str, l
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
-
-
-def _plot_dir(text: str) -> Path:
-    path = Path(text).expanduser()
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"--plot-dir {text!r} exists and is not a folder")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SystemExit(f"--plot-dir {text!r}: {e.strerror}") from None
-    return path
 
 
 def _print_default(pair: str, r: dict) -> None:
@@ -302,7 +291,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sizes, ns, gbps, sweep = checked(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    plot_dir = _plot_dir(args.plot_dir) if gbps else None
+    try:
+        plot_dir = output_folder("--plot-dir", args.plot_dir) if gbps else None
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     pa, pb, na, nb = resolve_pair(args)
     producer, consumer, tok, spec = load_pair(pa, pb, consumer_base=getattr(args, "consumer_base", None))
     pair = f"{na}:{nb}"

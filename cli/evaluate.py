@@ -305,7 +305,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(p, argv)
     if args.cost_tokens < 0:
         p.error("--cost-tokens must be >= 0")
-    report_dir = report_folder(p, args.report) if args.report else None
+    try:
+        report_dir = output_folder("--report", args.report) if args.report else None
+    except ValueError as e:
+        p.error(str(e))
     entries = positives(args.droidspeak_entries, "--droidspeak-entries") if args.droidspeak_entries else []
     repairs = selective_flags(args.selective) if args.selective else []
     wanted = args.methods.split(",")
@@ -371,16 +374,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def report_folder(p: argparse.ArgumentParser, given: str) -> Path:
-    """--report's folder, made if missing; refused before any work when it cannot be (a file there, no
-    permission)."""
+def output_folder(flag: str, given: str) -> Path:
+    """The folder a flag names for output files (scd eval --report, scd bench --plot-dir), made if missing.
+    ValueError, in one line naming the flag, where it cannot be: a file there, or no permission."""
     d = Path(given).expanduser()
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"{flag} {given}: exists and is not a folder")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        p.error(f"--report {given}: cannot make that folder ({e.strerror or e})")
+        raise ValueError(f"{flag} {given}: cannot make that folder ({e.strerror or e})") from None
     if not os.access(d, os.W_OK):
-        p.error(f"--report {given}: the folder is not writable")
+        raise ValueError(f"{flag} {given}: the folder is not writable")
     return d
 
 
