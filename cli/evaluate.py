@@ -142,7 +142,8 @@ def exact_artifact(args, producer, consumer, spec, tok, pair: str, found, val) -
         return None
     codes = klt_codes(args, producer, spec, tok, pair) if "klt" in exact.wire_forms(args.exact_dtype) else None
     chosen = exact.select(producer, consumer, tok, pair, spec, found, val, args.exact_dtype,
-                          exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio, args.max_kl), 25.0,
+                          exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio, args.max_kl,
+                                      noise_z=args.bound_noise_z), 25.0,
                           lambda line: print(line, file=sys.stderr), klt_codes=codes)["chosen"]
     return None if chosen is None else exact.artifact(pair, spec, chosen["entry"], chosen["dtype"],
                                                       whole_prefix=found.invocation_tokens is not None,
@@ -250,11 +251,12 @@ def mark_bound(rows: list[dict], ms: list[methods.Method], bound: exact.Bound, c
     """Set each row's "meets_bound" (None for the oracle and the base alone, or without a raw_kv row to
     measure against); returns raw KV's KL."""
     compute = {m.name: counted_compute(m, config, t) for m in ms}
-    raw = next((r["kl"] for r in rows if r["method"] == "raw_kv"), None)
+    raw = next((r for r in rows if r["method"] == "raw_kv"), None)
     for r in rows:
         r["meets_bound"] = None if raw is None or r["method"] in ("oracle", "base") else bound.meets(
-            {"kl": r["kl"], "consumer_ratio": compute[r["method"]], "retained_gain": r.get("retained_gain")}, raw)
-    return raw
+            {"kl": r["kl"], "kls": r.get("kls"), "consumer_ratio": compute[r["method"]],
+             "retained_gain": r.get("retained_gain")}, raw["kl"], raw.get("kls"))
+    return raw["kl"] if raw is not None else None
 
 
 def no_plan(art: PairArtifacts | None, pair: str, bound: exact.Bound) -> str | None:
@@ -329,7 +331,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                      seed=args.seed)
     found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
                                        pb if is_adapter(pb) else None)
-    bound = exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio, args.max_kl, args.min_retained_gain)
+    bound = exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio, args.max_kl, args.min_retained_gain,
+                        args.bound_noise_z)
     art = None
     if "scd" in wanted:
         art = exact_artifact(args, producer, consumer, spec, tok, pair, found, val)

@@ -208,7 +208,7 @@ class SpecialistSettings(ModelSettings):
 # besides fit settings, a specialist may calibrate on text of its own, choose its plans on more validation
 # samples, and have its own bound and exact-plan wire form (what it may be served at differs per specialist;
 # the deployment's gate and budgets do not)
-PAIR_DATA = {"text_file", "val", "max_kl", "max_kl_ratio", "max_consumer_prefill_ratio", "min_retained_gain",
+PAIR_DATA = {"text_file", "val", "max_kl", "max_kl_ratio", "bound_noise_z", "max_consumer_prefill_ratio", "min_retained_gain",
              "exact_dtype", "exact_step", "entries", "tails", "selective", "selector_samples", "entry_train_samples", "entry_train_epochs",
              "entry_train_lr"}
 
@@ -331,6 +331,10 @@ class CalibrationSettings(CalibConfig):
         "halving it adds about one bit per value and quarters the squared error"))
     max_kl_ratio: float = Field(0.2, gt=0, description=(
         "the quality bound a plan is chosen under: validation KL at most this x raw KV reuse's"))
+    bound_noise_z: float = Field(1.0, ge=0, description=(
+        "the quality bound's margin for the validation samples' noise: a plan's per-sample KLs must be below "
+        "max_kl_ratio x raw KV's by at least this many standard errors of the paired differences; 0: the mean "
+        "alone, which favours the plan whose validation KL came out low by chance, and reads higher on other text"))
     max_consumer_prefill_ratio: float = Field(0.5, ge=0, le=1, description=(
         "the ceiling on the consumer's compute over the prefix, as a share of its own prefill's layers"))
     min_retained_gain: float | None = Field(None, ge=0, le=1, description=(

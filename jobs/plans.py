@@ -39,9 +39,10 @@ def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None, log: Lo
     validation samples (checkpointed), or None when none meets the bound: then codes are fitted."""
     tokens = serving_tokens(cal, c)
     path = cal.trace_dir / f"exact-curve-{wire_tag(c)}.json"
-    inputs = {"samples": samples_digest(val), **({"serving_tokens": tokens} if tokens else {})}
+    inputs = {"samples": samples_digest(val), "per_sample_kls": True, **({"serving_tokens": tokens} if tokens else {})}
     rec = exact.select(cal.producer, cal.consumer, tok, cal.pair, cal.spec, found, val, c.exact_dtype,
-                       exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl), gbps or DEFAULT_GBPS,
+                       exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl, noise_z=c.bound_noise_z),
+                       gbps or DEFAULT_GBPS,
                        log, load_record(path, inputs, log), klt_codes=klt_codes, serving_tokens=tokens)
     save_record(path, {k: rec[k] for k in ("points", "raw_kv")}, inputs)
     return rec if rec["chosen"] is not None else None
@@ -49,7 +50,7 @@ def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None, log: Lo
 
 def quality_bound(c) -> exact.Bound:
     """A pair's quality bound from its calibration settings."""
-    return exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl, c.min_retained_gain)
+    return exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl, c.min_retained_gain, c.bound_noise_z)
 
 
 def block_entries(cal: Calibration, c) -> list[int]:
@@ -147,7 +148,7 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
     tokens = serving_tokens(cal, c)
     path = cal.dir / "blocks.json"
     trained = {k: getattr(c, k) for k in ("entry_train_samples", "entry_train_epochs", "entry_train_lr")}
-    inputs = {"samples": samples_digest(val), **({"serving_tokens": tokens} if tokens else {}),
+    inputs = {"samples": samples_digest(val), "per_sample_kls": True, **({"serving_tokens": tokens} if tokens else {}),
               **(trained if c.entry_train_samples else {})}
     rec = load_record(path, inputs, log)
     if rec is not None:     # a tail timed as a fixed count of tokens at the serving length (before tail_of): again
@@ -155,7 +156,7 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
     if rec is None:
         codes_pts, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}",
                                       serving_tokens=tokens)
-        rec = save_record(path, {"points": codes_pts, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio")}}, inputs)
+        rec = save_record(path, {"points": codes_pts, "raw_kv": {k: raw[k] for k in ("kl", "kls", "payload_ratio")}}, inputs)
 
     def add(more: list[dict]) -> None:
         nonlocal rec
@@ -163,7 +164,7 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
 
     t_val = val[0].prefix.shape[-1]
     want = share_plans(cal, c, es, t_val, learned=art.selector is not None)
-    if not bound.meets(rec["points"][0], rec["raw_kv"]["kl"]):
+    if not bound.meets(rec["points"][0], rec["raw_kv"]["kl"], rec["raw_kv"].get("kls")):
         have = {key(p) for p in rec["points"]}
         entry_points(cal, art, tok, calib, val, c, [e for e in es if (e, 0, "last") not in have], tune, log, add)
         share_points(cal, art, tok, val, c, [w for w in want if w not in have], add)
@@ -240,7 +241,7 @@ def chosen_plan(cal: Calibration, art, rec: dict, bound: exact.Bound, gbps: floa
     n = cal.spec.num_layers
     raw_kl = rec["raw_kv"]["kl"]
     log(f"plans (validation): {blocks.describe(rec['points'], raw_kl, n)}")
-    chosen = exact.choose(rec["points"], raw_kl, bound, gbps or DEFAULT_GBPS)
+    chosen = exact.choose(rec["points"], raw_kl, bound, gbps or DEFAULT_GBPS, rec["raw_kv"].get("kls"))
     art.info["blocks"] = {**rec, "chosen": chosen, "bound": vars(bound), "gbps": gbps or DEFAULT_GBPS,
                           "num_layers": n, "prefix_tokens": t_val}
     tail, rule = (chosen.get("tail", 0), chosen.get("rule", "last")) if chosen else (0, "last")

@@ -24,12 +24,17 @@ SELECT_WINDOW = 16
 class CalibConfig(BaseModel):
     """Everything a pair's fit depends on: the one schema of calibration settings. The deployment config's
     `calibration:` section extends it (cluster.config.CalibrationSettings: how many prefixes, the quality
-    gate, where checkpoints go) and `scd eval`/`scd bench` derive their flags from that."""
+    gate, where checkpoints go) and `scd eval`/`scd bench` derive their flags from that.
+
+    The defaults are the codes every shipped config gives its pairs, so a new pair (`scd eval --producer P
+    --consumer C`) gets them without flags: one hidden-state code per token for each group of 6 adjacent layers,
+    its rank chosen under a payload budget of 0.15 of the raw KV, sent in mixed int8/int4, with Patch codes of
+    rank 128. The per-head K/V codes (reuse_source kv, r_k, r_v) are the other form (docs/method.md)."""
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     r_k: int = Field(8, ge=1, description="rank of the per-head key codes (reuse_source kv)")
     r_v: int = Field(12, ge=1, description="rank of the per-head value codes (reuse_source kv)")
-    r_h: int = Field(32, ge=1, description="rank of the Patch layers' hidden-state codes")
+    r_h: int = Field(128, ge=1, description="rank of the Patch layers' hidden-state codes (at most the hidden size)")
     ridge: float = Field(1e-4, ge=0, description="ridge of the producer-side encoders, relative to the mean variance")
     aligner_width: int = Field(128, ge=1, description="hidden width of the Patch aligners' MLP")
     aligner_epochs: int = Field(100, ge=1, description="training epochs of each Patch aligner")
@@ -51,8 +56,8 @@ class CalibConfig(BaseModel):
     finetune_encoders: bool = Field(False, description=(
         "fine-tuning also moves the producer-side encoders of the hidden-state codes (the codes themselves "
         "learn what the consumer needs), not only the consumer-side decoders and aligners"))
-    patch_cost: float = Field(0.25, ge=0, description="one Patch layer's consumer work relative to the whole Reuse rebuild")
-    payload_budget: float = Field(0.0, ge=0, le=1, description=(
+    patch_cost: float = Field(0.1, ge=0, description="one Patch layer's consumer work relative to the whole Reuse rebuild")
+    payload_budget: float = Field(0.15, ge=0, le=1, description=(
         "> 0: calibration chooses r_k and r_v (or r_x) by validation KL among the ranks whose codes stay within "
         "this fraction of the raw KV, the cheapest one the lowest-KL one does not beat beyond the validation "
         "samples' noise (0: the ranks as given)"))
@@ -60,11 +65,11 @@ class CalibConfig(BaseModel):
         "after fitting, the served code is the artifact's nested level (PairArtifacts.levels) with the lowest "
         "validation KL, and the artifact is published at that level: a wider code that scores no lower costs "
         "bytes and the consumer's decode for nothing (false: the full ranks)"))
-    reuse_source: Literal["kv", "hidden"] = Field("kv", description=(
+    reuse_source: Literal["kv", "hidden"] = Field("hidden", description=(
         "Reuse codes: 'kv' per-head codecs of the producer's K and V (r_k, r_v); 'hidden' one code per token "
         "from the producer's x_norm, decoded into the K and V of every head of the consumer (r_x)"))
     r_x: int = Field(64, ge=1, description="rank of the hidden-state Reuse codes")
-    x_group: int = Field(1, ge=0, description=(
+    x_group: int = Field(6, ge=0, description=(
         "adjacent layers per hidden-state code (a shared cross-layer subspace: one code per token read from the "
         "x_norm of every layer of the group, decoded into each one's K and V); 1 = a code per layer, 0 = one "
         "code for all layers"))
@@ -80,7 +85,7 @@ class CalibConfig(BaseModel):
     bigram_shrink: float = Field(16.0, gt=0, description=(
         "ridge of the bigram table, in rows: a pair seen n times keeps n / (n + bigram_shrink) of what it adds "
         "to its token's row"))
-    code_dtype: Literal[CODE_DTYPES] = Field("fp16", description=(
+    code_dtype: Literal[CODE_DTYPES] = Field("mixed", description=(
         "precision of the codes on the wire, what the payload budget counts and what validation scores; int8 "
         "(per-row scales) halves the bytes of a rank, so a payload budget buys twice the rank; int4 (per-row "
         "scales, two values a byte) four times; mixed: a code's first third (its widest columns) in int8, the "

@@ -11,6 +11,22 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "demo_models"
 
 
+# the fit settings the tiny models' tests are written for: per-head codes at the given ranks, in fp16, a code per
+# layer, no payload budget, Patch codes of rank 32. CalibConfig's defaults are a 100M+ pair's (hidden-state codes
+# over groups of 6 layers, ranks chosen under a budget), which a 3-layer model of width 32 has no room for.
+TINY_FIT = {"reuse_source": "kv", "payload_budget": 0.0, "code_dtype": "fp16", "x_group": 1, "r_h": 32,
+            "patch_cost": 0.25}
+
+
+TINY_FIT_FLAGS = [f for k, v in TINY_FIT.items() for f in (f"--{k.replace('_', '-')}", str(v))]   # scd eval/bench
+
+
+def fit_settings(**given):
+    """CalibConfig at TINY_FIT, with what `given` sets."""
+    from scd.settings import CalibConfig
+    return CalibConfig(**{**TINY_FIT, **given})
+
+
 def tiny_llama(seed: int = 0, layers: int = 3, vocab: int = 97) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
@@ -179,7 +195,7 @@ def write_config(tmp_path, **calibration) -> Path:
     the report's diagnostics: a budget this small fits artifacts that may well lose to raw KV reuse, and these
     tests are about the mechanics (the gates, the blocks, the selector and the report have their own tests)."""
     import yaml
-    cal = {"prefixes": 16, "val": 3, "heldout": 2, "aligner_epochs": 3, "pool": 2, "prefix_tokens": 96,
+    cal = {**TINY_FIT, "prefixes": 16, "val": 3, "heldout": 2, "aligner_epochs": 3, "pool": 2, "prefix_tokens": 96,
            "finetune_samples": 8, "finetune_epochs": 1, "gate_vs_raw_kv": 0, "family_vs_pair": 0,
            "recompute_blocks": False, "diagnostics": False, "serving_tokens": 256, "selector_samples": 0,
            "work_dir": str(tmp_path / "work"),

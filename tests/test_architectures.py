@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.fitting.calibrate import Calibration
 from scd.online import cache, rope, trace
 from scd.online.models import ModelSpec
 from scd.online.patch import Aligner, FusedPatches, regenerate_kv
 from scd.online.rebuild import encode, rebuild
 from scd.online.tables import ConsumerTables, layer0_input
-from tests.conftest import left_padded_batch
+from tests.conftest import fit_settings, left_padded_batch
 
 D = 8   # head dim
 ARCHS = {
@@ -133,7 +133,7 @@ def test_identical_pair_at_full_rank_rebuilds_its_own_kv(arch, tmp_path):
     spec = ModelSpec.from_config(model.config)
     g = torch.Generator().manual_seed(1)
     prefixes = [torch.randint(2, 97, (int(n),), generator=g) for n in torch.randint(20, 48, (24,), generator=g)]
-    cal = Calibration(model, model, spec, "a:a", prefixes, tmp_path, CalibConfig(r_k=D, r_v=D, ridge=1e-9, batch=8),
+    cal = Calibration(model, model, spec, "a:a", prefixes, tmp_path, fit_settings(r_k=D, r_v=D, ridge=1e-9, batch=8),
                       progress=False, log=lambda s: None)
     cal.traces()
     art = cal.artifacts_for(cal.base_plan)
@@ -150,7 +150,7 @@ def test_identical_pair_at_full_rank_rebuilds_its_own_kv_from_hidden_states(arch
     spec = ModelSpec.from_config(model.config)
     g = torch.Generator().manual_seed(1)
     prefixes = [torch.randint(2, 97, (int(n),), generator=g) for n in torch.randint(20, 48, (24,), generator=g)]
-    cfg = CalibConfig(reuse_source="hidden", r_x=2 * 2 * D, ridge=1e-9, batch=8)
+    cfg = fit_settings(reuse_source="hidden", r_x=2 * 2 * D, ridge=1e-9, batch=8)
     cal = Calibration(model, model, spec, "a:a", prefixes, tmp_path, cfg, progress=False, log=lambda s: None)
     cal.traces()
     art = cal.artifacts_for(cal.base_plan)

@@ -8,13 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.fitting.calibrate import Calibration
 from scd.online import codec
 from scd.online.models import ModelSpec
 from scd.online.rebuild import encode, rebuild
 from scd.online.reuse import LinearCodec
 from scd.online.trace import capture
-from tests.conftest import perturbed, tiny_llama
+from tests.conftest import fit_settings, perturbed, tiny_llama
 from tests.test_pipeline_tiny import _samples
 
 
@@ -31,7 +31,7 @@ def _block(codecs: list[LinearCodec], rank: int) -> LinearCodec:
 def pair(tmp_path_factory):
     a = tiny_llama(0, layers=4)
     b = perturbed(a, 0.3, seed=1)
-    cfg = CalibConfig(reuse_source="hidden", r_x=6, r_h=8, aligner_epochs=2, batch=16)
+    cfg = fit_settings(reuse_source="hidden", r_x=6, r_h=8, aligner_epochs=2, batch=16)
     cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(24, 1)],
                       tmp_path_factory.mktemp("cal"), cfg, progress=False, log=lambda s: None)
     cal.traces()
@@ -90,7 +90,7 @@ def test_groups_must_be_disjoint_runs_of_adjacent_layers(pair, groups):
 def _calibration(tmp_path, x_group, r_x, layers=4, ridge=1e-4, token_table=0, bigram_table=0):
     a = tiny_llama(0, layers=layers)
     b = perturbed(a, 0.3, seed=1)
-    cfg = CalibConfig(reuse_source="hidden", r_x=r_x, x_group=x_group, batch=16, ridge=ridge, token_table=token_table,
+    cfg = fit_settings(reuse_source="hidden", r_x=r_x, x_group=x_group, batch=16, ridge=ridge, token_table=token_table,
                       bigram_table=bigram_table)
     cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(24, 1)],
                       tmp_path / f"g{x_group}_t{token_table}_b{bigram_table}", cfg, progress=False, log=lambda s: None)

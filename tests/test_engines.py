@@ -5,9 +5,9 @@ import torch
 from engines.producer import ProducerEngine
 from actors.messages import GenParams
 from engines.specialist import SpecialistEngine
-from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.fitting.calibrate import Calibration
 from scd.online.models import ModelSpec
-from tests.conftest import perturbed, tiny_llama
+from tests.conftest import fit_settings, perturbed, tiny_llama
 from tests.test_models import _tokenizer
 
 
@@ -18,7 +18,7 @@ def setup(tmp_path_factory):
     spec = ModelSpec.from_config(a.config)
     g = torch.Generator().manual_seed(0)
     prefixes = [torch.randint(2, 97, (20,), generator=g) for _ in range(16)]
-    cfg = CalibConfig(r_k=4, r_v=4, r_h=16, aligner_epochs=2, batch=8)
+    cfg = fit_settings(r_k=4, r_v=4, r_h=16, aligner_epochs=2, batch=8)
     arts = {}
     for name, m in (("b", b), ("c", c)):
         cal = Calibration(a, m, spec, f"a:{name}", prefixes, tmp_path_factory.mktemp(name), cfg, progress=False)

@@ -55,6 +55,24 @@ def test_the_engines_serve_an_exact_plan_as_the_oracle_answers():
     assert same == 6, f"an exact plan in bf16 should answer as the oracle: {same} of 6 greedy answers equal"
 
 
+def test_the_bound_with_a_noise_margin_refuses_a_plan_within_it_by_its_mean_alone():
+    raw_kls = [0.30, 0.25, 0.35, 0.28, 0.32, 0.30]                    # raw KV's mean 0.30: the bound 0.06
+    near = [0.02, 0.11, 0.03, 0.09, 0.04, 0.04]                       # mean 0.055, but spread across samples
+    clear = [0.03, 0.025, 0.035, 0.03, 0.03, 0.03]                    # mean 0.03, every sample well within
+    cheap = {"entry": 8, "consumer_ratio": 0.2, "kl": sum(near) / 6, "kls": near, "payload_bytes": 100,
+             "consumer_ms": 10.0}
+    dear = {"entry": 6, "consumer_ratio": 0.35, "kl": sum(clear) / 6, "kls": clear, "payload_bytes": 100,
+            "consumer_ms": 20.0}
+    raw = sum(raw_kls) / 6
+    means = exact.Bound(0.2, 1.0)
+    margin = exact.Bound(0.2, 1.0, noise_z=1.0)
+    assert exact.choose([cheap, dear], raw, means, gbps=25, raw_kls=raw_kls) is cheap, "the means alone: the cheaper"
+    assert not margin.meets(cheap, raw, raw_kls), "0.055 against a bound of 0.06 is within one standard error"
+    assert exact.choose([cheap, dear], raw, margin, gbps=25, raw_kls=raw_kls) is dear
+    assert margin.meets(cheap, raw), "without raw KV's per-sample KLs the mean decides"
+    assert margin.meets({**cheap, "kls": near[:3]}, raw, raw_kls), "KLs of other samples: the mean decides"
+
+
 def test_the_entry_chosen_is_the_cheapest_modeled_ttft_that_meets_the_bound():
     pts = [{"entry": 4, "consumer_ratio": 0.5, "kl": 1e-6, "payload_bytes": 1000, "consumer_ms": 50.0},
            {"entry": 6, "consumer_ratio": 0.25, "kl": 0.01, "payload_bytes": 1400, "consumer_ms": 25.0},

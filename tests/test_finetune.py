@@ -3,10 +3,10 @@ worsens validation KL, resumes, belongs to its plan, and keeps an epoch only if 
 validation noise."""
 import pytest
 
-from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.fitting.calibrate import Calibration
 from scd.fitting.scoring import PlanScorer
 from scd.online.models import ModelSpec
-from tests.conftest import perturbed, tiny_llama
+from tests.conftest import fit_settings, perturbed, tiny_llama
 from tests.test_pipeline_tiny import _samples
 
 
@@ -24,7 +24,7 @@ def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, m
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
     prefixes = [s.prefix for s in _samples(24, 1)]
-    cfg = CalibConfig(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source=source, aligner_epochs=3,
+    cfg = fit_settings(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source=source, aligner_epochs=3,
                       pool=1 if source == "hidden" else 2, batch=8, finetune_samples=16, finetune_epochs=3,
                       finetune_lr=3e-3, finetune_encoders=encoders, code_dtype="int8" if encoders else "fp16",
                       x_group=x_group, token_table=token_table, bigram_table=bigram_table,
@@ -73,7 +73,7 @@ def test_a_finetune_checkpoint_of_another_plan_is_not_resumed(tmp_path):
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
-    cfg = CalibConfig(r_x=2, r_h=8, reuse_source="hidden", aligner_epochs=2, pool=1, batch=8, finetune_samples=8,
+    cfg = fit_settings(r_x=2, r_h=8, reuse_source="hidden", aligner_epochs=2, pool=1, batch=8, finetune_samples=8,
                       finetune_epochs=1)
     tune, val = _samples(8, 4, t=20, c=8), _samples(3, 2)
     logs = []
@@ -122,7 +122,7 @@ def test_finetuning_keeps_the_best_epoch_whose_gain_stands_out(tmp_path):
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
-    cfg = CalibConfig(r_x=2, reuse_source="hidden", pool=1, batch=8)
+    cfg = fit_settings(r_x=2, reuse_source="hidden", pool=1, batch=8)
     cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(16, 1)], tmp_path, cfg, progress=False,
                       log=lambda s: None)
     cal.traces()
@@ -160,7 +160,7 @@ def test_a_fine_tuning_killed_after_an_epoch_goes_on_from_it_and_ends_where_an_u
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
     prefixes = [s.prefix for s in _samples(24, 1)]
-    cfg = CalibConfig(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source="hidden", aligner_epochs=3, pool=1, batch=8,
+    cfg = fit_settings(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source="hidden", aligner_epochs=3, pool=1, batch=8,
                       finetune_samples=16, finetune_epochs=3, finetune_lr=3e-3)
     tune, val = _samples(16, 4, t=20, c=8), _samples(4, 2)
 

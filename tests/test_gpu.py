@@ -8,17 +8,17 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @cuda
 def test_rebuild_on_cuda_matches_cpu(tmp_path):
-    from scd.fitting.calibrate import CalibConfig, Calibration
+    from scd.fitting.calibrate import Calibration
     from scd.online.models import ModelSpec
     from scd.online.rebuild import encode, rebuild
     from scd.online.trace import capture
-    from tests.conftest import perturbed, tiny_llama
+    from tests.conftest import fit_settings, perturbed, tiny_llama
     a, b = tiny_llama(0), None
     b = perturbed(a, 0.3)
     spec = ModelSpec.from_config(a.config)
     g = torch.Generator().manual_seed(0)
     prefixes = [torch.randint(2, 97, (20,), generator=g) for _ in range(8)]
-    cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, CalibConfig(r_k=4, r_v=4, r_h=16, aligner_epochs=2),
+    cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, fit_settings(r_k=4, r_v=4, r_h=16, aligner_epochs=2),
                       progress=False)
     cal.traces()
     art = cal.artifacts_for(["exact", "patch", "reuse"])

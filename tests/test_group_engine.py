@@ -11,7 +11,7 @@ from engines.group import GroupEngine
 from scd.online.decode import GenParams
 from scd.online.lora_group import LoraGroup, read_adapter
 from scd.online.selective import POSITION_FEATURES
-from tests.conftest import DEMO
+from tests.conftest import DEMO, fit_settings
 
 ADAPTERS = {                  # name -> PEFT LoraConfig: every layer, a few top layers, an activated LoRA
     "every": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
@@ -191,14 +191,14 @@ def every_artifacts(adapters, tmp_path_factory):
     recompute of the positions the prefix's last attend to most, or that a selector picks."""
     import dataclasses
 
-    from scd.fitting.calibrate import CalibConfig, Calibration
+    from scd.fitting.calibrate import Calibration
     from scd.online.models import ModelSpec
     _, merged = adapters
     base = _base()
     g = torch.Generator().manual_seed(0)
     prefixes = [torch.randint(2, 2048, (48,), generator=g) for _ in range(12)]
     cal = Calibration(base, merged["every"], ModelSpec.from_config(base.config), "base:every", prefixes,
-                      tmp_path_factory.mktemp("every-cal"), CalibConfig(r_k=8, r_v=8, r_h=16, aligner_epochs=2,
+                      tmp_path_factory.mktemp("every-cal"), fit_settings(r_k=8, r_v=8, r_h=16, aligner_epochs=2,
                                                                          batch=8), progress=False)
     cal.traces()
     codes = cal.artifacts_for(["exact", "reuse", "reuse", "patch", "reuse", "reuse", "reuse", "reuse"])

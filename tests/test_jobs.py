@@ -6,7 +6,7 @@ import pytest
 
 from cli.main import main as scd
 from scd.online.models import load, load_pair
-from tests.conftest import DEMO
+from tests.conftest import DEMO, TINY_FIT_FLAGS
 
 
 def test_train_family_on_a_tiny_budget_produces_a_loadable_compatible_family(tmp_path):
@@ -107,7 +107,8 @@ def test_eval_chooses_a_plan_as_the_job_does_and_exits_3_when_none_meets_the_bou
     # a bound the codes meet on the validation prefixes: they are the plan, and the command ends normally (the
     # checkpoints of the run above resumed)
     from cli.evaluate import main as evaluate
-    rows = {r["method"]: r for r in evaluate(["--pair", "base:prose", "--max-kl-ratio", "0.99", "--json"] + budget)}
+    rows = {r["method"]: r for r in evaluate(["--pair", "base:prose", "--max-kl-ratio", "0.99", "--bound-noise-z", "0",
+                                              "--json"] + budget)}     # by the mean alone: 2 validation samples
     err = capsys.readouterr().err
     assert "codes alone (within the quality bound)" in err and "stage traces: resumed" in err, err
     assert rows["scd"]["payload_ratio"] < 1, rows
@@ -138,7 +139,8 @@ def test_eval_measures_selective_recompute_as_a_method_and_refuses_a_bad_rule(tm
 
 @pytest.fixture(scope="module")
 def bench_work_dir(tmp_path_factory) -> str:
-    """One calibration for the bench tests, which ask for the same budget: the second resumes the first's."""
+    """One calibration for the bench tests, which ask for the same budget and fit settings (TINY_FIT): the second
+    resumes the first's."""
     return str(tmp_path_factory.mktemp("bench-work"))
 
 
@@ -148,7 +150,7 @@ def test_bench_prints_side_by_side_ratio(bench_work_dir, capsys):
     try:                                # --threads 1: as a replica of num_cpus 1 runs
         scd(["bench", "--pair", "base:qa", "--tokens", "128,256", "--repeats", "2", "--calib", "16", "--val", "2",
              "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
-             "--selector-samples", "0", "--work-dir", bench_work_dir, "--threads", "1", "--json"])
+             "--selector-samples", "0", "--work-dir", bench_work_dir, "--threads", "1", "--json", *TINY_FIT_FLAGS])
     finally:
         torch.set_num_threads(threads)
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -163,7 +165,7 @@ def test_bench_fanout_and_bandwidth_views_of_one_measurement(bench_work_dir, tmp
          "--aligner-epochs", "2", "--pool", "1", "--finetune-samples", "8", "--finetune-epochs", "1",
          "--selector-samples", "0", "--work-dir", bench_work_dir, "--fanout", "1,4", "--bandwidth", "10,400",
          "--plot-dir", str(tmp_path / "plots"), "--ttft-target", "1e9", "--kl-samples", "2", "--json",
-         "--no-choose-level"])            # the artifact at its fitted ranks: the levels below are known
+         "--no-choose-level", *TINY_FIT_FLAGS])   # per-head codes at their fitted ranks: the levels below are known
     (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [f["n"] for f in r["fanout"]] == [1, 4] and r["fanout"][1]["ratio"] < r["fanout"][0]["ratio"], r["fanout"]
     bw = r["bandwidth"]

@@ -10,13 +10,13 @@ from actors.messages import GenParams
 from engines.producer import ProducerEngine
 from engines.specialist import SpecialistEngine
 from scd.evaluation import methods
-from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.fitting.calibrate import Calibration
 from scd.fitting.scoring import PlanScorer
 from scd.online import codec, links
 from scd.online.models import ModelSpec
 from scd.online.rebuild import encode, rebuild
 from scd.online.trace import capture
-from tests.conftest import perturbed, tiny_llama
+from tests.conftest import fit_settings, perturbed, tiny_llama
 from tests.test_models import _tokenizer
 from tests.test_pipeline_tiny import _samples
 
@@ -31,7 +31,7 @@ def fitted(request, tmp_path_factory):
     a = tiny_llama(0)
     b = perturbed(a, 0.3, seed=1)
     spec = ModelSpec.from_config(a.config)
-    cfg = CalibConfig(reuse_source=request.param, r_k=8, r_v=12, r_x=24, r_h=16, aligner_epochs=2, batch=16)
+    cfg = fit_settings(reuse_source=request.param, r_k=8, r_v=12, r_x=24, r_h=16, aligner_epochs=2, batch=16)
     cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path_factory.mktemp("cal"), cfg,
                       progress=False, log=lambda s: None)
     cal.traces()
@@ -195,7 +195,7 @@ def test_calibration_serves_the_level_with_the_lowest_validation_kl(tmp_path):
     one with the lowest KL, which then scores what the stage recorded for it."""
     a = tiny_llama(0)
     b = perturbed(a, 0.3, seed=1)
-    cfg = CalibConfig(reuse_source="hidden", r_x=24, r_h=8, aligner_epochs=2, pool=1, batch=16, finetune_samples=0)
+    cfg = fit_settings(reuse_source="hidden", r_x=24, r_h=8, aligner_epochs=2, pool=1, batch=16, finetune_samples=0)
     val = _samples(4, 2)
     cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(24, 1)], tmp_path,
                       cfg, progress=False, log=lambda s: None)

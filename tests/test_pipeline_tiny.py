@@ -10,7 +10,7 @@ from scd.evaluation.evaluate import Evaluator, Sample
 from scd.fitting.calibrate import CalibConfig, Calibration, calibrate
 from scd.fitting.scoring import PlanScorer, beats
 from scd.online.models import ModelSpec
-from tests.conftest import perturbed, tiny_llama
+from tests.conftest import fit_settings, perturbed, tiny_llama
 
 
 def _samples(n, seed, t=24, c=6):
@@ -23,7 +23,7 @@ def test_calibrated_scd_beats_raw_kv_and_oracle_is_exact(tmp_path):
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
     prefixes = [s.prefix for s in _samples(48, 1)]
-    cfg = CalibConfig(r_k=2, r_v=3, r_h=16, aligner_epochs=30, pool=2, batch=16)
+    cfg = fit_settings(r_k=2, r_v=3, r_h=16, aligner_epochs=30, pool=2, batch=16)
     art = calibrate(a, b, spec, "a:b", prefixes, _samples(6, 2), tmp_path, cfg, progress=False)
     assert art.plan[0] == "exact" and len(art.plan) == 3
     pol = art.info["policy"]
@@ -48,7 +48,7 @@ def test_calibrated_scd_beats_raw_kv_and_oracle_is_exact(tmp_path):
 def test_identical_pair_full_rank_scd_reproduces_kv(tmp_path):
     a = tiny_llama(0)
     spec = ModelSpec.from_config(a.config)
-    cfg = CalibConfig(r_k=8, r_v=8, r_h=32, ridge=1e-9, aligner_epochs=2, pool=1, batch=16)
+    cfg = fit_settings(r_k=8, r_v=8, r_h=32, ridge=1e-9, aligner_epochs=2, pool=1, batch=16)
     art = calibrate(a, a, spec, "a:a", [s.prefix for s in _samples(32, 1)], _samples(2, 2), tmp_path, cfg,
                     progress=False)
     s = _samples(1, 5)[0]
@@ -72,7 +72,7 @@ def test_rebuild_of_a_left_padded_batch_matches_rebuilding_each_row(tmp_path):
     a = tiny_llama(0)
     b = perturbed(a, 0.3)
     spec = ModelSpec.from_config(a.config)
-    cfg = CalibConfig(r_k=4, r_v=4, r_h=16, aligner_epochs=3, batch=16)
+    cfg = fit_settings(r_k=4, r_v=4, r_h=16, aligner_epochs=3, batch=16)
     cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path, cfg, progress=False)
     cal.traces()
     art = cal.artifacts_for(["exact", "patch", "reuse"])     # exercise every rebuild path
@@ -101,7 +101,7 @@ def test_calibration_resumes_from_its_checkpoints(tmp_path):
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
     prefixes = [s.prefix for s in _samples(20, 1)]
-    cfg = CalibConfig(r_k=2, r_v=3, r_h=16, aligner_epochs=3, pool=2, batch=8)
+    cfg = fit_settings(r_k=2, r_v=3, r_h=16, aligner_epochs=3, pool=2, batch=8)
     logs = []
     first = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)
     first.traces()
@@ -128,7 +128,7 @@ def test_a_changed_setting_redoes_only_the_stages_that_depend_on_it(tmp_path):
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
     prefixes = [s.prefix for s in _samples(16, 1)]
-    cfg = CalibConfig(r_k=2, r_v=3, r_h=8, aligner_epochs=2, pool=1, batch=8, finetune_samples=8, finetune_epochs=1)
+    cfg = fit_settings(r_k=2, r_v=3, r_h=8, aligner_epochs=2, pool=1, batch=8, finetune_samples=8, finetune_epochs=1)
     val, tune = _samples(3, 2), _samples(8, 4, t=20, c=8)
     logs = []
 
@@ -178,7 +178,7 @@ def test_aligners_train_on_the_first_aligner_prefixes_only(tmp_path, monkeypatch
     monkeypatch.setattr(calibrate_mod, "read_chunks", counted)
     cals = {}
     for n in (0, 3):            # 3 prefixes: rows of a batch of 4 (left-padded) and the next batch's none
-        cfg = CalibConfig(r_k=2, r_v=3, r_h=8, aligner_epochs=1, batch=4, aligner_prefixes=n)
+        cfg = fit_settings(r_k=2, r_v=3, r_h=8, aligner_epochs=1, batch=4, aligner_prefixes=n)
         cals[n] = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=lambda s: None)
         cals[n].traces()
         cals[n].linear()            # its Gram pass reads every chunk; count the aligner's reads alone
@@ -208,7 +208,7 @@ def test_padding_id_does_not_matter_and_none_is_accepted(tmp_path):
     spec = ModelSpec.from_config(a.config)
     g = torch.Generator().manual_seed(4)
     prefixes = [torch.randint(2, 97, (int(n),), generator=g) for n in torch.randint(8, 24, (24,), generator=g)]
-    cfg = CalibConfig(r_k=2, r_v=3, r_h=8, aligner_epochs=2, pool=1, batch=8, finetune_samples=0)
+    cfg = fit_settings(r_k=2, r_v=3, r_h=8, aligner_epochs=2, pool=1, batch=8, finetune_samples=0)
     arts = [calibrate(a, b, spec, "a:b", prefixes, _samples(2, 2), tmp_path / str(pad_id), cfg, pad_id=pad_id,
                       progress=False) for pad_id in (None, 41)]
     for name, t in arts[0].tensors().items():
@@ -223,7 +223,7 @@ def test_ranks_are_chosen_by_validation_kl_within_the_payload_budget(tmp_path):
     prefixes = [s.prefix for s in _samples(24, 1)]
     val = _samples(3, 2)
     for source in ("kv", "hidden"):
-        cfg = CalibConfig(payload_budget=0.3, reuse_source=source, aligner_epochs=2, pool=1, batch=16)
+        cfg = fit_settings(payload_budget=0.3, reuse_source=source, aligner_epochs=2, pool=1, batch=16)
         said = []
         cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path / source, cfg, progress=False, log=said.append)
         cal.traces()
@@ -264,7 +264,7 @@ def test_the_rank_stage_counts_the_bytes_the_wire_sends(tmp_path):
     b = perturbed(a, 0.3)
     spec = ModelSpec.from_config(a.config)
     prefixes, val = [s.prefix for s in _samples(24, 1, t=120)], _samples(3, 2, t=120)
-    cfg = CalibConfig(payload_budget=0.14, reuse_source="hidden", code_dtype="int4", batch=16)
+    cfg = fit_settings(payload_budget=0.14, reuse_source="hidden", code_dtype="int4", batch=16)
     cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=lambda s: None)
     cal.traces()
     in_code_bytes = max(c["r_x"] for c in cal.rank_candidates())
@@ -297,7 +297,7 @@ def test_stages_after_the_ranks_are_redone_when_the_ranks_stage_chooses_otherwis
     b = perturbed(a, 0.3)
     spec = ModelSpec.from_config(a.config)
     prefixes, val = [s.prefix for s in _samples(16, 1)], _samples(2, 2)
-    cfg = CalibConfig(payload_budget=0.3, reuse_source="hidden", aligner_epochs=1, pool=1, batch=16)
+    cfg = fit_settings(payload_budget=0.3, reuse_source="hidden", aligner_epochs=1, pool=1, batch=16)
     lines = []
 
     def run():
@@ -329,7 +329,7 @@ def test_hidden_state_reuse_beats_per_head_reuse_at_equal_payload_on_a_perturbed
     kl = {}
     for source, ranks in (("kv", {"r_k": 2, "r_v": 2}), ("hidden", {"r_x": 8})):   # 8 B/token/layer each
         cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path / source,
-                          CalibConfig(reuse_source=source, batch=16, **ranks), progress=False, log=lambda s: None)
+                          fit_settings(reuse_source=source, batch=16, **ranks), progress=False, log=lambda s: None)
         cal.traces()
         assert abs(cal.payload_ratio(ranks) - 2 * 2 * 4 * 2 / spec.kv_bytes_per_token) < 1e-12
         kl[source] = PlanScorer(a, b, val, cal.artifacts_for).kl(cal.base_plan)
@@ -346,7 +346,7 @@ def test_int8_codes_count_their_bytes_and_are_what_the_artifact_sends(tmp_path):
     spec = ModelSpec.from_config(a.config)
     prefixes = [s.prefix for s in _samples(24, 1)]
     val = _samples(3, 2)
-    cals = {d: Calibration(a, b, spec, "a:b", prefixes, tmp_path / d, CalibConfig(reuse_source="hidden", r_x=12,
+    cals = {d: Calibration(a, b, spec, "a:b", prefixes, tmp_path / d, fit_settings(reuse_source="hidden", r_x=12,
                                                                                  code_dtype=d, batch=16),
                            progress=False, log=lambda s: None) for d in ("fp16", "int8")}
     layers = spec.num_layers - 1                                               # layer 0 is exact
@@ -397,7 +397,7 @@ def test_hidden_state_artifacts_survive_save_load_and_the_wire_and_rebuild_padde
     a = tiny_llama(0)
     b = perturbed(a, 0.3)
     spec = ModelSpec.from_config(a.config)
-    cfg = CalibConfig(reuse_source="hidden", r_x=12, r_h=16, aligner_epochs=2, batch=16, token_table=token_table,
+    cfg = fit_settings(reuse_source="hidden", r_x=12, r_h=16, aligner_epochs=2, batch=16, token_table=token_table,
                       bigram_table=bigram_table)
     cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path, cfg, progress=False,
                       log=lambda s: None)
@@ -433,7 +433,7 @@ def test_plan_scorer_puts_back_the_consumers_own_keys_or_values_where_asked(tmp_
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
-    cfg = CalibConfig(r_x=4, reuse_source="hidden", aligner_epochs=2, pool=1, batch=8)
+    cfg = fit_settings(r_x=4, reuse_source="hidden", aligner_epochs=2, pool=1, batch=8)
     cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(16, 1)], tmp_path, cfg, progress=False,
                       log=lambda s: None)
     cal.traces()
@@ -468,7 +468,7 @@ def test_quantised_codes_rebuild_from_the_payload_exactly_as_calibration_scores_
     b = perturbed(a, 0.3)
     spec = ModelSpec.from_config(a.config)
     cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(16, 1)], tmp_path,
-                      CalibConfig(reuse_source="hidden", r_x=12, code_dtype=dtype, batch=16), progress=False,
+                      fit_settings(reuse_source="hidden", r_x=12, code_dtype=dtype, batch=16), progress=False,
                       log=lambda s: None)
     cal.traces()
     art = cal.artifacts_for(cal.base_plan)

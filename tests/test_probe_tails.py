@@ -5,11 +5,11 @@ import torch
 
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting import blocks
-from scd.fitting.calibrate import CalibConfig, Calibration
+from scd.fitting.calibrate import Calibration
 from scd.online.models import ModelSpec
 from scd.online.rebuild import encode, rebuild
 from scd.online.trace import capture
-from tests.conftest import perturbed, tiny_llama
+from tests.conftest import fit_settings, perturbed, tiny_llama
 from tests.test_pipeline_tiny import _samples
 from tools.probe_tails import codes_alone, curve_rows
 
@@ -18,7 +18,7 @@ from tools.probe_tails import codes_alone, curve_rows
 def pair(tmp_path_factory):
     a = tiny_llama(0, layers=4)
     b = perturbed(a, 0.3, seed=1)
-    cfg = CalibConfig(reuse_source="hidden", r_x=6, r_h=8, aligner_epochs=2, batch=16)
+    cfg = fit_settings(reuse_source="hidden", r_x=6, r_h=8, aligner_epochs=2, batch=16)
     cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(16, 1)],
                       tmp_path_factory.mktemp("cal"), cfg, progress=False, log=lambda s: None)
     cal.traces()

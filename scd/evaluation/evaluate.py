@@ -192,7 +192,8 @@ class Evaluator:
 
 
 def summarize(results: list[SampleResult], order: list[str]) -> list[dict]:
-    """One row per method: means over samples; ratios of totals for payload and time (same run)."""
+    """One row per method: means over samples (and each sample's KL, "kls", in the samples' order); ratios of
+    totals for payload and time (same run)."""
     rows = []
     for name in order:
         rs = [r for r in results if r.method == name]
@@ -203,7 +204,7 @@ def summarize(results: list[SampleResult], order: list[str]) -> list[dict]:
         rows.append({
             "method": name, "payload_bytes": round(mean("payload_bytes")),
             "payload_ratio": sum(r.payload_bytes for r in rs) / sum(r.raw_bytes for r in rs),
-            "kl": mean("kl"), "tv": mean("tv"), "top1": mean("top1"), "greedy": mean("greedy"),
+            "kl": mean("kl"), "kls": [r.kl for r in rs], "tv": mean("tv"), "top1": mean("top1"), "greedy": mean("greedy"),
             "ppl": float(torch.tensor(mean("nll")).exp()),
             "f1": statistics.fmean(r.f1 for r in qa) if qa else None,
             "em": statistics.fmean(r.em for r in qa) if qa else None,

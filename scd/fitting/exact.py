@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
+from scd.fitting import scoring
 from scd.fitting.gram import JointGram
 from scd.online import klt
 from scd.online.artifacts import PairArtifacts, exact_plan
@@ -39,16 +40,31 @@ class Bound:
     """What a chosen plan must meet: KL at most max_kl_ratio x raw KV reuse's (and max_kl, when set; and a
     retained gain of at least min_retained_gain, when set and the point has one), or lossless (LOSSLESS_KL:
     where raw KV is itself exact, an aLoRA's prefix, no ratio to it can be met: max_kl alone then, when set,
-    `ratio_applies`), with the consumer running at most max_consumer_ratio of its layers over the prefix."""
+    `ratio_applies`), with the consumer running at most max_consumer_ratio of its layers over the prefix.
+
+    noise_z: where the point and raw KV carry their per-sample KLs ("kls", on the same samples), the ratio is
+    met only when the plan's KLs are below max_kl_ratio x raw KV's by at least noise_z standard errors of the
+    paired differences. Of many plans measured on the same few samples, the cheapest one within the bound by
+    its mean alone is often the one whose validation KL came out low by chance, and reads higher on other text
+    (0: the means alone)."""
     max_kl_ratio: float
     max_consumer_ratio: float
     max_kl: float | None = None
     min_retained_gain: float | None = None    # of the specialist's gain over the base alone, where measured
+    noise_z: float = 0.0
 
-    def meets(self, point: dict, raw_kl: float) -> bool:
+    def within_ratio(self, point: dict, raw_kl: float, raw_kls: list[float] | None = None) -> bool:
+        """Whether the point's KL is within max_kl_ratio x raw KV's (by noise_z standard errors, where both
+        carry per-sample KLs of the same samples)."""
+        kls = point.get("kls")
+        if not (self.noise_z and kls and raw_kls and len(kls) == len(raw_kls)):
+            return point["kl"] <= self.max_kl_ratio * raw_kl
+        return scoring.beats([self.max_kl_ratio * r for r in raw_kls], kls, self.noise_z)
+
+    def meets(self, point: dict, raw_kl: float, raw_kls: list[float] | None = None) -> bool:
         gain = point.get("retained_gain")
         quality = point["kl"] <= LOSSLESS_KL or (
-            (point["kl"] <= self.max_kl_ratio * raw_kl or not ratio_applies(raw_kl, self.max_kl))
+            (self.within_ratio(point, raw_kl, raw_kls) or not ratio_applies(raw_kl, self.max_kl))
             and (self.max_kl is None or point["kl"] <= self.max_kl)
             and (self.min_retained_gain is None or gain is None or gain >= self.min_retained_gain))
         return quality and point["consumer_ratio"] <= self.max_consumer_ratio + 1e-9
@@ -96,7 +112,7 @@ def artifact(pair: str, spec, entry: int, code_dtype: str, info: dict | None = N
                                klt_codes)
 
 
-POINT_KEYS = ("kl", "payload_ratio", "payload_bytes", "consumer_ms", "producer_ms", "greedy", "entry_bytes",
+POINT_KEYS = ("kl", "kls", "payload_ratio", "payload_bytes", "consumer_ms", "producer_ms", "greedy", "entry_bytes",
               "block_ms", "tail_ms")
 
 
@@ -137,10 +153,11 @@ def modeled_ttft_ms(point: dict, gbps: float) -> float:
                                                 p.get("block_ms", 0.0), tail)
 
 
-def choose(points: list[dict], raw_kl: float, bound: Bound, gbps: float) -> dict | None:
+def choose(points: list[dict], raw_kl: float, bound: Bound, gbps: float,
+           raw_kls: list[float] | None = None) -> dict | None:
     """The point that meets `bound` at the least modeled TTFT over a `gbps` link (ties: the lower KL); None
-    when none does."""
-    ok = [p for p in points if bound.meets(p, raw_kl)]
+    when none does. raw_kls: raw KV's per-sample KLs, for the bound's noise margin."""
+    ok = [p for p in points if bound.meets(p, raw_kl, raw_kls)]
     return min(ok, key=lambda p: (modeled_ttft_ms(p, gbps), p["kl"])) if ok else None
 
 
@@ -175,10 +192,10 @@ def select(producer, consumer, tok, pair: str, spec, found, samples, code_dtype:
             more, raw = curve(producer, consumer, tok, pair, spec, found, samples, d, desc=f"exact plans {pair} {d}",
                               klt_codes=klt_codes if d == "klt" else None, serving_tokens=serving_tokens)
             points += more
-        measured = {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "payload_ratio", "consumer_ms")}}
+        measured = {"points": points, "raw_kv": {k: raw[k] for k in ("kl", "kls", "payload_ratio", "consumer_ms")}}
     raw_kl = measured["raw_kv"]["kl"]
     log(f"exact plans (validation): {describe(measured['points'], raw_kl)}")
-    chosen = choose(measured["points"], raw_kl, bound, gbps)
+    chosen = choose(measured["points"], raw_kl, bound, gbps, measured["raw_kv"].get("kls"))
     if chosen is None:
         log(f"no exact plan meets KL <= {bound.max_kl_ratio:g} x raw KV with the consumer running at most "
             f"{bound.max_consumer_ratio:g} of its layers")
