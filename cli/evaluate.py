@@ -268,8 +268,10 @@ def no_plan(art: PairArtifacts | None, pair: str, bound: exact.Bound) -> str | N
     raw = blocks["raw_kv"]["kl"]
     within = [p for p in blocks["points"] if p["consumer_ratio"] <= bound.max_consumer_ratio + 1e-9]
     best = min(within, key=lambda p: p["kl"])
+    noise = (f"; the KL by {bound.noise_z:g} standard error{'' if bound.noise_z == 1 else 's'} of the samples"
+             if bound.noise_z else "")
     return (f"no plan of {pair} meets the quality bound (KL <= {bound.max_kl_ratio:g} x raw KV's, consumer <= "
-            f"{bound.max_consumer_ratio:g} of a prefill) on {len(blocks['points'])} plans measured: the best, "
+            f"{bound.max_consumer_ratio:g} of a prefill{noise}) on {len(blocks['points'])} plans measured: the best, "
             f"{points.point_name(best['entry'], best.get('tail', 0), blocks['num_layers'], best.get('rule', 'last'))}"
             f", reads {best['kl'] / max(raw, 1e-12):.3f} x raw KV at {best['consumer_ratio']:.2f} of a prefill")
 
@@ -364,8 +366,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     raw = mark_bound(rows, ms, bound, consumer.config, held[0].prefix.shape[-1])
     for r in rows:
         r["pair"], r["structure"] = pair, shared
-    if args.json:
-        print(json.dumps(rows, indent=1))
+    if args.json:                       # each sample's KL ("kls", what the bound's noise margin reads) on one line
+        print(json.dumps(rows, indent=1).replace("\n   ", " ").replace("\n  ]", " ]"))
     else:
         plan = f", plan {art.plan}, codes {args.dtype or art.code_dtype}" if art is not None else ""
         print(report(rows, f"{pair}: {len(held)} held-out prefixes{plan}", found, len(val), shared, bound, raw))

@@ -103,7 +103,7 @@ def test_eval_chooses_a_plan_as_the_job_does_and_exits_3_when_none_meets_the_bou
     assert "codes+sel19" not in curve, "a share beyond the ceiling is not measured"
     line = err.strip().splitlines()[-1]
     assert line.startswith("no plan of base:prose meets the quality bound (KL <= 0.0001 x raw KV's, consumer "
-                           "<= 0.3"), line
+                           "<= 0.3 of a prefill; the KL by 1 standard error of the samples)"), line
     # a bound the codes meet on the validation prefixes: they are the plan, and the command ends normally (the
     # checkpoints of the run above resumed)
     from cli.evaluate import main as evaluate
