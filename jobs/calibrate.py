@@ -11,6 +11,7 @@ joint Gram matrices -> layer policy with Patch aligners -> held-out evaluation -
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from dataclasses import dataclass
@@ -74,13 +75,15 @@ class PairJob:
     held: list
     store: ArtifactStore
     store_uri: str
-    publish_key: dict           # what published.json must hold for the pair to count as published
+    publish_key: dict           # what `published` must hold for the pair to count as published
     no_actors: bool             # trace in this process
     t0: float                   # when the job started
 
     @property
     def published(self) -> Path:
-        return self.cal.dir / "published.json"
+        """The record of this pair's publication to the job's store: one per store, so that jobs publishing
+        from the same checkpoints to different stores do not overwrite each other's."""
+        return self.cal.dir / f"published-{hashlib.sha256(self.store_uri.encode()).hexdigest()[:12]}.json"
 
 
 @dataclass

@@ -50,8 +50,9 @@ def test_job_publishes_a_verified_artifact_with_report_and_resumes(job, capsys):
     assert "already published" in capsys.readouterr().out
 
     # a job killed after the policy stage resumes its checkpoints and publishes a new version
-    work = next((tmp_path / "work" / "base__qa").rglob("published.json")).parent     # the job's own folder
-    for name in ("published.json", "pareto.json"):
+    record = next((tmp_path / "work" / "base__qa").rglob("published-*.json"))
+    work = record.parent                                                              # the job's own folder
+    for name in (record.name, "pareto.json"):
         (work / name).unlink()
     next(work.glob("eval*.json")).unlink()          # eval-<level>.json when served below its fitted ranks
     ref2 = calibrate(["--pair", "base:qa", "--config", str(cfg)])
@@ -140,8 +141,8 @@ def test_a_calibration_that_fails_the_quality_gate_is_not_published_and_says_why
     strict.write_text(yaml.safe_dump(raw))
     store = ArtifactStore(tmp_path / "store")
     before = [v.version for v in store.list("base:qa")]
-    work = next((tmp_path / "work" / "base__qa").rglob("published.json")).parent
-    (work / "published.json").unlink(missing_ok=True)       # else the finished calibration is not looked at again
+    for record in (tmp_path / "work" / "base__qa").rglob("published-*.json"):
+        record.unlink()                                     # else the finished calibration is not looked at again
     with pytest.raises(SystemExit) as e:
         calibrate(["--pair", "base:qa", "--config", str(strict)])
     assert e.value.code == 3
@@ -216,14 +217,19 @@ def test_a_changed_quality_bound_chooses_the_plan_again_from_the_checkpoints(job
 
 
 def test_a_finished_calibration_is_published_to_another_store_from_its_checkpoints(job, capsys):
+    """Each store keeps its own record of the publication: publishing to one does not make the other's stale."""
     tmp_path, cfg, _, _ = job
-    other = tmp_path / "store-other"
+    other, third = tmp_path / "store-other", tmp_path / "store-third"
     ref = calibrate(["--pair", "base:qa", "--config", str(cfg), "--store", str(other)])
     out = capsys.readouterr().out
     assert "already published" not in out and "stage policy: resumed" in out, out
     assert ArtifactStore(other).verify(ref).ok
     assert calibrate(["--pair", "base:qa", "--config", str(cfg), "--store", str(other)]) == ref
     assert "already published" in capsys.readouterr().out
+    calibrate(["--pair", "base:qa", "--config", str(cfg), "--store", str(third)])
+    capsys.readouterr()
+    assert calibrate(["--pair", "base:qa", "--config", str(cfg), "--store", str(other)]) == ref
+    assert f"already published as {ref}" in capsys.readouterr().out
 
 
 def test_a_version_removed_from_its_store_is_published_again_from_the_checkpoints(job, capsys):
