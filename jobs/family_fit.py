@@ -116,8 +116,9 @@ def fit_members(work: Path, shared: FamilyArtifacts, names: list[str], producer,
     prefixes) over the shared Reuse codes, then, with calibration.finetune_samples, each member's decoders
     and aligners are fine-tuned end to end on its own samples with the encoders frozen (so they stay the
     family's). Encoders, aligners and fine-tuned members are checkpointed under `work`."""
-    cfg = c.model_dump()
     spec = shared.encoder.spec
+    c = c.for_hidden(spec.hidden_size)
+    cfg = c.model_dump()
     layers = sorted({l for p in plans for l in p})
     pdir = key_dir(work, "patch-", {"plans": plans, **keyed(cfg, ALIGNER_FIELDS)})
     rows: dict[str, torch.Tensor] = {}

@@ -93,6 +93,11 @@ class CalibConfig(BaseModel):
     batch: int = Field(8, ge=1, description="prefixes per tracing and fine-tuning batch")
     seed: int = Field(0, description="seed of the Patch aligners' initialisation and the fine-tuning's batch order")
 
+    def for_hidden(self, hidden_size: int):
+        """These settings for a model of that hidden size: Patch codes no wider than the hidden state they
+        encode (r_h capped; a wider one carries no more)."""
+        return self if self.r_h <= hidden_size else self.model_copy(update={"r_h": hidden_size})
+
     @classmethod
     def of(cls, settings: BaseModel) -> "CalibConfig":
         """The fit settings within a larger settings model (e.g. the config's calibration section)."""

@@ -264,6 +264,18 @@ def test_a_bigram_table_without_a_token_table_is_refused_by_name(tmp_path):
     assert CalibConfig(bigram_table=8, token_table=4).bigram_table == 8
 
 
+def test_patch_codes_at_the_default_rank_are_capped_at_a_small_models_hidden_size(tmp_path):
+    from scd.fitting.calibrate import CalibConfig, Calibration
+    from scd.online.models import ModelSpec
+    from tests.conftest import tiny_llama
+    wide = CalibConfig()
+    assert wide.r_h > 32 and wide.for_hidden(32).r_h == 32 and wide.for_hidden(32).x_group == wide.x_group
+    assert CalibConfig(r_h=16).for_hidden(32).r_h == 16
+    a = tiny_llama(0)                                                    # hidden size 32
+    cal = Calibration(a, a, ModelSpec.from_config(a.config), "a:a", [], tmp_path, wide, log=lambda s: None)
+    assert cal.cfg.r_h == 32, cal.cfg.r_h
+
+
 def test_a_specialist_overrides_fit_settings_for_its_own_pair_only_and_bad_overrides_are_named():
     two = {**GOOD, "calibration": {"pool": 4, "patch_cost": 0.1},
            "specialists": [{"name": "qa", "path": "q", "calibration": {"pool": 6, "patch_cost": 0.02}},

@@ -55,8 +55,7 @@ class Calibration:
     def __init__(self, producer, consumer, spec: ModelSpec, pair: str, prefixes: list[torch.Tensor],
                  work_root: str | Path, cfg: CalibConfig = CalibConfig(), pad_id: int | None = 0, progress: bool = True,
                  log: Callable[[str], None] = print, exact_layer0: bool = True):
-        if cfg.r_h > spec.hidden_size:      # a Patch code wider than the hidden state it encodes carries no more
-            cfg = cfg.model_copy(update={"r_h": spec.hidden_size})
+        cfg = cfg.for_hidden(spec.hidden_size)
         self.producer, self.consumer, self.spec, self.pair, self.cfg = producer, consumer, spec, pair, cfg
         self.prefixes, self.pad_id, self.progress, self.log = prefixes, pad_id, progress, log
         config = cfg.model_dump()
