@@ -20,6 +20,7 @@ from typing import Literal, get_args, get_origin
 import torch
 
 from cluster.config import CalibrationSettings
+from jobs.plans import block_plan, exact_bound, quality_bound, selector_stage
 from scd.data import samples
 from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak, table
@@ -142,8 +143,7 @@ def exact_artifact(args, producer, consumer, spec, tok, pair: str, found, val) -
         return None
     codes = klt_codes(args, producer, spec, tok, pair) if "klt" in exact.wire_forms(args.exact_dtype) else None
     chosen = exact.select(producer, consumer, tok, pair, spec, found, val, args.exact_dtype,
-                          exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio, args.max_kl,
-                                      noise_z=args.bound_noise_z), 25.0,
+                          exact_bound(args), 25.0,
                           lambda line: print(line, file=sys.stderr), klt_codes=codes)["chosen"]
     return None if chosen is None else exact.artifact(pair, spec, chosen["entry"], chosen["dtype"],
                                                       whole_prefix=found.invocation_tokens is not None,
@@ -193,7 +193,6 @@ def calibrated(args, producer, consumer, spec, tok, pair: str) -> PairArtifacts:
     log = lambda line: print(line, file=sys.stderr)                   # noqa: E731
     cal = Calibration(producer, consumer, spec, pair, calib, args.work_dir, cfg, pad_id=tok.pad_token_id, log=log)
     art = cal.run(val, tune_samples=tune)
-    from jobs.plans import block_plan, selector_stage
     settings = plan_settings(args)
     art = selector_stage(cal, art, tok, settings, tune, log, args.text)
     if not args.recompute_blocks:
@@ -333,8 +332,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                      seed=args.seed)
     found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
                                        pb if is_adapter(pb) else None)
-    bound = exact.Bound(args.max_kl_ratio, args.max_consumer_prefill_ratio, args.max_kl, args.min_retained_gain,
-                        args.bound_noise_z)
+    bound = quality_bound(args)
     art = None
     if "scd" in wanted:
         art = exact_artifact(args, producer, consumer, spec, tok, pair, found, val)

@@ -41,16 +41,20 @@ def exact_plan(cal: Calibration, tok, found, val, c, gbps: float | None, log: Lo
     path = cal.trace_dir / f"exact-curve-{wire_tag(c)}.json"
     inputs = {"samples": samples_digest(val), "per_sample_kls": True, **({"serving_tokens": tokens} if tokens else {})}
     rec = exact.select(cal.producer, cal.consumer, tok, cal.pair, cal.spec, found, val, c.exact_dtype,
-                       exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl, noise_z=c.bound_noise_z),
-                       gbps or DEFAULT_GBPS,
+                       exact_bound(c), gbps or DEFAULT_GBPS,
                        log, load_record(path, inputs, log), klt_codes=klt_codes, serving_tokens=tokens)
     save_record(path, {k: rec[k] for k in ("points", "raw_kv")}, inputs)
     return rec if rec["chosen"] is not None else None
 
 
 def quality_bound(c) -> exact.Bound:
-    """A pair's quality bound from its calibration settings."""
+    """A pair's quality bound from its calibration settings (or `scd eval`'s flags, which have their names)."""
     return exact.Bound(c.max_kl_ratio, c.max_consumer_prefill_ratio, c.max_kl, c.min_retained_gain, c.bound_noise_z)
+
+
+def exact_bound(c) -> exact.Bound:
+    """The bound exact plans are chosen under: quality_bound without the retained gain."""
+    return dataclasses.replace(quality_bound(c), min_retained_gain=None)
 
 
 def block_entries(cal: Calibration, c) -> list[int]:
