@@ -15,6 +15,7 @@ from scd.fitting import blocks, exact, points, selector
 from scd.fitting.calibrate import Calibration
 from scd.fitting.checkpoints import artifact_digest, load_record, samples_digest, save_record
 from scd.online import selective
+from scd.online.models import weights_digest
 from scd.online.reuse import LinearCodec
 from scd.online.trace import capture
 
@@ -121,7 +122,7 @@ def with_selector(cal: Calibration, art, tune: list, log: Log):
         return art
     layers = selective.selector_layers(cal.spec.num_layers)
     path = cal.dir / "selector.json"
-    inputs = {"samples": samples_digest(tune), "artifact": artifact_digest(art)}
+    inputs = {"samples": samples_digest(tune), "artifact": artifact_digest(art), "target": "reads x error"}
     rec = load_record(path, inputs, log)
     if rec is None:
         w, fitted = selector.fit_over(cal.consumer, tune, lambda ids, mask: blocks.codes_kv(
@@ -155,8 +156,8 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
     inputs = {"samples": samples_digest(val), "per_sample_kls": True, **({"serving_tokens": tokens} if tokens else {}),
               **(trained if c.entry_train_samples else {})}
     rec = load_record(path, inputs, log)
-    if rec is not None:     # a tail timed as a fixed count of tokens at the serving length (before tail_of): again
-        rec["points"] = [p for p in rec["points"] if not p.get("tail") or p.get("tail_of")]
+    if rec is not None:
+        rec["points"] = resumable(rec["points"], selector_digest(art))
     if rec is None:
         codes_pts, raw = blocks.curve(cal.producer, cal.consumer, tok, art, {}, val, desc=f"codes {cal.pair}",
                                       serving_tokens=tokens)
@@ -208,6 +209,21 @@ def entry_points(cal: Calibration, art, tok, calib, val, c, todo: list[int], tun
     add(more)
 
 
+def resumable(points: list[dict], selector: str | None) -> list[dict]:
+    """The checkpointed curve points that stand under the codes' selector (selector_digest): not a tail timed as
+    a fixed count of tokens at the serving length (before tail_of), nor the learned rule's by another selector.
+    The others are measured again."""
+    return [p for p in points if (not p.get("tail") or p.get("tail_of"))
+            and (p.get("rule") != "learned" or p.get("selector") == selector)]
+
+
+def selector_digest(art) -> str | None:
+    """What identifies the selector `art` carries (None without one): the learned rule's curve points record
+    it, and are measured again under another."""
+    return None if art.selector is None else weights_digest({"weights": art.selector,
+                                                             "layers": torch.tensor(art.selector_layers)})
+
+
 def share_plans(cal: Calibration, c, es: list[int], t_val: int, learned: bool) -> list[tuple[int, int, str]]:
     """The plans with a share of the prefix's positions run by the consumer too, within its ceiling: (entry,
     count, rule) for the codes alone and each entry, with each tail of calibration.tails (rule "last") and each
@@ -235,7 +251,7 @@ def share_points(cal: Calibration, art, tok, val, c, missing: list[tuple[int, in
                                desc=f"{'tails' if rule == 'last' else rule + ' selective'} {cal.pair}",
                                serving_tokens=serving_tokens(cal, c), tails=tuple(sorted({k for _, k in mine})),
                                only=mine, rule=rule)
-        add(more)
+        add([p | {"selector": selector_digest(art)} if rule == "learned" else p for p in more])
 
 
 def chosen_plan(cal: Calibration, art, rec: dict, bound: exact.Bound, gbps: float | None, t_val: int, log: Log):

@@ -298,8 +298,9 @@ def test_a_selector_fitted_to_a_planted_score_ranks_as_it_does_and_picks_its_pen
 
 
 def test_a_selector_fitted_to_reads_over_the_given_cache_is_the_own_caches_where_they_are_one():
-    """scd.fitting.selector.fit_over: the target's reads over the consumer's own cache or over the given one
-    give the same selector when the given cache is the consumer's own, and another when it is not."""
+    """scd.fitting.selector.fit_over (reads alone, not weighted by the error): the target's reads over the
+    consumer's own cache or over the given one give the same selector when the given cache is the consumer's
+    own, and another when it is not."""
     from types import SimpleNamespace
 
     from scd.fitting.selector import fit_over
@@ -312,12 +313,12 @@ def test_a_selector_fitted_to_reads_over_the_given_cache_is_the_own_caches_where
     def cache_of(model):
         return lambda ids, mask: (lambda t: list(zip(t.keys, t.values)))(capture(model, ids, mask, want_xnorm=False))
     layers = selective.selector_layers(a.config.num_hidden_layers)
-    own, _ = fit_over(a, windows, cache_of(a), layers, target_cache="own")
-    same, _ = fit_over(a, windows, cache_of(a), layers, target_cache="given")
+    own, _ = fit_over(a, windows, cache_of(a), layers, target_cache="own", error_weighted=False)
+    same, _ = fit_over(a, windows, cache_of(a), layers, target_cache="given", error_weighted=False)
     err = ((own - same).norm() / own.norm()).item()
     assert err < 1e-4, f"reads over the own cache passed as the given one: relative difference {err:.2e}"
-    mine, _ = fit_over(a, windows, cache_of(b), layers, target_cache="own")
-    other, _ = fit_over(a, windows, cache_of(b), layers, target_cache="given")
+    mine, _ = fit_over(a, windows, cache_of(b), layers, target_cache="own", error_weighted=False)
+    other, _ = fit_over(a, windows, cache_of(b), layers, target_cache="given", error_weighted=False)
     rel = ((mine - other).norm() / mine.norm()).item()
     assert rel > 1e-2, f"reads over another model's cache gave the own cache's selector (relative difference {rel:.2e})"
     with pytest.raises(ValueError, match="target_cache"):
@@ -403,3 +404,81 @@ def test_no_selector_is_fitted_on_fewer_than_two_windows_and_the_job_says_so():
     lines, art = [], object()
     assert with_selector(None, art, ["one window"], lines.append) is art
     assert lines == ["selector: not fitted (1 fine-tuning sample; it needs 2 or more)"], lines
+
+
+def test_the_selector_target_adds_the_log_of_each_positions_error_relative_to_the_prefixs_mean():
+    """selective.selector_target with `error`: a position rebuilt with twice the mean error scores log 2 above
+    its reads' target, one at half of it log 2 below; padding stays as the reads put it; no error anywhere
+    (the given cache is the own one) leaves the reads' target as it is."""
+    read = torch.tensor([[0.0, 1.0, 2.0, 3.0, 2.0]])
+    mask = torch.tensor([[0, 1, 1, 1, 1]])
+    error = torch.tensor([[9.0, 2.0, 1.0, 0.5, 0.5]])                  # mean over the real positions: 1.0
+    plain = selective.selector_target(read, mask)
+    weighted = selective.selector_target(read, mask, error)
+    expect = plain + torch.log(torch.tensor([[1.0, 2.0, 1.0, 0.5, 0.5]])) * mask
+    assert torch.allclose(weighted, expect, atol=1e-6), f"weighted {weighted} against {expect}"
+    same = selective.selector_target(read, mask, torch.zeros_like(error))
+    assert torch.equal(same, plain), f"{same} against {plain}"
+
+
+def test_the_rebuild_error_is_each_positions_relative_squared_error_summed_over_layers():
+    """selective.rebuild_error: zero for the own cache; at each position, per layer, the squared distance of K
+    and V over heads and channels over the own K and V's squared norm there, summed over layers."""
+    g = torch.Generator().manual_seed(1)
+    own = [(torch.randn(2, 3, 7, 4, generator=g), torch.randn(2, 3, 7, 4, generator=g)) for _ in range(2)]
+    kv = [(k + 0.1 * torch.randn(k.shape, generator=g), v * 1.5) for k, v in own]
+    assert selective.rebuild_error(own, own).abs().max() == 0
+    got = selective.rebuild_error(kv, own)
+    expect = torch.zeros(2, 7)
+    for (k, v), (ko, vo) in zip(kv, own):
+        for b in range(2):
+            for t in range(7):
+                num = (k[b, :, t] - ko[b, :, t]).pow(2).sum() + (v[b, :, t] - vo[b, :, t]).pow(2).sum()
+                expect[b, t] += num / (ko[b, :, t].pow(2).sum() + vo[b, :, t].pow(2).sum())
+    err = (got - expect).abs().max().item()
+    assert got.shape == (2, 7) and err < 1e-5, f"rebuild_error off by {err:.2e}"
+
+
+def test_a_selector_fitted_over_a_rebuilt_cache_weights_its_targets_by_the_rebuild_error(monkeypatch):
+    """scd.fitting.selector.fit_over: with error_weighted (the default) each window's target is the reads over
+    the consumer's own cache weighted by the given cache's error against it (selector_target with
+    rebuild_error); without, the reads alone."""
+    from types import SimpleNamespace
+
+    from scd.fitting import selector
+    a = tiny_llama(0)
+    b = perturbed(a, 0.5)
+    g = torch.Generator().manual_seed(5)
+    windows = [SimpleNamespace(prefix=torch.randint(2, 97, (20,), generator=g),
+                               cont=torch.randint(2, 97, (selective.READ_TOKENS,), generator=g)) for _ in range(3)]
+    cache = lambda model: lambda ids, mask: (lambda t: list(zip(t.keys, t.values)))(   # noqa: E731
+        capture(model, ids, mask, want_xnorm=False))
+    seen = []
+    monkeypatch.setattr(selector, "fit_selector", lambda xs, ys: seen.append(ys) or (None, {}))
+    layers = selective.selector_layers(a.config.num_hidden_layers)
+    selector.fit_over(a, windows, cache(b), layers)
+    selector.fit_over(a, windows, cache(b), layers, error_weighted=False)
+    weighted, plain = seen
+    for s, w, p in zip(windows, weighted, plain):
+        ids = s.prefix[None]
+        mask = torch.ones_like(ids)
+        own, given = cache(a)(ids, mask), cache(b)(ids, mask)
+        read = selective.reads_of(a, own, mask, s.cont[None, :selective.READ_TOKENS])
+        want = selective.selector_target(read, mask, selective.rebuild_error(given, own))[0]
+        assert (w - want).abs().max() < 1e-4, f"weighted target off by {(w - want).abs().max():.2e}"
+        assert (p - selective.selector_target(read, mask)[0]).abs().max() < 1e-4
+        assert (w - p).abs().max() > 1e-2, "another model's cache: the error changes the target"
+
+
+def test_learned_points_measured_under_another_selector_are_measured_again():
+    """jobs.plans.resumable: a checkpointed learned-rule point stands only under the selector it was measured
+    with (a refitted selector picks other positions); the codes', the attention rule's and tails of a share
+    stand; a tail timed as a count (without tail_of) does not."""
+    from jobs.plans import resumable
+    pts = [{"entry": 8}, {"entry": 8, "tail": 10, "tail_of": 96, "rule": "attention"},
+           {"entry": 8, "tail": 10, "tail_of": 96, "rule": "learned", "selector": "aa"},
+           {"entry": 8, "tail": 20, "tail_of": 96, "rule": "learned", "selector": "bb"},
+           {"entry": 8, "tail": 16, "rule": "last"}]
+    assert resumable(pts, "aa") == pts[:3]
+    assert resumable(pts, "bb") == pts[:2] + [pts[3]]
+    assert resumable(pts, None) == pts[:2]

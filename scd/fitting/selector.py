@@ -15,11 +15,13 @@ from scd.online.trace import capture
 
 
 def fit_over(consumer, samples: list, given: Callable, layers: list[int], desc: str = "selector",
-             target_cache: str = "own") -> tuple[torch.Tensor, dict]:
+             target_cache: str = "own", error_weighted: bool = True) -> tuple[torch.Tensor, dict]:
     """A selector fitted on `samples` (each with a prefix and a continuation): `given(ids, mask)` is the cache
     the consumer would be given for a prefix (rebuilt from codes, or raw KV), whose V at `layers` are the
     features; the reads of the continuation's first READ_TOKENS over the consumer's own cache (`target_cache`
-    "own") or over the given one ("given") the target. Returns fit_selector's (weights, report)."""
+    "own") or over the given one ("given") the target, weighted by the given cache's error against the
+    consumer's own at each position with `error_weighted` (selective.selector_target). Returns fit_selector's
+    (weights, report)."""
     if target_cache not in ("own", "given"):
         raise ValueError(f"target_cache {target_cache!r}: 'own' or 'given'")
     features, targets = [], []
@@ -27,14 +29,15 @@ def fit_over(consumer, samples: list, given: Callable, layers: list[int], desc: 
         ids = s.prefix[None]
         mask = torch.ones_like(ids)
         kv = given(ids, mask)
-        if target_cache == "own":
-            own = capture(consumer, ids, mask, want_xnorm=False)
-            read = selective.reads_of(consumer, list(zip(own.keys, own.values)), mask,
-                                      s.cont[None, :selective.READ_TOKENS])
-        else:
-            read = selective.reads_of(consumer, kv, mask, s.cont[None, :selective.READ_TOKENS])
+        own = None
+        if target_cache == "own" or error_weighted:
+            trace = capture(consumer, ids, mask, want_xnorm=False)
+            own = list(zip(trace.keys, trace.values))
+        read = selective.reads_of(consumer, own if target_cache == "own" else kv, mask,
+                                  s.cont[None, :selective.READ_TOKENS])
+        error = selective.rebuild_error(kv, own) if error_weighted else None
         features.append(selective.selector_features(kv, mask, layers)[0])
-        targets.append(selective.selector_target(read, mask)[0])
+        targets.append(selective.selector_target(read, mask, error)[0])
     return fit_selector(features, targets)
 
 

@@ -230,12 +230,31 @@ def reads_of(model, kv: list[KV], mask: torch.Tensor, tokens: torch.Tensor) -> t
     return read[:, :t]
 
 
-def selector_target(read: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def selector_target(read: torch.Tensor, mask: torch.Tensor, error: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T): what a learned selector fits: the log of each position's share of the reads, scaled so that a
-    uniform share is 1 (prefixes of any length on one scale), floored at 0.01 of it."""
+    uniform share is 1 (prefixes of any length on one scale), floored at 0.01 of it. Given `error` (B, T), the
+    rebuilt cache's error at each position (rebuild_error), the log of that error relative to its mean over the
+    real positions is added: the positions worth recomputing are those read much and rebuilt badly."""
     valid = mask.float().sum(-1, keepdim=True)
     share = read * mask / read.mul(mask).sum(-1, keepdim=True).clamp(min=1e-12) * valid
-    return torch.log(share + 0.01)
+    target = torch.log(share + 0.01)
+    if error is None:
+        return target
+    mean = error.mul(mask).sum(-1, keepdim=True) / valid.clamp(min=1)
+    ratio = torch.where(mean > 0, error / mean.clamp(min=1e-12), torch.ones_like(error))   # no error: reads alone
+    return target + torch.log(ratio.clamp(min=1e-6)) * mask
+
+
+def rebuild_error(kv: list[KV], own: list[KV]) -> torch.Tensor:
+    """(B, T): the relative squared error of a rebuilt cache `kv` against the consumer's own `own` at each
+    position, summed over layers: per layer the squared distance of K and V over heads and channels, over the
+    own K and V's squared norm there."""
+    err = 0.0
+    for (k, v), (ko, vo) in zip(kv, own):
+        ko, vo = ko.float(), vo.float()
+        diff = (k.float() - ko).pow(2).sum((1, 3)) + (v.float() - vo).pow(2).sum((1, 3))
+        err = err + diff / (ko.pow(2).sum((1, 3)) + vo.pow(2).sum((1, 3))).clamp(min=1e-12)
+    return err
 
 
 def learned(kv: list[KV], mask: torch.Tensor, fraction: float,
