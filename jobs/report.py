@@ -243,10 +243,20 @@ def _fig_tradeoff(pair: str, rows: list[dict]):
 def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     """KL against the consumer's compute: every plan of the curve by its kind (validation; e=<entry>, +k: k
     positions run through every layer), the chosen plan, raw KV and DroidSpeak (held-out rows, at their measured
-    share of a prefill)."""
-    fig, ax = plt.subplots(figsize=(6.8, 4.2))
-    pts = sorted(compute["points"], key=lambda p: p["consumer_ratio"])
+    share of a prefill). With held-out answers (rows with F1: a QA pair), a second panel: each held-out plan's
+    F1 by its compute, beside the oracle's and 0.95 of it."""
     n = compute.get("num_layers")
+    chosen = points.chosen_name(compute["chosen"], n) if n else None
+    held = held_out_curve(rows, chosen, n, compute.get("prefix_tokens", 1)) if n else {}
+    f1 = {r["method"]: r["f1"] for r in rows if r.get("f1") is not None}
+    if chosen and "scd" in f1:                  # the chosen plan's row is named scd
+        f1[chosen] = f1["scd"]
+    answers = any(name in f1 for curve in held.values() for _, _, name in curve)
+    if answers:
+        fig, (ax, fx) = plt.subplots(2, 1, figsize=(6.8, 7.4), sharex=True)
+    else:
+        fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    pts = sorted(compute["points"], key=lambda p: p["consumer_ratio"])
     floor = 1e-7                                # a lossless plan's KL is 0 up to rounding: drawn at the floor
     front = points.pareto(pts)                  # the curve: no plan costs less at a lower KL
     ax.plot([p["consumer_ratio"] for p in front], [max(p["kl"], floor) for p in front], "-", color="tab:blue", lw=1,
@@ -273,7 +283,6 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
         if r["method"] == "droidspeak":
             ax.scatter([r["prefill_ratio"]], [max(r["kl"], floor)], marker="^", color="tab:purple", s=40,
                        label="DroidSpeak, best block (held-out)", zorder=4)
-    held = held_out_curve(rows, points.chosen_name(c, n), n, compute.get("prefix_tokens", 1)) if n else {}
     labels = {"SCD": "SCD's plans (held-out, Pareto front)", "DroidSpeak": "DroidSpeak entering at each e (held-out)"}
     for name, (color, marker) in {"SCD": ("tab:blue", "s"), "DroidSpeak": ("tab:purple", "^")}.items():
         if held.get(name):
@@ -281,11 +290,36 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
             xs, ys, _ = zip(*drawn)
             ax.plot(xs, [max(y, floor) for y in ys], marker=marker, ls="--", color=color, ms=5, label=labels[name])
     ax.set_yscale("log")
-    ax.set(xlabel="consumer compute over the prefix (share of its own prefill)", ylabel="KL(oracle ‖ plan)",
+    xlabel = "consumer compute over the prefix (share of its own prefill)"
+    ax.set(xlabel="" if answers else xlabel, ylabel="KL(oracle ‖ plan)",
            title=f"Quality against consumer compute — {pair}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if answers:
+        _f1_panel(fx, held, f1, chosen)
+        fx.set_xlabel(xlabel)
     return fig
+
+
+def _f1_panel(ax, held: dict[str, list[tuple]], f1: dict[str, float], chosen: str | None) -> None:
+    """Held-out F1 of each plan on a held-out curve (held_out_curve's) by its consumer compute: SCD's plans,
+    the chosen one circled, DroidSpeak entering at each layer (raw KV at 0); the oracle's F1 and 0.95 of it as lines."""
+    for name, (color, marker) in {"SCD": ("tab:blue", "s"), "DroidSpeak": ("tab:purple", "^")}.items():
+        mine = [(x, f1[m]) for x, _, m in held.get(name, []) if m in f1]
+        if mine:
+            ax.scatter(*zip(*mine), marker=marker, color=color, s=28, zorder=3,
+                       label=f"{name}'s plans (held-out)" if name == "SCD" else "DroidSpeak entering at each e")
+    if chosen in f1:
+        at = next((x for x, _, m in held.get("SCD", []) if m == chosen), None)
+        if at is not None:
+            ax.scatter([at], [f1[chosen]], s=160, facecolors="none", edgecolors="tab:red", linewidths=2,
+                       label="chosen plan", zorder=5)
+    if "oracle" in f1:
+        ax.axhline(f1["oracle"], color="tab:green", lw=1, label="oracle (own prefill)")
+        ax.axhline(0.95 * f1["oracle"], ls="--", color="tab:green", lw=1, label="0.95 x the oracle's F1")
+    ax.set(ylabel="F1 (held-out)", ylim=(0, 1.05))
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def held_out_curve(rows: list[dict], chosen: str | None, n: int, tokens: int) -> dict[str, list[tuple]]:

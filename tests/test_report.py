@@ -116,6 +116,27 @@ def _curve() -> dict:
             "max_consumer_ratio": 0.75}, "num_layers": 10, "prefix_tokens": 100}
 
 
+def test_a_qa_pairs_compute_figure_draws_each_held_out_plans_f1_beside_the_oracles():
+    """jobs.report._fig_compute: with held-out rows that carry F1 (a QA pair's curve), a second panel holds one
+    point per held-out plan with an answer (SCD's; DroidSpeak's, raw KV at 0), the chosen plan circled, and the oracle's
+    F1 and 0.95 of it as lines; without F1 one panel."""
+    from jobs.report import _fig_compute
+    c = _curve()
+    row = lambda m, kl, f1: {"method": m, "kl": kl, "f1": f1}                 # noqa: E731
+    held = [row("oracle", 0.0, 0.9), row("raw_kv", 1.0, 0.3), row("scd", 0.2, 0.88), row("codes+lsel30", 0.35, 0.8),
+            row("enter@8", 0.6, 0.5), row("droidspeak@8", 0.9, 0.4), row("droidspeak@5", 0.5, 0.6)]
+    fig = _fig_compute("base:qa", c, held)
+    assert len(fig.axes) == 2, fig.axes
+    fx = fig.axes[1]
+    drawn = sorted(tuple(map(float, xy)) for coll in fx.collections for xy in coll.get_offsets())
+    want = sorted([(0.3, 0.8), (0.2, 0.5), (0.5, 0.88), (0.5, 0.88),      # SCD's, the chosen (enter@5) circled
+                   (0.0, 0.3), (0.2, 0.4), (0.5, 0.6)])                     # raw KV at 0, DroidSpeak's
+    assert drawn == pytest.approx(want), drawn
+    assert sorted(line.get_ydata()[0] for line in fx.lines) == pytest.approx([0.855, 0.9])
+    no_f1 = _fig_compute("base:code", c, [{**r, "f1": None} for r in held])
+    assert len(no_f1.axes) == 1, no_f1.axes
+
+
 def test_a_curve_reads_by_plan_kind_at_each_budget_of_compute():
     from scd.fitting.points import BUDGETS, best_by_kind, kind
     c = _curve()
