@@ -361,11 +361,8 @@ def weigh(job: PairJob, fit: Fitted, rows: list[dict]) -> tuple[list[dict], dict
     if not tried:
         return rows, {}
     entries = load_file(str(cal.dir / "entry-aligners.safetensors")) if any(p["entry"] < n for p in tried) else {}
-    rows += checkpointed(cal.dir / f"curve{fit.tag}.json",
-                         lambda: entry_curve(cal, fit.codes, entries, tried, job.tok, job.held, chosen),
-                         job.held, artifact_digest(fit.codes, entries) + "".join(
-                             f"-{p['entry']}+{p['tail']}" + ("s" if p.get("rule") else "") for p in tried
-                             if p.get("tail")))
+    rows += entry_curve(cal, fit.codes, entries, tried, job.tok, job.held, chosen, cal.dir / f"curve{fit.tag}.json",
+                        log)
     vs_ds = report.against_droidspeak(rows, chosen, n, c.prefix_tokens)
     log("held-out curve, SCD's KL over DroidSpeak's at the same consumer compute: "
         + ", ".join(f"{name} {v:.2f}" for name, v in vs_ds.items()))

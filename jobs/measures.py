@@ -5,6 +5,10 @@ same consumer compute, `entry_curve`), and the diagnostics of calibration.diagno
 rows or figures; jobs.calibrate checkpoints them."""
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
 import torch
 
 from scd.evaluation import methods
@@ -12,6 +16,7 @@ from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak
 from scd.fitting import blocks, points
 from scd.fitting.calibrate import Calibration
+from scd.fitting.checkpoints import artifact_digest, load_record, samples_digest, save_record
 from scd.fitting.scoring import PlanScorer
 from scd.online.rebuild import encode, rebuild
 from scd.online.reuse import LinearCodec
@@ -46,23 +51,47 @@ def tradeoff(cal: Calibration, art, tok, val, held) -> list[dict]:
                                                           desc=f"held-out baselines and levels {cal.pair}")
 
 
-def entry_curve(cal: Calibration, codes, entries: dict, tried: list[dict], tok, held, chosen: str | None) -> list[dict]:
+def entry_curve(cal: Calibration, codes, entries: dict, tried: list[dict], tok, held, chosen: str | None,
+                path: Path, log: Callable[[str], None]) -> list[dict]:
     """Held-out rows of the block stage's curve: SCD at each plan of `tried` (the validation points the stage
     measured beyond the codes alone, named by scd.fitting.points.point_name: the published codes below an entry,
     the consumer's layers from there through its trained entry, from `entries` (the tensors of
     entry-aligners.safetensors), and the prefix's tokens where the point has a tail, by its rule), beside DroidSpeak
     entered at each entry tried (`droidspeak@<e>`: the producer's residual and K, V below), to compare at the
-    same consumer compute. The chosen plan (named `chosen`) is the `scd` row already and is not run again."""
+    same consumer compute. The chosen plan (named `chosen`) is the `scd` row already and is not run again.
+    Checkpointed plan by plan in `path`: a plan whose artifact is unchanged (plan_digest) resumes, the others are
+    measured again (a refitted selector measures only the learned rule's plans)."""
     n = cal.spec.num_layers
     of = codes.info.get("blocks", {}).get("prefix_tokens") or held[0].prefix.shape[-1]   # where tails were counted
     plans = {}
     for p in tried:
         e, k, rule = p["entry"], p.get("tail", 0), p.get("rule", "last")
         art = codes if e == n else blocks.block_artifact(codes, e, LinearCodec.from_tensors(entries, f"entry.{e}"))
-        plans[points.point_name(e, k, n, rule)] = art.with_tail(k, of, rule)
-    ms = [methods.SCDMethod(a, name) for name, a in plans.items() if name != chosen] + [
-        methods.DroidSpeak.entering(e, n) for e in sorted({p["entry"] for p in tried if p["entry"] < n})]
-    return Evaluator(cal.producer, cal.consumer, tok).run(held, ms, desc=f"held-out curve {cal.pair}")
+        name = points.point_name(e, k, n, rule)
+        if name != chosen:
+            art = art.with_tail(k, of, rule)
+            plans[name] = (methods.SCDMethod(art, name), plan_digest(art))
+    for e in sorted({p["entry"] for p in tried if p["entry"] < n}):
+        ds = methods.DroidSpeak.entering(e, n)
+        plans[ds.name] = (ds, "droidspeak")
+    inputs = {"samples": samples_digest(held)}
+    kept = (load_record(path, inputs, log) or {}).get("plans", {})
+    kept = {name: r for name, r in kept.items() if name in plans and r["digest"] == plans[name][1]}
+    todo = [m for name, (m, _) in plans.items() if name not in kept]
+    log(f"held-out plans of the curve: {len(kept)} resumed, {len(todo)} to measure")
+    if todo:
+        rows = Evaluator(cal.producer, cal.consumer, tok).run(held, todo, desc=f"held-out curve {cal.pair}")
+        kept |= {r["method"]: {"digest": plans[r["method"]][1], "row": r} for r in rows}
+        save_record(path, {"plans": kept}, inputs)
+    return [kept[name]["row"] for name in plans]
+
+
+def plan_digest(art) -> str:
+    """What a held-out plan's rows depend on: the artifact's digest, its selector left out unless the plan
+    picks its positions by it (tail_rule "learned")."""
+    if art.tail_rule != "learned":
+        art = dataclasses.replace(art, selector=None, selector_layers=[])
+    return artifact_digest(art)
 
 
 def curve_tried(blocks_info: dict, n: int) -> list[dict]:

@@ -127,6 +127,50 @@ def test_a_held_out_checkpoint_is_keyed_by_the_artifact_so_an_entry_trained_anew
     assert calls == [1, 3], calls
 
 
+def test_the_held_out_curve_resumes_plan_by_plan_and_a_refitted_selector_measures_only_its_plans(tmp_path,
+                                                                                                  monkeypatch):
+    """jobs.measures.entry_curve: each plan's held-out row is checkpointed with its artifact's digest (the
+    selector left out unless the plan picks by it): a second run measures nothing; a refitted selector measures
+    the learned plans alone; an entry trained anew measures that entry's plans; DroidSpeak's rows resume."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from jobs import measures
+    from scd.online import selective
+    from scd.online.reuse import LinearCodec
+    spec = ModelSpec.from_config(tiny_llama(0, layers=4).config)
+    h = spec.hidden_size
+    codes = PairArtifacts.exact("a:b", spec, ["exact", "shared", "shared", "shared"], "bf16")
+    width = 2 * spec.num_kv_heads * spec.head_dim + selective.POSITION_FEATURES
+    codes = dataclasses.replace(codes, selector=torch.ones(width), selector_layers=[0, 2])
+    entry = lambda scale: LinearCodec(torch.zeros(h), scale * torch.eye(h), torch.zeros(h), torch.eye(h))  # noqa: E731
+    tried = [{"entry": 4, "tail": 8, "rule": "last"}, {"entry": 4, "tail": 8, "rule": "learned"},
+             {"entry": 2}, {"entry": 2, "tail": 8, "rule": "attention"}]
+    measured = []
+
+    def run(self, held, ms, desc=""):
+        measured.append(sorted(m.name for m in ms))
+        return [{"method": m.name, "kl": 0.1} for m in ms]
+    monkeypatch.setattr(measures.Evaluator, "run", run)
+    monkeypatch.setattr(measures.Evaluator, "__init__", lambda self, *a: None)
+    cal = SimpleNamespace(spec=spec, pair="a:b", producer=None, consumer=None)
+    held = _samples(2, 3)
+
+    def curve(art, entries):
+        lines = []
+        rows = measures.entry_curve(cal, art, entries.tensors("entry.2"), tried, None, held, None,
+                                    tmp_path / "curve.json", lines.append)
+        return [r["method"] for r in rows], lines
+    names, _ = curve(codes, entry(1.0))
+    assert names == ["codes+tail8", "codes+lsel8", "enter@2", "enter@2+sel8", "droidspeak@2"], names
+    _, lines = curve(codes, entry(1.0))
+    assert measured == [sorted(names)] and lines == ["held-out plans of the curve: 5 resumed, 0 to measure"], lines
+    curve(dataclasses.replace(codes, selector=2 * torch.ones(width)), entry(1.0))
+    assert measured[-1] == ["codes+lsel8"], measured
+    curve(dataclasses.replace(codes, selector=2 * torch.ones(width)), entry(1.01))
+    assert measured[-1] == ["enter@2", "enter@2+sel8"], measured
+
+
 def test_an_entry_added_to_the_curve_is_measured_alone_and_the_others_resume(tmp_path, capsys, monkeypatch):
     """calibration.entries: the block stage checkpoints each entry's point, so a second run with one entry more
     fits and measures only that one (the first entry's point resumed as it was) and publishes again; an entry
