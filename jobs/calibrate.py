@@ -35,7 +35,7 @@ from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak
 from scd.fitting import exact, points, structure
 from scd.fitting.calibrate import LEVEL_RULE, CalibConfig, Calibration
-from scd.fitting.checkpoints import artifact_digest, load_record, samples_digest, save_record
+from scd.fitting.checkpoints import load_record, plan_digest, samples_digest, save_record
 from scd.online.artifacts import level_tag
 from scd.online.model_files import is_adapter
 from scd.online.models import load_pair
@@ -320,7 +320,7 @@ def fit_codes(job: PairJob, capture_pair, shared: dict) -> Fitted:
     if c.recompute_blocks:
         art = block_plan(cal, art, tok, job.calib, job.val, c, job.cfg.link_gbps().get(job.pair), log, tune)
     log(f"plan {art.plan}")
-    return Fitted(art, codes, held_out_tag(art), artifact_digest(art))
+    return Fitted(art, codes, held_out_tag(art), plan_digest(art))
 
 
 def held_out_tag(art) -> str:

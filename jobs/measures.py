@@ -5,7 +5,6 @@ same consumer compute, `entry_curve`), and the diagnostics of calibration.diagno
 rows or figures; jobs.calibrate checkpoints them."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Callable
 
@@ -16,7 +15,7 @@ from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak
 from scd.fitting import blocks, points
 from scd.fitting.calibrate import Calibration
-from scd.fitting.checkpoints import artifact_digest, load_record, samples_digest, save_record
+from scd.fitting.checkpoints import load_record, plan_digest, samples_digest, save_record
 from scd.fitting.scoring import PlanScorer
 from scd.online.rebuild import encode, rebuild
 from scd.online.reuse import LinearCodec
@@ -84,14 +83,6 @@ def entry_curve(cal: Calibration, codes, entries: dict, tried: list[dict], tok, 
         kept |= {r["method"]: {"digest": plans[r["method"]][1], "row": r} for r in rows}
         save_record(path, {"plans": kept}, inputs)
     return [kept[name]["row"] for name in plans]
-
-
-def plan_digest(art) -> str:
-    """What a held-out plan's rows depend on: the artifact's digest, its selector left out unless the plan
-    picks its positions by it (tail_rule "learned")."""
-    if art.tail_rule != "learned":
-        art = dataclasses.replace(art, selector=None, selector_layers=[])
-    return artifact_digest(art)
 
 
 def curve_tried(blocks_info: dict, n: int) -> list[dict]:

@@ -2,6 +2,7 @@
 checkpoint on disk was computed for the same inputs (see scd.fitting.calibrate for the folder layout)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -39,6 +40,14 @@ def artifact_digest(art, extra: dict | None = None) -> str:
     desc = {k: v for k, v in art.description().items() if k != "info"}
     tensors = weights_digest({**art.tensors(), **{f"extra.{k}": v for k, v in (extra or {}).items()}})
     return hashlib.sha256(f"{json.dumps(desc, sort_keys=True, default=str)}\n{tensors}".encode()).hexdigest()[:32]
+
+
+def plan_digest(art) -> str:
+    """What a plan's evaluation depends on: artifact_digest, the selector left out unless the plan picks its
+    positions by it (tail_rule "learned"), so a refitted selector evaluates only the plans that use it."""
+    if art.tail_rule != "learned":
+        art = dataclasses.replace(art, selector=None, selector_layers=[])
+    return artifact_digest(art)
 
 
 def key_dir(parent: Path, prefix: str, key: dict) -> Path:
