@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from scd.data import samples
 from scd.fitting import blocks, exact, points, selector
 from scd.fitting.calibrate import Calibration
-from scd.fitting.checkpoints import artifact_digest, load_record, samples_digest, save_record
+from scd.fitting.checkpoints import artifact_digest, load_record, plan_digest, samples_digest, save_record
 from scd.online import selective
 from scd.online.models import weights_digest
 from scd.online.reuse import LinearCodec
@@ -186,22 +186,38 @@ def entry_tensors(cal: Calibration):
 def entry_points(cal: Calibration, art, tok, calib, val, c, todo: list[int], tune: list | None, log: Log,
                  add: Callable[[list[dict]], None]) -> None:
     """The entries `todo` fitted (each trained end to end over the codes with calibration.entry_train_samples),
-    kept in entry_tensors, and their points measured (`add`ed to the curve)."""
+    kept in entry_tensors, and their points measured (`add`ed to the curve). Each trained entry is kept as soon
+    as it is trained (recorded in entries-trained.json with what it was trained on): a job stopped among them
+    trains only the rest when run again."""
     if not todo:
         return
-    aligners = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], todo)
+    tensors = entry_tensors(cal)
+    kept = load_file(str(tensors)) if tensors.is_file() else {}
+    trained_path = cal.dir / "entries-trained.json"
+    trained_inputs = {"samples": samples_digest(tune[:c.entry_train_samples]) if tune else None,
+                      "codes": plan_digest(art), "epochs": c.entry_train_epochs, "lr": c.entry_train_lr}
+    done = (load_record(trained_path, trained_inputs, log) or {}).get("entries", []) if c.entry_train_samples else []
+    done = [e for e in done if e in todo and f"entry.{e}.enc" in kept]
+    aligners = {e: LinearCodec.from_tensors(kept, f"entry.{e}") for e in done}
+    if done:
+        log(f"entries {done}: trained end to end before, resumed")
+    fresh = [e for e in todo if e not in done]
+    if fresh:
+        aligners |= blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], fresh)
     if c.entry_train_samples and not tune:
         log("entry_train_samples is set but there are no fine-tuning samples (finetune_samples 0): the "
             "entries keep their closed form")
     elif c.entry_train_samples:                     # each entry trained end to end over these codes
         below = lambda ids, tr: blocks.codes_kv(cal.consumer, art, ids, tr)   # noqa: E731
-        for e in todo:
+        for e in fresh:
             aligners[e], curve = blocks.train_entry(cal.producer, cal.consumer, e, aligners[e], below,
                                                     tune[:c.entry_train_samples],
                                                     c.entry_train_epochs, c.entry_train_lr)
             log(f"entry {e} trained end to end: training KL {' -> '.join(f'{v:.4f}' for v in curve)}")
-    tensors = entry_tensors(cal)
-    kept = load_file(str(tensors)) if tensors.is_file() else {}
+            kept |= aligners[e].tensors(f"entry.{e}")
+            save_file(kept, str(tensors))
+            done.append(e)
+            save_record(trained_path, {"entries": done}, trained_inputs)
     save_file({**kept, **{k: v for e, a in aligners.items() for k, v in a.tensors(f"entry.{e}").items()}},
               str(tensors))
     more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,

@@ -171,6 +171,40 @@ def test_the_held_out_curve_resumes_plan_by_plan_and_a_refitted_selector_measure
     assert measured[-1] == ["enter@2", "enter@2+sel8"], measured
 
 
+def test_a_job_stopped_among_its_entries_trainings_trains_only_the_rest_when_run_again(tmp_path, monkeypatch):
+    """jobs.plans.entry_points: each entry trained end to end is kept as soon as it is trained; a job stopped
+    while training the next one, run again, fits and trains only the entries not done, and the one done enters
+    the curve as it was trained."""
+    from safetensors.torch import load_file
+
+    from jobs.calibrate import main as calibrate
+    fitted, trained = [], []
+    fit, train = blocks.fit_aligners, blocks.train_entry
+    monkeypatch.setattr(blocks, "fit_aligners", lambda p, c, pre, layers: fitted.append(list(layers)) or
+                        fit(p, c, pre, layers))
+
+    def stopping(producer, consumer, entry, *a):
+        if trained:                                     # the second entry: the job is stopped here
+            raise KeyboardInterrupt
+        trained.append(entry)
+        return train(producer, consumer, entry, *a)
+    monkeypatch.setattr(blocks, "train_entry", stopping)
+    cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.75,
+                       selective=[], entries=[4, 6], entry_train_samples=2, entry_train_epochs=1)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
+    first = next(tmp_path.rglob("entry-aligners.safetensors"))
+    kept = {k: v.clone() for k, v in load_file(str(first)).items() if k.startswith(f"entry.{trained[0]}.")}
+    assert kept, sorted(load_file(str(first)))
+    again = []
+    monkeypatch.setattr(blocks, "train_entry", lambda p, c, e, *a: again.append(e) or train(p, c, e, *a))
+    calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
+    rest = [e for e in (4, 6) if e != trained[0]]
+    assert fitted == [[4, 6], rest] and again == rest, (fitted, again)
+    after = load_file(str(first))
+    assert all(torch.equal(after[k], v) for k, v in kept.items()), "the entry trained before was trained again"
+
+
 def test_an_entry_added_to_the_curve_is_measured_alone_and_the_others_resume(tmp_path, capsys, monkeypatch):
     """calibration.entries: the block stage checkpoints each entry's point, so a second run with one entry more
     fits and measures only that one (the first entry's point resumed as it was) and publishes again; an entry
