@@ -45,7 +45,7 @@ def fit_selector(features: list[torch.Tensor], targets: list[torch.Tensor], shar
                  penalties: tuple[float, ...] = (0.1, 1.0, 10.0, 100.0)) -> tuple[torch.Tensor, dict]:
     """A selector's weights (F,) by ridge regression of `targets` (each (T,), selective.selector_target's) on
     `features` (each (T, F), one prefix's real positions): the penalty is chosen on the last fifth of the
-    prefixes by how many of the `share` most-read positions the score ranks in its own top `share`, then the
+    prefixes by how much of the targets' top `share` of positions the score's own top `share` holds, then the
     weights are fitted on all of them. Returns (weights, {"penalty", "overlap": per penalty tried})."""
     if len(features) < 2:
         raise ValueError(f"a learned selector needs at least 2 prefixes to choose its penalty, got {len(features)}")
