@@ -367,7 +367,7 @@ class CalibrationSettings(CalibConfig):
         "fit a selector of the positions to recompute on this many windows (half the fine-tuning samples, half "
         "windows of serving_tokens where the texts are that long): a linear score of each position's rebuilt V "
         "and distance from the prefix's end, fitted to the attention the consumer's own continuation pays it "
-        "times the rebuilt K, V's error there (scd.fitting.selector); each share of `selective` is then measured with the positions it picks too "
+        "(scd.fitting.selector); each share of `selective` is then measured with the positions it picks too "
         "(no window run to choose them). 0: no selector"))
     entry_train_samples: int = Field(0, ge=0, description=(
         "recompute blocks: train each entry's aligner end to end on this many of the fine-tuning samples (the "

@@ -122,7 +122,7 @@ def with_selector(cal: Calibration, art, tune: list, log: Log):
         return art
     layers = selective.selector_layers(cal.spec.num_layers)
     path = cal.dir / "selector.json"
-    inputs = {"samples": samples_digest(tune), "artifact": artifact_digest(art), "target": "reads x error"}
+    inputs = {"samples": samples_digest(tune), "artifact": artifact_digest(art), "target": "reads"}
     rec = load_record(path, inputs, log)
     if rec is None:
         w, fitted = selector.fit_over(cal.consumer, tune, lambda ids, mask: blocks.codes_kv(
@@ -132,8 +132,8 @@ def with_selector(cal: Calibration, art, tune: list, log: Log):
     overlap = rec["overlap"][f"{rec['penalty']:g}"]
     lengths = sorted({x.prefix.shape[-1] for x in tune})
     log(f"selector: fitted on {len(tune)} samples of {lengths[0]}-{lengths[-1]} tokens, V of layers "
-        f"{rec['layers']}; its top 20 % hold {overlap:.2f} of the 20 % its target ranks highest (most read, worst "
-        f"rebuilt) on the fifth of them it was not fitted on")
+        f"{rec['layers']}; its top 20 % hold {overlap:.2f} of the 20 % its target ranks highest (the most read) "
+        f"on the fifth of them it was not fitted on")
     art.info["selector"] = {k: rec[k] for k in ("layers", "penalty", "overlap")} | {"samples": len(tune)}
     return dataclasses.replace(art, selector=torch.tensor(rec["weights"]), selector_layers=list(rec["layers"]))
 

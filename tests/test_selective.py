@@ -298,9 +298,8 @@ def test_a_selector_fitted_to_a_planted_score_ranks_as_it_does_and_picks_its_pen
 
 
 def test_a_selector_fitted_to_reads_over_the_given_cache_is_the_own_caches_where_they_are_one():
-    """scd.fitting.selector.fit_over (reads alone, not weighted by the error): the target's reads over the
-    consumer's own cache or over the given one give the same selector when the given cache is the consumer's
-    own, and another when it is not."""
+    """scd.fitting.selector.fit_over: the target's reads over the consumer's own cache or over the given one
+    give the same selector when the given cache is the consumer's own, and another when it is not."""
     from types import SimpleNamespace
 
     from scd.fitting.selector import fit_over
@@ -313,12 +312,12 @@ def test_a_selector_fitted_to_reads_over_the_given_cache_is_the_own_caches_where
     def cache_of(model):
         return lambda ids, mask: (lambda t: list(zip(t.keys, t.values)))(capture(model, ids, mask, want_xnorm=False))
     layers = selective.selector_layers(a.config.num_hidden_layers)
-    own, _ = fit_over(a, windows, cache_of(a), layers, target_cache="own", error_weighted=False)
-    same, _ = fit_over(a, windows, cache_of(a), layers, target_cache="given", error_weighted=False)
+    own, _ = fit_over(a, windows, cache_of(a), layers, target_cache="own")
+    same, _ = fit_over(a, windows, cache_of(a), layers, target_cache="given")
     err = ((own - same).norm() / own.norm()).item()
     assert err < 1e-4, f"reads over the own cache passed as the given one: relative difference {err:.2e}"
-    mine, _ = fit_over(a, windows, cache_of(b), layers, target_cache="own", error_weighted=False)
-    other, _ = fit_over(a, windows, cache_of(b), layers, target_cache="given", error_weighted=False)
+    mine, _ = fit_over(a, windows, cache_of(b), layers, target_cache="own")
+    other, _ = fit_over(a, windows, cache_of(b), layers, target_cache="given")
     rel = ((mine - other).norm() / mine.norm()).item()
     assert rel > 1e-2, f"reads over another model's cache gave the own cache's selector (relative difference {rel:.2e})"
     with pytest.raises(ValueError, match="target_cache"):
@@ -440,9 +439,9 @@ def test_the_rebuild_error_is_each_positions_relative_squared_error_summed_over_
 
 
 def test_a_selector_fitted_over_a_rebuilt_cache_weights_its_targets_by_the_rebuild_error(monkeypatch):
-    """scd.fitting.selector.fit_over: with error_weighted (the default) each window's target is the reads over
-    the consumer's own cache weighted by the given cache's error against it (selector_target with
-    rebuild_error); without, the reads alone."""
+    """scd.fitting.selector.fit_over: with error_weighted each window's target is the reads over the consumer's
+    own cache weighted by the given cache's error against it (selector_target with rebuild_error); by default
+    the reads alone."""
     from types import SimpleNamespace
 
     from scd.fitting import selector
@@ -456,8 +455,8 @@ def test_a_selector_fitted_over_a_rebuilt_cache_weights_its_targets_by_the_rebui
     seen = []
     monkeypatch.setattr(selector, "fit_selector", lambda xs, ys: seen.append(ys) or (None, {}))
     layers = selective.selector_layers(a.config.num_hidden_layers)
+    selector.fit_over(a, windows, cache(b), layers, error_weighted=True)
     selector.fit_over(a, windows, cache(b), layers)
-    selector.fit_over(a, windows, cache(b), layers, error_weighted=False)
     weighted, plain = seen
     for s, w, p in zip(windows, weighted, plain):
         ids = s.prefix[None]

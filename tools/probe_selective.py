@@ -156,8 +156,9 @@ def parser() -> argparse.ArgumentParser:
                    "samples split evenly among them (default: the calibration's prefix_tokens)")
     p.add_argument("--suffix-rounds", type=int, default=1, help="with --suffix: also its positions chosen in this "
                    "many steps, each by the first tokens' reads over the cache the steps before it repaired")
-    p.add_argument("--learned-target", choices=("own", "given"), default="own", help="with the learned rule: "
-                   "the continuation's reads it is fitted to, over the consumer's own cache or the given one")
+    p.add_argument("--learned-target", choices=("own", "given", "own-x-error"), default="own", help="with the "
+                   "learned rule: the continuation's reads it is fitted to, over the consumer's own cache or the "
+                   "given one, or over the own cache weighted by the given cache's error at each position")
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--plot", help="write the curves here (PNG): KL over raw KV's against consumer compute")
     return p
@@ -224,22 +225,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def fit_selectors(producer, consumer, tok, name: str, c, n: int, codes: methods.Method | None, art,
-                  lengths: list[int], target_cache: str = "own") -> dict:
+                  lengths: list[int], target: str = "own") -> dict:
     """The learned rule's selector for each base, by name: fitted here (scd.fitting.selector) on `n`
     fine-tuning windows split evenly among `lengths`, over raw KV, and over the codes unless the artifact
-    carries the one its calibration fitted (and `target_cache` is "own", as the calibration's)."""
+    carries the one its calibration fitted (and `target` is "own", as the calibration's; --learned-target)."""
     per_length = [samples.tune_samples(name, tok, n // len(lengths) + (i < n % len(lengths)), t,
                                        selective.READ_TOKENS, text_file=c.text_file) for i, t in enumerate(lengths)]
     tune = [s for group in itertools.zip_longest(*per_length) for s in group if s is not None]   # lengths interleaved
     layers = selective.selector_layers(consumer.config.num_hidden_layers)
     out = {}
     for base in [methods.RawKV()] + ([codes] if codes else []):
-        if base is codes and art.selector is not None and target_cache == "own":
+        if base is codes and art.selector is not None and target == "own":
             out[base.name] = (art.selector, art.selector_layers)
             continue
         w, fitted = selector.fit_over(consumer, tune, lambda ids, mask, b=base: b.build(
             consumer, ids, mask, capture(producer, ids, mask)).kv, layers, desc=f"selector over {base.name}",
-            target_cache=target_cache)
+            target_cache="given" if target == "given" else "own", error_weighted=target == "own-x-error")
         print(f"selector over {base.name}: penalty {fitted['penalty']:g}, top-20 % overlap on held-back windows "
               f"{fitted['overlap'][fitted['penalty']]:.2f}")
         out[base.name] = (w, layers)

@@ -15,7 +15,7 @@ from scd.online.trace import capture
 
 
 def fit_over(consumer, samples: list, given: Callable, layers: list[int], desc: str = "selector",
-             target_cache: str = "own", error_weighted: bool = True) -> tuple[torch.Tensor, dict]:
+             target_cache: str = "own", error_weighted: bool = False) -> tuple[torch.Tensor, dict]:
     """A selector fitted on `samples` (each with a prefix and a continuation): `given(ids, mask)` is the cache
     the consumer would be given for a prefix (rebuilt from codes, or raw KV), whose V at `layers` are the
     features; the reads of the continuation's first READ_TOKENS over the consumer's own cache (`target_cache`
