@@ -122,7 +122,7 @@ def with_selector(cal: Calibration, art, tune: list, log: Log):
         return art
     layers = selective.selector_layers(cal.spec.num_layers)
     path = cal.dir / "selector.json"
-    inputs = {"samples": samples_digest(tune), "artifact": artifact_digest(art), "target": "reads"}
+    inputs = {"samples": samples_digest(tune), "artifact": artifact_digest(art)}
     rec = load_record(path, inputs, log)
     if rec is None:
         w, fitted = selector.fit_over(cal.consumer, tune, lambda ids, mask: blocks.codes_kv(
