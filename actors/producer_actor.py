@@ -27,7 +27,7 @@ from ray.util.metrics import Counter, Gauge
 
 from actors.messages import Codes, FallbackReason, PairCodes, one_line
 from actors.registry import fetch, fetch_family, registry
-from actors.transport import RDT_TRANSPORTS, TransportError, make_transport
+from actors.transport import RDT_TRANSPORTS, TransportError, make_transport, warm
 from artifacts_store.errors import ArtifactStoreError
 from artifacts_store.fingerprints import Fingerprints
 from cluster.runtime import cpu_threads, device
@@ -83,6 +83,7 @@ class ProducerActor:
         self.name = c.name                              # its actor name: tickets say whom to pull from
         self.transport = make_transport(c.transport, owner=c.name, inline_bytes=c.inline_bytes,
                                         stage_bytes=c.stage_bytes)
+        warm(c.transport)
         self.busy = Busy()
         tags = {"producer": c.name}
         self.m_encodes = Counter("scd_producer_encodes_total", "encodes by how they were served (prefill: a new "

@@ -18,6 +18,7 @@ The replica creates it and owns it, so it dies with its replica and a new replic
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -29,11 +30,13 @@ from actors.drills import hold_until_open
 from actors.messages import PRODUCER_NAME, FallbackReason, Output, SpecialistRequest, pair_id
 from actors.registry import fetch, fetch_family, registry, unavailable_reason
 from engines.interface import Arriving, EngineConfig, build
-from actors.transport import TransportError, make_transport
+from actors.transport import TransportError, make_transport, warm
 from artifacts_store.errors import ArtifactNotFound, ArtifactStoreError
 from artifacts_store.fingerprints import Fingerprints
 from cluster.runtime import cpu_threads, device, lower_cpu_priority
 from serve_app import telemetry
+
+log = logging.getLogger("scd.specialist")
 
 CONTROL_CALLS = 8             # status, ready, cancel, reconfigure and drills beside the requests (threads)
 
@@ -127,6 +130,7 @@ class SpecialistActor(Answering):
         self.transport_kind = config.transport
         self.producers: dict = {}                          # producer name -> its handle (RDT pulls)
         self.receiver = make_transport(config.transport).receiver(self._producer, config.control_timeout_s)
+        warm(config.transport)
         self.artifact_lock = threading.Lock()
         self.refused: dict[str, str | None] = {}          # version -> why it could not be used
         self.family_notes: dict[str, str] = {}             # family id -> why this engine does not use it
@@ -243,7 +247,9 @@ class SpecialistActor(Answering):
         t0 = time.perf_counter()
         try:
             payload = self.receiver.receive(ticket)
-        except (TransportError, ray.exceptions.RayError, ValueError):
+        except (TransportError, ray.exceptions.RayError, ValueError) as e:
+            log.warning("specialist %s: codes from %s not received (%s), falling back to its own prefill",
+                        self.name, ticket.producer, e)
             self._forget_producer(ticket.producer)
             return None, FallbackReason.TRANSPORT_ERROR, (time.perf_counter() - t0) * 1e3
         return payload, None, (time.perf_counter() - t0) * 1e3

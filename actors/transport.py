@@ -24,6 +24,7 @@ to the process that made them; nixl and cuda_ipc move device tensors one-sided w
 """
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections import OrderedDict
@@ -283,6 +284,20 @@ def make_transport(kind: str, owner: str | None = None, inline_bytes: int = INLI
     if kind == "cuda_ipc":
         return CudaIpcTransport(stage_bytes, owner=owner, inline_bytes=inline_bytes)
     raise ValueError(f"unknown transport {kind!r}; one of {TRANSPORTS}")
+
+
+def warm(kind: str) -> None:
+    """Build this process's NIXL agent now, for a producer or replica started with the nixl transport: Ray's RDT
+    builds it at the process's first transfer otherwise, inside that pull's timeout (seconds on a busy host,
+    enough for the first request's codes to miss it). Nothing for the other transports; a failure is logged and
+    left to the first pull, which falls back."""
+    if kind != "nixl":
+        return
+    try:
+        from ray.experimental.rdt.util import get_tensor_transport_manager
+        get_tensor_transport_manager("NIXL").get_nixl_agent()
+    except Exception as e:                                    # nixl missing or its backend failing to start
+        logging.getLogger("scd.transport").warning("NIXL agent not started ahead of the first pull: %s", e)
 
 
 TRANSPORTS = ("object_store", "nixl", "cuda_ipc")

@@ -210,7 +210,7 @@ def test_replicas_take_an_exact_plan_entry_first_and_answer_as_the_oracle(top_fo
         assert pc.entry_ticket.nbytes < pc.ticket.nbytes, (pc.entry_ticket.nbytes, pc.ticket.nbytes)
         served = ray.get(replica.generate.remote(SpecialistRequest(prefix, [11], params, pc, producer=name), "a"))
         oracle = ray.get(replica.generate.remote(SpecialistRequest(prefix, [11], params, reason="oracle"), "b"))
-        assert served.scd["mode"] == "scd", served.scd
+        assert served.scd["mode"] == "scd", (served.scd["reason"], served.scd["timings_ms"])
         assert {"transfer", "transfer_rest", "recompute"} <= set(served.scd["timings_ms"]), served.scd
         assert served.text == oracle.text, (served.text, oracle.text)
         if transport == "nixl":

@@ -6,7 +6,7 @@ import pytest
 import ray
 import torch
 
-from actors.transport import INLINE_BYTES, CudaIpcTransport, Ticket, TransportError, make_transport
+from actors.transport import INLINE_BYTES, CudaIpcTransport, Ticket, TransportError, make_transport, warm
 from scd.online import codec
 from tests.test_codec import DIMS, PLAN, _codes
 
@@ -122,6 +122,37 @@ def test_nixl_replicas_pull_their_payloads_and_a_family_payload_is_staged_once(r
         ray.get(a.receive.remote(Ticket("object_store", 3)))
     with pytest.raises(TransportError, match="tensors"):
         ray.get(p.offer.remote(b"bytes"))
+
+
+@ray.remote(num_cpus=0)
+class Warmed:
+    """A process started as the producer and the replicas start: its transport warmed, nothing pulled yet."""
+
+    def __init__(self, kind):
+        warm(kind)
+
+    def has_nixl_agent(self) -> bool:
+        from ray.experimental.rdt import util
+        manager = util.transport_managers.get("NIXL")
+        return manager is not None and manager._nixl_agent is not None
+
+
+def test_a_nixl_process_has_its_agent_before_its_first_pull(ray_cluster):
+    """Warmed, a nixl producer or replica has built its NIXL agent at start (its first pull would otherwise
+    build it inside the pull's timeout); an object-store one has none."""
+    assert ray.get(Warmed.remote("nixl").has_nixl_agent.remote()) is True
+    assert ray.get(Warmed.remote("object_store").has_nixl_agent.remote()) is False
+
+
+def test_a_nixl_agent_that_cannot_start_is_left_to_the_first_pull(monkeypatch, caplog):
+    """warm() never stops a process from starting: the failure is logged and the first pull falls back."""
+    from ray.experimental.rdt import util
+
+    def broken(name):
+        raise RuntimeError("no UCX here")
+    monkeypatch.setattr(util, "get_tensor_transport_manager", broken)
+    warm("nixl")
+    assert "no UCX here" in caplog.text, caplog.text
 
 
 def pull_device_payloads(kind: str, device: str) -> list:
