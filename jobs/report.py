@@ -388,6 +388,14 @@ def _by_kind(compute: dict) -> list[str]:
     for k, best in points.best_by_kind(compute["points"], n).items():
         cells = ["-" if p is None else f"{p['kl'] / raw:.3f} ({p['consumer_ratio']:.2f})" for p in best]
         out.append(f"| {k} | " + " | ".join(cells) + " |")
+    if all(p.get("f1") is not None for p in compute["points"]):          # a QA pair's: its answers too
+        out += ["", "F1 and the retained share of the specialist's gain over the base, the highest of each plan "
+                "kind within each budget, at its compute:", "",
+                f"| plan kind | {head} |", "|---|" + "---:|" * len(points.BUDGETS)]
+        for k, best in points.best_by_kind(compute["points"], n, loss=lambda p: (-p["f1"], p["kl"])).items():
+            cells = ["-" if p is None else f"{p['f1']:.3f}, {_fmt(p.get('retained_gain'), '.2f')} ({p['consumer_ratio']:.2f})"
+                     for p in best]
+            out.append(f"| {k} | " + " | ".join(cells) + " |")
     c = compute.get("chosen")
     name = None if c is None else points.point_name(c["entry"], c.get("tail", 0), n, c.get("rule", "last"))
     out += ["", "Chosen: " + ("none within the bound" if c is None else f"{points.kind(c, n)}, {name}: "

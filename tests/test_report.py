@@ -159,3 +159,17 @@ def test_a_curve_reads_by_plan_kind_at_each_budget_of_compute():
     assert "## Plans by consumer compute (validation)" in md, md
     assert "| codes + selective, learned | 0.400 (0.10) | 0.400 (0.10) | 0.300 (0.30) | 0.300 (0.30) |" in md, md
     assert "Chosen: block, enter@5: 0.180 x raw KV at 0.50 of a prefill" in md, md
+    assert "retained share" not in md, "no F1 table for a pair without answers"
+
+
+def test_a_qa_pairs_curve_reads_its_highest_f1_by_plan_kind_at_each_budget():
+    """With F1 on every point, the summary has a second table: per plan kind the highest F1 within each budget
+    (the lower KL among equal F1), with its retained gain and compute."""
+    c = _curve()
+    f1 = [0.6, 0.7, 0.7, 0.65, 0.8, 0.75, 0.5, 0.9, 0.85]              # in _curve's order
+    c["points"] = [{**p, "f1": f, "retained_gain": f - 0.1} for p, f in zip(c["points"], f1)]
+    md = build_report("base:qa", None, _rows(), compute=c)["summary.md"].decode()
+    table = md.split("F1 and the retained share")[1]
+    assert "| codes + its last tokens | 0.700, 0.60 (0.10) | 0.700, 0.60 (0.10) | 0.700, 0.60 (0.30) |" in table, table
+    assert "| codes + selective, learned | 0.800, 0.70 (0.10) | 0.800, 0.70 (0.10) | 0.800, 0.70 (0.10) |" in table, table
+    assert "| block | - | 0.500, 0.40 (0.20) | 0.500, 0.40 (0.20) | 0.900, 0.80 (0.50) |" in table, table

@@ -61,14 +61,14 @@ def kind(point: dict, num_layers: int) -> str:
     return base + (f" + {KIND_RULES[point.get('rule', 'last')]}" if point.get("tail") else "")
 
 
-def best_by_kind(points: list[dict], num_layers: int, budgets: tuple[float, ...] = BUDGETS
-                 ) -> dict[str, list[dict | None]]:
-    """Per plan kind (`kind`), for each budget, its point of least KL among those costing at most the budget
-    (None where it has none), kinds in the order they first appear by compute."""
+def best_by_kind(points: list[dict], num_layers: int, budgets: tuple[float, ...] = BUDGETS,
+                 loss=lambda p: p["kl"]) -> dict[str, list[dict | None]]:
+    """Per plan kind (`kind`), for each budget, its point of least `loss` (KL by default) among those costing at
+    most the budget (None where it has none), kinds in the order they first appear by compute."""
     by: dict[str, list[dict]] = {}
     for p in sorted(points, key=lambda p: p["consumer_ratio"]):
         by.setdefault(kind(p, num_layers), []).append(p)
-    return {k: [min((p for p in pts if p["consumer_ratio"] <= b + 1e-9), key=lambda p: p["kl"], default=None)
+    return {k: [min((p for p in pts if p["consumer_ratio"] <= b + 1e-9), key=loss, default=None)
                 for b in budgets] for k, pts in by.items()}
 
 
