@@ -251,17 +251,18 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     f1 = {r["method"]: r["f1"] for r in rows if r.get("f1") is not None}
     if chosen and "scd" in f1:                  # the chosen plan's row is named scd
         f1[chosen] = f1["scd"]
-    answers = any(name in f1 for curve in held.values() for _, _, name in curve)
+    pts = sorted(compute["points"], key=lambda p: p["consumer_ratio"])
+    kinds = list(dict.fromkeys(points.kind(p, n) for p in pts))
+    answers = any(name in f1 for curve in held.values() for _, _, name in curve) or \
+        any(p.get("f1") is not None for p in pts)
     if answers:
         fig, (ax, fx) = plt.subplots(2, 1, figsize=(6.8, 7.4), sharex=True)
     else:
         fig, ax = plt.subplots(figsize=(6.8, 4.2))
-    pts = sorted(compute["points"], key=lambda p: p["consumer_ratio"])
     floor = 1e-7                                # a lossless plan's KL is 0 up to rounding: drawn at the floor
     front = points.pareto(pts)                  # the curve: no plan costs less at a lower KL
     ax.plot([p["consumer_ratio"] for p in front], [max(p["kl"], floor) for p in front], "-", color="tab:blue", lw=1,
             label="the plans no other beats at no more compute (validation)")
-    kinds = list(dict.fromkeys(points.kind(p, n) for p in pts))
     for i, k in enumerate(kinds):               # a marker per plan kind: circles the codes, squares a block
         mine = [p for p in pts if points.kind(p, n) == k]
         ax.scatter([p["consumer_ratio"] for p in mine], [max(p["kl"], floor) for p in mine], s=28, zorder=3,
@@ -296,14 +297,25 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     ax.grid(alpha=0.3, which="both")
     ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if answers:
-        _f1_panel(fx, held, f1, chosen)
+        _f1_panel(fx, held, f1, chosen, [(k, [p for p in pts if points.kind(p, n) == k and p.get("f1") is not None])
+                                         for k in kinds], compute["chosen"])
         fx.set_xlabel(xlabel)
     return fig
 
 
-def _f1_panel(ax, held: dict[str, list[tuple]], f1: dict[str, float], chosen: str | None) -> None:
-    """Held-out F1 of each plan on a held-out curve (held_out_curve's) by its consumer compute: SCD's plans,
-    the chosen one circled, DroidSpeak entering at each layer (raw KV at 0); the oracle's F1 and 0.95 of it as lines."""
+def _f1_panel(ax, held: dict[str, list[tuple]], f1: dict[str, float], chosen: str | None,
+              by_kind: list[tuple[str, list[dict]]] = (), chosen_point: dict | None = None) -> None:
+    """F1 by consumer compute: the validation curve's plans by kind (`by_kind`, as the KL panel marks them, the
+    chosen one circled), and each plan on a held-out curve (held_out_curve's): SCD's plans, the chosen one
+    circled, DroidSpeak entering at each layer (raw KV at 0); the held-out oracle's F1 and 0.95 of it as lines."""
+    for i, (k, mine) in enumerate(by_kind):
+        if mine:
+            ax.scatter([p["consumer_ratio"] for p in mine], [p["f1"] for p in mine], s=16, alpha=0.6, zorder=2,
+                       marker="o" if k.startswith("codes") else "s", color=plt.get_cmap("tab10")(i % 10),
+                       label=f"{k} (validation)")
+    if chosen_point is not None and chosen_point.get("f1") is not None:
+        ax.scatter([chosen_point["consumer_ratio"]], [chosen_point["f1"]], s=120, facecolors="none",
+                   edgecolors="tab:red", linewidths=1.5, label="chosen plan (validation)", zorder=5)
     for name, (color, marker) in {"SCD": ("tab:blue", "s"), "DroidSpeak": ("tab:purple", "^")}.items():
         mine = [(x, f1[m]) for x, _, m in held.get(name, []) if m in f1]
         if mine:
@@ -317,7 +329,7 @@ def _f1_panel(ax, held: dict[str, list[tuple]], f1: dict[str, float], chosen: st
     if "oracle" in f1:
         ax.axhline(f1["oracle"], color="tab:green", lw=1, label="oracle (own prefill)")
         ax.axhline(0.95 * f1["oracle"], ls="--", color="tab:green", lw=1, label="0.95 x the oracle's F1")
-    ax.set(ylabel="F1 (held-out)", ylim=(0, 1.05))
+    ax.set(ylabel="F1", ylim=(0, 1.05))
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 

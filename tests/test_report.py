@@ -137,6 +137,21 @@ def test_a_qa_pairs_compute_figure_draws_each_held_out_plans_f1_beside_the_oracl
     assert len(no_f1.axes) == 1, no_f1.axes
 
 
+def test_a_qa_pairs_compute_figure_draws_the_validation_curves_f1_by_plan_kind():
+    """With F1 on the validation points and no held-out curve yet, the F1 panel holds every validation plan
+    at its compute and F1, the chosen one circled."""
+    from jobs.report import _fig_compute
+    c = _curve()
+    c["points"] = [{**p, "f1": 0.5 + 0.05 * i} for i, p in enumerate(c["points"])]
+    c["chosen"] = c["points"][7]
+    fig = _fig_compute("base:qa", c, [])
+    assert len(fig.axes) == 2, fig.axes
+    drawn = sorted((round(float(x), 6), round(float(y), 6)) for coll in fig.axes[1].collections
+                   for x, y in coll.get_offsets())
+    want = sorted([(round(p["consumer_ratio"], 6), round(p["f1"], 6)) for p in c["points"]] + [(0.5, 0.85)])
+    assert drawn == want, (drawn, want)                                    # + the chosen, circled
+
+
 def test_a_curve_reads_by_plan_kind_at_each_budget_of_compute():
     from scd.fitting.points import BUDGETS, best_by_kind, kind
     c = _curve()
