@@ -243,8 +243,8 @@ def _fig_tradeoff(pair: str, rows: list[dict]):
 def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     """KL against the consumer's compute: every plan of the curve by its kind (validation; e=<entry>, +k: k
     positions run through every layer), the chosen plan, raw KV and DroidSpeak (held-out rows, at their measured
-    share of a prefill). With held-out answers (rows with F1: a QA pair), a second panel: each held-out plan's
-    F1 by its compute, beside the oracle's and 0.95 of it."""
+    share of a prefill). With answers (a QA pair: F1 on the validation points or on held-out rows), a second panel:
+    each plan's F1 by its compute (_f1_panel)."""
     n = compute.get("num_layers")
     chosen = points.chosen_name(compute["chosen"], n) if n else None
     held = held_out_curve(rows, chosen, n, compute.get("prefix_tokens", 1)) if n else {}
@@ -252,7 +252,9 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     if chosen and "scd" in f1:                  # the chosen plan's row is named scd
         f1[chosen] = f1["scd"]
     pts = sorted(compute["points"], key=lambda p: p["consumer_ratio"])
-    kinds = list(dict.fromkeys(points.kind(p, n) for p in pts))
+    by_kind: dict[str, list[dict]] = {}                  # the plans of each kind, kinds in order of compute
+    for p in pts:
+        by_kind.setdefault(points.kind(p, n), []).append(p)
     answers = any(name in f1 for curve in held.values() for _, _, name in curve) or \
         any(p.get("f1") is not None for p in pts)
     if answers:
@@ -263,10 +265,9 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     front = points.pareto(pts)                  # the curve: no plan costs less at a lower KL
     ax.plot([p["consumer_ratio"] for p in front], [max(p["kl"], floor) for p in front], "-", color="tab:blue", lw=1,
             label="the plans no other beats at no more compute (validation)")
-    for i, k in enumerate(kinds):               # a marker per plan kind: circles the codes, squares a block
-        mine = [p for p in pts if points.kind(p, n) == k]
+    for i, (k, mine) in enumerate(by_kind.items()):
         ax.scatter([p["consumer_ratio"] for p in mine], [max(p["kl"], floor) for p in mine], s=28, zorder=3,
-                   marker="o" if k.startswith("codes") else "s", color=plt.get_cmap("tab10")(i % 10), label=k)
+                   **_kind_style(i, k), label=k)
     for p in pts:
         ax.annotate(("codes" if p["entry"] == n else f"e={p['entry']}") + (f"+{p['tail']}" if p.get("tail") else ""),
                     (p["consumer_ratio"], max(p["kl"], floor)), textcoords="offset points", xytext=(4, 3),
@@ -297,22 +298,26 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
     ax.grid(alpha=0.3, which="both")
     ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if answers:
-        _f1_panel(fx, held, f1, chosen, [(k, [p for p in pts if points.kind(p, n) == k and p.get("f1") is not None])
-                                         for k in kinds], compute["chosen"])
+        _f1_panel(fx, held, f1, chosen, by_kind, compute["chosen"])
         fx.set_xlabel(xlabel)
     return fig
 
 
+def _kind_style(i: int, kind: str) -> dict:
+    """The marker and color of the i-th plan kind in both panels: circles the codes, squares a block."""
+    return {"marker": "o" if kind.startswith("codes") else "s", "color": plt.get_cmap("tab10")(i % 10)}
+
+
 def _f1_panel(ax, held: dict[str, list[tuple]], f1: dict[str, float], chosen: str | None,
-              by_kind: list[tuple[str, list[dict]]] = (), chosen_point: dict | None = None) -> None:
+              by_kind: dict[str, list[dict]] | None = None, chosen_point: dict | None = None) -> None:
     """F1 by consumer compute: the validation curve's plans by kind (`by_kind`, as the KL panel marks them, the
     chosen one circled), and each plan on a held-out curve (held_out_curve's): SCD's plans, the chosen one
     circled, DroidSpeak entering at each layer (raw KV at 0); the held-out oracle's F1 and 0.95 of it as lines."""
-    for i, (k, mine) in enumerate(by_kind):
+    for i, (k, plans) in enumerate((by_kind or {}).items()):
+        mine = [p for p in plans if p.get("f1") is not None]
         if mine:
             ax.scatter([p["consumer_ratio"] for p in mine], [p["f1"] for p in mine], s=16, alpha=0.6, zorder=2,
-                       marker="o" if k.startswith("codes") else "s", color=plt.get_cmap("tab10")(i % 10),
-                       label=f"{k} (validation)")
+                       **_kind_style(i, k), label=f"{k} (validation)")
     if chosen_point is not None and chosen_point.get("f1") is not None:
         ax.scatter([chosen_point["consumer_ratio"]], [chosen_point["f1"]], s=120, facecolors="none",
                    edgecolors="tab:red", linewidths=1.5, label="chosen plan (validation)", zorder=5)
