@@ -82,3 +82,21 @@ def test_codes_below_are_the_artifacts_rebuilt_cache_as_sent():
     want = SCDMethod(art).build(b, ids, mask, tr).kv
     err = max((x - y).abs().max().item() for g, w in zip(got, want) for x, y in zip(g, w))
     assert err == 0.0, f"codes below differ from the artifact's rebuilt cache by {err:.2e}"
+
+
+def test_a_block_with_a_stop_runs_its_layers_and_takes_below_above_it():
+    """--stops: the block [1, 3) of 4 layers is the full block's at layers 1-2 (layer 2 reads layer 1's own
+    output either way), and the producer's K and V at layer 3, as below the entry."""
+    a, b = _pair()
+    ids = _samples(1, 5)[0].prefix[None]
+    mask = torch.ones_like(ids)
+    tr = capture(a, ids, mask, want_hidden=True)
+    mid = Entry(1, 4, None, None, stop=3)
+    assert mid.name == "e1-3"
+    got = mid.build(b, ids, mask, tr).kv
+    full = Entry(1, 4, None, None).build(b, ids, mask, tr).kv
+    for l, want in [(1, full[1]), (2, full[2]), (3, (tr.keys[3], tr.values[3])), (0, (tr.keys[0], tr.values[0]))]:
+        err = max((x - y).abs().max().item() for x, y in zip(got[l], want))
+        assert err == 0.0, f"layer {l} of the block [1, 3) differs from what it should be by {err:.2e}"
+    err = max((x - y).abs().max().item() for x, y in zip(got[3], full[3]))
+    assert err > 0, "layer 3 above the stop is the consumer's own: the stop did nothing"

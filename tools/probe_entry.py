@@ -23,11 +23,16 @@ prefixes.
 With --below-artifact REF (a published artifact of the pair, e.g. smollm2:qa@latest): below e the consumer
 takes that artifact's rebuilt cache from its codes as sent (rounded as on the wire), instead of the full-rank
 translation; `+below`, `+both` and `+trained` then measure a block over the codes a payload carries.
+
+With --stops S,...: also a block that ends below the top, e<e>-<s>+both for each stop s > e: the consumer runs
+its layers e..s-1 only (a cost of (s - e) / L), and takes `below`'s K and V above s too (a block where the
+error lives, the codes elsewhere).
 """
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -63,12 +68,16 @@ class CodesBelow:
 
 class Entry(methods.Method):
     """The producer's K and V (or `below`'s predictions: full-rank maps per layer, or a CodesBelow) at layers
-    1..e-1, the consumer's own from e, entered from the producer's residual (through `align` when given)."""
+    1..e-1, the consumer's own from e (to `stop`, `below`'s again above it), entered from the producer's
+    residual (through `align` when given)."""
 
     def __init__(self, entry: int, num_layers: int, align: LinearCodec | None,
-                 below: "dict[int, LinearCodec] | CodesBelow | None", name: str | None = None):
+                 below: "dict[int, LinearCodec] | CodesBelow | None", name: str | None = None,
+                 stop: int | None = None):
         self.entry, self.num_layers, self.align, self.below = entry, num_layers, align, below
+        self.stop = stop or num_layers                   # the block's layers: entry..stop-1
         self.name = name or ("below" if entry == num_layers else f"e{entry}") + (
+            f"-{self.stop}" if self.stop < num_layers else "") + (
             "+both" if align and below and entry < num_layers else "+align" if align else
             "+below" if below and entry < num_layers else "")
 
@@ -79,19 +88,20 @@ class Entry(methods.Method):
             h = tr.hidden[self.entry]
             if self.align is not None:
                 h = h + self.align.decode(self.align.encode(h.float()))
-            kv[self.entry:] = run_layers(consumer, h, mask, tr.positions, self.entry, self.num_layers)
+            kv[self.entry:self.stop] = run_layers(consumer, h, mask, tr.positions, self.entry, self.stop)
         return methods.Built(kv, 0, (time.perf_counter() - t0) * 1e3)
 
     @torch.no_grad()
     def below_kv(self, consumer, ids, tr) -> list:
-        """The producer's K and V of every layer, with `below`'s predictions at layers 1..e-1."""
+        """The producer's K and V of every layer, with `below`'s predictions at layers 1..e-1 (and from the
+        block's stop up, for a block that ends below the top)."""
         if isinstance(self.below, CodesBelow):
             return list(self.below.kv(consumer, ids, tr))
         kv = list(zip(tr.keys, tr.values))
         _, n_kv, t, d = tr.keys[0].shape
         if self.below:
             cos, sin = cos_sin(consumer, tr.positions)
-            for l in range(1, self.entry):
+            for l in [*range(1, self.entry), *range(self.stop, self.num_layers)]:
                 y = self.below[l].decode(self.below[l].encode(tr.xnorm[l][0].float()))
                 k, v = (y[:, i * n_kv * d:(i + 1) * n_kv * d].view(t, n_kv, d).transpose(0, 1)[None] for i in (0, 1))
                 kv[l] = (apply_rope(k, cos, sin), v)
@@ -105,7 +115,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--pair", required=True, help="producer:specialist of the config")
     p.add_argument("--entries", default="8,12,16,20", help="entry layers, comma-separated")
     p.add_argument("--prefixes", type=int, default=48, help="calibration prefixes the maps are fitted on")
+    p.add_argument("--stops", default="", help="also blocks ending below the top: stop layers, comma-separated")
     p.add_argument("--samples", type=int, default=8, help="held-out samples")
+    p.add_argument("--store", default=None, help="the store --below-artifact is in (default: the config's "
+                                                 "artifacts.uri)")
     p.add_argument("--ridge", type=float, default=1e-2, help="the aligned entry's ridge, relative to the "
                                                              "residual's mean variance")
     p.add_argument("--train-samples", type=int, default=0, help="(prefix, continuation) training samples for "
@@ -120,16 +133,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.below_artifact:
         from artifacts_store import ArtifactStore, ArtifactStoreError
         try:
-            codes_below = CodesBelow(ArtifactStore(cfg.artifacts.uri).load(args.below_artifact)[0])
+            store = str(Path(args.store).expanduser()) if args.store and "://" not in args.store else args.store
+            codes_below = CodesBelow(ArtifactStore(store or cfg.artifacts.uri).load(args.below_artifact)[0])
         except (ArtifactStoreError, ValueError) as e:
             raise SystemExit(f"--below-artifact {args.below_artifact}: {e}") from None
     L, hsize = spec.num_layers, spec.hidden_size
     try:
         entries = sorted({int(e) for e in args.entries.split(",")})
+        stops = sorted({int(s) for s in args.stops.split(",") if s})
     except ValueError:
-        raise SystemExit(f"--entries must be layer numbers, comma-separated: {args.entries!r}") from None
-    if not all(1 <= e < L for e in entries):
-        raise SystemExit(f"--entries must be within 1..{L - 1}")
+        raise SystemExit(f"--entries and --stops must be layer numbers, comma-separated: {args.entries!r}, "
+                         f"{args.stops!r}") from None
+    if not all(1 <= e < L for e in entries + stops):
+        raise SystemExit(f"--entries and --stops must be within 1..{L - 1}")
     calib, _, held = samples.pair_data(name, tok, args.prefixes, 0, args.samples, cfg.calibration.prefix_tokens)
     kv_width = 2 * spec.num_kv_heads * spec.head_dim
     entry_grams = {e: JointGram(hsize, hsize) for e in entries}
@@ -147,7 +163,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.below_artifact:
         below = codes_below
     ways = [methods.RawKV(), Entry(L, L, None, below)] + [
-        Entry(e, L, al, bl) for e in entries for al in (None, align[e]) for bl in (None, below)]
+        Entry(e, L, al, bl) for e in entries for al in (None, align[e]) for bl in (None, below)] + [
+        Entry(e, L, align[e], below, stop=s) for e in entries for s in stops if s > e]
     if args.train_samples:
         train = samples.tune_samples(name, tok, args.train_samples, cfg.calibration.prefix_tokens)
         for e in entries:
@@ -162,7 +179,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"\n{args.pair}: recompute blocks entered at {entries}; maps fitted on {len(calib)} calibration prefixes, "
           f"{len(held)} held-out")
     for r, w in zip(rows, ways):
-        cost = (L - w.entry) / L if isinstance(w, Entry) else 0.0
+        cost = (w.stop - w.entry) / L if isinstance(w, Entry) else 0.0
         f1 = f"  F1 {r['f1']:.3f}" if r["f1"] is not None else ""
         print(f"  {r['method']:<12} consumer {cost:.2f}  KL {r['kl']:.4f} = {r['kl'] / raw:.3f} x raw KV  "
               f"greedy {r['greedy']:.3f}{f1}")
