@@ -289,8 +289,8 @@ def parser() -> argparse.ArgumentParser:
         "over the producer's K and V below (rows droidspeak@E; its curve against the consumer's compute)"))
     p.add_argument("--selective", metavar="RULE@F,...", help=(
         "also each of raw_kv and scd repaired by selective token recompute at a share F of the prefix's positions "
-        "chosen by RULE (attention, structural, deviation; scd.online.selective): rows raw_kv+RULE@F, scd+RULE@F; "
-        "learned (the artifact's selector) repairs scd alone"))
+        "chosen by RULE (attention, structural, deviation, suffix: the question's reads, QA pairs; "
+        "scd.online.selective): rows raw_kv+RULE@F, scd+RULE@F; learned (the artifact's selector) repairs scd alone"))
     p.add_argument("--work-dir", default="runs/eval", help="traces and the calibrated artifact are kept here")
     p.add_argument("--cost-tokens", type=int, default=0, metavar="N",
                    help="also time each method's consumer compute over the consumer's own prefill on one prefix "
@@ -330,6 +330,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"--cost-tokens {args.cost_tokens} is longer than {pair}'s context of {context} tokens")
     _, val, held = samples.pair_data(nb, tok, 0, args.val, args.samples, args.prefix_tokens, text_file=args.text,
                                      seed=args.seed)
+    if any(rule == "suffix" for rule, _ in repairs) and held[0].question is None:
+        raise SystemExit(f"--selective suffix@F reads the question after each prefix: {pair}'s samples are text "
+                         f"windows, with none")
     found, shared = structure.measured(producer, consumer, [v.prefix for v in val], tok.pad_token_id,
                                        pb if is_adapter(pb) else None)
     bound = quality_bound(args)

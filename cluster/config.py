@@ -362,7 +362,8 @@ class CalibrationSettings(CalibConfig):
     selective: list[Annotated[float, Field(gt=0, le=1)]] = Field([0.05, 0.1, 0.2, 0.35], description=(
         "recompute blocks: also measure each plan with the consumer running the share f of the prefix's positions "
         "that its last 16 attend to most (over the rebuilt cache) through every layer, for each f listed "
-        "(selective recompute, scd.online.selective); those within max_consumer_prefill_ratio are measured"))
+        "(selective recompute, scd.online.selective), and on QA samples the share its question reads most (the "
+        "suffix rule: a request's own tokens); those within max_consumer_prefill_ratio are measured"))
     selector_samples: int = Field(32, ge=0, description=(
         "fit a selector of the positions to recompute on this many windows (half the fine-tuning samples, half "
         "windows of serving_tokens where the texts are that long): a linear score of each position's rebuilt V "

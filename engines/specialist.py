@@ -202,10 +202,11 @@ class SpecialistEngine:
 
     @torch.no_grad()
     def _prefix_kv(self, prefix_ids: list[int], payload, reason: str | None, timings: dict,
-                   codes_ok: Callable[[], None] | None = None):
+                   codes_ok: Callable[[], None] | None = None, suffix_ids: list[int] | None = None):
         """(kv, ServedInfo). Uses the codes when it can (calling codes_ok() once they check out, before the
         rebuild); otherwise prefills and says why. `payload`: bytes or a codec.Wire, or E-first (e_first.Parts
-        in hand, or Arriving: the rest still on its way)."""
+        in hand, or Arriving: the rest still on its way). `suffix_ids`: the request's tokens after the prefix,
+        which a plan repaired by the suffix rule reads."""
         if not prefix_ids:                                      # nothing to cache: the suffix is the whole input
             return [], ServedInfo("fallback", FallbackReason.PREFIX_TOO_SHORT, self.version, 0, timings)
         ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
@@ -222,7 +223,8 @@ class SpecialistEngine:
                 reason = self.unavailable_reason
             else:
                 how = self._e_first if isinstance(payload, Arriving) else self._from_codes
-                built = how(art, version, payload, prefix_ids, timings, codes_ok)
+                reader = torch.tensor([suffix_ids or []], dtype=torch.long, device=self.device)
+                built = how(art, version, payload, prefix_ids, timings, codes_ok, reader=reader)
                 if isinstance(built, str):
                     reason = built
                 else:
@@ -247,9 +249,11 @@ class SpecialistEngine:
 
     def _from_codes(self, art: PairArtifacts, version: str, payload, prefix_ids: list[int], timings: dict,
                     codes_ok: Callable[[], None] | None, plan: list[str] | None = None,
-                    own: Callable[[], dict] | None = None) -> "tuple[list, Codes] | str":
+                    own: Callable[[], dict] | None = None, reader: torch.Tensor | None = None
+                    ) -> "tuple[list, Codes] | str":
         """(kv, codes) rebuilt from one payload laid out by `plan` (default: the artifact's), or the fallback
-        reason. `own`: the blocks' layers, running elsewhere (rebuild's `own`; E-first's rest)."""
+        reason. `own`: the blocks' layers, running elsewhere (rebuild's `own`; E-first's rest); `reader`: the
+        request's tokens after the prefix (rebuild's)."""
         t0 = time.perf_counter()
         codes = self._checked(lambda: codec.decode(payload, art.pair, version, plan or art.payload_plan,
                                                    codec.level_dims(art), art.x_codes), prefix_ids)
@@ -258,7 +262,7 @@ class SpecialistEngine:
         timings["decode"] = (time.perf_counter() - t0) * 1e3
         if codes_ok is not None:
             codes_ok()
-        kv, ph = rebuild(self.model, art, codes, own)
+        kv, ph = rebuild(self.model, art, codes, own, reader)
         timings["rebuild"], timings["patch"] = ph["rebuild_ms"], ph["patch_ms"]
         if art.blocks:                                  # the consumer's own layers, run from the residual sent
             timings["recompute"] = ph["recompute_ms"]
@@ -267,7 +271,8 @@ class SpecialistEngine:
         return kv, codes
 
     def _e_first(self, art: PairArtifacts, version: str, payload: Arriving, prefix_ids: list[int], timings: dict,
-                 codes_ok: Callable[[], None] | None) -> "tuple[list, Codes] | str":
+                 codes_ok: Callable[[], None] | None, reader: torch.Tensor | None = None
+                 ) -> "tuple[list, Codes] | str":
         """(kv, codes) from an E-first payload: the blocks start from the entry part while the rest is received,
         decoded and rebuilt beside them; or the fallback reason."""
         plans = e_first.part_plans(art.payload_plan)
@@ -289,7 +294,7 @@ class SpecialistEngine:
             if rest is None:
                 return reason
             built = self._from_codes(art, version, rest, prefix_ids, timings, codes_ok, plans[1],
-                                     own=lambda: running.result()[0])
+                                     own=lambda: running.result()[0], reader=reader)
             if isinstance(built, str):
                 return built
             timings["block_wait"] = timings["recompute"]        # rebuild's "recompute": its wait for the block
@@ -451,7 +456,7 @@ class SpecialistEngine:
             kv, info = own, ServedInfo("scd", None, self.version, 0, timings,
                                        exact={"drafted": 0, "accepted": 0, "takeover": 0, "cached": True})
         else:
-            kv, info = self._prefix_kv(prefix_ids, payload, reason, timings, codes_ok)
+            kv, info = self._prefix_kv(prefix_ids, payload, reason, timings, codes_ok, suffix_ids)
         suffix = torch.tensor([suffix_ids], device=self.device)
         fast = fast_decode.step_for(self.model)
         if fast is not None:

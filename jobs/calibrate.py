@@ -326,7 +326,7 @@ def fit_codes(job: PairJob, capture_pair, shared: dict) -> Fitted:
 def held_out_tag(art) -> str:
     """The held-out checkpoints' suffix of a plan with a block or a tail, or served at a level below its
     fitted ranks; "" for the codes at their full ranks."""
-    mark = {"last": "t", "attention": "s", "learned": "l"}[art.tail_rule]
+    mark = {"last": "t", "attention": "s", "learned": "l", "suffix": "r"}[art.tail_rule]
     tag = "".join(f"-e{s}" for s, _ in art.blocks) + (f"-{mark}{art.tail_tokens}" if art.tail_tokens else "")
     level = art.info.get("level")
     if level and level["chosen"] != {k: level["tried"][-1][k] for k in level["chosen"]}:

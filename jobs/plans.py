@@ -168,7 +168,7 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
         rec = save_record(path, {**rec, "points": sorted_points(rec["points"] + more, n)}, inputs)
 
     t_val = val[0].prefix.shape[-1]
-    want = share_plans(cal, c, es, t_val, learned=art.selector is not None)
+    want = share_plans(cal, c, es, t_val, learned=art.selector is not None, questions=val[0].question is not None)
     if not bound.meets(rec["points"][0], rec["raw_kv"]["kl"], rec["raw_kv"].get("kls")):
         have = {key(p) for p in rec["points"]}
         entry_points(cal, art, tok, calib, val, c, [e for e in es if (e, 0, "last") not in have], tune, log, add)
@@ -240,15 +240,17 @@ def selector_digest(art) -> str | None:
                                                              "layers": torch.tensor(art.selector_layers)})
 
 
-def share_plans(cal: Calibration, c, es: list[int], t_val: int, learned: bool) -> list[tuple[int, int, str]]:
+def share_plans(cal: Calibration, c, es: list[int], t_val: int, learned: bool,
+                questions: bool = False) -> list[tuple[int, int, str]]:
     """The plans with a share of the prefix's positions run by the consumer too, within its ceiling: (entry,
     count, rule) for the codes alone and each entry, with each tail of calibration.tails (rule "last") and each
     share of calibration.selective by the attention rule and, with `learned` (the codes carry a selector),
-    the learned one."""
+    the learned one, and with `questions` (the samples are QA: a question follows the prefix, as a request's
+    suffix does), the suffix rule's."""
     n = cal.spec.num_layers
     shares = sorted({round(f * t_val) for f in c.selective} - {0})
     runs = {"last": sorted(set(c.tails) - {0}), "attention": shares,
-            **({"learned": shares} if learned else {})}
+            **({"learned": shares} if learned else {}), **({"suffix": shares} if questions else {})}
     return [(e, k, rule) for e in [n] + es for rule, ks in runs.items() for k in ks
             if points.consumer_ratio(e, k, n, t_val, rule) <= c.max_consumer_prefill_ratio + 1e-9]
 
@@ -283,6 +285,7 @@ def chosen_plan(cal: Calibration, art, rec: dict, bound: exact.Bound, gbps: floa
     tail, rule = (chosen.get("tail", 0), chosen.get("rule", "last")) if chosen else (0, "last")
     tail_note = "" if not tail else f", and the prefix's last {tail} tokens through every layer" if rule == "last" \
         else f", and the {tail} positions its last attend to most through every layer" if rule == "attention" \
+        else f", and the {tail} positions the request's tokens read most through every layer" if rule == "suffix" \
         else f", and the {tail} positions its selector picks through every layer"
     if chosen is None or chosen["entry"] == n:
         log(("codes alone" + tail_note + " (within the quality bound)") if chosen

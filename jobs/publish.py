@@ -136,7 +136,9 @@ def codes_extra(job: PairJob, art, gate: dict, split: dict[str, float], vs_ds: d
     if art.tail_tokens:
         which = {"last": f"last {art.tail_tokens} tokens",
                  "attention": f"{art.tail_tokens} tokens that its last attend to most (selective recompute)",
-                 "learned": f"{art.tail_tokens} tokens its selector picks (selective recompute)"}[art.tail_rule]
+                 "learned": f"{art.tail_tokens} tokens its selector picks (selective recompute)",
+                 "suffix": f"{art.tail_tokens} tokens the request's own tokens read most (selective recompute)"
+                 }[art.tail_rule]
         extra["plan"] = extra.get("plan", "the codes") + (
             f"; the consumer runs the prefix's {which} itself through every layer"
             + (f" (that share of a prefix of {art.tail_of}: {art.tail_tokens / art.tail_of:.3g} of its tokens at "

@@ -188,7 +188,8 @@ def test_an_unload_lets_running_requests_finish_and_refuses_new_ones(adapters):
 def every_artifacts(adapters, tmp_path_factory):
     """Artifacts of the pair (the demo base, "every" merged), fitted on a few random prefixes: codes alone
     (Reuse, one Patch layer), the same with a block of the consumer's own top three layers, and with selective
-    recompute of the positions the prefix's last attend to most, or that a selector picks."""
+    recompute of the positions the prefix's last attend to most, that a selector picks, or that the request's
+    suffix reads most."""
     import dataclasses
 
     from scd.fitting.calibrate import Calibration
@@ -207,10 +208,11 @@ def every_artifacts(adapters, tmp_path_factory):
     picking = dataclasses.replace(codes, selector=torch.linspace(-1, 1, 2 * width + POSITION_FEATURES),
                                   selector_layers=[1, 5])
     return {"codes": codes, "block": block, "selective": codes.with_tail(6, len(PREFIX), "attention"),
-            "learned": picking.with_tail(6, len(PREFIX), "learned")}
+            "learned": picking.with_tail(6, len(PREFIX), "learned"), "suffix": codes.with_tail(6, len(PREFIX), "suffix")}
 
 
-@pytest.mark.parametrize("kind, share", [("codes", 0.0), ("block", 3 / 8), ("selective", None), ("learned", None)])
+@pytest.mark.parametrize("kind, share", [("codes", 0.0), ("block", 3 / 8), ("selective", None), ("learned", None),
+                                         ("suffix", None)])
 def test_an_every_layer_adapter_with_an_artifact_is_rebuilt_from_codes_of_the_bases_prefill(
         adapters, every_artifacts, kind, share):
     """Its cache is the artifact's rebuild from the base's own trace, on its view of the base (nothing merged),
@@ -223,14 +225,15 @@ def test_an_every_layer_adapter_with_an_artifact_is_rebuilt_from_codes_of_the_ba
     art = every_artifacts[kind]
     engine.set_artifact("every", art, "v1")
     _, info, _ = engine.complete("every", PREFIX, SUFFIX, PARAMS)
-    if share is None:                               # the attention rule's window counted; the selector runs none
-        share = (6 + (SELECT_WINDOW if kind == "selective" else 0)) / len(PREFIX)
+    if share is None:       # the attention rule's window and the suffix's first pass counted; the selector runs none
+        share = (6 + (SELECT_WINDOW if kind in ("selective", "suffix") else 0)) / len(PREFIX)
     assert (info.mode, info.artifact) == ("scd", "v1") and info.group["adapter_share"] == pytest.approx(share), \
         info.as_dict()
     assert engine.complete("top", PREFIX, SUFFIX, PARAMS)[1].group["base_cached"], "the base prefilled twice"
 
     ids = torch.tensor([PREFIX])
-    want, _ = rebuild(merged["every"], art, encode(art, capture(_base(), ids, want_hidden=True), ids))
+    want, _ = rebuild(merged["every"], art, encode(art, capture(_base(), ids, want_hidden=True), ids),
+                      reader=torch.tensor([SUFFIX]))
     row, _ = engine._row("every", PREFIX, SUFFIX, PARAMS, {})
     for layer, (k, v) in enumerate(want):
         for got, ref, what in ((row.keys[layer], k, "K"), (row.values[layer], v, "V")):

@@ -125,11 +125,15 @@ def test_eval_refuses_a_report_folder_it_cannot_make_before_any_work(tmp_path, c
 
 def test_eval_measures_selective_recompute_as_a_method_and_refuses_a_bad_rule(tmp_path, capsys):
     scd(["eval", "--pair", "base:qa", "--json", "--samples", "2", "--val", "2", "--methods", "oracle,raw_kv",
-         "--selective", "structural@1,deviation@0.25", "--work-dir", str(tmp_path)])
+         "--selective", "structural@1,deviation@0.25,suffix@1", "--work-dir", str(tmp_path)])
     by = {r["method"]: r for r in json.loads(capsys.readouterr().out)}
-    assert set(by) == {"oracle", "raw_kv", "raw_kv+structural@1", "raw_kv+deviation@0.25"}, by
+    assert set(by) == {"oracle", "raw_kv", "raw_kv+structural@1", "raw_kv+deviation@0.25", "raw_kv+suffix@1"}, by
     assert by["raw_kv+structural@1"]["kl"] < 1e-6, "every position recomputed is the consumer's own prefill"
+    assert by["raw_kv+suffix@1"]["kl"] < 1e-6, "every position, by the question's reads too"
     assert by["raw_kv+deviation@0.25"]["kl"] < by["raw_kv"]["kl"], by
+    with pytest.raises(SystemExit, match="reads the question after each prefix: base:prose's samples are text"):
+        scd(["eval", "--pair", "base:prose", "--methods", "raw_kv", "--selective", "suffix@0.2", "--work-dir",
+             str(tmp_path)])
     with pytest.raises(SystemExit, match="--selective"):
         scd(["eval", "--pair", "base:qa", "--selective", "tail@0.1", "--work-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="learned@F repairs the scd row by its artifact's selector: there is no"):

@@ -144,6 +144,90 @@ def test_the_attention_rule_keeps_its_window_and_takes_the_positions_the_window_
         "the selected position is the consumer's own again"
 
 
+def test_the_suffix_rule_takes_the_positions_the_requests_tokens_read_most_and_needs_them():
+    """A position whose K the request's queries all align with is selected, wherever it lies; the repair is
+    recompute_tokens at the top of reads_of; without the request's tokens the rule refuses."""
+    b = tiny_llama(1)
+    ids, mask = left_padded_batch(lengths=(40,))
+    own = _kv(b, ids, mask)
+    reader = torch.tensor([[11, 12, 13]])
+    loud = [(k.clone(), v) for k, v in own]
+    for k, _ in loud:                                       # position 5's key scaled up: every query reads it
+        k[..., 5, :] *= 40
+    repaired, sel = selective.repair(b, loud, ids, mask, "suffix", 4 / 40, reader=reader)
+    want = selective.top(selective.reads_of(b, loud, mask, reader), mask, 4)
+    assert sel.tolist() == want.tolist() and 5 in sel[0].tolist(), (sel, want)
+    assert _err(repaired, selective.recompute_tokens(b, loud, ids, mask, want)) == 0
+    assert _err(repaired, own, columns=[5]) < _err(loud, own, columns=[5]) / 10, "position 5 is the consumer's own"
+    with pytest.raises(ValueError, match="request's tokens"):
+        selective.repair(b, loud, ids, mask, "suffix", 4 / 40)
+
+
+def test_an_artifact_with_the_suffix_rule_rebuilds_by_the_requests_reads_and_is_served(tmp_path):
+    """tail_rule "suffix" round-trips in the manifest; rebuild repairs the plan's cache at the positions the
+    reader reads most (another reader, other positions), and refuses without one; a specialist serving it
+    reads the request's suffix: its row's prefix cache is that rebuild's."""
+    from actors.messages import GenParams
+    from engines.producer import ProducerEngine
+    from engines.specialist import SpecialistEngine
+    from scd.online import codec
+    from scd.online.artifacts import PairArtifacts
+    from scd.online.models import ModelSpec
+    from scd.online.rebuild import encode, rebuild
+    from tests.test_models import _tokenizer
+    a = tiny_llama(0, layers=4)
+    b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
+    plain = PairArtifacts.exact("a:b", ModelSpec.from_config(a.config), ["exact", "shared", "shared", "shared"], "bf16")
+    plain.with_tail(10, 40, "suffix").save(tmp_path / "art")
+    art = PairArtifacts.load(tmp_path / "art")
+    assert (art.tail_tokens, art.tail_of, art.tail_rule) == (10, 40, "suffix")
+    ids = torch.randint(2, 97, (1, 80), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    codes = codec.as_received(encode(art, capture(a, ids, mask), ids), "bf16")
+    base, _ = rebuild(b, plain, codes)
+    reader = torch.tensor([[11, 12]])
+    kv, phases = rebuild(b, art, codes, reader=reader)
+    want, sel = selective.repair(b, base, ids, mask, "suffix", 20 / 80, reader=reader)   # 10 of 40: 20 of 80
+    assert _err(kv, want) < 1e-6 and "tail_ms" in phases, _err(kv, want)
+    other, _ = rebuild(b, art, codes, reader=torch.tensor([[50, 3, 77, 21, 9]]))
+    assert _err(other, kv) > 0, "another request reads other positions"
+    with pytest.raises(ValueError, match="request's tokens"):
+        rebuild(b, art, codes)
+    prefix = ids[0].tolist()
+    payload = ProducerEngine(a, _tokenizer(97), {"a:b": (art, "v1")}, cache_bytes=1 << 20).encode(
+        prefix, ["a:b"]).per_pair["a:b"].payload
+    engine = SpecialistEngine("b", b, _tokenizer(97), art, "v1")
+    row, info, _ = engine._row(prefix, [11, 12], payload, None, GenParams(max_tokens=4), {})
+    assert info.mode == "scd" and "tail" in info.timings, info
+    err = max((row.keys[l][..., :80, :] - k).abs().max().item() for l, (k, _) in enumerate(want))
+    assert err < 1e-5, f"the served row's keys differ from the rebuild repaired by its suffix's reads by {err:.2e}"
+
+
+def test_the_evaluator_gives_a_method_that_reads_the_request_the_samples_question_and_refuses_a_text_window():
+    """built_for: a QA sample's question is the request's suffix a suffix-rule repair reads (the same cache as
+    repair by hand); a text window has none, and the method is refused in a line, not run without it."""
+    from scd.evaluation import methods
+    from scd.evaluation.evaluate import Evaluator, Sample
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    g = torch.Generator().manual_seed(5)
+    prefix, question = torch.randint(2, 97, (30,), generator=g), torch.randint(2, 97, (4,), generator=g)
+    m = methods.Selective(methods.RawKV(), "suffix", 0.2)
+    assert m.reads_request and not methods.Selective(methods.RawKV(), "last", 0.2).reads_request
+    ids, mask = prefix[None], torch.ones(1, 30, dtype=torch.long)
+    tr = capture(a, ids, mask)
+    got = methods.built_for(m, b, ids, mask, tr, question[None]).kv
+    want, _ = selective.repair(b, methods.RawKV().build(b, ids, mask, tr).kv, ids, mask, "suffix", 0.2,
+                               reader=question[None])
+    assert _err(got, want) == 0
+    ev = Evaluator(a, b)
+    qa = Sample(prefix, torch.cat([question, question]), question=question)
+    assert ev.kl(qa, m) >= 0 and m.counted(b.config, 30) > methods.Selective(methods.RawKV(), "last", 0.2).counted(
+        b.config, 30), "the question's first pass is counted"
+    with pytest.raises(ValueError, match="without a question"):
+        ev.kl(Sample(prefix, question), m)
+
+
 def test_the_structural_rule_takes_the_last_tokens_then_separators_and_never_padding():
     from scd.online.model_files import load_tokenizer
     from tests.conftest import DEMO

@@ -102,12 +102,16 @@ def test_points_are_named_costed_and_compared_with_droidspeak_at_the_same_comput
     n, t = 8, 100
     assert points.point_name(8, 0, n) == "codes" and points.point_name(6, 20, n) == "enter@6+tail20"
     assert points.point_name(6, 20, n, "attention") == "enter@6+sel20"
+    assert points.point_name(6, 20, n, "suffix") == "enter@6+rsel20"
     assert [points.parse_point(s, n) for s in ("codes+tail20", "enter@6", "droidspeak@4", "raw_kv", "enter@x",
-                                               "codes+sel30", "enter@6+selx")] == \
-        [(8, 20, "last"), (6, 0, "last"), (4, 0, "last"), None, None, (8, 30, "attention"), None]
+                                               "codes+sel30", "enter@6+selx", "codes+rsel30", "enter@6+lsel8")] == \
+        [(8, 20, "last"), (6, 0, "last"), (4, 0, "last"), None, None, (8, 30, "attention"), None,
+         (8, 30, "suffix"), (6, 8, "learned")]
     assert points.consumer_ratio(6, 20, n, t) == pytest.approx(0.25 + 0.2)
     # the attention rule's window runs twice: counted again
     assert points.consumer_ratio(6, 20, n, t, "attention") == pytest.approx(0.25 + (20 + points.SELECT_WINDOW) / t)
+    # the suffix rule's first pass of the request: counted as a window too
+    assert points.consumer_ratio(6, 20, n, t, "suffix") == pytest.approx(0.25 + (20 + points.SELECT_WINDOW) / t)
     rows = [{"method": "scd", "kl": 0.1}, {"method": "enter@6", "kl": 0.3}, {"method": "codes+tail25", "kl": 0.2},
             {"method": "raw_kv", "kl": 1.0}, {"method": "droidspeak@4", "kl": 0.4},
             {"method": "droidspeak@6", "kl": 0.5}, {"method": "droidspeak", "kl": 0.9}]
@@ -150,15 +154,17 @@ def test_the_job_publishes_a_tail_where_it_is_the_cheapest_plan_within_the_bound
     assert (chosen["entry"], chosen["tail"]) == (8, 8) and chosen["consumer_ratio"] == pytest.approx(8 / 96), chosen
 
 
-@pytest.mark.parametrize("rule, mark, note, window", [
-    ("attention", "sel", "the 10 positions its last attend to most", points.SELECT_WINDOW),
-    ("learned", "lsel", "the 10 positions its selector picks", 0)])
+@pytest.mark.parametrize("rule, mark, note, window, pair", [
+    ("attention", "sel", "positions its last attend to most", points.SELECT_WINDOW, "base:prose"),
+    ("learned", "lsel", "positions its selector picks", 0, "base:prose"),
+    ("suffix", "rsel", "positions the request's tokens read most", points.SELECT_WINDOW, "base:qa")])
 def test_the_job_publishes_a_selective_plan_where_it_is_the_cheapest_within_the_bound(
-        tmp_path, capsys, monkeypatch, rule, mark, note, window):
-    """calibration.selective's points beside the entries, under the attention rule and the selector the job
-    fitted: one over the codes alone that meets the bound (its KL set to 0 here, as for tails above) is
-    published as the codes with its tail_rule, its share of every prefix, and the held-out evaluation rebuilds
-    with it."""
+        tmp_path, capsys, monkeypatch, rule, mark, note, window, pair):
+    """calibration.selective's points beside the entries, under the attention rule, the selector the job
+    fitted, and (QA samples: a question follows the prefix) the question's reads: one over the codes alone that
+    meets the bound (its KL set to 0 here, as for tails above) is published as the codes with its tail_rule,
+    its share of every prefix, and the held-out evaluation rebuilds with it. A text pair measures no suffix
+    rule (no request follows its windows)."""
     from artifacts_store import ArtifactStore
     from jobs.calibrate import main as calibrate
     from scd.fitting import blocks
@@ -171,12 +177,14 @@ def test_the_job_publishes_a_selective_plan_where_it_is_the_cheapest_within_the_
     monkeypatch.setattr(blocks, "curve", selective_meets)
     cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.3,
                        entries=[7], selective=[0.1, 0.5], selector_samples=8 if rule == "learned" else 0)
-    ref = calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
+    ref = calibrate(["--pair", pair, "--config", str(cfg), "--no-actors"])
     out = capsys.readouterr().out
-    assert f"codes+{mark}10 KL 0.0000" in out and f"{mark}48" not in out, out     # 0.5 lies beyond the ceiling
-    assert f"codes alone, and {note} through every layer (within the quality bound)" in out, out
     art, _ = ArtifactStore(tmp_path / "store").load(ref)
-    assert (art.tail_tokens, art.tail_of, art.tail_rule) == (10, 96, rule) and not art.blocks, art.description()
+    t, k = art.tail_of, art.tail_tokens
+    assert (k, art.tail_rule) == (round(0.1 * t), rule) and not art.blocks, art.description()
+    assert f"codes+{mark}{k} KL 0.0000" in out and f"{mark}{round(0.5 * t)}" not in out, out   # 0.5: beyond the ceiling
+    assert f"codes alone, and the {k} {note} through every layer (within the quality bound)" in out, out
+    assert ("+rsel" in out) == (pair == "base:qa"), "the suffix rule is measured where a question follows the prefix"
     chosen = art.info["blocks"]["chosen"]
-    assert (chosen["entry"], chosen["tail"], chosen["rule"]) == (8, 10, rule), chosen
-    assert chosen["consumer_ratio"] == pytest.approx((10 + window) / 96), chosen
+    assert (chosen["entry"], chosen["tail"], chosen["rule"]) == (8, k, rule), chosen
+    assert chosen["consumer_ratio"] == pytest.approx((k + window) / t), chosen

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from scd.evaluation import metrics
-from scd.evaluation.methods import Built, DroidSpeak, Method, Oracle
+from scd.evaluation.methods import Built, DroidSpeak, Method, Oracle, built_for
 from scd.online import cache, decode
 from scd.online.trace import capture
 
@@ -28,6 +28,12 @@ class Sample:
     cont: torch.Tensor                      # (N,) teacher-forced continuation (QA: question + answer)
     question: torch.Tensor | None = None    # (S,) QA only: the suffix the answer is generated after
     answer: str | None = None               # QA only: gold span
+
+
+def reader_of(s: Sample) -> torch.Tensor | None:
+    """The request's tokens after a sample's prefix, (1, n), as a method that reads them takes them (a QA
+    sample's question); None for a text window."""
+    return None if s.question is None else s.question[None]
 
 
 @dataclass
@@ -110,7 +116,7 @@ class Evaluator:
         Pass `ref` (from reference()) to score several settings against one oracle run; `start`: over the
         continuation's positions from there on."""
         ids, mask, ptrace, _, ref_logits = ref or self.reference(s)
-        got = self._logits(method.build(self.consumer, ids, mask, ptrace).kv, mask, s.cont)
+        got = self._logits(built_for(method, self.consumer, ids, mask, ptrace, reader_of(s)).kv, mask, s.cont)
         return metrics.kl_tv_top1(ref_logits[:, start:], got[:, start:])[0]
 
     @torch.no_grad()
@@ -121,7 +127,8 @@ class Evaluator:
         out = []
         for start in range(0, len(methods), DECODE_BATCH):
             chunk = methods[start:start + DECODE_BATCH]
-            builts = [oracle if m.name == "oracle" else m.build(self.consumer, ids, mask, ptrace) for m in chunk]
+            builts = [oracle if m.name == "oracle" else built_for(m, self.consumer, ids, mask, ptrace, reader_of(s))
+                      for m in chunk]
             models = [getattr(m, "model", None) or self.consumer for m in chunk]   # base: the producer decodes
             said = {i: ref for i, m in enumerate(chunk) if m.name == "oracle"}
             for model in {id(m): m for m in models}.values():         # the methods of one model in one batch
@@ -170,7 +177,7 @@ class Evaluator:
             prefill.append(Oracle().build(self.consumer, ids, mask, ptrace).consumer_ms)
             for m in methods:
                 if m.name not in ("oracle", "base"):
-                    runs[m.name].append(m.build(self.consumer, ids, mask, ptrace))
+                    runs[m.name].append(built_for(m, self.consumer, ids, mask, ptrace, reader_of(samples[0])))
         own = statistics.median(prefill)
         out = {}
         for name, built in runs.items():

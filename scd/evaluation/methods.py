@@ -47,9 +47,22 @@ class Built:
 
 class Method:
     name = "method"
+    reads_request = False      # build takes the request's tokens after the prefix (reader=): built_for
 
     def build(self, consumer, ids: torch.Tensor, mask: torch.Tensor, producer_trace: Trace) -> Built:
         raise NotImplementedError
+
+
+def built_for(m: Method, consumer, ids: torch.Tensor, mask: torch.Tensor, producer_trace: Trace,
+              reader: torch.Tensor | None) -> Built:
+    """m's cache of the prefix `ids`; `reader` (B, n): the request's tokens after it (a QA sample's question),
+    given to a method that reads them (a plan repaired by the suffix rule)."""
+    if not m.reads_request:
+        return m.build(consumer, ids, mask, producer_trace)
+    if reader is None:
+        raise ValueError(f"{m.name} reads the request's tokens after the prefix: a sample without a question "
+                         f"has none")
+    return m.build(consumer, ids, mask, producer_trace, reader=reader)
 
 
 class BaseAlone(Method):
@@ -163,22 +176,29 @@ class Selective(Method):
         self.name = f"{inner.name}+{rule}@{fraction:g}"
         self.spent: dict[int, list[float]] = {}         # prefix length -> each repaired row's counted share
 
-    def build(self, consumer, ids, mask, producer_trace):
-        built = self.inner.build(consumer, ids, mask, producer_trace)
+    @property
+    def reads_request(self) -> bool:
+        return self.rule == "suffix" or self.inner.reads_request
+
+    def build(self, consumer, ids, mask, producer_trace, reader: torch.Tensor | None = None):
+        built = built_for(self.inner, consumer, ids, mask, producer_trace, reader)
         t = time.perf_counter()
         kv, sel = selective.repair(consumer, built.kv, ids, mask, self.rule, self.fraction, self.tok, self.layers,
-                                   self.selector)
+                                   self.selector, reader)
         ms = (time.perf_counter() - t) * 1e3
-        self.spent.setdefault(ids.shape[1], []).extend(self._cost(consumer.config, ids.shape[1], row.tolist())
+        window = reader.shape[-1] if self.rule == "suffix" else None
+        self.spent.setdefault(ids.shape[1], []).extend(self._cost(consumer.config, ids.shape[1], row.tolist(), window)
                                                        for row in sel)
         return Built(kv, built.payload_bytes, built.consumer_ms + ms, {**built.phases, "selective_ms": ms},
                      built.entry_bytes)
 
-    def _cost(self, config, t: int, columns: list[int] | None = None) -> float:
+    def _cost(self, config, t: int, columns: list[int] | None = None, window: int | None = None) -> float:
+        """`window`: the tokens run first to choose (the suffix rule's request; the attention rule's last ones)."""
+        if window is None:
+            window = selective.WINDOW if self.rule in ("attention", "suffix") else 0
         s = len(columns) if columns is not None else max(selective.count_for(torch.ones(1, t), self.fraction),
                                                           selective.WINDOW if self.rule == "attention" else 0)
-        return selective.cost(config, t, s, self.layers if self.rule == "deviation" else 0,
-                              selective.WINDOW if self.rule == "attention" else 0, columns)
+        return selective.cost(config, t, s, self.layers if self.rule == "deviation" else 0, window, columns)
 
     def counted(self, config, t: int) -> float:
         """The repair's multiply-adds over a prefix of t positions as a share of the consumer's own prefill
@@ -206,7 +226,11 @@ class SCDMethod(Method):
         self.art, self.name, self.dtype, self.artifact_id = art, name, dtype or art.code_dtype, artifact_id
         self.level, self.encoder = level, encoder or art
 
-    def build(self, consumer, ids, mask, producer_trace):
+    @property
+    def reads_request(self) -> bool:
+        return bool(self.art.tail_tokens) and self.art.tail_rule == "suffix"
+
+    def build(self, consumer, ids, mask, producer_trace, reader: torch.Tensor | None = None):
         sync()
         t0 = time.perf_counter()
         dims = codec.artifact_dims(self.art, self.level)
@@ -223,7 +247,7 @@ class SCDMethod(Method):
         codes = codes.to(next(consumer.parameters()).device)     # bytes decode on the host: the copy counts
         sync()
         t2 = time.perf_counter()
-        kv, phases = rebuild(consumer, self.art, codes)
+        kv, phases = rebuild(consumer, self.art, codes, reader=reader)
         sync()
         t3 = time.perf_counter()
         phases = {"encode_ms": (t1 - t0) * 1e3, "decode_ms": (t2 - t1) * 1e3, **phases}

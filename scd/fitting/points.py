@@ -4,24 +4,26 @@
 A point is a plan the consumer pays for in compute: entering a recompute block at layer `entry` (num_layers:
 no block, the codes alone) and running `tail` of the prefix's tokens itself through every layer (0: none):
 its last ones (rule "last"), or the ones its last attend to most (rule "attention": selective recompute), or
-the ones its selector fitted at calibration scores highest (rule "learned")."""
+the ones its selector fitted at calibration scores highest (rule "learned"), or the ones the request's own
+tokens read most (rule "suffix")."""
 from __future__ import annotations
 
 from scd.settings import SELECT_WINDOW
 
-MARKS = {"last": "+tail", "attention": "+sel", "learned": "+lsel"}
+MARKS = {"last": "+tail", "attention": "+sel", "learned": "+lsel", "suffix": "+rsel"}
 
 
 def point_name(entry: int, tail: int, num_layers: int, rule: str = "last") -> str:
     """A curve point's method name: codes, enter@<e>, each with +tail<k> when the consumer runs the prefix's
-    last k tokens too, +sel<k> when it runs the k its last attend to most, +lsel<k> the k its selector picks."""
+    last k tokens too, +sel<k> when it runs the k its last attend to most, +lsel<k> the k its selector picks,
+    +rsel<k> the k the request's tokens read most."""
     return ("codes" if entry == num_layers else f"enter@{entry}") + (f"{MARKS[rule]}{tail}" if tail else "")
 
 
 def parse_point(name: str, num_layers: int) -> tuple[int, int, str] | None:
     """(entry, tail, rule) of a curve point's method name (point_name's, or droidspeak@<e>); None for another."""
     rule, (head, _, tail) = "last", name.partition("+tail")
-    for r in ("learned", "attention"):                  # "+lsel" before "+sel", which it contains
+    for r in ("learned", "suffix", "attention"):        # "+lsel" before "+sel", which it contains
         if not tail and MARKS[r] in name:
             rule, (head, _, tail) = r, name.partition(MARKS[r])
     if head == "codes":
@@ -37,8 +39,9 @@ def parse_point(name: str, num_layers: int) -> tuple[int, int, str] | None:
 
 def consumer_ratio(entry: int, tail: int, num_layers: int, tokens: int, rule: str = "last") -> float:
     """A plan's compute over the consumer's own prefill of `tokens`, by count: its block's layers, plus the
-    tail's tokens through every layer (and the attention rule's window, which runs twice)."""
-    window = SELECT_WINDOW if rule == "attention" and tail else 0
+    tail's tokens through every layer (and the attention rule's window, which runs twice; the suffix rule's
+    first pass of the request's tokens, counted as that many: a question's length)."""
+    window = SELECT_WINDOW if rule in ("attention", "suffix") and tail else 0
     return (num_layers - entry) / num_layers + min(tail + window, tokens) / tokens
 
 
@@ -50,7 +53,8 @@ def chosen_name(chosen: dict | None, num_layers: int) -> str | None:
     return point_name(chosen["entry"], chosen.get("tail", 0), num_layers, chosen.get("rule", "last"))
 
 
-KIND_RULES = {"last": "its last tokens", "attention": "selective, attention", "learned": "selective, learned"}
+KIND_RULES = {"last": "its last tokens", "attention": "selective, attention", "learned": "selective, learned",
+              "suffix": "selective, the request's reads"}
 BUDGETS = (0.1, 0.2, 0.35, 0.5)         # the consumer compute a curve is read at (share of its own prefill)
 
 

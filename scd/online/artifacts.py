@@ -36,7 +36,7 @@ KINDS = ("exact", "reuse", "hidden", "patch", "shared", "entry", "recompute", "s
 RUN_KINDS = ("entry", "recompute")          # layers the consumer runs itself over the prefix
 EXACT_KINDS = ("exact", "shared") + RUN_KINDS  # an exact plan's: nothing learned
 ENTERED = ("entry", "shared_entry")         # wire kinds that carry a residual stream
-TAIL_RULES = ("last", "attention", "learned")  # which of a prefix's positions a tail's tokens are
+TAIL_RULES = ("last", "attention", "learned", "suffix")  # which of a prefix's positions a tail's tokens are
 # the code sizes one artifact serves, as fractions of its Reuse ranks (nested codes: a shorter code is the
 # leading columns of a longer one); the producer picks one per request (scd.online.links)
 LEVELS = (0.25, 0.5, 0.75, 1.0)
@@ -126,7 +126,9 @@ class PairArtifacts:
     # scd.online.selective.attention; the consumer runs every layer for them, docs/method.md)
     tail_rule: str = "last"
     # a selector fitted at calibration (scd.fitting.selector): its weights over
-    # selective.selector_features at selector_layers; tail_rule "learned" runs the positions it scores highest
+    # selective.selector_features at selector_layers; tail_rule "learned" runs the positions it scores highest.
+    # tail_rule "suffix": the positions the request's own tokens after the prefix read most over the rebuilt
+    # cache (selective.repair; rebuild's `reader`)
     selector: torch.Tensor | None = field(default=None, compare=False)
     selector_layers: list[int] = field(default_factory=list)
 

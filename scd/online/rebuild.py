@@ -16,8 +16,9 @@ plus token ids and the left-padding mask, both (B, T).
 An artifact with a tail has the consumer run the prefix's last tokens itself after the rebuild (k of them,
 or k / tail_of of the prefix: PairArtifacts.tail_for), through every layer, over the cache rebuilt for the
 tokens before them (run_tail); with tail_rule "attention", k positions its last tokens attend to most, with
-"learned" the k its selector (fitted at calibration) scores highest, over the cache rebuilt for every other
-position (scd.online.selective).
+"learned" the k its selector (fitted at calibration) scores highest, with "suffix" the k the request's own
+tokens after the prefix read most (rebuild's `reader`), over the cache rebuilt for every other position
+(scd.online.selective).
 """
 from __future__ import annotations
 
@@ -178,12 +179,13 @@ def prepare(model, art: PairArtifacts) -> None:
 
 
 @torch.no_grad()
-def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int, KV]] | None = None
-            ) -> tuple[list[KV], dict[str, float]]:
+def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int, KV]] | None = None,
+            reader: torch.Tensor | None = None) -> tuple[list[KV], dict[str, float]]:
     """Consumer side: per-layer (K post-RoPE, V) in the consumer's own feature space, plus phase times (ms).
     `own`: the blocks' layers run elsewhere (`run_blocks` from an E-first payload's entry part, running beside
     this): a call that returns them, made last; `codes` may then be the rest alone, and "recompute_ms" is the
-    wait for them.
+    wait for them. `reader` (B, n): the request's tokens after the prefix, which an artifact with tail_rule
+    "suffix" needs (a ValueError without them).
 
     Every kind of layer decodes K before RoPE and V in the (B, T, n_kv, d) layout its matmul writes, and the
     keys are rotated there; the cache holds (B, n_kv, T, d) views of that storage (no transposing copies).
@@ -258,7 +260,7 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
     out = [kv[l] for l in range(len(art.plan))]
     if art.tail_tokens and art.tail_rule != "last":
         out, _ = selective.repair(model, out, codes.token_ids, codes.mask, art.tail_rule, art.tail_for(t) / t,
-                                  selector=(art.selector, art.selector_layers))
+                                  selector=(art.selector, art.selector_layers), reader=reader)
     elif art.tail_tokens:
         out = run_tail(model, out, codes.token_ids, codes.mask, art.tail_for(t))
     return out, {"rebuild_ms": (t_patch - t0) * 1e3, "patch_ms": (t_run - t_patch) * 1e3,

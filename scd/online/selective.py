@@ -20,6 +20,10 @@ Which positions (each a rule with its own cost, counted by `cost`):
   against on the same windows.
 - `structural`: no compute. The prefix's last positions, then its separators (newlines, punctuation), then
   the first tokens of capitalised words (names), then the latest others.
+- `suffix`: the request's own tokens (the prompt after the shared prefix: a question), run through every layer
+  over the rebuilt cache; the positions they attend to most, summed over layers and heads. The suffix then runs
+  again over the repaired cache, as it does for every plan: its first pass is the rule's cost. It needs the
+  request, so a cache repaired by it serves that request alone.
 - `learned`: no compute to choose. A linear score of each position's features in the given cache (its V at a
   few layers, its distance from the prefix's end, whether it is the first), fitted at calibration to the
   attention the consumer's continuations pay each position over its own cache (scd.fitting.selector, over
@@ -37,7 +41,7 @@ from scd.online.rope import apply_rope, cos_sin, positions_from_mask
 from scd.settings import SELECT_WINDOW
 
 KV = tuple[torch.Tensor, torch.Tensor]
-RULES = ("attention", "deviation", "structural", "last", "learned")
+RULES = ("attention", "deviation", "structural", "last", "learned", "suffix")
 WINDOW = SELECT_WINDOW
 CHUNK = 256                  # positions recomputed together (`recompute_tokens`)
 READ_TOKENS = 32             # a continuation's tokens whose reads a learned selector fits (the evaluation's horizon)
@@ -296,11 +300,16 @@ def cost(config, t: int, s: int, first_layers: int = 0, window: int = 0, columns
 
 @torch.no_grad()
 def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rule: str, fraction: float,
-           tok=None, layers: int = 1, selector: tuple[torch.Tensor, list[int]] | None = None
-           ) -> tuple[list[KV], torch.Tensor]:
+           tok=None, layers: int = 1, selector: tuple[torch.Tensor, list[int]] | None = None,
+           reader: torch.Tensor | None = None) -> tuple[list[KV], torch.Tensor]:
     """`kv` repaired by `rule` at `fraction` of the prefix's positions: (the cache, the columns recomputed
-    (B, s)). The learned rule takes its `selector` (weights, layers: scd.fitting.selector's)."""
-    if rule == "attention":
+    (B, s)). The learned rule takes its `selector` (weights, layers: scd.fitting.selector's), the suffix rule
+    the request's tokens after the prefix, `reader` (B, n)."""
+    if rule == "suffix":
+        if reader is None or reader.shape[-1] == 0:
+            raise ValueError("the suffix rule needs the request's tokens after the prefix (reader)")
+        sel = top(reads_of(model, kv, mask, reader), mask, count_for(mask, fraction))
+    elif rule == "attention":
         sel = attention(model, kv, token_ids, mask, fraction)
     elif rule == "deviation":
         sel, own = deviation(model, kv, token_ids, mask, fraction, layers)
