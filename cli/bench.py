@@ -31,7 +31,7 @@ import torch
 from scd.data import demo_data, samples
 from cli.evaluate import add_pair_args, calibrated, exact_artifact, output_folder, parse, positives, resolve_pair
 from scd.evaluation import methods
-from scd.online import codec, links
+from scd.online import codec, links, selective
 from scd.online.artifacts import level_tag
 from scd.fitting import scoring, structure
 from scd.online.model_files import is_adapter
@@ -69,8 +69,8 @@ def measure(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str
         r = {"prefill_ms": _ms(lambda: capture(consumer, ids, mask, want_xnorm=False))[0]}
         r["producer_prefill_ms"], trace = _ms(lambda: capture(producer, ids, mask,
                                                               want_hidden=every_method or art.needs_hidden))
-        for m in chosen:
-            built = m.build(consumer, ids, mask, trace)
+        for m in chosen:          # a plan by the suffix rule reads a request: 16 tokens, as its share counts one
+            built = methods.built_for(m, consumer, ids, mask, trace, ids[:, -selective.WINDOW:])
             r[m.name] = {"producer_ms": built.phases.get("encode_ms", 0.0), "consumer_ms": built.consumer_ms,
                          "payload_bytes": built.payload_bytes, "entry_bytes": built.entry_bytes,
                          **{k: v for k, v in built.phases.items() if k != "encode_ms"}}
