@@ -100,3 +100,25 @@ def test_a_block_with_a_stop_runs_its_layers_and_takes_below_above_it():
         assert err == 0.0, f"layer {l} of the block [1, 3) differs from what it should be by {err:.2e}"
     err = max((x - y).abs().max().item() for x, y in zip(got[3], full[3]))
     assert err > 0, "layer 3 above the stop is the consumer's own: the stop did nothing"
+
+
+def test_an_artifact_holds_a_block_that_ends_below_the_top_and_rebuilds_it_as_the_probe_does():
+    """A plan with the block [1, 3) of 4 layers (entry, recompute, then the producer's K and V again) goes
+    through the wire and rebuilds to the probe's e1-3: the consumer's layers 1-2 from the producer's residual,
+    the producer's K and V at layer 3 (layer 0 is the consumer's own in the plan, the producer's in the probe)."""
+    from scd.online import codec
+    from scd.online.artifacts import PairArtifacts
+    from scd.online.models import ModelSpec
+    from scd.online.rebuild import encode, rebuild
+    a, b = _pair()
+    art = PairArtifacts.exact("a:b", ModelSpec.from_config(a.config), ["exact", "entry", "recompute", "shared"], "bf16")
+    assert art.blocks == [(1, 3)] and art.consumer_layers == 2
+    ids = _samples(1, 5)[0].prefix[None]
+    mask = torch.ones_like(ids)
+    tr = capture(a, ids, mask, want_hidden=True)
+    got, _ = rebuild(b, art, codec.as_received(encode(art, tr, ids), "bf16"))
+    want = Entry(1, 4, None, None, stop=3).build(b, ids, mask, tr).kv
+    for l in range(1, 4):
+        err = max((x.float() - y.float()).abs().max().item() for x, y in zip(got[l], want[l]))
+        scale = max(y.float().abs().max().item() for y in want[l])
+        assert err <= 0.02 * scale, f"layer {l}: the rebuilt block [1, 3) differs from the probe's by {err:.2e}"
