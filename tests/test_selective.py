@@ -228,6 +228,37 @@ def test_the_evaluator_gives_a_method_that_reads_the_request_the_samples_questio
         ev.kl(Sample(prefix, question), m)
 
 
+def test_the_attention_and_suffix_rules_read_their_own_forward_while_other_requests_run_the_same_model():
+    """An engine runs several requests through one model at once: another thread's forwards pass the same
+    modules while a rule reads its queries (and a trace its x_norm), and are not taken for this one's."""
+    import threading
+    b = tiny_llama(1)
+    ids, mask = left_padded_batch(lengths=(40,))
+    own = _kv(b, ids, mask)
+    reader = torch.tensor([[11, 12, 13]])
+    want_att = selective.attention(b, own, ids, mask, 0.5)
+    want_read = selective.reads_of(b, own, mask, reader)
+    want_x = capture(b, ids, mask).xnorm
+    other, _ = left_padded_batch(lengths=(23,), seed=9)
+    stop = threading.Event()
+
+    def busy():
+        with torch.no_grad():
+            while not stop.is_set():
+                b(input_ids=other)
+    t = threading.Thread(target=busy)
+    t.start()
+    try:
+        for _ in range(15):
+            assert selective.attention(b, own, ids, mask, 0.5).tolist() == want_att.tolist()
+            assert torch.allclose(selective.reads_of(b, own, mask, reader), want_read, atol=1e-5)
+            got = capture(b, ids, mask).xnorm
+            assert len(got) == len(want_x) and all(torch.equal(g, w) for g, w in zip(got, want_x))
+    finally:
+        stop.set()
+        t.join()
+
+
 def test_the_structural_rule_takes_the_last_tokens_then_separators_and_never_padding():
     from scd.online.model_files import load_tokenizer
     from tests.conftest import DEMO

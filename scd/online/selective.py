@@ -32,6 +32,7 @@ Which positions (each a rule with its own cost, counted by `cost`):
 from __future__ import annotations
 
 import re
+import threading
 
 import torch
 
@@ -95,8 +96,7 @@ def _recompute_chunk(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.T
     cache = assemble(model, [(k[..., :t, :], v[..., :t, :]) for k, v in kv])
     x = model.model.embed_tokens(token_ids.gather(1, sel)).to(dtype)
     queries: list[torch.Tensor] = []
-    hooks = [] if attended is None else [layer.self_attn.q_proj.register_forward_hook(
-        lambda mod, i, o: queries.append(o)) for layer in model.model.layers]
+    hooks = [] if attended is None else query_hooks(model, queries)
     try:
         for l in range(len(kv)):
             layer = model.model.layers[l]
@@ -112,6 +112,18 @@ def _recompute_chunk(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.T
         idx = sel[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
         k.scatter_(2, idx, cache.layers[l].keys[..., t:, :])
         v.scatter_(2, idx, cache.layers[l].values[..., t:, :])
+
+
+def query_hooks(model, queries: list[torch.Tensor]) -> list:
+    """Forward hooks that append each layer's q_proj output to `queries`, for forwards run by the calling thread
+    only: an engine runs several requests' forwards through one model at once, and theirs pass the same
+    modules. Remove them when done."""
+    me = threading.get_ident()
+
+    def keep(mod, inputs, out):
+        if threading.get_ident() == me:
+            queries.append(out)
+    return [layer.self_attn.q_proj.register_forward_hook(keep) for layer in model.model.layers]
 
 
 def attention_received(model, queries: list[torch.Tensor], cache, emb, attn: torch.Tensor, sel: torch.Tensor,
@@ -213,8 +225,7 @@ def reads_of(model, kv: list[KV], mask: torch.Tensor, tokens: torch.Tensor) -> t
     pay each prefix position as `model` runs them over the prefix cache `kv`, summed over layers, heads and
     those tokens."""
     queries: list[torch.Tensor] = []
-    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda mod, i, o: queries.append(o))
-             for layer in model.model.layers]
+    hooks = query_hooks(model, queries)
     try:
         c = assemble(model, kv)
         extend(model, c, mask, tokens, logits=False)

@@ -9,6 +9,7 @@ Calibration writes paired traces to disk in chunks of valid (unpadded) rows (scd
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +47,11 @@ def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, wa
     positions = positions_from_mask(mask)
     xnorm: list[torch.Tensor] = []
     hooks = []
-    if want_xnorm:
+    if want_xnorm:                               # this thread's forward only: requests share the model
+        me = threading.get_ident()
         for layer in inner.model.layers:
-            hooks.append(layer.input_layernorm.register_forward_hook(lambda m, i, o: xnorm.append(o.detach())))
+            hooks.append(layer.input_layernorm.register_forward_hook(
+                lambda m, i, o: xnorm.append(o.detach()) if threading.get_ident() == me else None))
     try:
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                     output_hidden_states=want_hidden, logits_to_keep=1)   # the cache is wanted, not the logits
