@@ -89,6 +89,7 @@ def row(level: int, rep: dict) -> dict:
             "scd_ft_p50": s["first_token_ms"]["p50"], "scd_ft_p99": s["first_token_ms"]["p99"],
             "oracle_ft_p50": o["first_token_ms"]["p50"], "oracle_ft_p99": o["first_token_ms"]["p99"],
             "fallbacks": sum(n for k, n in s["modes"].items() if k.startswith("fallback")),
+            "errors": (s.get("errors", 0), o.get("errors", 0)),
             "processes": m.get("at_peak", {}).get("processes"), "threads": m.get("at_peak", {}).get("threads"),
             "load_max": m.get("load_avg_1m", {}).get("max"), "cpu_ms_per_request": m.get("cpu_ms_per_request")}
 
@@ -96,13 +97,15 @@ def row(level: int, rep: dict) -> dict:
 def table(rows: list[dict]) -> str:
     base = rows[0]["scd_rps"]
     head = ("| concurrent | SCD req/s | oracle req/s | SCD / oracle | SCD / SCD at " + str(rows[0]["concurrency"]) +
-            " | SCD first token p50 / p99 (ms) | oracle first token p50 / p99 (ms) | SCD fallbacks | processes / "
+            " | SCD first token p50 / p99 (ms) | oracle first token p50 / p99 (ms) | SCD fallbacks | errors SCD / "
+            "oracle | processes / "
             "threads (peak) | load avg (max) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['scd_rps']} | {r['oracle_rps']} | {r['scd_over_oracle']} | "
                      f"{r['scd_rps'] / base:.2f} | {r['scd_ft_p50']} / {r['scd_ft_p99']} | "
                      f"{r['oracle_ft_p50']} / {r['oracle_ft_p99']} | {r['fallbacks']} | "
+                     f"{r['errors'][0]} / {r['errors'][1]} | "
                      f"{r['processes']} / {r['threads']} | {r['load_max']} |")
     return "\n".join(lines)
 
