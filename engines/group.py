@@ -190,8 +190,9 @@ class GroupEngine:
             if name in codes:                      # (a prefix prefilled before its artifact came has none)
                 plan = self.plans.get(name)
             if plan is not None:
-                kv, phases = rebuild(plan[2], plan[0], codes[name],
-                                     reader=torch.tensor([suffix_ids], dtype=torch.long, device=self.device))
+                reader = torch.tensor([suffix_ids], dtype=torch.long, device=self.device) \
+                    if plan[0].tail_rule == "suffix" else None
+                kv, phases = rebuild(plan[2], plan[0], codes[name], reader=reader)
                 keys, values = [k for k, _ in kv], [v for _, v in kv]
                 timings.update(rebuild=phases["rebuild_ms"], patch=phases["patch_ms"],
                                recompute=phases["recompute_ms"], tail=phases["tail_ms"])

@@ -223,7 +223,8 @@ class SpecialistEngine:
                 reason = self.unavailable_reason
             else:
                 how = self._e_first if isinstance(payload, Arriving) else self._from_codes
-                reader = torch.tensor([suffix_ids or []], dtype=torch.long, device=self.device)
+                reader = torch.tensor([suffix_ids or []], dtype=torch.long, device=self.device) \
+                    if art.tail_rule == "suffix" else None
                 built = how(art, version, payload, prefix_ids, timings, codes_ok, reader=reader)
                 if isinstance(built, str):
                     reason = built

@@ -32,13 +32,13 @@ Which positions (each a rule with its own cost, counted by `cost`):
 from __future__ import annotations
 
 import re
-import threading
 
 import torch
 
 from scd.online.cache import assemble, cache_arg, extend
 from scd.online.recompute import run_layers
 from scd.online.rope import apply_rope, cos_sin, positions_from_mask
+from scd.online.trace import thread_hooks
 from scd.settings import SELECT_WINDOW
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -96,7 +96,8 @@ def _recompute_chunk(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.T
     cache = assemble(model, [(k[..., :t, :], v[..., :t, :]) for k, v in kv])
     x = model.model.embed_tokens(token_ids.gather(1, sel)).to(dtype)
     queries: list[torch.Tensor] = []
-    hooks = [] if attended is None else query_hooks(model, queries)
+    hooks = [] if attended is None else thread_hooks([layer.self_attn.q_proj for layer in model.model.layers],
+                                                     queries.append)
     try:
         for l in range(len(kv)):
             layer = model.model.layers[l]
@@ -112,18 +113,6 @@ def _recompute_chunk(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.T
         idx = sel[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
         k.scatter_(2, idx, cache.layers[l].keys[..., t:, :])
         v.scatter_(2, idx, cache.layers[l].values[..., t:, :])
-
-
-def query_hooks(model, queries: list[torch.Tensor]) -> list:
-    """Forward hooks that append each layer's q_proj output to `queries`, for forwards run by the calling thread
-    only: an engine runs several requests' forwards through one model at once, and theirs pass the same
-    modules. Remove them when done."""
-    me = threading.get_ident()
-
-    def keep(mod, inputs, out):
-        if threading.get_ident() == me:
-            queries.append(out)
-    return [layer.self_attn.q_proj.register_forward_hook(keep) for layer in model.model.layers]
 
 
 def attention_received(model, queries: list[torch.Tensor], cache, emb, attn: torch.Tensor, sel: torch.Tensor,
@@ -225,7 +214,7 @@ def reads_of(model, kv: list[KV], mask: torch.Tensor, tokens: torch.Tensor) -> t
     pay each prefix position as `model` runs them over the prefix cache `kv`, summed over layers, heads and
     those tokens."""
     queries: list[torch.Tensor] = []
-    hooks = query_hooks(model, queries)
+    hooks = thread_hooks([layer.self_attn.q_proj for layer in model.model.layers], queries.append)
     try:
         c = assemble(model, kv)
         extend(model, c, mask, tokens, logits=False)

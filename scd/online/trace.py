@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -31,6 +32,18 @@ class Trace:
 
 
 @torch.no_grad()
+def thread_hooks(modules: list, sink: Callable[[torch.Tensor], None]) -> list:
+    """Forward hooks that pass each module's output to `sink`, for forwards the calling thread runs only: an
+    engine runs several requests' forwards through one model at once, and theirs pass the same modules. Remove
+    them when done."""
+    me = threading.get_ident()
+
+    def keep(mod, inputs, out):
+        if threading.get_ident() == me:
+            sink(out)
+    return [m.register_forward_hook(keep) for m in modules]
+
+
 def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, want_xnorm: bool = True,
             want_hidden: bool = False) -> Trace:
     """Run the model once over the prefix and record K/V/x_norm for every layer. `model` may be a PEFT model
@@ -46,12 +59,8 @@ def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, wa
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     positions = positions_from_mask(mask)
     xnorm: list[torch.Tensor] = []
-    hooks = []
-    if want_xnorm:                               # this thread's forward only: requests share the model
-        me = threading.get_ident()
-        for layer in inner.model.layers:
-            hooks.append(layer.input_layernorm.register_forward_hook(
-                lambda m, i, o: xnorm.append(o.detach()) if threading.get_ident() == me else None))
+    hooks = thread_hooks([layer.input_layernorm for layer in inner.model.layers],
+                         lambda o: xnorm.append(o.detach())) if want_xnorm else []
     try:
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                     output_hidden_states=want_hidden, logits_to_keep=1)   # the cache is wanted, not the logits
