@@ -184,6 +184,9 @@ def rdt_handle(handle):
     return handle
 
 
+_NIXL_PULLS = threading.Lock()        # one NIXL agent per process: see RdtReceiver.receive
+
+
 class RdtReceiver:
     """A replica's end of nixl or cuda_ipc: pulls a ticket's payload from the producer that staged it (the
     ticket names it; `producer(name)` gives its handle) with its own call (the RDT transfer). A device payload
@@ -206,10 +209,16 @@ class RdtReceiver:
             if len(data) != ticket.nbytes:
                 raise TransportError(f"a ticket carried {len(data)} bytes and says {ticket.nbytes}")
             return data
+        if self.kind == "nixl":
+            # Ray's NIXL fetch adds the producer's agent metadata anew on each pull; one pull's add invalidates
+            # another's transfer in flight in this process (NIXL_ERR_NOT_FOUND, "re-registered during transfer",
+            # and once a body that was not the payload's). A process's pulls go one at a time.
+            with _NIXL_PULLS:
+                return self._pull(ticket)
         if ticket.producer in self.introduced:
             return self._pull(ticket)
-        # The first pulls from a producer, started at once from several threads, can race NIXL's exchange of
-        # agent metadata (seen: NIXL_ERR_NOT_FOUND from initialize_xfer): the first one goes alone.
+        # The first pulls from a producer, started at once from several threads, can race the exchange of its
+        # metadata: the first one goes alone.
         with self.first:
             data = self._pull(ticket)
             self.introduced.add(ticket.producer)

@@ -103,13 +103,17 @@ def test_nixl_replicas_pull_their_payloads_and_a_family_payload_is_staged_once(r
     transport moves tensors: the producer encodes `codec.Wire`s for it)."""
     p = Producer.remote("nixl")
     a, b = Replica.remote("nixl", p), Replica.remote("nixl", p)
-    payloads = [_wire(i, 1000 + 37 * i) for i in range(4)]
-    tickets = [ray.get(p.offer.remote(x)) for x in payloads]
-    assert {t.kind for t in tickets} == {"nixl"} and ray.get(p.staged.remote()) == (4, sum(map(len, payloads)))
-    got = ray.get([a.receive_many.remote(tickets[:2]), b.receive_many.remote(tickets[2:])])
-    seen = [(w.head, w.body.numpy().tobytes()) for w in got[0] + got[1]]
-    assert seen == [(w.head, w.body.numpy().tobytes()) for w in payloads]
-    assert ray.get(p.staged.remote()) == (0, 0), "every pulled payload is released"
+    for round in range(4):              # four pulls at once in each replica: one process's pulls must not race
+        payloads = [_wire(i, 1000 + 37 * i + round) for i in range(8)]
+        tickets = [ray.get(p.offer.remote(x)) for x in payloads]
+        assert {t.kind for t in tickets} == {"nixl"}
+        assert ray.get(p.staged.remote()) == (8, sum(map(len, payloads)))
+        got = ray.get([a.receive_many.remote(tickets[:4]), b.receive_many.remote(tickets[4:])])
+        for n, (w, x) in enumerate(zip(got[0] + got[1], payloads)):
+            assert (w.head, w.body.numpy().tobytes()) == (x.head, x.body.numpy().tobytes()), (
+                f"round {round}, payload {n}: got {w.head!r} with {len(w)} bytes, values "
+                f"{sorted(set(w.body.tolist()))[:8]}; sent {x.head!r} with {len(x)}")
+        assert ray.get(p.staged.remote()) == (0, 0), "every pulled payload is released"
     family = ray.get(p.offer.remote(_wire(7, 5000), 3))
     for r in (a, b):
         assert ray.get(r.receive.remote(family)).body.numpy().tobytes() == bytes([7]) * 5000
