@@ -271,7 +271,7 @@ def no_plan(art: PairArtifacts | None, pair: str, bound: exact.Bound) -> str | N
              if bound.noise_z else "")
     return (f"no plan of {pair} meets the quality bound (KL <= {bound.max_kl_ratio:g} x raw KV's, consumer <= "
             f"{bound.max_consumer_ratio:g} of a prefill{noise}) on {len(blocks['points'])} plans measured: the best, "
-            f"{points.point_name(best['entry'], best.get('tail', 0), blocks['num_layers'], best.get('rule', 'last'))}"
+            f"{points.name_of(best, blocks['num_layers'])}"
             f", reads {best['kl'] / max(raw, 1e-12):.3f} x raw KV at {best['consumer_ratio']:.2f} of a prefill")
 
 

@@ -209,7 +209,7 @@ class SpecialistSettings(ModelSettings):
 # samples, and have its own bound and exact-plan wire form (what it may be served at differs per specialist;
 # the deployment's gate and budgets do not)
 PAIR_DATA = {"text_file", "val", "max_kl", "max_kl_ratio", "bound_noise_z", "max_consumer_prefill_ratio", "min_retained_gain",
-             "exact_dtype", "exact_step", "entries", "tails", "selective", "selector_samples", "entry_train_samples", "entry_train_epochs",
+             "exact_dtype", "exact_step", "entries", "stops", "tails", "selective", "selector_samples", "entry_train_samples", "entry_train_epochs",
              "entry_train_lr"}
 
 
@@ -355,6 +355,10 @@ class CalibrationSettings(CalibConfig):
     entries: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=1, description=(
         "recompute blocks: the entry layers tried, each within max_consumer_prefill_ratio (unset: four evenly "
         "spaced up to it); each entry is checkpointed on its own, so adding one measures only that one"))
+    stops: list[Annotated[int, Field(ge=2)]] = Field([], description=(
+        "recompute blocks: also try each entry with its block ending below the top, at each stop listed: the "
+        "consumer runs layers entry..stop-1 only and the codes serve the layers from stop up again (a block where "
+        "the error lives); each such block's entry map is trained through it on its own"))
     tails: list[Annotated[int, Field(ge=1)]] = Field([], description=(
         "recompute blocks: also measure each plan (the codes alone, each entry) with the consumer running the "
         "prefix's last k tokens itself through every layer, for each k listed (the continuation reads those "

@@ -13,12 +13,12 @@ import torch
 from scd.evaluation import methods
 from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak
+from jobs.plans import entry_map
 from scd.fitting import blocks, points
 from scd.fitting.calibrate import Calibration
 from scd.fitting.checkpoints import load_record, plan_digest, samples_digest, save_record
 from scd.fitting.scoring import PlanScorer
 from scd.online.rebuild import encode, rebuild
-from scd.online.reuse import LinearCodec
 from scd.online.trace import capture
 
 PARETO_GRID = [(4, 8), (8, 8), (8, 16), (16, 16), (8, 24), (16, 24), (24, 32)]
@@ -64,13 +64,13 @@ def entry_curve(cal: Calibration, codes, entries: dict, tried: list[dict], tok, 
     of = codes.info.get("blocks", {}).get("prefix_tokens") or held[0].prefix.shape[-1]   # where tails were counted
     plans = {}
     for p in tried:
-        e, k, rule = p["entry"], p.get("tail", 0), p.get("rule", "last")
-        art = codes if e == n else blocks.block_artifact(codes, e, LinearCodec.from_tensors(entries, f"entry.{e}"))
-        name = points.point_name(e, k, n, rule)
+        e, s, k, rule = p["entry"], p.get("stop", n), p.get("tail", 0), p.get("rule", "last")
+        art = codes if e == n else blocks.block_artifact(codes, e, entry_map(entries, e, s, n), s)
+        name = points.name_of(p, n)
         if name != chosen:
             art = art.with_tail(k, of, rule)
             plans[name] = (methods.SCDMethod(art, name), plan_digest(art))
-    for e in sorted({p["entry"] for p in tried if p["entry"] < n}):
+    for e in sorted({p["entry"] for p in tried if p["entry"] < n}):     # DroidSpeak's blocks go to the top
         ds = methods.DroidSpeak.entering(e, n)
         plans[ds.name] = (ds, "droidspeak")
     inputs = {"samples": samples_digest(held)}

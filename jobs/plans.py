@@ -71,16 +71,34 @@ def block_entries(cal: Calibration, c) -> list[int]:
     return sorted(set(c.entries))
 
 
-def key(point: dict) -> tuple[int, int, str]:
-    """A curve point's plan: (entry, tail, the tail's rule)."""
-    return point["entry"], point.get("tail", 0), point.get("rule", "last")
+def block_spans(cal: Calibration, c, es: list[int]) -> list[tuple[int, int]]:
+    """The blocks the block stage tries, as (entry, stop): each entry up to the top, and with calibration.stops
+    each entry up to each stop above it (layers entry..stop-1, the codes above), within the consumer's ceiling."""
+    n = cal.spec.num_layers
+    return [(e, n) for e in es] + [(e, s) for e in es for s in sorted(set(c.stops)) if e < s < n]
+
+
+def span_id(entry: int, stop: int, num_layers: int) -> "int | str":
+    """How a block's entry map is named in entry_tensors and entries-trained.json: its entry layer for a block
+    up to the top, "<entry>:<stop>" for one that ends below it."""
+    return entry if stop == num_layers else f"{entry}:{stop}"
+
+
+def entry_map(tensors: dict, entry: int, stop: int, num_layers: int) -> LinearCodec:
+    """A block's entry map from entry_tensors."""
+    return LinearCodec.from_tensors(tensors, f"entry.{span_id(entry, stop, num_layers)}")
+
+
+def key(point: dict, num_layers: int) -> tuple[int, int, int, str]:
+    """A curve point's plan: (entry, stop, tail, the tail's rule)."""
+    return point["entry"], point.get("stop", num_layers), point.get("tail", 0), point.get("rule", "last")
 
 
 def sorted_points(points: list[dict], num_layers: int) -> list[dict]:
-    """A curve's points in its record's order: the codes alone first, then by entry, each alone and then by its
-    tail's rule and length."""
-    return sorted(points, key=lambda p: (p["entry"] < num_layers, p["entry"], bool(p.get("tail")),
-                                         p.get("rule", "last"), p.get("tail", 0)))
+    """A curve's points in its record's order: the codes alone first, then by entry and stop, each alone and then
+    by its tail's rule and length."""
+    return sorted(points, key=lambda p: (p["entry"] < num_layers, p["entry"], p.get("stop", num_layers),
+                                         bool(p.get("tail")), p.get("rule", "last"), p.get("tail", 0)))
 
 
 def selector_windows(name: str, tok, c, tune: list, long_tokens: int, text_file: str | None = None) -> list:
@@ -150,6 +168,7 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
     codes carry one (calibration.selector_samples); each may be chosen so."""
     bound = quality_bound(c)
     n, es = cal.spec.num_layers, block_entries(cal, c)
+    spans = block_spans(cal, c, es)
     tokens = serving_tokens(cal, c)
     path = cal.dir / "blocks.json"
     trained = {k: getattr(c, k) for k in ("entry_train_samples", "entry_train_epochs", "entry_train_lr")}
@@ -168,13 +187,14 @@ def block_plan(cal: Calibration, art, tok, calib, val, c, gbps: float | None, lo
         rec = save_record(path, {**rec, "points": sorted_points(rec["points"] + more, n)}, inputs)
 
     t_val = val[0].prefix.shape[-1]
-    want = share_plans(cal, c, es, t_val, learned=art.selector is not None, questions=val[0].question is not None)
+    want = share_plans(cal, c, spans, t_val, learned=art.selector is not None, questions=val[0].question is not None)
     if not bound.meets(rec["points"][0], rec["raw_kv"]["kl"], rec["raw_kv"].get("kls")):
-        have = {key(p) for p in rec["points"]}
-        entry_points(cal, art, tok, calib, val, c, [e for e in es if (e, 0, "last") not in have], tune, log, add)
+        have = {key(p, n) for p in rec["points"]}
+        entry_points(cal, art, tok, calib, val, c, [(e, s) for e, s in spans if (e, s, 0, "last") not in have],
+                     tune, log, add)
         share_points(cal, art, tok, val, c, [w for w in want if w not in have], add)
-    rec = {**rec, "points": [p for p in rec["points"] if (p["entry"] == n or p["entry"] in es)
-                             and (not p.get("tail") or key(p) in want)]}
+    rec = {**rec, "points": [p for p in rec["points"] if (p["entry"] == n or (p["entry"], p.get("stop", n)) in spans)
+                             and (not p.get("tail") or key(p, n) in want)]}
     return chosen_plan(cal, art, rec, bound, gbps, t_val, log)
 
 
@@ -183,43 +203,48 @@ def entry_tensors(cal: Calibration):
     return cal.dir / "entry-aligners.safetensors"
 
 
-def entry_points(cal: Calibration, art, tok, calib, val, c, todo: list[int], tune: list | None, log: Log,
+def entry_points(cal: Calibration, art, tok, calib, val, c, todo: list[tuple[int, int]], tune: list | None, log: Log,
                  add: Callable[[list[dict]], None]) -> None:
-    """The entries `todo` fitted (each trained end to end over the codes with calibration.entry_train_samples),
-    kept in entry_tensors, and their points measured (`add`ed to the curve). Each trained entry is kept as soon
-    as it is trained (recorded in entries-trained.json with what it was trained on): a job stopped among them
-    trains only the rest when run again."""
+    """The blocks `todo` ((entry, stop)) fitted (each entry map trained end to end through its block, with the
+    codes below and above it, over calibration.entry_train_samples), kept in entry_tensors, and their points
+    measured (`add`ed to the curve). Each trained map is kept as soon as it is trained (recorded in
+    entries-trained.json with what it was trained on): a job stopped among them trains only the rest when run
+    again."""
     if not todo:
         return
+    n = cal.spec.num_layers
     tensors = entry_tensors(cal)
     kept = load_file(str(tensors)) if tensors.is_file() else {}
     trained_path = cal.dir / "entries-trained.json"
     trained_inputs = {"samples": samples_digest(tune[:c.entry_train_samples]) if tune else None,
                       "codes": plan_digest(art), "epochs": c.entry_train_epochs, "lr": c.entry_train_lr}
     done = (load_record(trained_path, trained_inputs, log) or {}).get("entries", []) if c.entry_train_samples else []
-    done = [e for e in done if e in todo and f"entry.{e}.enc" in kept]
-    aligners = {e: LinearCodec.from_tensors(kept, f"entry.{e}") for e in done}
+    ids = {span_id(e, s, n): (e, s) for e, s in todo}
+    done = [i for i in done if i in ids and f"entry.{i}.enc" in kept]
+    aligners = {ids[i]: LinearCodec.from_tensors(kept, f"entry.{i}") for i in done}
     if done:
         log(f"entries {done}: trained end to end before, resumed")
-    fresh = [e for e in todo if e not in done]
+    fresh = [b for b in todo if b not in aligners]
     if fresh:
-        aligners |= blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], fresh)
+        closed = blocks.fit_aligners(cal.producer, cal.consumer, calib[:48], sorted({e for e, _ in fresh}))
+        aligners |= {(e, s): closed[e] for e, s in fresh}
     if c.entry_train_samples and not tune:
         log("entry_train_samples is set but there are no fine-tuning samples (finetune_samples 0): the "
             "entries keep their closed form")
     elif c.entry_train_samples:                     # each entry trained end to end over these codes
-        below = lambda ids, tr: blocks.codes_kv(cal.consumer, art, ids, tr)   # noqa: E731
-        for e in fresh:
-            aligners[e], curve = blocks.train_entry(cal.producer, cal.consumer, e, aligners[e], below,
-                                                    tune[:c.entry_train_samples],
-                                                    c.entry_train_epochs, c.entry_train_lr)
-            log(f"entry {e} trained end to end: training KL {' -> '.join(f'{v:.4f}' for v in curve)}")
-            kept |= aligners[e].tensors(f"entry.{e}")
+        around = lambda ids, tr: blocks.codes_kv(cal.consumer, art, ids, tr)   # noqa: E731
+        for e, s in fresh:
+            aligners[e, s], curve = blocks.train_entry(cal.producer, cal.consumer, e, aligners[e, s], around,
+                                                       tune[:c.entry_train_samples],
+                                                       c.entry_train_epochs, c.entry_train_lr, stop=s)
+            log(f"entry {span_id(e, s, n)} trained end to end: training KL {' -> '.join(f'{v:.4f}' for v in curve)}")
+            kept |= aligners[e, s].tensors(f"entry.{span_id(e, s, n)}")
             save_file(kept, str(tensors))
-            done.append(e)
+            done.append(span_id(e, s, n))
             save_record(trained_path, {"entries": done}, trained_inputs)
-    save_file({**kept, **{k: v for e, a in aligners.items() for k, v in a.tensors(f"entry.{e}").items()}},
-              str(tensors))
+    for (e, s), a in aligners.items():
+        kept |= a.tensors(f"entry.{span_id(e, s, n)}")
+    save_file(kept, str(tensors))
     more, _ = blocks.curve(cal.producer, cal.consumer, tok, art, aligners, val, with_codes=False,
                            desc=f"recompute blocks {cal.pair}", serving_tokens=serving_tokens(cal, c))
     add(more)
@@ -240,34 +265,34 @@ def selector_digest(art) -> str | None:
                                                              "layers": torch.tensor(art.selector_layers)})
 
 
-def share_plans(cal: Calibration, c, es: list[int], t_val: int, learned: bool,
-                questions: bool = False) -> list[tuple[int, int, str]]:
+def share_plans(cal: Calibration, c, spans: list[tuple[int, int]], t_val: int, learned: bool,
+                questions: bool = False) -> list[tuple[int, int, int, str]]:
     """The plans with a share of the prefix's positions run by the consumer too, within its ceiling: (entry,
-    count, rule) for the codes alone and each entry, with each tail of calibration.tails (rule "last") and each
-    share of calibration.selective by the attention rule and, with `learned` (the codes carry a selector),
-    the learned one, and with `questions` (the samples are QA: a question follows the prefix, as a request's
-    suffix does), the suffix rule's."""
+    stop, count, rule) for the codes alone and each block of `spans`, with each tail of calibration.tails (rule
+    "last") and each share of calibration.selective by the attention rule and, with `learned` (the codes carry
+    a selector), the learned one, and with `questions` (the samples are QA: a question follows the prefix, as a
+    request's suffix does), the suffix rule's."""
     n = cal.spec.num_layers
     shares = sorted({round(f * t_val) for f in c.selective} - {0})
     runs = {"last": sorted(set(c.tails) - {0}), "attention": shares,
             **({"learned": shares} if learned else {}), **({"suffix": shares} if questions else {})}
-    return [(e, k, rule) for e in [n] + es for rule, ks in runs.items() for k in ks
-            if points.consumer_ratio(e, k, n, t_val, rule) <= c.max_consumer_prefill_ratio + 1e-9]
+    return [(e, s, k, rule) for e, s in [(n, n)] + spans for rule, ks in runs.items() for k in ks
+            if points.consumer_ratio(e, k, n, t_val, rule, s) <= c.max_consumer_prefill_ratio + 1e-9]
 
 
-def share_points(cal: Calibration, art, tok, val, c, missing: list[tuple[int, int, str]],
+def share_points(cal: Calibration, art, tok, val, c, missing: list[tuple[int, int, int, str]],
                  add: Callable[[list[dict]], None]) -> None:
     """The plans `missing` (share_plans') measured, one run per rule (`add`ed to the curve)."""
     n = cal.spec.num_layers
-    for rule in dict.fromkeys(r for _, _, r in missing):
-        mine = [(e, k) for e, k, r in missing if r == rule]
-        ins = sorted({e for e, _ in mine})
-        t = load_file(str(entry_tensors(cal))) if any(e < n for e in ins) else {}
+    for rule in dict.fromkeys(r for *_, r in missing):
+        mine = [(e, s, k) for e, s, k, r in missing if r == rule]
+        spans = sorted({(e, s) for e, s, _ in mine})
+        t = load_file(str(entry_tensors(cal))) if any(e < n for e, _ in spans) else {}
         more, _ = blocks.curve(cal.producer, cal.consumer, tok, art,
-                               {e: LinearCodec.from_tensors(t, f"entry.{e}") for e in ins if e < n}, val,
-                               with_codes=n in ins,
+                               {(e, s): entry_map(t, e, s, n) for e, s in spans if e < n}, val,
+                               with_codes=(n, n) in spans,
                                desc=f"{'tails' if rule == 'last' else rule + ' selective'} {cal.pair}",
-                               serving_tokens=serving_tokens(cal, c), tails=tuple(sorted({k for _, k in mine})),
+                               serving_tokens=serving_tokens(cal, c), tails=tuple(sorted({k for *_, k in mine})),
                                only=mine, rule=rule)
         add([p | {"selector": selector_digest(art)} if rule == "learned" else p for p in more])
 
@@ -291,10 +316,11 @@ def chosen_plan(cal: Calibration, art, rec: dict, bound: exact.Bound, gbps: floa
         log(("codes alone" + tail_note + " (within the quality bound)") if chosen
             else "codes alone: no plan meets the quality bound")
         return art.with_tail(tail, t_val, rule) if tail else art      # (a copy shares art.info)
-    t = load_file(str(entry_tensors(cal)))
-    out = blocks.block_artifact(art, chosen["entry"], LinearCodec.from_tensors(t, f"entry.{chosen['entry']}"))
+    e, s = chosen["entry"], chosen.get("stop", n)
+    out = blocks.block_artifact(art, e, entry_map(load_file(str(entry_tensors(cal))), e, s, n), s)
     out = out.with_tail(tail, t_val, rule)
-    log(f"recompute block: the consumer runs layers {chosen['entry']}-{n - 1} from the aligned residual{tail_note} "
+    above = "" if s == n else f", the codes from {s} up"
+    log(f"recompute block: the consumer runs layers {e}-{s - 1} from the aligned residual{above}{tail_note} "
         f"(validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the least "
         f"modeled TTFT within the bound{exact.at_length(chosen)})")
     return out

@@ -269,7 +269,8 @@ def _fig_compute(pair: str, compute: dict, rows: list[dict]):
         ax.scatter([p["consumer_ratio"] for p in mine], [max(p["kl"], floor) for p in mine], s=28, zorder=3,
                    **_kind_style(i, k), label=k)
     for p in pts:
-        ax.annotate(("codes" if p["entry"] == n else f"e={p['entry']}") + (f"+{p['tail']}" if p.get("tail") else ""),
+        ax.annotate(("codes" if p["entry"] == n else f"e={p['entry']}") + (f":{p['stop']}" if p.get("stop") else "")
+                    + (f"+{p['tail']}" if p.get("tail") else ""),
                     (p["consumer_ratio"], max(p["kl"], floor)), textcoords="offset points", xytext=(4, 3),
                     fontsize=6, color="dimgray")
     c = compute["chosen"]
@@ -340,7 +341,7 @@ def _f1_panel(ax, held: dict[str, list[tuple]], f1: dict[str, float], chosen: st
 
 
 def held_out_curve(rows: list[dict], chosen: str | None, n: int, tokens: int) -> dict[str, list[tuple]]:
-    """A block plan's held-out curve (jobs.measures.entry_curve's rows: SCD's `enter@<e>`, `codes+tail<k>`,
+    """A block plan's held-out curve (jobs.measures.entry_curve's rows: SCD's `enter@<e>`, `enter@<e>:<s>`, `codes+tail<k>`,
     `enter@<e>+tail<k>`, the same with `+sel<k>` and `+lsel<k>`, the chosen plan being the `scd` row, named
     `chosen`; DroidSpeak's `droidspeak@<e>`, with raw KV's at cost 0) as {"SCD": [...], "DroidSpeak": [...]},
     each (consumer compute over its own prefill of `tokens`, KL, name), by compute."""
@@ -350,9 +351,9 @@ def held_out_curve(rows: list[dict], chosen: str | None, n: int, tokens: int) ->
     out = {"SCD": [], "DroidSpeak": []}
     for name, kl in by.items():
         if (point := points.parse_point(name, n)) is not None and point[:2] != (n, 0):
-            entry, tail, rule = point
+            entry, tail, rule, stop = point
             out["DroidSpeak" if name.startswith("droidspeak@") else "SCD"].append(
-                (points.consumer_ratio(entry, tail, n, tokens, rule), kl, name))
+                (points.consumer_ratio(entry, tail, n, tokens, rule, stop), kl, name))
     if out["DroidSpeak"] and "raw_kv" in by:
         out["DroidSpeak"].append((0.0, by["raw_kv"], "raw_kv"))
     return {k: sorted(v) for k, v in out.items()}
@@ -414,7 +415,7 @@ def _by_kind(compute: dict) -> list[str]:
                      for p in best]
             out.append(f"| {k} | " + " | ".join(cells) + " |")
     c = compute.get("chosen")
-    name = None if c is None else points.point_name(c["entry"], c.get("tail", 0), n, c.get("rule", "last"))
+    name = None if c is None else points.name_of(c, n)
     out += ["", "Chosen: " + ("none within the bound" if c is None else f"{points.kind(c, n)}, {name}: "
                               f"{c['kl'] / raw:.3f} x raw KV at {c['consumer_ratio']:.2f} of a prefill")]
     return out

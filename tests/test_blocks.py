@@ -183,11 +183,11 @@ def test_a_job_stopped_among_its_entries_trainings_trains_only_the_rest_when_run
     monkeypatch.setattr(blocks, "fit_aligners", lambda p, c, pre, layers: fitted.append(list(layers)) or
                         fit(p, c, pre, layers))
 
-    def stopping(producer, consumer, entry, *a):
+    def stopping(producer, consumer, entry, *a, **k):
         if trained:                                     # the second entry: the job is stopped here
             raise KeyboardInterrupt
         trained.append(entry)
-        return train(producer, consumer, entry, *a)
+        return train(producer, consumer, entry, *a, **k)
     monkeypatch.setattr(blocks, "train_entry", stopping)
     cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.75,
                        selective=[], entries=[4, 6], entry_train_samples=2, entry_train_epochs=1)
@@ -197,7 +197,7 @@ def test_a_job_stopped_among_its_entries_trainings_trains_only_the_rest_when_run
     kept = {k: v.clone() for k, v in load_file(str(first)).items() if k.startswith(f"entry.{trained[0]}.")}
     assert kept, sorted(load_file(str(first)))
     again = []
-    monkeypatch.setattr(blocks, "train_entry", lambda p, c, e, *a: again.append(e) or train(p, c, e, *a))
+    monkeypatch.setattr(blocks, "train_entry", lambda p, c, e, *a, **k: again.append(e) or train(p, c, e, *a, **k))
     calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
     rest = [e for e in (4, 6) if e != trained[0]]
     assert fitted == [[4, 6], rest] and again == rest, (fitted, again)
@@ -237,7 +237,8 @@ def test_an_entry_added_to_the_curve_is_measured_alone_and_the_others_resume(tmp
     fourth = calibrate(["--pair", "base:prose", "--config",
                         str(write_config(tmp_path, entries=[4, 6], tails=[16, 48], **kw)), "--no-actors"])
     # (entering at 4 with the last 48 of 96 tokens would cost 0.5 + 0.5 of a prefill, over the ceiling: not tried)
-    assert fitted == [[6], [4]] and measured == [(True, [4, 6], (16,)), (True, [6], (48,))], (fitted, measured)
+    assert fitted == [[6], [4]] and measured == [(True, [(4, 8), (6, 8)], (16,)), (True, [(6, 8)], (48,))], \
+        (fitted, measured)
     three, four = (store.load(r)[0].info["blocks"] for r in (third, fourth))
     assert [(p["entry"], p["tail"]) for p in four["points"]] == [(8, 0), (8, 16), (8, 48), (4, 0), (4, 16), (6, 0),
                                                                   (6, 16), (6, 48)], four["points"]
@@ -249,3 +250,38 @@ def test_an_entry_added_to_the_curve_is_measured_alone_and_the_others_resume(tmp
     with pytest.raises(SystemExit, match=r"\[1\] not below 8 layers within max_consumer_prefill_ratio 0.75"):
         calibrate(["--pair", "base:prose", "--config", str(write_config(tmp_path, entries=[1, 4], **kw)),
                    "--no-actors"])
+
+
+def test_the_job_tries_blocks_that_end_below_the_top_and_publishes_one_where_it_is_the_cheapest(tmp_path, capsys,
+                                                                                                monkeypatch):
+    """calibration.stops: each entry is also tried with its block ending at each stop above it (the codes serve
+    the layers from the stop up), its entry map trained through that block on its own and kept beside the
+    entry's map to the top; one that meets the bound at the least modeled TTFT (its KL set to 0 here, as for
+    tails) is published with the codes above it, and the held-out evaluation rebuilds with it."""
+    from safetensors.torch import load_file
+
+    from artifacts_store import ArtifactStore
+    from jobs.calibrate import main as calibrate
+    curve, stops = blocks.curve, []
+    train = blocks.train_entry
+    monkeypatch.setattr(blocks, "train_entry", lambda *a, **k: stops.append((a[2], k.get("stop"))) or train(*a, **k))
+
+    def mid_block_meets(*a, **k):
+        pts, raw = curve(*a, **k)
+        return [{**p, "kl": 0.0} if p.get("stop") == 6 else p for p in pts], raw
+    monkeypatch.setattr(blocks, "curve", mid_block_meets)
+    cfg = write_config(tmp_path, recompute_blocks=True, max_kl_ratio=0.01, max_consumer_prefill_ratio=0.5,
+                       selective=[], entries=[4], stops=[6, 9], entry_train_samples=2, entry_train_epochs=1)
+    ref = calibrate(["--pair", "base:prose", "--config", str(cfg), "--no-actors"])
+    out = capsys.readouterr().out
+    assert sorted(stops) == [(4, 6), (4, 8)], stops                 # 9 is above the top: not a block
+    assert "enter@4:6 KL 0.0000" in out and "the consumer runs layers 4-5 from the aligned residual, the codes " \
+        "from 6 up" in out, out
+    art, _ = ArtifactStore(tmp_path / "store").load(ref)
+    assert art.blocks == [(4, 6)] and art.plan[6:] == [k for k in art.plan[6:] if k not in ("entry", "recompute")]
+    chosen = art.info["blocks"]["chosen"]
+    assert (chosen["entry"], chosen["stop"]) == (4, 6) and chosen["consumer_ratio"] == pytest.approx(2 / 8), chosen
+    maps = load_file(str(next(tmp_path.rglob("entry-aligners.safetensors"))))
+    assert not torch.equal(maps["entry.4:6.enc"], maps["entry.4.enc"]), "each block's entry map is its own"
+    assert torch.equal(art.entry_align[4].enc, maps["entry.4:6.enc"])
+    assert "held-out plans of the curve: 0 resumed, 2 to measure" in out, out      # enter@4 and droidspeak@4

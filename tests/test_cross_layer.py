@@ -265,3 +265,34 @@ def test_a_bigram_table_rebuilds_what_the_probe_decodes_also_in_a_padded_batch(t
     with_bigrams = _calibration_error(a, b, art, prefixes)
     without = _calibration_error(a, b, tokens_only.artifacts_for(tokens_only.base_plan), prefixes)
     assert with_bigrams < without, f"K/V error with a bigram table {with_bigrams:.4f}, token table alone {without:.4f}"
+
+
+@pytest.mark.parametrize("entry, stop", [(1, 2), (2, 3)])
+def test_a_block_below_the_top_takes_its_layers_from_the_consumer_and_the_rest_from_the_group_codes(pair, entry,
+                                                                                                     stop):
+    """blocks.block_artifact with a stop inside a group: the consumer runs layers entry..stop-1 from the aligned
+    residual; every other layer, those of a group whose code travels at a layer now in the block too, rebuilds
+    through the wire exactly as the codes alone do."""
+    from scd.fitting import blocks
+    from scd.online.rebuild import dense
+    from scd.online.recompute import run_layers
+    a, b, cal, ids, _ = pair
+    grouped = _grouped(cal.artifacts_for(["exact", "hidden", "hidden", "hidden"]), [[1, 2], [3]])
+    align = blocks.fit_aligners(a, b, [s.prefix for s in _samples(8, 3)], [entry])[entry]
+    art = blocks.block_artifact(grouped, entry, align, stop)
+    assert art.blocks == [(entry, stop)] and art.plan[stop:] == grouped.plan[stop:], art.plan
+    mask = torch.ones_like(ids)
+    trace = capture(a, ids, mask, want_hidden=True)
+    kv_codes, _ = rebuild(b, grouped, _through_wire(grouped, trace, ids)[1])
+    received = _through_wire(art, trace, ids)[1]
+    kv, _ = rebuild(b, art, received)
+    for l in [l for l in range(4) if not entry <= l < stop]:
+        err = max((x - y).abs().max().item() for x, y in zip(kv[l], kv_codes[l]))
+        assert err < 1e-5, f"layer {l}, outside the block [{entry}, {stop}), differs from the codes' by {err:.2e}"
+    x = dense(received.layers[entry]["z_e"]).reshape(trace.hidden[entry].shape)    # the residual as it arrived
+    want = run_layers(b, x + align.decode(align.encode(x)), mask, trace.positions, entry, stop)
+    err = max((g - w).abs().max().item() for l, (wk, wv) in zip(range(entry, stop), want)
+              for g, w in ((kv[l][0], wk), (kv[l][1], wv)))
+    assert err < 1e-4, f"the block [{entry}, {stop}) differs from the consumer's layers run from its entry by {err:.2e}"
+    with pytest.raises(ValueError, match=r"a block \[2, 2\)"):
+        blocks.block_artifact(grouped, 2, align, 2)

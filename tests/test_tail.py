@@ -105,8 +105,18 @@ def test_points_are_named_costed_and_compared_with_droidspeak_at_the_same_comput
     assert points.point_name(6, 20, n, "suffix") == "enter@6+rsel20"
     assert [points.parse_point(s, n) for s in ("codes+tail20", "enter@6", "droidspeak@4", "raw_kv", "enter@x",
                                                "codes+sel30", "enter@6+selx", "codes+rsel30", "enter@6+lsel8")] == \
-        [(8, 20, "last"), (6, 0, "last"), (4, 0, "last"), None, None, (8, 30, "attention"), None,
-         (8, 30, "suffix"), (6, 8, "learned")]
+        [(8, 20, "last", n), (6, 0, "last", n), (4, 0, "last", n), None, None, (8, 30, "attention", n), None,
+         (8, 30, "suffix", n), (6, 8, "learned", n)]
+    # a block that ends below the top: layers 3..6, named as a slice; a stop not above the entry nor below the top
+    # is no point
+    assert points.point_name(3, 16, n, "suffix", stop=7) == "enter@3:7+rsel16"
+    assert points.point_name(3, 0, n, stop=n) == "enter@3"
+    assert [points.parse_point(s, n) for s in ("enter@3:7+rsel16", "enter@3:7", "enter@3:3", "enter@3:8",
+                                               "enter@3:x")] == [(3, 16, "suffix", 7), (3, 0, "last", 7),
+                                                                 None, None, None]
+    assert points.consumer_ratio(3, 0, n, t, stop=7) == pytest.approx(4 / 8)
+    assert points.kind({"entry": 3, "stop": 7, "tail": 16, "rule": "suffix"}, n) == \
+        "block below the top + selective, the request's reads"
     assert points.consumer_ratio(6, 20, n, t) == pytest.approx(0.25 + 0.2)
     # the attention rule's window runs twice: counted again
     assert points.consumer_ratio(6, 20, n, t, "attention") == pytest.approx(0.25 + (20 + points.SELECT_WINDOW) / t)

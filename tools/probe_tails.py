@@ -83,8 +83,8 @@ def curve_rows(ev: Evaluator, held: list, art: PairArtifacts, tails: list[int], 
             kl[m.name] += ev.kl(s, m, ref) / len(held)
     raw = kl["raw_kv"]
     def counted(name: str) -> float:
-        entry, tail, rule = points.parse_point(name, n) or (n, 0, "last")
-        return points.consumer_ratio(entry, tail, n, t, rule)
+        entry, tail, rule, stop = points.parse_point(name, n) or (n, 0, "last", n)
+        return points.consumer_ratio(entry, tail, n, t, rule, stop)
     cost = {m.name: counted(getattr(m, "inner", m).name) + getattr(m, "head", 0) / t for m in ms}
     ds = [(0.0, raw)] + [(cost[f"droidspeak@{e}"], kl[f"droidspeak@{e}"]) for e in entries]
     timed = ev.cost(held, ms, t, repeats) if repeats else {}

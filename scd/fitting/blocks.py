@@ -9,7 +9,11 @@ between the two models' residuals there, on the calibration prefixes. Entering t
 codes below, reaches KL the producer's own residual does not (`tools.probe_entry`; docs/results.md, "What a
 recompute block can reach").
 
-`curve` scores the codes alone and each entry on the validation samples beside the oracle, the base alone and
+A block may also end below the top (`stop`): the consumer runs layers e..s-1 only, and the codes serve the
+layers above it again, where they alone rebuild well (qa's error lives in a few layers of the middle;
+docs/results.md, "A block where the error lives").
+
+`curve` scores the codes alone and each block on the validation samples beside the oracle, the base alone and
 raw KV (retained gain needs the first two); `choose` (scd.fitting.exact's) keeps the point that meets the
 bound at the least modeled time to first token.
 """
@@ -25,7 +29,7 @@ from scd.evaluation import methods
 from scd.evaluation.evaluate import Evaluator
 from scd.fitting import exact
 from scd.fitting.gram import JointGram
-from scd.fitting.points import consumer_ratio, point_name
+from scd.fitting.points import consumer_ratio, name_of, point_name
 from scd.online import cache, codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.rebuild import encode, rebuild
@@ -72,14 +76,15 @@ def codes_kv(consumer, art: PairArtifacts, ids: torch.Tensor, trace) -> list:
 
 
 def train_entry(producer, consumer, entry: int, align: LinearCodec, below: Callable, train, epochs: int,
-                lr: float) -> tuple[LinearCodec, list[float]]:
+                lr: float, stop: int | None = None) -> tuple[LinearCodec, list[float]]:
     """The entry map at `entry` trained end to end: as one affine correction h -> h + h W + c (from `align`,
     its closed form), on KL(oracle || the consumer on the rebuilt cache) of each training sample's
-    teacher-forced continuation, back through the consumer's own layers entry..L-1 over the prefix (the
-    consumer itself stays fixed). `below(ids, trace)`: the cache below the entry (e.g. `codes_kv`). Returns
-    the trained map (a LinearCodec, as PairArtifacts.entry_align holds) and the mean training KL before and
-    after each epoch."""
+    teacher-forced continuation, back through the consumer's own layers entry..stop-1 over the prefix (to the
+    top by default; the consumer itself stays fixed). `below(ids, trace)`: the cache the block sits in (e.g.
+    `codes_kv`), read below the entry and from `stop` up. Returns the trained map (a LinearCodec, as
+    PairArtifacts.entry_align holds) and the mean training KL before and after each epoch."""
     L = consumer.config.num_hidden_layers
+    stop = stop or L
     w = (align.enc @ align.dec).detach().clone().requires_grad_(True)
     c = (align.mu_b - align.mu_a @ w).detach().clone().requires_grad_(True)
     fixed = []
@@ -91,15 +96,17 @@ def train_entry(producer, consumer, entry: int, align: LinearCodec, below: Calla
             own = capture(consumer, ids, mask, want_xnorm=False)
             ref = cache.extend(consumer, cache.assemble(consumer, list(zip(own.keys, own.values))), mask,
                                s.cont[None, :-1])[0]
-            fixed.append((tr.hidden[entry].float(), mask, tr.positions, list(below(ids, tr))[:entry],
+            around = list(below(ids, tr))
+            fixed.append((tr.hidden[entry].float(), mask, tr.positions, around[:entry], around[stop:],
                           s.cont[None, :-1], F.log_softmax(ref.float(), -1)))
     consumer.requires_grad_(False)
     opt = torch.optim.Adam([w, c], lr=lr)
 
     def kl(item) -> torch.Tensor:
-        h, mask, positions, kv_below, cont, ref = item
-        block = layers_kv(consumer, h + h @ w + c, mask, positions, entry, L)
-        logits, _ = cache.forward_on_cache(consumer, cache.assemble(consumer, kv_below + block), mask, cont)
+        h, mask, positions, kv_below, kv_above, cont, ref = item
+        block = layers_kv(consumer, h + h @ w + c, mask, positions, entry, stop)
+        logits, _ = cache.forward_on_cache(consumer, cache.assemble(consumer, kv_below + block + kv_above), mask,
+                                           cont)
         return (ref.exp() * (ref - F.log_softmax(logits.float(), -1))).sum(-1).mean()
 
     with torch.no_grad():
@@ -117,37 +124,44 @@ def train_entry(producer, consumer, entry: int, align: LinearCodec, below: Calla
     return LinearCodec(torch.zeros(h), w.detach(), c.detach(), torch.eye(h)), curve
 
 
-def block_artifact(art: PairArtifacts, entry: int, align: LinearCodec | None) -> PairArtifacts:
-    """`art`'s codes below `entry`, the consumer's own layers from there, entered through `align`."""
-    n = art.spec.num_layers
-    plan = art.plan[:entry] + ["entry"] + ["recompute"] * (n - entry - 1)
+def block_artifact(art: PairArtifacts, entry: int, align: LinearCodec | None, stop: int | None = None) -> PairArtifacts:
+    """`art`'s codes below `entry`, the consumer's own layers from there up to `stop` (the top by default),
+    entered through `align`, and `art`'s codes again from `stop` up."""
+    stop = stop or art.spec.num_layers
+    if not entry < stop <= art.spec.num_layers:
+        raise ValueError(f"a block [{entry}, {stop}) of {art.spec.num_layers} layers")
+    plan = art.plan[:entry] + ["entry"] + ["recompute"] * (stop - entry - 1) + art.plan[stop:]
     return art.with_plan(plan, {entry: align} if align is not None else {})
 
 
-def curve(producer, consumer, tok, art: PairArtifacts, aligners: dict[int, LinearCodec], samples,
+def curve(producer, consumer, tok, art: PairArtifacts, aligners: dict[tuple[int, int], LinearCodec], samples,
           with_codes: bool = True, desc: str = "recompute blocks", serving_tokens: int = 0,
-          tails: tuple[int, ...] = (0,), only: list[tuple[int, int]] | None = None,
+          tails: tuple[int, ...] = (0,), only: list[tuple[int, int, int]] | None = None,
           rule: str = "last") -> tuple[list[dict], dict]:
-    """(one point per plan: the codes alone (entry num_layers; with_codes) and each entry of `aligners`, each
-    with each tail of `tails` (0: none; k: the consumer runs k of the prefix's tokens of the samples' length, the
-    same share at another: PairArtifacts.tail_for; its last ones, or by `rule` "attention" the ones they attend
-    to most), each {entry, tail, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms, greedy, f1,
-    retained_gain}; the raw-KV row), measured on `samples` beside the oracle and the base alone; `only`: just these
-    (entry, tail) plans of them. A tail's point records the length its share is of ("tail_of") and its rule
-    ("rule", when not "last"): served, it is that share of every prefix, timed at `serving_tokens` so."""
+    """(one point per plan: the codes alone (entry num_layers; with_codes) and each block of `aligners` ((entry,
+    stop) -> its entry map; stop num_layers: up to the top), each with each tail of `tails` (0: none; k: the
+    consumer runs k of the prefix's tokens of the samples' length, the same share at another:
+    PairArtifacts.tail_for; its last ones, or by `rule` "attention" the ones they attend to most), each {entry,
+    [stop,] tail, consumer_ratio, kl, payload_ratio, payload_bytes, consumer_ms, greedy, f1, retained_gain}; the
+    raw-KV row), measured on `samples` beside the oracle and the base alone; `only`: just these (entry, stop,
+    tail) plans of them. A tail's point records the length its share is of ("tail_of") and its rule ("rule",
+    when not "last"): served, it is that share of every prefix, timed at `serving_tokens` so."""
     n = art.spec.num_layers
-    plans = {**({n: art} if with_codes else {}), **{e: block_artifact(art, e, a) for e, a in sorted(aligners.items())}}
+    plans = {**({(n, n): art} if with_codes else {}),
+             **{(e, s): block_artifact(art, e, a, s) for (e, s), a in sorted(aligners.items())}}
     t = samples[0].prefix.shape[-1]
-    plans = {(e, k): a.with_tail(k, t, rule) for e, a in plans.items() for k in tails
-             if only is None or (e, k) in only}
+    plans = {(e, s, k): a.with_tail(k, t, rule) for (e, s), a in plans.items() for k in tails
+             if only is None or (e, s, k) in only}
+    name = lambda e, s, k: point_name(e, k, n, rule, s)  # noqa: E731
     ms = [methods.Oracle(), methods.BaseAlone(producer), methods.RawKV()] + [
-        methods.SCDMethod(a, point_name(e, k, n, rule)) for (e, k), a in plans.items()]
+        methods.SCDMethod(a, name(e, s, k)) for (e, s, k), a in plans.items()]
     rows = {r["method"]: r for r in Evaluator(producer, consumer, tok).run(samples, ms, desc=desc,
                                                                           cost_tokens=serving_tokens)}
     keys = exact.POINT_KEYS + ("f1", "retained_gain")
-    points = [{"entry": e, "tail": k, **({"tail_of": t} if k else {}),
-               **({"rule": rule} if k and rule != "last" else {}), "consumer_ratio": consumer_ratio(e, k, n, t, rule),
-               **exact.measured_point(rows[point_name(e, k, n, rule)], keys)} for e, k in plans]
+    points = [{"entry": e, **({"stop": s} if s < n else {}), "tail": k, **({"tail_of": t} if k else {}),
+               **({"rule": rule} if k and rule != "last" else {}),
+               "consumer_ratio": consumer_ratio(e, k, n, t, rule, s),
+               **exact.measured_point(rows[name(e, s, k)], keys)} for e, s, k in plans]
     return points, rows["raw_kv"]
 
 
@@ -155,6 +169,6 @@ def describe(points: list[dict], raw_kl: float, num_layers: int) -> str:
     """One line of a curve: each plan's KL, retained gain and consumer compute, and raw KV's KL."""
     def gain(p):
         return "" if p.get("retained_gain") is None else f" gain {p['retained_gain']:.2f}"
-    return ", ".join(point_name(p["entry"], p.get("tail", 0), num_layers, p.get("rule", "last")) +
+    return ", ".join(name_of(p, num_layers) +
                      f" KL {p['kl']:.4f}{gain(p)} consumer {p['consumer_ratio']:.2f}" for p in points) + \
         f"; raw KV {raw_kl:.4f}"

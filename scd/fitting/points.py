@@ -2,7 +2,8 @@
 (no torch here: the report reads these too).
 
 A point is a plan the consumer pays for in compute: entering a recompute block at layer `entry` (num_layers:
-no block, the codes alone) and running `tail` of the prefix's tokens itself through every layer (0: none):
+no block, the codes alone) that runs its layers up to the top or, with `stop`, layers entry..stop-1 with the codes
+above them again (a block where the error lives), and running `tail` of the prefix's tokens itself through every layer (0: none):
 its last ones (rule "last"), or the ones its last attend to most (rule "attention": selective recompute), or
 the ones its selector fitted at calibration scores highest (rule "learned"), or the ones the request's own
 tokens read most (rule "suffix")."""
@@ -13,36 +14,50 @@ from scd.settings import SELECT_WINDOW
 MARKS = {"last": "+tail", "attention": "+sel", "learned": "+lsel", "suffix": "+rsel"}
 
 
-def point_name(entry: int, tail: int, num_layers: int, rule: str = "last") -> str:
-    """A curve point's method name: codes, enter@<e>, each with +tail<k> when the consumer runs the prefix's
-    last k tokens too, +sel<k> when it runs the k its last attend to most, +lsel<k> the k its selector picks,
-    +rsel<k> the k the request's tokens read most."""
-    return ("codes" if entry == num_layers else f"enter@{entry}") + (f"{MARKS[rule]}{tail}" if tail else "")
+def point_name(entry: int, tail: int, num_layers: int, rule: str = "last", stop: int | None = None) -> str:
+    """A curve point's method name: codes, enter@<e> (layers e up to the top), enter@<e>:<s> (layers e..s-1,
+    as a slice reads), each with +tail<k> when the consumer runs the prefix's last k tokens too, +sel<k> when it
+    runs the k its last attend to most, +lsel<k> the k its selector picks, +rsel<k> the k the request's tokens
+    read most."""
+    head = "codes" if entry == num_layers else f"enter@{entry}" + (f":{stop}" if stop and stop < num_layers else "")
+    return head + (f"{MARKS[rule]}{tail}" if tail else "")
 
 
-def parse_point(name: str, num_layers: int) -> tuple[int, int, str] | None:
-    """(entry, tail, rule) of a curve point's method name (point_name's, or droidspeak@<e>); None for another."""
+def name_of(point: dict, num_layers: int) -> str:
+    """point_name of a curve point (a dict with entry, and tail, rule and stop where it has them)."""
+    return point_name(point["entry"], point.get("tail", 0), num_layers, point.get("rule", "last"), point.get("stop"))
+
+
+def parse_point(name: str, num_layers: int) -> tuple[int, int, str, int] | None:
+    """(entry, tail, rule, stop) of a curve point's method name (point_name's, or droidspeak@<e>; stop
+    num_layers for a block up to the top); None for another."""
     rule, (head, _, tail) = "last", name.partition("+tail")
     for r in ("learned", "suffix", "attention"):        # "+lsel" before "+sel", which it contains
         if not tail and MARKS[r] in name:
             rule, (head, _, tail) = r, name.partition(MARKS[r])
+    stop = num_layers
     if head == "codes":
         entry = num_layers
-    elif head.startswith(("enter@", "droidspeak@")) and head.partition("@")[2].isdigit():
-        entry = int(head.partition("@")[2])
+    elif head.startswith(("enter@", "droidspeak@")):
+        at, _, until = head.partition("@")[2].partition(":")
+        if not at.isdigit() or (until and not (until.isdigit() and int(at) < int(until) < num_layers)):
+            return None
+        entry, stop = int(at), int(until) if until else num_layers
     else:
         return None
     if not tail:
-        return entry, 0, "last"
-    return (entry, int(tail), rule) if tail.isdigit() else None
+        return entry, 0, "last", stop
+    return (entry, int(tail), rule, stop) if tail.isdigit() else None
 
 
-def consumer_ratio(entry: int, tail: int, num_layers: int, tokens: int, rule: str = "last") -> float:
-    """A plan's compute over the consumer's own prefill of `tokens`, by count: its block's layers, plus the
+def consumer_ratio(entry: int, tail: int, num_layers: int, tokens: int, rule: str = "last",
+                   stop: int | None = None) -> float:
+    """A plan's compute over the consumer's own prefill of `tokens`, by count: its block's layers (entry up to
+    `stop`, the top by default), plus the
     tail's tokens through every layer (and the attention rule's window, which runs twice; the suffix rule's
     first pass of the request's tokens, counted as that many: a question's length)."""
     window = SELECT_WINDOW if rule in ("attention", "suffix") and tail else 0
-    return (num_layers - entry) / num_layers + min(tail + window, tokens) / tokens
+    return ((stop or num_layers) - entry) / num_layers + min(tail + window, tokens) / tokens
 
 
 def chosen_name(chosen: dict | None, num_layers: int) -> str | None:
@@ -50,7 +65,7 @@ def chosen_name(chosen: dict | None, num_layers: int) -> str | None:
     was chosen or the choice is the codes alone (which spend no compute)."""
     if chosen is None or (chosen["entry"] == num_layers and not chosen.get("tail")):
         return None
-    return point_name(chosen["entry"], chosen.get("tail", 0), num_layers, chosen.get("rule", "last"))
+    return name_of(chosen, num_layers)
 
 
 KIND_RULES = {"last": "its last tokens", "attention": "selective, attention", "learned": "selective, learned",
@@ -59,9 +74,10 @@ BUDGETS = (0.1, 0.2, 0.35, 0.5)         # the consumer compute a curve is read a
 
 
 def kind(point: dict, num_layers: int) -> str:
-    """A curve point's plan kind: the codes alone or a recompute block (an exact plan's entry), with the
-    positions the consumer runs itself through every layer named by their rule."""
-    base = "codes" if point["entry"] == num_layers else "block"
+    """A curve point's plan kind: the codes alone, a recompute block (an exact plan's entry) or a block that ends
+    below the top, with the positions the consumer runs itself through every layer named by their rule."""
+    base = "codes" if point["entry"] == num_layers else "block" if point.get("stop", num_layers) == num_layers \
+        else "block below the top"
     return base + (f" + {KIND_RULES[point.get('rule', 'last')]}" if point.get("tail") else "")
 
 
