@@ -60,22 +60,30 @@ def exact_bound(c) -> exact.Bound:
 
 def block_entries(cal: Calibration, c) -> list[int]:
     """The entry layers the block stage tries: the configured ones (calibration.entries), else four evenly
-    spaced up to the ceiling on the consumer's compute."""
+    spaced up to the ceiling on the consumer's compute. A configured entry needs one of its blocks (up to the
+    top, or to one of calibration.stops) within the ceiling."""
     n, ceiling = cal.spec.num_layers, c.max_consumer_prefill_ratio
     if c.entries is None:
         return blocks.entries(n, ceiling)
-    over = [e for e in c.entries if not n - blocks.most_layers(n, ceiling) <= e < n]
+    over = [e for e in c.entries if not any(within(e, s, n, ceiling) for s in [n, *c.stops])]
     if over:
-        raise SystemExit(f"calibration.entries of {cal.pair}: {over} not below {n} layers within "
-                         f"max_consumer_prefill_ratio {ceiling:g} (entering at e costs ({n} - e) / {n} of a prefill)")
+        ends = f"{n} layers" + (f" or stops {sorted(c.stops)}" if c.stops else "")
+        raise SystemExit(f"calibration.entries of {cal.pair}: {over} not below {ends} within "
+                         f"max_consumer_prefill_ratio {ceiling:g} (a block from e to s costs (s - e) / {n} of a "
+                         f"prefill)")
     return sorted(set(c.entries))
+
+
+def within(entry: int, stop: int, num_layers: int, ceiling: float) -> bool:
+    """Whether the block of layers entry..stop-1 is one the consumer may run under `ceiling`."""
+    return 1 <= entry < stop <= num_layers and stop - entry <= blocks.most_layers(num_layers, ceiling)
 
 
 def block_spans(cal: Calibration, c, es: list[int]) -> list[tuple[int, int]]:
     """The blocks the block stage tries, as (entry, stop): each entry up to the top, and with calibration.stops
     each entry up to each stop above it (layers entry..stop-1, the codes above), within the consumer's ceiling."""
-    n = cal.spec.num_layers
-    return [(e, n) for e in es] + [(e, s) for e in es for s in sorted(set(c.stops)) if e < s < n]
+    n, ceiling = cal.spec.num_layers, c.max_consumer_prefill_ratio
+    return [(e, s) for s in [n, *sorted(set(c.stops) - {n})] for e in es if within(e, s, n, ceiling)]
 
 
 def span_id(entry: int, stop: int, num_layers: int) -> "int | str":

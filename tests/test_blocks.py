@@ -285,3 +285,17 @@ def test_the_job_tries_blocks_that_end_below_the_top_and_publishes_one_where_it_
     assert not torch.equal(maps["entry.4:6.enc"], maps["entry.4.enc"]), "each block's entry map is its own"
     assert torch.equal(art.entry_align[4].enc, maps["entry.4:6.enc"])
     assert "held-out plans of the curve: 0 resumed, 2 to measure" in out, out      # enter@4 and droidspeak@4
+
+
+def test_an_entry_is_tried_where_one_of_its_blocks_fits_the_ceiling():
+    """qa's layers 17-24 cost 0.27 of a prefill where entering at 17 up to the top costs 0.43: under a ceiling
+    of 0.35 the entry is tried with its block to the stop alone; an entry none of whose blocks fit is refused."""
+    from types import SimpleNamespace
+
+    from jobs.plans import block_entries, block_spans
+    cal = SimpleNamespace(spec=SimpleNamespace(num_layers=30), pair="smollm2:qa")
+    c = SimpleNamespace(entries=[17, 19, 22], stops=[25, 27], max_consumer_prefill_ratio=0.35)
+    es = block_entries(cal, c)
+    assert block_spans(cal, c, es) == [(22, 30), (17, 25), (19, 25), (22, 25), (17, 27), (19, 27), (22, 27)]
+    with pytest.raises(SystemExit, match=r"\[11\] not below 30 layers or stops \[25, 27\] within"):
+        block_entries(cal, SimpleNamespace(**{**vars(c), "entries": [11, 17]}))
