@@ -176,3 +176,16 @@ def test_filling_a_cache_without_logits_fills_it_as_the_full_forward_does():
         filled.append([(layer.keys, layer.values) for layer in c.layers])
     err = max(max((a[0] - b[0]).abs().max().item(), (a[1] - b[1]).abs().max().item()) for a, b in zip(*filled))
     assert err < 1e-6, f"the cache filled without the head differs from the full forward's by {err:.2e}"
+
+
+def test_a_trace_holds_no_autograd_graph_whatever_the_callers_grad_mode():
+    """trace.capture runs under no_grad: a caller in grad mode with trainable weights (a calibration stage after
+    a resumed fine-tuning) gets plain tensors. A trace that kept its forward's graph held every layer's
+    activations with it (the block stage's aligner fit grew by 0.5 GB a prefix on smollm2)."""
+    model = tiny_llama(0, layers=2).requires_grad_(True)
+    ids = torch.randint(0, 97, (1, 9))
+    assert torch.is_grad_enabled()
+    tr = trace.capture(model, ids, want_hidden=True)
+    held = {"keys": tr.keys, "values": tr.values, "content": tr.content, "xnorm": tr.xnorm, "hidden": tr.hidden}
+    carrying = [f"{name}[{i}]" for name, ts in held.items() for i, t in enumerate(ts) if t.requires_grad]
+    assert not carrying, f"trace tensors carrying a graph: {carrying}"

@@ -31,7 +31,6 @@ class Trace:
     hidden: list[torch.Tensor] | None = None   # residual stream entering each layer, (B, T, H), if asked
 
 
-@torch.no_grad()
 def thread_hooks(modules: list, sink: Callable[[torch.Tensor], None]) -> list:
     """Forward hooks that pass each module's output to `sink`, for forwards the calling thread runs only: an
     engine runs several requests' forwards through one model at once, and theirs pass the same modules. Remove
@@ -44,6 +43,7 @@ def thread_hooks(modules: list, sink: Callable[[torch.Tensor], None]) -> list:
     return [m.register_forward_hook(keep) for m in modules]
 
 
+@torch.no_grad()
 def capture(model, input_ids: torch.Tensor, mask: torch.Tensor | None = None, want_xnorm: bool = True,
             want_hidden: bool = False) -> Trace:
     """Run the model once over the prefix and record K/V/x_norm for every layer. `model` may be a PEFT model
