@@ -55,9 +55,10 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
 
 
 # settings of the calibration job that are not flags of an evaluation (it has --samples and its own --work-dir)
-# text_file: --text; diagnostics: the job's report only; entries, tails, selective: the plan stages' lists, from
-# --config or at their defaults (--selective is the probe's RULE@F rows)
-NOT_FLAGS = {"heldout", "gate_vs_raw_kv", "work_dir", "text_file", "diagnostics", "entries", "tails", "selective"}
+# text_file: --text; diagnostics: the job's report only; entries, stops, tails, selective: the plan stages' lists,
+# from --config or at their defaults (--selective is the probe's RULE@F rows)
+PLAN_LISTS = ("entries", "stops", "tails", "selective")
+NOT_FLAGS = {"heldout", "gate_vs_raw_kv", "work_dir", "text_file", "diagnostics", *PLAN_LISTS}
 SETTING_FLAGS = set(CalibrationSettings.model_fields) - NOT_FLAGS     # the settings that are flags too
 
 
@@ -128,7 +129,7 @@ def _from_config(args) -> tuple[str, str, str, str]:
     settings = cfg.calibration_for(b)                                   # what the calibration job fits with
     for name in SETTING_FLAGS - getattr(args, "given_settings", set()):
         setattr(args, name, getattr(settings, name))
-    args.plan_lists = {n: getattr(settings, n) for n in ("entries", "tails", "selective")}
+    args.plan_lists = {n: getattr(settings, n) for n in PLAN_LISTS}
     args.work_dir = cfg.calibration.work_dir
     args.consumer_base = cfg.specialist(b).base
     args.text = args.text or settings.text_file                         # the text the job calibrates on
@@ -159,8 +160,8 @@ def klt_codes(args, producer, spec, tok, pair: str) -> tuple[dict, dict]:
 
 
 def plan_settings(args) -> CalibrationSettings:
-    """The settings the plan stages read: the flags, and the config's entries, tails and selective shares (or
-    their defaults)."""
+    """The settings the plan stages read: the flags, and the config's entries, stops, tails and selective shares
+    (or their defaults)."""
     return CalibrationSettings(**{n: getattr(args, n) for n in SETTING_FLAGS}, **getattr(args, "plan_lists", {}))
 
 
