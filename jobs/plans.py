@@ -227,9 +227,9 @@ def entry_points(cal: Calibration, art, tok, calib, val, c, todo: list[tuple[int
     trained_inputs = {"samples": samples_digest(tune[:c.entry_train_samples]) if tune else None,
                       "codes": plan_digest(art), "epochs": c.entry_train_epochs, "lr": c.entry_train_lr}
     done = (load_record(trained_path, trained_inputs, log) or {}).get("entries", []) if c.entry_train_samples else []
-    ids = {span_id(e, s, n): (e, s) for e, s in todo}
-    done = [i for i in done if i in ids and f"entry.{i}.enc" in kept]
-    aligners = {ids[i]: LinearCodec.from_tensors(kept, f"entry.{i}") for i in done}
+    by_id = {span_id(e, s, n): (e, s) for e, s in todo}
+    done = [i for i in done if i in by_id and f"entry.{i}.enc" in kept]
+    aligners = {by_id[i]: LinearCodec.from_tensors(kept, f"entry.{i}") for i in done}
     if done:
         log(f"entries {done}: trained end to end before, resumed")
     fresh = [b for b in todo if b not in aligners]
