@@ -32,6 +32,7 @@ from engines.interface import NotServed
 from engines.prefix_cache import PrefixCodeCache, prefix_key
 from engines.specialist import ServedInfo, TextStream, answer_events, collected, events_as_text
 from scd.fitting import points
+from scd.online import selective
 from scd.online.artifacts import PairArtifacts
 from scd.online.decode import GenParams, Row
 from scd.online.lora_group import LoraGroup, adapter_view
@@ -190,9 +191,8 @@ class GroupEngine:
             if name in codes:                      # (a prefix prefilled before its artifact came has none)
                 plan = self.plans.get(name)
             if plan is not None:
-                reader = torch.tensor([suffix_ids], dtype=torch.long, device=self.device) \
-                    if plan[0].tail_rule == "suffix" else None
-                kv, phases = rebuild(plan[2], plan[0], codes[name], reader=reader)
+                kv, phases = rebuild(plan[2], plan[0], codes[name],
+                                     reader=selective.request_reader(plan[0], suffix_ids, self.device))
                 keys, values = [k for k, _ in kv], [v for _, v in kv]
                 timings.update(rebuild=phases["rebuild_ms"], patch=phases["patch_ms"],
                                recompute=phases["recompute_ms"], tail=phases["tail_ms"])

@@ -19,7 +19,7 @@ from engines.batching import BatchDecoder
 from engines.interface import Arriving
 from actors.messages import FallbackReason
 from engines.prefix_cache import PrefixCodeCache, prefix_key
-from scd.online import activated, cache, codec, e_first, fast_decode
+from scd.online import activated, cache, codec, e_first, fast_decode, selective
 from scd.online.artifacts import PairArtifacts
 from scd.online.decode import GenParams, Row, TokenLogprobs, token_logprobs, verify
 from scd.online.rebuild import Codes, prepare, rebuild, run_blocks
@@ -223,8 +223,7 @@ class SpecialistEngine:
                 reason = self.unavailable_reason
             else:
                 how = self._e_first if isinstance(payload, Arriving) else self._from_codes
-                reader = torch.tensor([suffix_ids or []], dtype=torch.long, device=self.device) \
-                    if art.tail_rule == "suffix" else None
+                reader = selective.request_reader(art, suffix_ids, self.device)
                 built = how(art, version, payload, prefix_ids, timings, codes_ok, reader=reader)
                 if isinstance(built, str):
                     reason = built

@@ -10,10 +10,10 @@ from typing import Callable
 
 import torch
 
+from jobs.plans import entry_map
 from scd.evaluation import methods
 from scd.evaluation.diagnostics import xnorm_errors
 from scd.evaluation.evaluate import Evaluator, profile_droidspeak
-from jobs.plans import entry_map
 from scd.fitting import blocks, points
 from scd.fitting.calibrate import Calibration
 from scd.fitting.checkpoints import load_record, plan_digest, samples_digest, save_record

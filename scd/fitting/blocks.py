@@ -124,7 +124,8 @@ def train_entry(producer, consumer, entry: int, align: LinearCodec, below: Calla
     return LinearCodec(torch.zeros(h), w.detach(), c.detach(), torch.eye(h)), curve
 
 
-def block_artifact(art: PairArtifacts, entry: int, align: LinearCodec | None, stop: int | None = None) -> PairArtifacts:
+def block_artifact(art: PairArtifacts, entry: int, align: LinearCodec | None,
+                   stop: int | None = None) -> PairArtifacts:
     """`art`'s codes below `entry`, the consumer's own layers from there up to `stop` (the top by default),
     entered through `align`, and `art`'s codes again from `stop` up."""
     stop = stop or art.spec.num_layers

@@ -51,6 +51,14 @@ NEAR = 8                     # a learned selector's distance buckets: log2 of th
 POSITION_FEATURES = NEAR + 3  # a learned selector's features besides V: those buckets, log2 distance, first, 1
 
 
+def request_reader(art, suffix_ids: list[int] | None, device) -> torch.Tensor | None:
+    """What a served plan's rebuild reads the request by: its tokens after the prefix, (1, S), for a plan by the
+    suffix rule (`art.tail_rule`); None for any other (nothing to build)."""
+    if art.tail_rule != "suffix":
+        return None
+    return torch.tensor([list(suffix_ids or [])], dtype=torch.long, device=device)
+
+
 def count_for(mask: torch.Tensor, fraction: float) -> int:
     """How many positions a fraction of the prefix selects: of its shortest row's real (unpadded) ones."""
     valid = int(mask.long().sum(-1).min())
