@@ -453,8 +453,10 @@ def _summary(pair: str, policy: dict, rows: list[dict], extra: dict, figures: li
     if extra:
         out += ["", "## Calibration", ""]
         for key, val in extra.items():
-            text = val if isinstance(val, str) else json.dumps(val, default=str)
-            out.append(f"- {key}: {text if len(text) <= 120 else text[:117] + '...'}")
+            if not isinstance(val, str):        # a structure is cut short; a sentence is read whole
+                val = json.dumps(val, default=str)
+                val = val if len(val) <= 120 else val[:117] + "..."
+            out.append(f"- {key}: {val}")
     out += ["", "## Figures"]
     for name in figures:
         out += ["", f"![]({name})"]
