@@ -55,9 +55,10 @@ def _codec(g: torch.Generator, d_a: int, r: int, d_b: int, table_ids: torch.Tens
 
 
 def random_artifact(kind: str, pair: str, spec: ModelSpec, vocab: int, payload: float = 0.1,
-                    seed: int = 0, entry: int | None = None) -> PairArtifacts:
+                    seed: int = 0, entry: int | None = None, stop: int | None = None) -> PairArtifacts:
     """A PairArtifacts of the plan kind `kind` (PLAN_KINDS) for a pair of `spec`, random values. `entry`: a
-    codes plan's block entered at this layer instead of the kind's own (a calibrated plan's shape)."""
+    codes plan's block entered at this layer instead of the kind's own (a calibrated plan's shape), ending below
+    `stop` (the top by default) with the codes again from there up."""
     layers = spec.num_layers
     if kind == "exact_half":
         return PairArtifacts.exact(pair, spec, exact_plan(layers, layers // 2), info={"timing_only": True})
@@ -70,15 +71,19 @@ def random_artifact(kind: str, pair: str, spec: ModelSpec, vocab: int, payload: 
         entry = {"codes": layers, "block_2_3": round(layers * 2 / 3), "block_1_3": round(layers / 3)}[kind]
     elif not 1 <= entry <= layers:
         raise ValueError(f"an entry is a layer in 1..{layers}, got {entry}")
+    stop = layers if stop is None else stop
+    if entry < layers and not entry < stop <= layers:
+        raise ValueError(f"a block [{entry}, {stop}) of {layers} layers: its stop is above its entry, at most {layers}")
     g = torch.Generator().manual_seed(seed)
     r_x = code_rank(spec, payload)
     kv_width = 2 * spec.num_kv_heads * spec.head_dim
     ids = torch.arange(vocab)
     plan = ["exact"] + ["hidden"] * (entry - 1)
-    reuse_x = {l: _codec(g, spec.hidden_size, r_x, kv_width, ids.clone()) for l in range(1, entry)}
+    if entry < layers:
+        plan += ["entry"] + ["recompute"] * (stop - entry - 1) + ["hidden"] * (layers - stop)
+    reuse_x = {l: _codec(g, spec.hidden_size, r_x, kv_width, ids.clone()) for l, k in enumerate(plan) if k == "hidden"}
     entry_align = {}
     if entry < layers:
-        plan += ["entry"] + ["recompute"] * (layers - entry - 1)
         entry_align[entry] = _codec(g, spec.hidden_size, ENTRY_RANK, spec.hidden_size)
     return PairArtifacts(pair, spec, 0, 0, 0, 0, plan, {}, {}, r_x=r_x, reuse_x=reuse_x, code_dtype="mixed",
                          entry_align=entry_align, info={"timing_only": True})

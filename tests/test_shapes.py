@@ -89,6 +89,29 @@ def test_random_artifacts_of_every_plan_kind_have_the_plans_and_payload_they_say
     assert 0.08 < sent < 0.12, f"the codes take {sent:.3f} of the raw KV, not about 0.1"
 
 
+def test_a_random_plan_shape_can_end_its_block_below_the_top():
+    """random_artifact(entry=, stop=): the shape of a calibrated block below the top (the consumer's layers
+    entry..stop-1, codes below and above); a block that does not fit the layers is refused; and
+    tools.bench_lora_group reads NAME=ENTRY[:STOP]."""
+    import argparse
+
+    from jobs.timing_family import random_artifact
+    from scd.online.models import ModelSpec
+    from tools.bench_lora_group import plan_shapes
+    spec = ModelSpec.from_config(shapes.config("tiny"))
+    art = random_artifact("codes", "base:qa", spec, 2048, entry=1, stop=3)
+    assert art.plan == ["exact", "entry", "recompute", "hidden"] and art.blocks == [(1, 3)], art.plan
+    assert sorted(art.reuse_x) == [3] and sorted(art.entry_align) == [1]
+    assert random_artifact("codes", "base:qa", spec, 2048, entry=2).plan == ["exact", "hidden", "entry", "recompute"]
+    for stop in (2, 5):
+        with pytest.raises(ValueError, match=rf"a block \[2, {stop}\) of 4 layers"):
+            random_artifact("codes", "base:qa", spec, 2048, entry=2, stop=stop)
+    assert plan_shapes("qa=17:27,code=8") == {"qa": (17, 27), "code": (8, None)}
+    for bad in ("qa=x", "qa=17:", "=8", "qa=17:2x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="NAME=ENTRY or NAME=ENTRY:STOP"):
+            plan_shapes(bad)
+
+
 def test_bench_size_times_every_plan_kind_against_the_own_prefill_and_says_timing_only(tmp_path):
     """tools.bench_size at the tiny shape (the GPU script's CPU rehearsal): a row per prefix length and plan
     kind, each kind's payload as its plan sends it, the tables written."""

@@ -99,9 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--artifacts", metavar="STORE",
                    help="serve each adapter on every layer from its pair's latest artifact in this store")
-    p.add_argument("--plan-shapes", metavar="NAME=ENTRY,...",
+    p.add_argument("--plan-shapes", metavar="NAME=ENTRY[:STOP],...", type=plan_shapes,
                    help="instead: each named adapter from random codes below a block of its own layers entered at "
-                        "ENTRY (a calibrated plan's shape: its compute, not its quality), e.g. qa=11,code=8")
+                        "ENTRY, up to the top or below STOP with the codes above it (a calibrated plan's shape: its "
+                        "compute, not its quality), e.g. qa=17:27,code=8")
     args = p.parse_args(argv)
     with torch.no_grad():
         return run(args)
@@ -148,6 +149,18 @@ def memory(base, adapters, group: LoraGroup, merged: dict) -> dict:
     return m
 
 
+def plan_shapes(text: str) -> dict[str, tuple[int, int | None]]:
+    """--plan-shapes: adapter -> (entry, stop or None: up to the top)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, block = item.partition("=")
+        entry, colon, stop = block.partition(":")
+        if not name or not entry.isdigit() or (colon and not stop.isdigit()):
+            raise argparse.ArgumentTypeError(f"{item!r}: NAME=ENTRY or NAME=ENTRY:STOP, layers as numbers")
+        out[name] = (int(entry), int(stop) if stop else None)
+    return out
+
+
 def with_plans(engine: GroupEngine, cfg, args) -> dict[str, str]:
     """Give the adapters on every layer their plans (--artifacts: the published ones; --plan-shapes: random
     codes of the named shapes, for their compute only); returns adapter -> what it is served from."""
@@ -166,10 +179,13 @@ def with_plans(engine: GroupEngine, cfg, args) -> dict[str, str]:
                 continue
             engine.set_artifact(n, art, manifest.version)
             plans[n] = f"{manifest.version} (blocks {art.blocks})"
-    for item in filter(None, (args.plan_shapes or "").split(",")):
-        n, _, entry = item.partition("=")
+    for n, (entry, stop) in (args.plan_shapes or {}).items():
         spec = ModelSpec.from_config(engine.group.base.config)
-        art = random_artifact("codes", pair_id(cfg.producer.name, n), spec, len(engine.tok), entry=int(entry))
+        try:
+            art = random_artifact("codes", pair_id(cfg.producer.name, n), spec, len(engine.tok), entry=entry,
+                                  stop=stop)
+        except ValueError as e:
+            raise SystemExit(f"--plan-shapes {n}: {e}") from None
         engine.set_artifact(n, art, "random")
         plans[n] = f"random codes, block {art.blocks} (compute only)"
     for n, what in plans.items():
