@@ -19,7 +19,7 @@ from typing import Literal, get_args, get_origin
 
 import torch
 
-from cluster.config import CalibrationSettings
+from cluster.calibration_settings import CalibrationSettings
 from jobs.plans import block_plan, exact_bound, quality_bound, selector_stage
 from scd.data import samples
 from scd.evaluation import methods
@@ -63,8 +63,9 @@ SETTING_FLAGS = set(CalibrationSettings.model_fields) - NOT_FLAGS     # the sett
 
 
 def add_settings_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per calibration setting (cluster.config.CalibrationSettings): the same names (dashed), defaults,
-    choices and help as a config's `calibration:` section. --calib is kept as another name for --prefixes."""
+    """One flag per calibration setting (cluster.calibration_settings.CalibrationSettings): the same names
+    (dashed), defaults, choices and help as a config's `calibration:` section. --calib is kept as another name
+    for --prefixes."""
     for name, f in CalibrationSettings.model_fields.items():
         if name in NOT_FLAGS:
             continue

@@ -24,7 +24,8 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from artifacts_store import ArtifactNotFound, ArtifactStore, calibration_digest
-from cluster.config import CalibrationSettings, load_config
+from cluster.calibration_settings import CalibrationSettings
+from cluster.config import load_config
 from cluster.runtime import actor_options, connect
 from jobs import report
 from jobs.measures import curve_tried, entry_curve, error_split, pareto, tradeoff, xnorm_profile

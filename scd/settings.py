@@ -1,7 +1,7 @@
 """Calibration settings: the one schema of what a pair's fit depends on (pydantic, no torch).
 
 Fitting code (scd.fitting.calibrate) takes a CalibConfig; the deployment config's `calibration:` section extends it
-(cluster.config.CalibrationSettings) and `scd eval`/`scd bench` derive their flags from that, so every
+(cluster.calibration_settings.CalibrationSettings) and `scd eval`/`scd bench` derive their flags from that, so every
 setting has one name, one default and one description.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ SELECT_WINDOW = 16
 
 class CalibConfig(BaseModel):
     """Everything a pair's fit depends on: the one schema of calibration settings. The deployment config's
-    `calibration:` section extends it (cluster.config.CalibrationSettings: how many prefixes, the quality
-    gate, where checkpoints go) and `scd eval`/`scd bench` derive their flags from that.
+    `calibration:` section extends it (cluster.calibration_settings.CalibrationSettings: how many prefixes, the
+    quality gate, where checkpoints go) and `scd eval`/`scd bench` derive their flags from that.
 
     The defaults are the codes every shipped config gives its pairs, so a new pair (`scd eval --producer P
     --consumer C`) gets them without flags: one hidden-state code per token for each group of 6 adjacent layers,

@@ -187,7 +187,7 @@ def _other_value(name, field):
 def test_every_calibration_setting_is_settable_from_the_config_and_is_a_scd_eval_flag_with_its_default():
     import argparse
 
-    from cluster.config import CalibrationSettings
+    from cluster.calibration_settings import CalibrationSettings
     from cli.evaluate import NOT_FLAGS, add_pair_args
     from scd.settings import CalibConfig
     changed = {n: _other_value(n, f) for n, f in CalibrationSettings.model_fields.items()

@@ -1,9 +1,10 @@
 """docs/config-reference.md is what tools.config_reference writes from the schema now: a key added, removed or
-redescribed in cluster/config.py or scd/settings.py without regenerating fails here, naming the key."""
+redescribed in cluster/config.py, cluster/calibration_settings.py or scd/settings.py without regenerating fails here, naming the key."""
 import pytest
 import yaml
 
-from cluster.config import CalibrationSettings, DeploymentConfig, load_config
+from cluster.calibration_settings import CalibrationSettings
+from cluster.config import DeploymentConfig, load_config
 from tools.config_reference import OUT, first_difference, keys, main, render, rows
 
 

@@ -500,7 +500,7 @@ def test_a_selector_is_fitted_on_the_fine_tuning_length_and_the_serving_length_w
     """jobs.plans.selector_windows: half the windows at the serving length, interleaved with the fine-tuning
     samples, where the consumer's texts are that long; the fine-tuning samples alone where its documents are
     shorter (the demo's notes) or the serving length is not longer."""
-    from cluster.config import CalibrationSettings
+    from cluster.calibration_settings import CalibrationSettings
     from jobs.plans import selector_windows
     from scd.data import samples
     from scd.online.models import load
