@@ -16,7 +16,6 @@ PAIR_DATA = {"text_file", "val", "max_kl", "max_kl_ratio", "bound_noise_z", "max
              "selector_samples", "entry_train_samples", "entry_train_epochs", "entry_train_lr"}
 
 
-
 class CalibrationSettings(CalibConfig):
     """The `calibration:` section: every fit setting (scd.settings.CalibConfig, one set of defaults) plus
     what the calibration job needs around the fit."""

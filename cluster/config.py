@@ -12,8 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from scd.online import shapes
 from cluster.calibration_settings import PAIR_DATA, CalibrationSettings
+from scd.online import shapes
 from scd.settings import CalibConfig
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"

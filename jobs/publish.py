@@ -130,10 +130,10 @@ def codes_extra(job: PairJob, art, gate: dict, split: dict[str, float], vs_ds: d
         extra["against DroidSpeak at the same compute (held out)"] = "; ".join(
             f"{name}: {v:.2f} x DroidSpeak's KL" for name, v in vs_ds.items())
     if art.blocks:
-        s, e = art.blocks[0]
-        above = "" if e == job.cal.spec.num_layers else f", the codes from {e} up"
-        extra["plan"] = (f"codes below layer {s}, the consumer's own layers {s}-{e - 1} from the producer's residual "
-                         f"through an aligner (a recompute block){above}")
+        entry, stop = art.blocks[0]
+        above = "" if stop == job.cal.spec.num_layers else f", the codes from {stop} up"
+        extra["plan"] = (f"codes below layer {entry}, the consumer's own layers {entry}-{stop - 1} from the producer's "
+                         f"residual through an aligner (a recompute block){above}")
     if art.tail_tokens:
         which = {"last": f"last {art.tail_tokens} tokens",
                  "attention": f"{art.tail_tokens} tokens that its last attend to most (selective recompute)",

@@ -1,5 +1,6 @@
 """docs/config-reference.md is what tools.config_reference writes from the schema now: a key added, removed or
-redescribed in cluster/config.py, cluster/calibration_settings.py or scd/settings.py without regenerating fails here, naming the key."""
+redescribed in cluster/config.py, cluster/calibration_settings.py or scd/settings.py without regenerating fails
+here, naming the key."""
 import pytest
 import yaml
 
