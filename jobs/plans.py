@@ -15,6 +15,7 @@ from scd.fitting import blocks, exact, points, selector
 from scd.fitting.calibrate import Calibration
 from scd.fitting.checkpoints import artifact_digest, load_record, plan_digest, samples_digest, save_record
 from scd.online import selective
+from scd.online.artifacts import tail_phrase
 from scd.online.models import weights_digest
 from scd.online.reuse import LinearCodec
 from scd.online.trace import capture
@@ -316,10 +317,7 @@ def chosen_plan(cal: Calibration, art, rec: dict, bound: exact.Bound, gbps: floa
     art.info["blocks"] = {**rec, "chosen": chosen, "bound": vars(bound), "gbps": gbps or DEFAULT_GBPS,
                           "num_layers": n, "prefix_tokens": t_val}
     tail, rule = (chosen.get("tail", 0), chosen.get("rule", "last")) if chosen else (0, "last")
-    tail_note = "" if not tail else f", and the prefix's last {tail} tokens through every layer" if rule == "last" \
-        else f", and the {tail} positions its last attend to most through every layer" if rule == "attention" \
-        else f", and the {tail} positions the request's tokens read most through every layer" if rule == "suffix" \
-        else f", and the {tail} positions its selector picks through every layer"
+    tail_note = f", and {tail_phrase(tail, rule)} through every layer" if tail else ""
     if chosen is None or chosen["entry"] == n:
         log(("codes alone" + tail_note + " (within the quality bound)") if chosen
             else "codes alone: no plan meets the quality bound")
@@ -327,8 +325,8 @@ def chosen_plan(cal: Calibration, art, rec: dict, bound: exact.Bound, gbps: floa
     e, s = chosen["entry"], chosen.get("stop", n)
     out = blocks.block_artifact(art, e, entry_map(load_file(str(entry_tensors(cal))), e, s, n), s)
     out = out.with_tail(tail, t_val, rule)
-    above = "" if s == n else f", the codes from {s} up"
-    log(f"recompute block: the consumer runs layers {e}-{s - 1} from the aligned residual{above}{tail_note} "
+    log(f"recompute block: the consumer runs layers {e}-{s - 1} from the aligned residual"
+        f"{blocks.codes_above(s, n)}{tail_note} "
         f"(validation KL {chosen['kl']:.4f}, consumer {chosen['consumer_ratio']:.2f} of a prefill; the least "
         f"modeled TTFT within the bound{exact.at_length(chosen)})")
     return out

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Callable
 
 from artifacts_store import CalibrationData, Fingerprints, calibration_digest
 from jobs import report
-from scd.fitting import exact
+from scd.fitting import blocks, exact
 from scd.fitting.checkpoints import save_record
 from scd.fitting.exact import LOSSLESS_KL
+from scd.online.artifacts import tail_phrase
 
 if TYPE_CHECKING:
     from jobs.calibrate import Fitted, PairJob
@@ -131,17 +132,13 @@ def codes_extra(job: PairJob, art, gate: dict, split: dict[str, float], vs_ds: d
             f"{name}: {v:.2f} x DroidSpeak's KL" for name, v in vs_ds.items())
     if art.blocks:
         entry, stop = art.blocks[0]
-        above = "" if stop == job.cal.spec.num_layers else f", the codes from {stop} up"
         extra["plan"] = (f"codes below layer {entry}, the consumer's own layers {entry}-{stop - 1} from the producer's "
-                         f"residual through an aligner (a recompute block){above}")
+                         f"residual through an aligner (a recompute block)"
+                         f"{blocks.codes_above(stop, job.cal.spec.num_layers)}")
     if art.tail_tokens:
-        which = {"last": f"last {art.tail_tokens} tokens",
-                 "attention": f"{art.tail_tokens} tokens that its last attend to most (selective recompute)",
-                 "learned": f"{art.tail_tokens} tokens its selector picks (selective recompute)",
-                 "suffix": f"{art.tail_tokens} tokens the request's own tokens read most (selective recompute)"
-                 }[art.tail_rule]
         extra["plan"] = extra.get("plan", "the codes") + (
-            f"; the consumer runs the prefix's {which} itself through every layer"
+            f"; the consumer runs {tail_phrase(art.tail_tokens, art.tail_rule)} itself through every layer"
+            + ("" if art.tail_rule == "last" else " (selective recompute)")
             + (f" (that share of a prefix of {art.tail_of}: {art.tail_tokens / art.tail_of:.3g} of its tokens at "
                f"every length)" if art.tail_of else ""))
     return extra

@@ -285,6 +285,7 @@ def test_the_job_tries_blocks_that_end_below_the_top_and_publishes_one_where_it_
     assert not torch.equal(maps["entry.4:6.enc"], maps["entry.4.enc"]), "each block's entry map is its own"
     assert torch.equal(art.entry_align[4].enc, maps["entry.4:6.enc"])
     assert "held-out plans of the curve: 0 resumed, 2 to measure" in out, out      # enter@4 and droidspeak@4
+    assert list(tmp_path.rglob("eval-e4s6.json")), "the held-out checkpoints are named by the block's entry and stop"
     summary = next((tmp_path / "store").rglob("summary.md")).read_text()
     assert "the consumer's own layers 4-5 from the producer's residual through an aligner (a recompute block), " \
         "the codes from 6 up" in summary, summary

@@ -165,9 +165,9 @@ def test_the_job_publishes_a_tail_where_it_is_the_cheapest_plan_within_the_bound
 
 
 @pytest.mark.parametrize("rule, mark, note, window, pair", [
-    ("attention", "sel", "positions its last attend to most", points.SELECT_WINDOW, "base:prose"),
+    ("attention", "sel", "positions its last tokens attend to most", points.SELECT_WINDOW, "base:prose"),
     ("learned", "lsel", "positions its selector picks", 0, "base:prose"),
-    ("suffix", "rsel", "positions the request's tokens read most", points.SELECT_WINDOW, "base:qa")])
+    ("suffix", "rsel", "positions the request's own tokens read most", points.SELECT_WINDOW, "base:qa")])
 def test_the_job_publishes_a_selective_plan_where_it_is_the_cheapest_within_the_bound(
         tmp_path, capsys, monkeypatch, rule, mark, note, window, pair):
     """calibration.selective's points beside the entries, under the attention rule, the selector the job
