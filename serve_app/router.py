@@ -30,6 +30,7 @@ from engines.interface import NotServed
 from scd.online.api import AdapterError
 from serve_app import responses, telemetry
 from serve_app.errors import ApiError, Guard, install, overloaded
+from serve_app.health import deployment_state, problem_lines, problems
 from serve_app.producer_client import Producers
 from serve_app.schemas import (ChatCompletionRequest, CompletionRequest, FanoutRequest, LoadLoraRequest, Sampling,
                                UnloadLoraRequest)
@@ -78,10 +79,6 @@ def _raised(e: BaseException, kind: type) -> BaseException | None:
 
 def _ms_since(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
-
-
-def _iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 @serve.deployment
@@ -307,38 +304,10 @@ class Router:
             for name, job in notes.items():
                 if name in specialists:
                     specialists[name]["calibration"] = job
-        problems = self._problems(producers["producers"], specialists)
-        failed = sum("error" in s for s in specialists.values())
-        state = "down" if failed == len(specialists) else "degraded" if problems else "ok"
-        return {"status": state, "problems": [f"{what}: {why} (since {_iso(t)})" for what, why, t in problems],
+        found = problems(producers["producers"], specialists, self.base, self.grouped)
+        return {"status": deployment_state(specialists, found), "problems": problem_lines(found),
                 "producers": producers["producers"], "failovers": producers["failovers"],
                 "specialists": specialists, "inflight": self.inflight}
-
-    def _problems(self, producers: dict, specialists: dict) -> list[tuple[str, str, float]]:
-        """(what, why, since: unix time) for everything that keeps an answer from being served by SCD at once."""
-        out, now = [], time.time()
-        up = {n: p for n, p in producers.items() if p.get("state") == "up"}
-        if not producers:
-            out.append(("producers", "the pool has no producer", now))
-        for n, p in producers.items():
-            if p.get("state") != "up":
-                out.append((f"producer {n}", f"{p['state']}: {p.get('error')}", now - p.get("down_for_s", 0.0)))
-        seen: dict[str, tuple[str, float]] = {}
-        for p in up.values():
-            for what, x in (p.get("problems") or {}).items():
-                if what not in seen or x["since"] < seen[what][1]:
-                    seen[what] = (x["reason"], x["since"])
-        out += [(what, why, since) for what, (why, since) in sorted(seen.items())]
-        for name, st in specialists.items():
-            pair = pair_id(self.base, name)
-            if up and not any(pair in p.get("versions", {}) for p in up.values()) and pair not in seen and \
-                    name not in self.grouped:
-                out.append((pair, "no artifact loaded by the producers: its requests fall back", now))
-            if "error" in st or "busy" in st:
-                out.append((f"specialist {name}", st.get("error") or st["busy"], now))
-            elif st.get("unavailable_reason"):
-                out.append((pair, f"specialist {name} serves it by its own prefill: {st['unavailable_reason']}", now))
-        return out
 
     @api.get("/v1/models")
     async def models(self):
