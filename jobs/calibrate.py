@@ -328,7 +328,8 @@ def held_out_tag(art) -> str:
     """The held-out checkpoints' suffix of a plan with a block or a tail, or served at a level below its
     fitted ranks; "" for the codes at their full ranks."""
     mark = {"last": "t", "attention": "s", "learned": "l", "suffix": "r"}[art.tail_rule]
-    tag = "".join(f"-e{e}" + (f"s{s}" if s < art.spec.num_layers else "") for e, s in art.blocks) + (f"-{mark}{art.tail_tokens}" if art.tail_tokens else "")
+    tag = "".join(f"-e{e}" + (f"s{s}" if s < art.spec.num_layers else "") for e, s in art.blocks)
+    tag += f"-{mark}{art.tail_tokens}" if art.tail_tokens else ""
     level = art.info.get("level")
     if level and level["chosen"] != {k: level["tried"][-1][k] for k in level["chosen"]}:
         tag += "-" + level_tag(level["chosen"])

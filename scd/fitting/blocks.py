@@ -135,10 +135,10 @@ def block_artifact(art: PairArtifacts, entry: int, align: LinearCodec | None,
     return art.with_plan(plan, {entry: align} if align is not None else {})
 
 
-
 def codes_above(stop: int, num_layers: int) -> str:
     """", the codes from `stop` up" for a block that ends below the top (its description's last words)."""
     return "" if stop == num_layers else f", the codes from {stop} up"
+
 
 def curve(producer, consumer, tok, art: PairArtifacts, aligners: dict[tuple[int, int], LinearCodec], samples,
           with_codes: bool = True, desc: str = "recompute blocks", serving_tokens: int = 0,
