@@ -72,7 +72,7 @@ def demo_prompts(tok=None) -> tuple[str, dict[str, str]]:
 def breakdown(scd: dict) -> tuple[float, str]:
     """(end-to-end time to first token including the producer's share, the phases as text)."""
     t = scd["timings_ms"]
-    keys = ("prefill", "encode", "transfer_put", "transfer", "decode", "rebuild", "patch", "recompute",
+    keys = ("prefill", "encode", "transfer_put", "transfer", "decode", "rebuild", "patch", "recompute", "tail",
             "first_token")
     e2e = sum(t.get(k, 0.0) for k in ("prefill", "encode", "transfer_put", "transfer")) + t["first_token"] \
         if scd["mode"] == "scd" else t["first_token"]
