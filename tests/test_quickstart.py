@@ -63,3 +63,15 @@ def test_the_readme_quickstart_runs_as_written(workspace):
     assert fan["prefilled"] is True and [x["scd"]["mode"] for x in fan["results"]] == ["scd"] * 3, fan
     job = run.output_of("ray job submit")
     assert "already published as base:qa@" in job and "succeeded" in job, job[-2000:]
+
+
+def test_the_demo_shows_every_phase_of_a_time_to_first_token():
+    """The demo's per-specialist line names each phase the answer reports, a tail's and a block's too, and
+    counts the producer's share into an SCD answer's end-to-end time."""
+    from cli.demo import breakdown
+    t = {"prefill": 0.0, "encode": 1.0, "transfer_put": 0.5, "transfer": 0.5, "decode": 0.4, "rebuild": 1.8,
+         "patch": 0.0, "recompute": 3.0, "tail": 16.5, "first_token": 22.5}
+    e2e, text = breakdown({"mode": "scd", "timings_ms": t})
+    assert "tail=16.5" in text and "recompute=3.0" in text and abs(e2e - 24.5) < 1e-9, (e2e, text)
+    e2e, text = breakdown({"mode": "oracle", "timings_ms": {"prefill": 11.9, "first_token": 16.2}})
+    assert e2e == 16.2 and text == "prefill=11.9  first_token=16.2", (e2e, text)
