@@ -15,7 +15,6 @@ from scd.fitting import blocks, exact, points, selector
 from scd.fitting.calibrate import Calibration
 from scd.fitting.checkpoints import artifact_digest, load_record, plan_digest, samples_digest, save_record
 from scd.online import selective
-from scd.online.artifacts import tail_phrase
 from scd.online.models import weights_digest
 from scd.online.reuse import LinearCodec
 from scd.online.trace import capture
@@ -317,7 +316,7 @@ def chosen_plan(cal: Calibration, art, rec: dict, bound: exact.Bound, gbps: floa
     art.info["blocks"] = {**rec, "chosen": chosen, "bound": vars(bound), "gbps": gbps or DEFAULT_GBPS,
                           "num_layers": n, "prefix_tokens": t_val}
     tail, rule = (chosen.get("tail", 0), chosen.get("rule", "last")) if chosen else (0, "last")
-    tail_note = f", and {tail_phrase(tail, rule)} through every layer" if tail else ""
+    tail_note = f", and {points.tail_phrase(tail, rule)} through every layer" if tail else ""
     if chosen is None or chosen["entry"] == n:
         log(("codes alone" + tail_note + " (within the quality bound)") if chosen
             else "codes alone: no plan meets the quality bound")

@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING, Callable
 
 from artifacts_store import CalibrationData, Fingerprints, calibration_digest
 from jobs import report
-from scd.fitting import blocks, exact
+from scd.fitting import blocks, exact, points
 from scd.fitting.checkpoints import save_record
 from scd.fitting.exact import LOSSLESS_KL
-from scd.online.artifacts import tail_phrase
 
 if TYPE_CHECKING:
     from jobs.calibrate import Fitted, PairJob
@@ -137,7 +136,7 @@ def codes_extra(job: PairJob, art, gate: dict, split: dict[str, float], vs_ds: d
                          f"{blocks.codes_above(stop, job.cal.spec.num_layers)}")
     if art.tail_tokens:
         extra["plan"] = extra.get("plan", "the codes") + (
-            f"; the consumer runs {tail_phrase(art.tail_tokens, art.tail_rule)} itself through every layer"
+            f"; the consumer runs {points.tail_phrase(art.tail_tokens, art.tail_rule)} itself through every layer"
             + ("" if art.tail_rule == "last" else " (selective recompute)")
             + (f" (that share of a prefix of {art.tail_of}: {art.tail_tokens / art.tail_of:.3g} of its tokens at "
                f"every length)" if art.tail_of else ""))

@@ -73,6 +73,14 @@ KIND_RULES = {"last": "its last tokens", "attention": "selective, attention", "l
 BUDGETS = (0.1, 0.2, 0.35, 0.5)         # the consumer compute a curve is read at (share of its own prefill)
 
 
+def tail_phrase(k: int, rule: str) -> str:
+    """The k positions a tail by `rule` runs through every layer, in words (calibration logs and reports)."""
+    return {"last": f"the prefix's last {k} tokens",
+            "attention": f"the {k} positions its last tokens attend to most",
+            "learned": f"the {k} positions its selector picks",
+            "suffix": f"the {k} positions the request's own tokens read most"}[rule]
+
+
 def kind(point: dict, num_layers: int) -> str:
     """A curve point's plan kind: the codes alone, a recompute block (an exact plan's entry) or a block that ends
     below the top, with the positions the consumer runs itself through every layer named by their rule."""

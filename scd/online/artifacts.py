@@ -42,14 +42,6 @@ TAIL_RULES = ("last", "attention", "learned", "suffix")  # which of a prefix's p
 LEVELS = (0.25, 0.5, 0.75, 1.0)
 
 
-def tail_phrase(k: int, rule: str) -> str:
-    """The k positions a tail by `rule` runs through every layer, in words (calibration logs and reports)."""
-    return {"last": f"the prefix's last {k} tokens",
-            "attention": f"the {k} positions its last tokens attend to most",
-            "learned": f"the {k} positions its selector picks",
-            "suffix": f"the {k} positions the request's own tokens read most"}[rule]
-
-
 def layer_groups(num_layers: int, size: int) -> list[list[int]]:
     """Layers 1..L-1 in runs of `size` adjacent layers (0: one run), each sharing a hidden-state code; [] for
     size 1 (a code per layer, no groups)."""
