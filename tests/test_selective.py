@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
+from scd.evaluation import methods
 from scd.fitting.selector import fit_selector
 from scd.online import selective
-from scd.online.rebuild import run_tail
+from scd.online.selective import run_tail
 from scd.online.trace import capture
 from tests.conftest import REPO, left_padded_batch, perturbed, tiny_llama
 
@@ -144,6 +145,24 @@ def test_the_attention_rule_keeps_its_window_and_takes_the_positions_the_window_
         "the selected position is the consumer's own again"
 
 
+def test_the_attention_rule_at_a_share_within_its_window_is_a_tail_of_the_window_run_once():
+    """A share of at most the window selects the window itself: repaired as a tail of it (one pass, no scoring),
+    equal to the attention rule's own selection recomputed, and counted as that tail."""
+    a = tiny_llama(0)
+    b = perturbed(a, 0.3)
+    ids, mask = left_padded_batch(lengths=(40, 33))
+    raw = _kv(a, ids, mask)
+    w = selective.WINDOW
+    got, sel = selective.repair(b, raw, ids, mask, "attention", 4 / 33)
+    chosen = selective.attention(b, raw, ids, mask, 4 / 33)
+    assert sel.tolist() == chosen.tolist() and sel.shape[1] == w, (sel, chosen)
+    want = selective.recompute_tokens(b, raw, ids, mask, chosen)
+    assert _err(got, want, mask) < 1e-4, f"the tail differs from the rule's selection recomputed by {_err(got, want, mask):.2e}"
+    m = methods.Selective(methods.RawKV(), "attention", 4 / 40)
+    once, tail_cost = m.counted(b.config, 40), selective.cost(b.config, 40, w)
+    assert once == pytest.approx(tail_cost), f"the window counted {once:.3f} of a prefill, a tail of {w} {tail_cost:.3f}"
+
+
 def test_the_suffix_rule_takes_the_positions_the_requests_tokens_read_most_and_needs_them():
     """A position whose K the request's queries all align with is selected, wherever it lies; the repair is
     recompute_tokens at the top of reads_of; without the request's tokens the rule refuses."""
@@ -206,7 +225,6 @@ def test_an_artifact_with_the_suffix_rule_rebuilds_by_the_requests_reads_and_is_
 def test_the_evaluator_gives_a_method_that_reads_the_request_the_samples_question_and_refuses_a_text_window():
     """built_for: a QA sample's question is the request's suffix a suffix-rule repair reads (the same cache as
     repair by hand); a text window has none, and the method is refused in a line, not run without it."""
-    from scd.evaluation import methods
     from scd.evaluation.evaluate import Evaluator, Sample
     a = tiny_llama(0)
     b = perturbed(a, 0.3)
@@ -301,7 +319,7 @@ def test_an_artifact_with_the_attention_rule_keeps_it_through_a_save_and_rebuild
     from scd.online import codec
     from scd.online.artifacts import PairArtifacts
     from scd.online.models import ModelSpec
-    from scd.online.rebuild import encode, rebuild, run_tail
+    from scd.online.rebuild import encode, rebuild
     a = tiny_llama(0, layers=4)
     b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
     spec = ModelSpec.from_config(a.config)

@@ -1,4 +1,4 @@
-"""The consumer's own last tokens (PairArtifacts.tail_tokens, scd.online.rebuild.run_tail): over its own cache the
+"""The consumer's own last tokens (PairArtifacts.tail_tokens, scd.online.selective.run_tail): over its own cache the
 tail changes nothing; over another model's it makes the last positions the consumer's, left padding and all;
 an artifact keeps its tail through a save and load and serves it; a held-out curve compares plans with tails
 against DroidSpeak at the same compute."""
@@ -9,7 +9,8 @@ from scd.fitting import points
 from scd.online import codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.models import ModelSpec
-from scd.online.rebuild import encode, rebuild, run_tail
+from scd.online.rebuild import encode, rebuild
+from scd.online.selective import run_tail
 from scd.online.trace import capture
 from tests.conftest import left_padded_batch, perturbed, tiny_llama
 

@@ -198,6 +198,8 @@ class Selective(Method):
             window = selective.WINDOW if self.rule in ("attention", "suffix") else 0
         s = len(columns) if columns is not None else max(selective.count_for(torch.ones(1, t), self.fraction),
                                                           selective.WINDOW if self.rule == "attention" else 0)
+        if self.rule == "attention" and s <= selective.WINDOW:
+            window = 0                          # the selection is the window: its one pass is the repair
         return selective.cost(config, t, s, self.layers if self.rule == "deviation" else 0, window, columns)
 
     def counted(self, config, t: int) -> float:

@@ -115,7 +115,7 @@ class PairArtifacts:
     klt_k: dict[int, LinearCodec] = field(default_factory=dict)
     klt_v: dict[int, LinearCodec] = field(default_factory=dict)
     # the consumer runs the prefix's last tail_tokens tokens itself, through every layer, over the cache rebuilt
-    # for the tokens before them (scd.online.rebuild.run_tail): the recent window a continuation reads most.
+    # for the tokens before them (scd.online.selective.run_tail): the recent window a continuation reads most.
     # With tail_of, the tail is that share of a prefix measured at tail_of tokens, and a prefix of T tokens
     # runs its last tail_tokens * T / tail_of (tail_for): the same share of the compute, and what that share
     # buys held at other lengths where a fixed count's did not (docs/method.md, "tails")

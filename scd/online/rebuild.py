@@ -262,25 +262,9 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
         out, _ = selective.repair(model, out, codes.token_ids, codes.mask, art.tail_rule, art.tail_for(t) / t,
                                   selector=(art.selector, art.selector_layers), reader=reader)
     elif art.tail_tokens:
-        out = run_tail(model, out, codes.token_ids, codes.mask, art.tail_for(t))
+        out = selective.run_tail(model, out, codes.token_ids, codes.mask, art.tail_for(t))
     return out, {"rebuild_ms": (t_patch - t0) * 1e3, "patch_ms": (t_run - t_patch) * 1e3,
                  "recompute_ms": (t_end - t_run) * 1e3, "tail_ms": (time.perf_counter() - t_end) * 1e3}
-
-
-@torch.no_grad()
-def run_tail(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, tokens: int) -> list[KV]:
-    """The cache `kv` of a (B, T) prefix with its last `tokens` positions (at most T - 1: the first comes from
-    `kv`) replaced by the consumer's own: it runs them through every layer, attending to `kv` before them,
-    as it runs a request's suffix. A prefix the codes translate imperfectly at every layer (a specialist
-    adapted on every layer) is then exact where a continuation looks most: the recent tokens' K and V carry
-    only what attending to the translated ones passes on. Costs about tokens / T of a prefill."""
-    t = token_ids.shape[1]
-    s = t - min(tokens, t - 1)
-    if s >= t:
-        return kv
-    c = cache.assemble(model, [(k[..., :s, :], v[..., :s, :]) for k, v in kv])
-    cache.extend(model, c, mask[:, :s], token_ids[:, s:], mask[:, s:], logits=False)
-    return [(layer.keys, layer.values) for layer in c.layers]
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@
 The consumer runs every layer for a chosen set S of the prefix's positions. At each layer the positions of S
 attend over the cache as it stands there: their own K, V (computed in this pass) at the positions of S, the
 rebuilt K, V at the others. Their own K, V then replace the rebuilt ones at S. Selecting every position is
-the consumer's own prefill; selecting the last k is a tail (`rebuild.run_tail`). It costs |S| / T of a
+the consumer's own prefill; selecting the last k is a tail (`run_tail`). It costs |S| / T of a
 prefill's projections and MLPs, and about the causal triangle of S in attention: the positions run in
 chunks in column order, each over the columns up to its last, as a chunked prefill does.
 
@@ -12,11 +12,12 @@ Which positions (each a rule with its own cost, counted by `cost`):
 - `attention`: the consumer's own last `window` positions first, through every layer over the rebuilt cache
   (a tail); the positions their queries attend to most, summed over layers and heads (SnapKV's observation
   window, read on the consumer's side). Those last positions are then selected again, so that they attend
-  over the repaired cache: the window costs twice.
+  over the repaired cache: the window costs twice, unless the selection is the window alone (a share of at
+  most `window` positions), whose first pass is then the repair.
 - `deviation`: CacheBlend's rule. The consumer's own first `layers` layers over every position (that share of
   a prefill), against the rebuilt K, V there; the positions that deviate most. Those first layers are then the
   consumer's own for every position (they were computed anyway; `repair` puts them in before S runs).
-- `last`: the prefix's last positions, a tail (`rebuild.run_tail`), as the baseline the others are measured
+- `last`: the prefix's last positions, a tail (`run_tail`), as the baseline the others are measured
   against on the same windows.
 - `structural`: no compute. The prefix's last positions, then its separators (newlines, punctuation), then
   the first tokens of capitalised words (names), then the latest others.
@@ -81,6 +82,22 @@ def recompute_tokens(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.T
     for lo in range(0, sel.shape[1], chunk):
         _recompute_chunk(model, out, token_ids, mask, positions, sel[:, lo:lo + chunk], attended)
     return out
+
+
+@torch.no_grad()
+def run_tail(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, tokens: int) -> list[KV]:
+    """The cache `kv` of a (B, T) prefix with its last `tokens` positions (at most T - 1: the first comes from
+    `kv`) replaced by the consumer's own: it runs them through every layer, attending to `kv` before them,
+    as it runs a request's suffix. A prefix the codes translate imperfectly at every layer (a specialist
+    adapted on every layer) is then exact where a continuation looks most: the recent tokens' K and V carry
+    only what attending to the translated ones passes on. Costs about tokens / T of a prefill."""
+    t = token_ids.shape[1]
+    s = t - min(tokens, t - 1)
+    if s >= t:
+        return kv
+    c = assemble(model, [(k[..., :s, :], v[..., :s, :]) for k, v in kv])
+    extend(model, c, mask[:, :s], token_ids[:, s:], mask[:, s:], logits=False)
+    return [(layer.keys, layer.values) for layer in c.layers]
 
 
 def _recompute_chunk(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
@@ -306,6 +323,13 @@ def cost(config, t: int, s: int, first_layers: int = 0, window: int = 0, columns
     return (first_layers * prefill_layer + config.num_hidden_layers * selective) / (config.num_hidden_layers * prefill_layer)
 
 
+def last(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, k: int) -> tuple[list[KV], torch.Tensor]:
+    """`kv` with its last k positions recomputed (a tail), and those columns (B, k)."""
+    t = token_ids.shape[1]
+    sel = torch.arange(t - k, t, device=token_ids.device).expand(token_ids.shape[0], -1)
+    return (run_tail(model, kv, token_ids, mask, k) if k < t else recompute_tokens(model, kv, token_ids, mask, sel)), sel
+
+
 @torch.no_grad()
 def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rule: str, fraction: float,
            tok=None, layers: int = 1, selector: tuple[torch.Tensor, list[int]] | None = None,
@@ -318,6 +342,9 @@ def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rul
             raise ValueError("the suffix rule needs the request's tokens after the prefix (reader)")
         sel = top(reads_of(model, kv, mask, reader), mask, count_for(mask, fraction))
     elif rule == "attention":
+        w = min(WINDOW, int(mask.long().sum(-1).min()))
+        if count_for(mask, fraction) <= w:      # the selection is the window alone: a tail of it, run once
+            return last(model, kv, token_ids, mask, w)
         sel = attention(model, kv, token_ids, mask, fraction)
     elif rule == "deviation":
         sel, own = deviation(model, kv, token_ids, mask, fraction, layers)
@@ -329,8 +356,7 @@ def repair(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, rul
             raise ValueError("the learned rule needs a fitted selector (an artifact calibrated with one)")
         sel = learned(kv, mask, fraction, selector)
     elif rule == "last":
-        t = token_ids.shape[1]
-        sel = torch.arange(t - count_for(mask, fraction), t, device=token_ids.device).expand(token_ids.shape[0], -1)
+        return last(model, kv, token_ids, mask, count_for(mask, fraction))
     else:
         raise ValueError(f"selection rule {rule!r}: one of {RULES}")
     return recompute_tokens(model, kv, token_ids, mask, sel), sel
