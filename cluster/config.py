@@ -402,7 +402,7 @@ class DeploymentConfig(_Strict):
 
     def resolved_transport(self) -> str:
         """`auto` made concrete: nixl when every model has a GPU (the codes then never leave device memory),
-        else object_store (on one CPU node the fastest for payloads of a few MB: docs/results.md)."""
+        else object_store (on one CPU node the fastest for payloads of a few MB: docs/results/gpu.md)."""
         if self.transport != "auto":
             return self.transport
         return "nixl" if all(m.num_gpus > 0 for m in (self.producer, *self.specialists)) else "object_store"

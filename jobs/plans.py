@@ -114,7 +114,7 @@ def selector_windows(name: str, tok, c, tune: list, long_tokens: int, text_file:
     the fine-tuning samples): half of them the fine-tuning samples (prefix_tokens long), half windows of
     `long_tokens` (the length plans are served and timed at) where the consumer's data (`text_file`, else its
     domain's) holds them, interleaved; else the fine-tuning samples alone. A selector fitted at one length
-    carries poorly to another (docs/results.md, "A selector learned at calibration")."""
+    carries poorly to another (docs/results/token-recompute.md, "A selector learned at calibration")."""
     n = c.selector_samples
     if long_tokens <= c.prefix_tokens:
         return tune[:n]

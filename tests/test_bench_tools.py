@@ -1,4 +1,4 @@
-"""The benchmark tools run end to end on tiny settings (their figures are in docs/results.md)."""
+"""The benchmark tools run end to end on tiny settings (their figures are in docs/results/)."""
 import pytest
 
 

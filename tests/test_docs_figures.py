@@ -1,7 +1,7 @@
-"""The README quotes docs/results.md and nothing else: every figure in the README's "## Results" section is one
-that docs/results.md holds, written the same way; every command in the README's results table is one
-docs/results.md gives; and every link into docs/results.md lands on one of its headings, as every figure
-image it shows exists. Text only: no Ray, no models."""
+"""The README quotes the results (docs/results.md, an index, and a file per subject in docs/results/) and nothing
+else: every figure in the README's "## Results" section is one that the results hold, written the same way;
+every command in the README's results table is one they give; and every link into them lands on a heading of
+the file it names, as every figure image they show exists. Text only: no Ray, no models."""
 from __future__ import annotations
 
 import re
@@ -10,6 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 RESULTS = REPO / "docs" / "results.md"
+SUBJECTS = sorted((REPO / "docs" / "results").glob("*.md"))
 
 # A figure: a date (2026-11-27), a decimal (0.0069, 1.000), a power of ten (1.7e-5) or an integer, standing
 # alone: not part of a name (smollm2, bf16, r_X) and not the head of a longer number.
@@ -18,9 +19,14 @@ _BEFORE, _AFTER = r"(?<![\w.])", r"(?![\w]|\.\d)"
 FIGURE = re.compile(f"{_BEFORE}(?:{_FIGURE}){_AFTER}")
 CODE_SPAN = re.compile(r"`[^`]*`")
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
-RESULTS_LINK = re.compile(r"\((?:docs/)?results\.md#([^)\s]+)\)")
+LINK = re.compile(r"\]\(([^)\s#]+\.md)#([^)\s]+)\)")
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 PAIR = re.compile(r"(base|smollm2):(\w+)")
+
+
+def results_text() -> str:
+    """The index and every subject file, one after the other."""
+    return "\n".join(p.read_text() for p in [RESULTS, *SUBJECTS])
 
 
 def section(text: str, heading: str) -> list[tuple[int, str]]:
@@ -68,7 +74,7 @@ def missing_figures(readme: str, results: str) -> list[str]:
 
 
 def test_every_figure_in_the_readme_results_is_in_docs_results():
-    missing = missing_figures(README.read_text(), RESULTS.read_text())
+    missing = missing_figures(README.read_text(), results_text())
     assert not missing, ("figures the README quotes that docs/results.md does not hold (quote results.md's "
                          "current figure, written the same way):\n" + "\n".join(missing))
 
@@ -86,7 +92,7 @@ def test_the_check_finds_a_figure_results_does_not_hold_for_that_pair():
 
 
 def test_every_command_in_the_readme_results_table_is_one_docs_results_gives():
-    results = " ".join(RESULTS.read_text().split())
+    results = " ".join(results_text().split())
     table = [(n, line) for n, line in section(README.read_text(), "## Results") if line.startswith("| ")]
     commands = [(n, span.strip("`")) for n, line in table for span in CODE_SPAN.findall(line)
                 if span.startswith(("`scd ", "`python "))]
@@ -98,11 +104,19 @@ def test_every_command_in_the_readme_results_table_is_one_docs_results_gives():
 
 
 def test_links_into_docs_results_land_on_a_heading_and_its_figures_exist():
-    results = RESULTS.read_text()
-    anchors = {slug(line.lstrip("#")) for line in results.splitlines() if line.startswith("#")}
-    broken = [f"{path.relative_to(REPO)}: results.md#{anchor}"
-              for path in [README, *sorted((REPO / "docs").glob("*.md"))]
-              for anchor in RESULTS_LINK.findall(path.read_text()) if anchor not in anchors]
-    assert not broken, "links to headings docs/results.md does not have:\n" + "\n".join(broken)
-    absent = [image for image in IMAGE.findall(results) if not (RESULTS.parent / image).is_file()]
-    assert not absent, f"figures docs/results.md shows that do not exist: {absent}"
+    assert len(SUBJECTS) > 5, f"the results' subject files are missing: {SUBJECTS}"
+    docs = [README, *sorted((REPO / "docs").glob("*.md")), *SUBJECTS]
+    results = {p.resolve() for p in [RESULTS, *SUBJECTS]}
+    broken = []
+    for path in docs:
+        for target, anchor in LINK.findall(path.read_text()):
+            dest = (path.parent / target).resolve()
+            if not dest.is_file():
+                broken.append(f"{path.relative_to(REPO)}: {target} does not exist")
+            elif dest in results and anchor not in {slug(line.lstrip("#")) for line in dest.read_text().splitlines()
+                                                    if line.startswith("#")}:
+                broken.append(f"{path.relative_to(REPO)}: {target}#{anchor} is no heading of it")
+    assert not broken, "links into the results that land nowhere:\n" + "\n".join(broken)
+    absent = [f"{p.relative_to(REPO)}: {image}" for p in [RESULTS, *SUBJECTS] for image in IMAGE.findall(p.read_text())
+              if not (p.parent / image).is_file()]
+    assert not absent, f"figures the results show that do not exist: {absent}"
