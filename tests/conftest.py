@@ -64,6 +64,25 @@ def left_padded_batch(vocab: int = 97, lengths=(12, 7, 9), seed: int = 3):
     return ids, mask
 
 
+def cache_of(model, ids, mask) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A model's own cache of a batch: per layer (K post-RoPE, V), each (B, n_kv, T, d)."""
+    from scd.online.trace import capture
+    tr = capture(model, ids, mask, want_xnorm=False)
+    return list(zip(tr.keys, tr.values))
+
+
+def largest_diff(kv, want, mask=None, columns=slice(None)) -> float:
+    """Largest |difference| over every layer's K and V at `columns` (padded columns left out with `mask`)."""
+    worst = 0.0
+    for (gk, gv), (wk, wv) in zip(kv, want):
+        for g, w in ((gk, wk), (gv, wv)):
+            d = (g - w).abs()[..., columns, :]
+            if mask is not None:
+                d = d * mask[:, None, columns, None]
+            worst = max(worst, d.max().item())
+    return worst
+
+
 def send_json(handler, status: int, body: dict) -> None:
     """A JSON answer from an http.server request handler (the tests' stand-in servers)."""
     import json
@@ -234,7 +253,7 @@ OWN_CLUSTER_MODULES = {"test_byom.py", "test_cli_serve.py", "test_multinode.py",
 # groups in collection order (`--no-loadscope-reorder`), so these start first and the workers end together,
 # not one of them on a long module after the other has finished.
 LONG_GROUPS = ["ray", "ray-own", "test_jobs", "test_family_job", "test_real_family", "test_blocks", "test_tail",
-               "test_selective", "ray-actors"]
+               "test_selective", "test_selector", "ray-actors"]
 
 
 @pytest.hookimpl(tryfirst=True)              # before xdist's own hook reads the groups
