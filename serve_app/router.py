@@ -15,7 +15,6 @@ import time
 import uuid
 from collections import OrderedDict
 from contextlib import contextmanager
-from pathlib import Path
 
 import ray
 from fastapi import FastAPI
@@ -28,7 +27,7 @@ from actors.messages import Codes, FallbackReason, GenParams, Output, Specialist
 from cluster.config import DeploymentConfig
 from engines.interface import NotServed
 from scd.online.api import AdapterError
-from serve_app import responses, telemetry
+from serve_app import adapters, responses, telemetry
 from serve_app.errors import ApiError, Guard, install, overloaded
 from serve_app.health import deployment_state, problem_lines, problems
 from serve_app.producer_client import Producers
@@ -422,29 +421,9 @@ class Router:
         """vLLM's run-time LoRA loading, into a LoRA group: served from the answer on (every replica of the
         group loads it, a new one too), each request as the group serves an adapter of its shape
         (docs/lora-groups.md)."""
-        import re
-
-        from cluster.config import NAME
-        from scd.online.model_files import adapter_problem
-        name = body.lora_name
-        if body.load_inplace:
-            raise ApiError(400, "load_inplace: replacing a loaded adapter is not supported; unload it first",
-                           "load_inplace")
-        if not re.fullmatch(NAME, name):
-            raise ApiError(400, f"lora_name: {name!r} is not a model name ({NAME})", "lora_name")
         await self._sync_book()
-        if name in self.handles or name in (self.base, *self.group_handles):
-            raise ApiError(400, f"lora_name: {name!r} is already served", "lora_name")
-        groups = sorted(self.group_handles)
-        group = body.group or (groups[0] if len(groups) == 1 else None)
-        if group not in self.group_handles:
-            raise ApiError(400, f"group: {body.group!r} is not a LoRA group of this deployment; it has {groups}"
-                           if body.group or groups else "no LoRA group is configured (a specialist's `group:`)",
-                           "group")
-        problem = adapter_problem(body.lora_path, self.cfg.producer.path)
-        if problem:
-            raise ApiError(400, f"lora_path: {problem}", "lora_path")
-        path = str(Path(body.lora_path).expanduser().resolve())
+        name, group, path = adapters.load_target(body, {*self.handles, self.base, *self.group_handles},
+                                                 list(self.group_handles), self.cfg.producer.path)
         try:
             share = await within(self.group_handles[group].load_adapter.remote(name, path),
                                  self.limits.request_timeout_s)
@@ -455,26 +434,9 @@ class Router:
         await within(self.book.add.remote(name, group, path), self.limits.control_timeout_s)
         await self._sync_book()
         if share == 1.0:                      # it changes every layer: its pair's artifact is calibrated meanwhile
-            asyncio.get_running_loop().run_in_executor(None, self._calibrate, name, path)
+            asyncio.get_running_loop().run_in_executor(None, adapters.calibrate, self.cfg, self.book, name, path,
+                                                       self.limits.control_timeout_s)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-    def _calibrate(self, name: str, path: str) -> None:
-        """Calibrate an adapter loaded at run time as a Ray Job, followed to its end (the group's replicas switch
-        it to its artifact once published); the adapter book keeps its job's status, or why there is none, for
-        every router's /healthz."""
-        from cluster.jobs import calibrate_adapter
-
-        def report(note: str) -> None:
-            try:
-                ray.get(self.book.note.remote(name, note), timeout=self.limits.control_timeout_s)
-            except (ray.exceptions.RayError, TimeoutError):
-                log.warning("the adapter book did not take %s's note: %s", name, note)
-        try:
-            status = calibrate_adapter(self.cfg, name, path, report)
-            log.info("calibrating %s: %s", pair_id(self.base, name), status)
-        except Exception as e:                  # noqa: BLE001 - the adapter is served all the same, by its own prefill
-            report(f"not calibrated: {one_line(e)}")
-            log.warning("%s is served by its own prefill, not calibrated: %s", name, one_line(e))
 
     @api.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, body: UnloadLoraRequest):
@@ -482,10 +444,7 @@ class Router:
         once, the running ones finish first."""
         name = body.lora_name
         await self._sync_book()
-        if name not in self.from_book:
-            why = "is configured in the deployment's config" if name in self.handles else "is not loaded"
-            raise ApiError(400, f"lora_name: {name!r} {why}; only adapters loaded at run time can be unloaded",
-                           "lora_name")
+        adapters.unload_check(name, self.from_book, set(self.handles))
         handle = self.handles[name]
         await within(self.book.remove.remote(name), self.limits.control_timeout_s)
         await self._sync_book()
