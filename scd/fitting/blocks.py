@@ -6,8 +6,8 @@ e..L-1 over the prefix, entered from the producer's residual stream at e, and ta
 e. The producer's residual is not the consumer's (every adapted layer below moved it), so it enters through
 an aligner: a linear map fitted in closed form (ridge) from the producer's residual at e to the difference
 between the two models' residuals there, on the calibration prefixes. Entering through the aligner, with the
-codes below, reaches KL the producer's own residual does not (`tools.probe_entry`; docs/results/recompute-blocks.md, "What a
-recompute block can reach").
+codes below, reaches KL the producer's own residual does not (`tools.probe_entry`;
+docs/results/recompute-blocks.md, "What a recompute block can reach").
 
 A block may also end below the top (`stop`): the consumer runs layers e..s-1 only, and the codes serve the
 layers above it again, where they alone rebuild well (qa's error lives in a few layers of the middle;

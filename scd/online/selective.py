@@ -12,8 +12,8 @@ Which positions (each a rule with its own cost, counted by `cost`):
 - `attention`: the consumer's own last `window` positions first, through every layer over the rebuilt cache
   (a tail); the positions their queries attend to most, summed over layers and heads (SnapKV's observation
   window, read on the consumer's side). Those last positions are then selected again, so that they attend
-  over the repaired cache: the window costs twice, unless the selection is the window alone (a share of at
-  most `window` positions), whose first pass is then the repair.
+  over the repaired cache: the window costs twice. A share of at most `window` positions selects the window
+  alone: it runs once, as a tail, with nothing to score.
 - `deviation`: CacheBlend's rule. The consumer's own first `layers` layers over every position (that share of
   a prefill), against the rebuilt K, V there; the positions that deviate most. Those first layers are then the
   consumer's own for every position (they were computed anyway; `repair` puts them in before S runs).
