@@ -15,10 +15,10 @@ plus token ids and the left-padding mask, both (B, T).
 
 An artifact with a tail has the consumer run the prefix's last tokens itself after the rebuild (k of them,
 or k / tail_of of the prefix: PairArtifacts.tail_for), through every layer, over the cache rebuilt for the
-tokens before them (selective.run_tail); with tail_rule "attention", k positions its last tokens attend to most, with
-"learned" the k its selector (fitted at calibration) scores highest, with "suffix" the k the request's own
-tokens after the prefix read most (rebuild's `reader`), over the cache rebuilt for every other position
-(scd.online.selective).
+tokens before them (selective.run_tail); with tail_rule "attention", k positions its last tokens attend to
+most, with "learned" the k its selector (fitted at calibration) scores highest, with "suffix" the k the
+request's own tokens after the prefix read most (rebuild's `reader`), over the cache rebuilt for every other
+position (scd.online.selective).
 """
 from __future__ import annotations
 
