@@ -64,6 +64,13 @@ def left_padded_batch(vocab: int = 97, lengths=(12, 7, 9), seed: int = 3):
     return ids, mask
 
 
+def random_samples(n: int, seed: int, t: int = 24, c: int = 6):
+    """n evaluation samples of random ids below the tiny vocabulary: a prefix of t tokens and a continuation of c."""
+    from scd.evaluation.evaluate import Sample
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(torch.randint(2, 97, (t,), generator=g), torch.randint(2, 97, (c,), generator=g)) for _ in range(n)]
+
+
 def cache_of(model, ids, mask) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A model's own cache of a batch: per layer (K post-RoPE, V), each (B, n_kv, T, d)."""
     from scd.online.trace import capture
