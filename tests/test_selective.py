@@ -25,6 +25,9 @@ def test_every_position_recomputed_over_another_models_cache_is_the_consumers_ow
     assert largest_diff(raw, own) > 1e-2, "the two models' caches must differ for this test to mean anything"
     got = selective.recompute_tokens(b, raw, ids, mask, _all(mask))
     assert largest_diff(got, own) < 1e-4, f"all positions recomputed differ from the own prefill by {largest_diff(got, own):.2e}"
+    every, sel = selective.repair(b, raw, ids, mask, "last", 1.0)          # a tail of all: the first one too
+    assert sel.shape[1] == 12 and largest_diff(every, own) < 1e-4, \
+        f"the last rule at a share of 1 differs from the own prefill by {largest_diff(every, own):.2e}"
 
 
 def test_the_last_positions_recomputed_are_a_tail_and_the_others_stay_as_given_left_padding_and_all():
