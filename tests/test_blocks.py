@@ -6,15 +6,13 @@ import torch
 
 from scd.evaluation.methods import DroidSpeak
 from scd.fitting import blocks, exact
-from scd.fitting.gram import JointGram
 from scd.online import codec
 from scd.online.artifacts import PairArtifacts
 from scd.online.models import ModelSpec
 from scd.online.rebuild import encode, rebuild
 from scd.online.recompute import run_layers
 from scd.online.trace import capture
-from tests.conftest import perturbed, tiny_llama, write_config
-from tests.test_pipeline_tiny import _samples
+from tests.conftest import perturbed, random_samples, tiny_llama, write_config
 
 
 def test_entries_span_the_ceiling_and_never_enter_at_layer_0():
@@ -30,13 +28,13 @@ def test_a_block_enters_through_its_aligner_and_survives_a_save_and_load(tmp_pat
     b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)
     spec = ModelSpec.from_config(a.config)
     h = a.config.hidden_size
-    align = blocks.fit_aligners(a, b, [s.prefix for s in _samples(16, 2)], [2])[2]
+    align = blocks.fit_aligners(a, b, [s.prefix for s in random_samples(16, 2)], [2])[2]
     art = PairArtifacts.exact("a:b", spec, ["exact", "shared", "entry", "recompute"], "bf16")
     art = art.with_plan(art.plan, {2: align})
     art.save(tmp_path / "art")
     loaded = PairArtifacts.load(tmp_path / "art")
     assert torch.equal(loaded.entry_align[2].enc, align.enc)
-    ids = _samples(1, 7)[0].prefix[None]
+    ids = random_samples(1, 7)[0].prefix[None]
     mask = torch.ones_like(ids)
     tr = capture(a, ids, mask, want_hidden=True)
     kv, _ = rebuild(b, loaded, codec.as_received(encode(loaded, tr, ids), "bf16"))
@@ -117,7 +115,7 @@ def test_a_held_out_checkpoint_is_keyed_by_the_artifact_so_an_entry_trained_anew
     assert artifact_digest(one) == artifact_digest(one.with_plan(one.plan, dict(one.entry_align)))
     assert artifact_digest(one) != artifact_digest(other)
     assert artifact_digest(art, {"e": torch.ones(2)}) != artifact_digest(art, {"e": torch.zeros(2)})
-    held = _samples(2, 3)
+    held = random_samples(2, 3)
     calls = []
     run = lambda value: lambda: calls.append(value) or value            # noqa: E731
     path = tmp_path / "eval-e2.json"
@@ -154,7 +152,7 @@ def test_the_held_out_curve_resumes_plan_by_plan_and_a_refitted_selector_measure
     monkeypatch.setattr(measures.Evaluator, "run", run)
     monkeypatch.setattr(measures.Evaluator, "__init__", lambda self, *a: None)
     cal = SimpleNamespace(spec=spec, pair="a:b", producer=None, consumer=None)
-    held = _samples(2, 3)
+    held = random_samples(2, 3)
 
     def curve(art, entries):
         lines = []

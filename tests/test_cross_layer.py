@@ -14,8 +14,7 @@ from scd.online.models import ModelSpec
 from scd.online.rebuild import encode, rebuild
 from scd.online.reuse import LinearCodec
 from scd.online.trace import capture
-from tests.conftest import fit_settings, perturbed, tiny_llama
-from tests.test_pipeline_tiny import _samples
+from tests.conftest import fit_settings, perturbed, random_samples, tiny_llama
 
 
 def _block(codecs: list[LinearCodec], rank: int) -> LinearCodec:
@@ -32,10 +31,10 @@ def pair(tmp_path_factory):
     a = tiny_llama(0, layers=4)
     b = perturbed(a, 0.3, seed=1)
     cfg = fit_settings(reuse_source="hidden", r_x=6, r_h=8, aligner_epochs=2, batch=16)
-    cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(24, 1)],
+    cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in random_samples(24, 1)],
                       tmp_path_factory.mktemp("cal"), cfg, progress=False, log=lambda s: None)
     cal.traces()
-    ids = _samples(2, 2)[0].prefix[None]
+    ids = random_samples(2, 2)[0].prefix[None]
     return a, b, cal, ids, capture(a, ids, torch.ones_like(ids))
 
 
@@ -92,7 +91,7 @@ def _calibration(tmp_path, x_group, r_x, layers=4, ridge=1e-4, token_table=0, bi
     b = perturbed(a, 0.3, seed=1)
     cfg = fit_settings(reuse_source="hidden", r_x=r_x, x_group=x_group, batch=16, ridge=ridge, token_table=token_table,
                       bigram_table=bigram_table)
-    cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(24, 1)],
+    cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in random_samples(24, 1)],
                       tmp_path / f"g{x_group}_t{token_table}_b{bigram_table}", cfg, progress=False, log=lambda s: None)
     cal.traces()
     return a, b, cal
@@ -109,7 +108,7 @@ def test_calibration_fits_one_code_per_group_and_counts_each_groups_code_once(tm
     row = codec.code_bytes_per_row(40, "fp16")
     assert cal.payload_ratio({"r_x": 40}) == pytest.approx(2 * row / cal.spec.kv_bytes_per_token)
     assert codec.code_bytes(art, 10) == 5 * 10 + 2 * 10 * row                       # ids, mask, two codes
-    ids = _samples(1, 3)[0].prefix[None]
+    ids = random_samples(1, 3)[0].prefix[None]
     _, codes = _through_wire(art, capture(a, ids, torch.ones_like(ids)), ids)
     kv, _ = rebuild(b, art, codes)
     assert len(kv) == 4 and all(k.shape == kv[0][0].shape for k, _ in kv)
@@ -120,7 +119,7 @@ def test_a_full_rank_code_for_all_layers_fits_at_least_as_well_as_one_code_per_l
     per-layer map's inputs: on the calibration rows it cannot fit worse (up to the ridge)."""
     def error(x_group, r_x):
         a, b, cal = _calibration(tmp_path, x_group, r_x, ridge=1e-8)
-        return _calibration_error(a, b, cal.artifacts_for(cal.base_plan), [s.prefix for s in _samples(24, 1)[:6]])
+        return _calibration_error(a, b, cal.artifacts_for(cal.base_plan), [s.prefix for s in random_samples(24, 1)[:6]])
     per_layer, all_layers = error(1, 32), error(0, 96)
     assert all_layers <= per_layer * 1.01, f"cross-layer {all_layers:.4f} vs per-layer {per_layer:.4f}"
 
@@ -136,7 +135,7 @@ def test_the_serving_engines_carry_a_group_code_from_producer_to_answer(pair):
     tok = _tokenizer(97)
     per_layer = cal.artifacts_for(["exact", "hidden", "hidden", "patch"])
     grouped = _grouped(per_layer, [[1, 2], [3]])
-    prefix = _samples(1, 4)[0].prefix.tolist()
+    prefix = random_samples(1, 4)[0].prefix.tolist()
     answers = {}
     for name, art in (("per_layer", per_layer), ("grouped", grouped)):
         res = ProducerEngine(a, tok, {"a:b": (art, "v1")}, cache_bytes=1 << 20).encode(prefix, ["a:b"])
@@ -185,14 +184,14 @@ def test_a_token_table_rebuilds_what_the_probe_decodes_and_fits_better_than_none
     art = cal.artifacts_for(cal.base_plan)
     codec_x = art.reuse_x[1]
     assert codec_x.table is not None and len(codec_x.table_ids) == 40 and codec_x.table.abs().max() > 0
-    ids = _samples(1, 3)[0].prefix[None]
+    ids = random_samples(1, 3)[0].prefix[None]
     mask = torch.ones_like(ids)
     trace = capture(a, ids, mask)
     kv, _ = rebuild(b, art, codec.as_received(encode(art, trace, ids), "fp16"))
     probe = CrossLayer([([1, 2, 3], codec_x)], cal.spec).build(b, ids, mask, trace).kv
     err = max((x - y).abs().max().item() for got, want in zip(kv, probe) for x, y in zip(got, want))
     assert err < 1e-4, f"rebuild and the probe's decode of one tabled codec differ by {err:.2e}"
-    prefixes = [s.prefix for s in _samples(24, 1)][:6]
+    prefixes = [s.prefix for s in random_samples(24, 1)][:6]
     _, _, plain = _calibration(tmp_path, 0, 24)
     with_table = _calibration_error(a, b, art, prefixes)
     without = _calibration_error(a, b, plain.artifacts_for(plain.base_plan), prefixes)
@@ -243,7 +242,7 @@ def test_a_bigram_table_rebuilds_what_the_probe_decodes_also_in_a_padded_batch(t
     art = cal.artifacts_for(cal.base_plan)
     codec_x = art.reuse_x[1]
     assert codec_x.bigram is not None and len(codec_x.bigram_ids) == 200 and codec_x.bigram.abs().max() > 0
-    prefixes = [s.prefix for s in _samples(24, 1)][:6]
+    prefixes = [s.prefix for s in random_samples(24, 1)][:6]
 
     def rebuilt(seqs):
         ids, mask = pad(seqs, 0)
@@ -278,7 +277,7 @@ def test_a_block_below_the_top_takes_its_layers_from_the_consumer_and_the_rest_f
     from scd.online.recompute import run_layers
     a, b, cal, ids, _ = pair
     grouped = _grouped(cal.artifacts_for(["exact", "hidden", "hidden", "hidden"]), [[1, 2], [3]])
-    align = blocks.fit_aligners(a, b, [s.prefix for s in _samples(8, 3)], [entry])[entry]
+    align = blocks.fit_aligners(a, b, [s.prefix for s in random_samples(8, 3)], [entry])[entry]
     art = blocks.block_artifact(grouped, entry, align, stop)
     assert art.blocks == [(entry, stop)] and art.plan[stop:] == grouped.plan[stop:], art.plan
     mask = torch.ones_like(ids)

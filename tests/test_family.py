@@ -103,11 +103,11 @@ def fitted_family(tmp_path_factory):
     from scd.fitting.family import accumulate
     from scd.online.models import ModelSpec
     from tests.conftest import perturbed, tiny_llama
-    from tests.test_pipeline_tiny import _samples
+    from tests.conftest import random_samples
     a = tiny_llama(0)
     members = [perturbed(a, 0.3, seed=1), perturbed(a, 0.3, seed=2)]
     spec = ModelSpec.from_config(a.config)
-    prefixes = [s.prefix for s in _samples(24, 1)]
+    prefixes = [s.prefix for s in random_samples(24, 1)]
     grams, own_grams = accumulate(a, members, spec, [prefixes[:12], prefixes[12:]], True, 8, 0)
     fam, own = artifacts(grams, own_grams, spec, ["a:b", "a:c"], {"r_x": 16}, 1e-4, "int8", "a:fam")
     return a, members, fam, own
@@ -199,11 +199,11 @@ def test_each_member_is_fitted_on_its_own_prefixes_and_the_encoders_on_everyones
     from scd.fitting.family import accumulate, own_rows, patch_rows
     from scd.online.models import ModelSpec
     from tests.conftest import perturbed, tiny_llama
-    from tests.test_pipeline_tiny import _samples
+    from tests.conftest import random_samples
     a = tiny_llama(0)
     members = [perturbed(a, 0.3, seed=1), perturbed(a, 0.3, seed=2)]
     spec = ModelSpec.from_config(a.config)
-    prefixes = [s.prefix for s in _samples(10, 1)]
+    prefixes = [s.prefix for s in random_samples(10, 1)]
     mine = [prefixes[:4], prefixes[4:]]
     fam, own = accumulate(a, members, spec, mine, True, 4, 0)
     rows = patch_rows(a, members, mine, [2], 4, 0)
@@ -264,11 +264,11 @@ def test_a_family_with_token_tables_gives_each_member_its_own_and_saves_them(tmp
     from scd.online.family_artifacts import FamilyArtifacts
     from scd.online.models import ModelSpec
     from tests.conftest import perturbed, tiny_llama
-    from tests.test_pipeline_tiny import _samples
+    from tests.conftest import random_samples
     a = tiny_llama(0)
     members = [perturbed(a, 0.3, seed=1), perturbed(a, 0.3, seed=2)]
     spec = ModelSpec.from_config(a.config)
-    prefixes = [s.prefix for s in _samples(16, 1)]
+    prefixes = [s.prefix for s in random_samples(16, 1)]
     mine = [prefixes[:8], prefixes[8:]]
     grams, own_grams = accumulate(a, members, spec, mine, True, 4, 0, x_group=0, token_table=20)
     save_grams(grams, own_grams, tmp_path / "g.safetensors")
@@ -336,11 +336,11 @@ def test_a_family_with_bigram_tables_gives_each_member_its_own_and_saves_them(tm
     from scd.online.reuse import bigram_keys
     from tests.conftest import perturbed, tiny_llama
     from tests.test_cross_layer import _calibration_error
-    from tests.test_pipeline_tiny import _samples
+    from tests.conftest import random_samples
     a = tiny_llama(0)
     members = [perturbed(a, 0.3, seed=1), perturbed(a, 0.3, seed=2)]
     spec = ModelSpec.from_config(a.config)
-    prefixes = [s.prefix for s in _samples(16, 1)]
+    prefixes = [s.prefix for s in random_samples(16, 1)]
     mine = [prefixes[:8], prefixes[8:]]
     grams, own_grams = accumulate(a, members, spec, mine, True, 4, 0, x_group=0, token_table=20, bigram_table=40)
     save_grams(grams, own_grams, tmp_path / "g.safetensors")

@@ -6,8 +6,7 @@ import pytest
 from scd.fitting.calibrate import Calibration
 from scd.fitting.scoring import PlanScorer
 from scd.online.models import ModelSpec
-from tests.conftest import fit_settings, perturbed, tiny_llama
-from tests.test_pipeline_tiny import _samples
+from tests.conftest import fit_settings, perturbed, random_samples, tiny_llama
 
 
 @pytest.mark.parametrize("source, encoders, x_group, token_table, bigram_table", [
@@ -23,13 +22,13 @@ def test_end_to_end_finetune_never_worsens_validation_kl_and_resumes(tmp_path, m
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
-    prefixes = [s.prefix for s in _samples(24, 1)]
+    prefixes = [s.prefix for s in random_samples(24, 1)]
     cfg = fit_settings(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source=source, aligner_epochs=3,
                       pool=1 if source == "hidden" else 2, batch=8, finetune_samples=16, finetune_epochs=3,
                       finetune_lr=3e-3, finetune_encoders=encoders, code_dtype="int8" if encoders else "fp16",
                       x_group=x_group, token_table=token_table, bigram_table=bigram_table,
                       choose_level=False)           # the artifact as fine-tuned (the level stage: test_levels)
-    tune, val = _samples(16, 4, t=20, c=8), _samples(4, 2)
+    tune, val = random_samples(16, 4, t=20, c=8), random_samples(4, 2)
     logs = []
     cal = Calibration(a, b, spec, "a:b", prefixes, tmp_path, cfg, progress=False, log=logs.append)
     art = cal.run(val, tune_samples=tune)
@@ -75,9 +74,9 @@ def test_a_finetune_checkpoint_of_another_plan_is_not_resumed(tmp_path):
     spec = ModelSpec.from_config(a.config)
     cfg = fit_settings(r_x=2, r_h=8, reuse_source="hidden", aligner_epochs=2, pool=1, batch=8, finetune_samples=8,
                       finetune_epochs=1)
-    tune, val = _samples(8, 4, t=20, c=8), _samples(3, 2)
+    tune, val = random_samples(8, 4, t=20, c=8), random_samples(3, 2)
     logs = []
-    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(16, 1)], tmp_path, cfg, progress=False,
+    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in random_samples(16, 1)], tmp_path, cfg, progress=False,
                       log=logs.append)
     cal.traces()
     art = cal.artifacts_for(cal.base_plan)
@@ -123,7 +122,7 @@ def test_finetuning_keeps_the_best_epoch_whose_gain_stands_out(tmp_path):
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
     cfg = fit_settings(r_x=2, reuse_source="hidden", pool=1, batch=8)
-    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(16, 1)], tmp_path, cfg, progress=False,
+    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in random_samples(16, 1)], tmp_path, cfg, progress=False,
                       log=lambda s: None)
     cal.traces()
     art = cal.artifacts_for(cal.base_plan)
@@ -134,7 +133,7 @@ def test_finetuning_keeps_the_best_epoch_whose_gain_stands_out(tmp_path):
         decoders.append({l: c.dec.detach().clone() for l, c in candidate.reuse_x.items()})
         return next(script)
 
-    fit = finetune_aligners(a, b, art, _samples(8, 4, t=20, c=8), val_kl, epochs=3, lr=3e-3, batch=8)
+    fit = finetune_aligners(a, b, art, random_samples(8, 4, t=20, c=8), val_kl, epochs=3, lr=3e-3, batch=8)
     assert fit.gain_kept == [False, True, True] and fit.best_epoch == 2, fit
     assert fit.val == pytest.approx([1.0, 0.875, 0.9, 0.93]), fit.val
     moved = {e: max((art.reuse_x[l].dec - d).abs().max().item() for l, d in decoders[e].items()) for e in range(4)}
@@ -159,10 +158,10 @@ def test_a_fine_tuning_killed_after_an_epoch_goes_on_from_it_and_ends_where_an_u
     a = tiny_llama(0)
     b = perturbed(a, 0.5)
     spec = ModelSpec.from_config(a.config)
-    prefixes = [s.prefix for s in _samples(24, 1)]
+    prefixes = [s.prefix for s in random_samples(24, 1)]
     cfg = fit_settings(r_k=2, r_v=3, r_h=8, r_x=2, reuse_source="hidden", aligner_epochs=3, pool=1, batch=8,
                       finetune_samples=16, finetune_epochs=3, finetune_lr=3e-3)
-    tune, val = _samples(16, 4, t=20, c=8), _samples(4, 2)
+    tune, val = random_samples(16, 4, t=20, c=8), random_samples(4, 2)
 
     def run(folder, log=lambda s: None):
         return Calibration(a, b, spec, "a:b", prefixes, tmp_path / folder, cfg, progress=False, log=log).run(

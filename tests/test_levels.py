@@ -16,9 +16,8 @@ from scd.online import codec, links
 from scd.online.models import ModelSpec
 from scd.online.rebuild import encode, rebuild
 from scd.online.trace import capture
-from tests.conftest import fit_settings, perturbed, tiny_llama
+from tests.conftest import fit_settings, perturbed, random_samples, tiny_llama
 from tests.test_models import _tokenizer
-from tests.test_pipeline_tiny import _samples
 
 
 def _max_err(kv_a, kv_b) -> float:
@@ -32,7 +31,7 @@ def fitted(request, tmp_path_factory):
     b = perturbed(a, 0.3, seed=1)
     spec = ModelSpec.from_config(a.config)
     cfg = fit_settings(reuse_source=request.param, r_k=8, r_v=12, r_x=24, r_h=16, aligner_epochs=2, batch=16)
-    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in _samples(24, 1)], tmp_path_factory.mktemp("cal"), cfg,
+    cal = Calibration(a, b, spec, "a:b", [s.prefix for s in random_samples(24, 1)], tmp_path_factory.mktemp("cal"), cfg,
                       progress=False, log=lambda s: None)
     cal.traces()
     kind = "hidden" if request.param == "hidden" else "reuse"
@@ -52,7 +51,7 @@ def test_a_level_of_the_full_artifact_rebuilds_what_the_artifact_fitted_at_that_
     """Nested codes: the leading columns of a rank-R fit are the rank-r fit, so sending a lower level of
     the published artifact equals calibrating at that rank (through the wire and the consumer's decoders)."""
     a, b, cal, art = fitted
-    ids = _samples(1, 2)[0].prefix[None]
+    ids = random_samples(1, 2)[0].prefix[None]
     trace = capture(a, ids, torch.ones_like(ids))
     for level in art.levels[:-1]:
         small = cal.artifacts_for(art.plan, **level)
@@ -71,7 +70,7 @@ def test_a_level_of_the_full_artifact_rebuilds_what_the_artifact_fitted_at_that_
 def test_lower_levels_cost_kl_and_bytes_monotonically(fitted):
     a, b, _, art = fitted
     from scd.evaluation.evaluate import Evaluator
-    rows = Evaluator(a, b, _tokenizer(97)).run(_samples(4, 3), [*methods.at_levels(art), methods.SCDMethod(art)],
+    rows = Evaluator(a, b, _tokenizer(97)).run(random_samples(4, 3), [*methods.at_levels(art), methods.SCDMethod(art)],
                                                 desc=None)
     kls, sizes = [r["kl"] for r in rows], [r["payload_ratio"] for r in rows]
     ladder = ", ".join(f"{r['method']}: {k:.3g} nats at {b:.3f}" for r, k, b in zip(rows, kls, sizes))
@@ -82,7 +81,7 @@ def test_lower_levels_cost_kl_and_bytes_monotonically(fitted):
 
 def test_a_consumer_refuses_dims_that_are_not_one_of_its_levels(fitted):
     a, _, _, art = fitted
-    ids = _samples(1, 2)[0].prefix[None]
+    ids = random_samples(1, 2)[0].prefix[None]
     level = art.levels[1]
     blob = codec.encode(encode(art, capture(a, ids, torch.ones_like(ids)), ids, level), "a:b", "v",
                         codec.artifact_dims(art, level), "fp16")
@@ -109,7 +108,7 @@ def test_choose_takes_the_largest_level_whose_codes_arrive_in_time(fitted):
 def test_the_producer_sends_each_link_the_level_that_fits_and_the_answer_says_which(fitted):
     a, b, _, art = fitted
     tok = _tokenizer(97)
-    prefix = _samples(1, 4)[0].prefix.tolist()
+    prefix = random_samples(1, 4)[0].prefix.tolist()
     full = codec.code_bytes(art, len(prefix))
     # a link slow enough that the full code takes ~10 s, a target of 1 s: the producer sends a lower level
     slow_gbps = full * 8 / 1e9 / 10
@@ -178,7 +177,7 @@ def test_an_artifact_cut_to_a_level_rebuilds_what_that_level_sent_rebuilds(fitte
     """PairArtifacts.at_level: the encoders' leading columns and the decoders' leading rows, so serving the cut
     artifact at its full ranks equals serving the whole one at that level."""
     a, b, _, art = fitted
-    ids = _samples(1, 3)[0].prefix[None]
+    ids = random_samples(1, 3)[0].prefix[None]
     trace = capture(a, ids, torch.ones_like(ids))
     for level in art.levels[:-1]:
         cut = art.at_level(level)
@@ -196,8 +195,8 @@ def test_calibration_serves_the_level_with_the_lowest_validation_kl(tmp_path):
     a = tiny_llama(0)
     b = perturbed(a, 0.3, seed=1)
     cfg = fit_settings(reuse_source="hidden", r_x=24, r_h=8, aligner_epochs=2, pool=1, batch=16, finetune_samples=0)
-    val = _samples(4, 2)
-    cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(24, 1)], tmp_path,
+    val = random_samples(4, 2)
+    cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in random_samples(24, 1)], tmp_path,
                       cfg, progress=False, log=lambda s: None)
     art = cal.run(val)
     rec = art.info["level"]

@@ -7,8 +7,7 @@ from scd.online.artifacts import code_groups
 from scd.fitting.gram import JointGram
 from scd.online.models import ModelSpec
 from scd.online.trace import capture
-from tests.conftest import tiny_llama
-from tests.test_pipeline_tiny import _samples
+from tests.conftest import random_samples, tiny_llama
 
 
 def _err(kv, trace):
@@ -25,12 +24,12 @@ def test_a_models_own_cache_is_rebuilt_from_its_full_rank_cross_layer_code():
         layer_groups = code_groups(spec.num_layers, size)
         grams = [JointGram(len(g) * spec.hidden_size, len(g) * kv_width) for g in layer_groups]
         for s in range(0, 48, 16):
-            ids = torch.stack([x.prefix for x in _samples(48, 1)[s:s + 16]])
+            ids = torch.stack([x.prefix for x in random_samples(48, 1)[s:s + 16]])
             mask = torch.ones_like(ids)
             tr = capture(model, ids, mask)
             for g, gram in zip(layer_groups, grams):
                 gram.update(producer_rows(tr, mask.bool(), g), consumer_rows(tr, mask.bool(), g))
-        ids = torch.stack([x.prefix for x in _samples(2, 9)])
+        ids = torch.stack([x.prefix for x in random_samples(2, 9)])
         mask = torch.ones_like(ids)
         tr = capture(model, ids, mask)
         at = lambda r: _err(CrossLayer([(g, gram.fit_regression(min(r, gram.d_b), 1e-8))  # noqa: E731
@@ -45,7 +44,7 @@ def test_a_window_reads_each_tokens_previous_positions_within_its_own_sequence()
     start (left padding included), rows only for the kept positions."""
     from scd.fitting.traces import pad
     model = tiny_llama(0)
-    prefixes = [x.prefix for x in _samples(2, 3)]
+    prefixes = [x.prefix for x in random_samples(2, 3)]
     ids, mask = pad([prefixes[0][:7], prefixes[1][:4]], 0)          # the second row is left-padded by 3
     tr = capture(model, ids, mask)
     keep = mask.bool()

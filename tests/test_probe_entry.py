@@ -5,8 +5,7 @@ import torch
 from scd.evaluation.methods import DroidSpeak
 from scd.fitting.gram import JointGram
 from scd.online.trace import capture
-from tests.conftest import perturbed, tiny_llama
-from tests.test_pipeline_tiny import _samples
+from tests.conftest import perturbed, random_samples, tiny_llama
 from tools.probe_entry import Entry
 
 
@@ -17,7 +16,7 @@ def _pair():
 
 def test_a_plain_entry_is_droidspeaks_block_from_there_to_the_top():
     a, b = _pair()
-    ids = _samples(1, 5)[0].prefix[None]
+    ids = random_samples(1, 5)[0].prefix[None]
     mask = torch.ones_like(ids)
     tr = capture(a, ids, mask, want_hidden=True)
     got = Entry(2, 4, None, None).build(b, ids, mask, tr).kv
@@ -30,7 +29,7 @@ def _closed_form_entry(a, b, n: int):
     """The entry map at layer 2 fitted in closed form on n calibration prefixes (as the probe's +align)."""
     h = a.config.hidden_size
     gram = JointGram(h, h)
-    for s in _samples(n, 2):
+    for s in random_samples(n, 2):
         ta, tb = (capture(m, s.prefix[None], want_hidden=True) for m in (a, b))
         gram.update(ta.hidden[2][0], tb.hidden[2][0] - ta.hidden[2][0])
     return gram.fit_regression(h, 1e-2)
@@ -40,7 +39,7 @@ def test_an_aligned_entry_fitted_on_calibration_prefixes_is_closer_to_the_consum
     a, b = _pair()
     align = _closed_form_entry(a, b, 24)
     raw = fitted = 0.0
-    for s in _samples(6, 11):
+    for s in random_samples(6, 11):
         ta, tb = (capture(m, s.prefix[None], want_hidden=True) for m in (a, b))
         x, want = ta.hidden[2][0], tb.hidden[2][0]
         raw += (x - want).pow(2).sum().item()
@@ -56,7 +55,7 @@ def test_an_entry_trained_end_to_end_lowers_the_consumers_kl_below_its_closed_fo
     from scd.fitting.blocks import train_entry
     a, b = _pair()
     closed = Entry(2, 4, _closed_form_entry(a, b, 16), None)
-    train = _samples(6, 7)
+    train = random_samples(6, 7)
     trained, curve = train_entry(a, b, 2, closed.align, lambda ids, tr: closed.below_kv(b, ids, tr), train,
                                  epochs=4, lr=3e-3)
     assert curve[-1] < 0.9 * curve[0], f"training KL by epoch {curve}"
@@ -75,7 +74,7 @@ def test_codes_below_are_the_artifacts_rebuilt_cache_as_sent():
     from tools.probe_entry import CodesBelow
     a, b = _pair()
     art = exact.artifact("a:b", ModelSpec.from_config(a.config), 2, "bf16")
-    ids = _samples(1, 5)[0].prefix[None]
+    ids = random_samples(1, 5)[0].prefix[None]
     mask = torch.ones_like(ids)
     tr = capture(a, ids, mask, want_hidden=True)
     got = Entry(4, 4, None, CodesBelow(art)).build(b, ids, mask, tr).kv
@@ -88,7 +87,7 @@ def test_a_block_with_a_stop_runs_its_layers_and_takes_below_above_it():
     """--stops: the block [1, 3) of 4 layers is the full block's at layers 1-2 (layer 2 reads layer 1's own
     output either way), and the producer's K and V at layer 3, as below the entry."""
     a, b = _pair()
-    ids = _samples(1, 5)[0].prefix[None]
+    ids = random_samples(1, 5)[0].prefix[None]
     mask = torch.ones_like(ids)
     tr = capture(a, ids, mask, want_hidden=True)
     mid = Entry(1, 4, None, None, stop=3)
@@ -113,7 +112,7 @@ def test_an_artifact_holds_a_block_that_ends_below_the_top_and_rebuilds_it_as_th
     a, b = _pair()
     art = PairArtifacts.exact("a:b", ModelSpec.from_config(a.config), ["exact", "entry", "recompute", "shared"], "bf16")
     assert art.blocks == [(1, 3)] and art.consumer_layers == 2
-    ids = _samples(1, 5)[0].prefix[None]
+    ids = random_samples(1, 5)[0].prefix[None]
     mask = torch.ones_like(ids)
     tr = capture(a, ids, mask, want_hidden=True)
     got, _ = rebuild(b, art, codec.as_received(encode(art, tr, ids), "bf16"))

@@ -9,8 +9,7 @@ from scd.fitting.calibrate import Calibration
 from scd.online.models import ModelSpec
 from scd.online.rebuild import encode, rebuild
 from scd.online.trace import capture
-from tests.conftest import fit_settings, perturbed, tiny_llama
-from tests.test_pipeline_tiny import _samples
+from tests.conftest import fit_settings, perturbed, random_samples, tiny_llama
 from tools.probe_tails import codes_alone, curve_rows
 
 
@@ -19,7 +18,7 @@ def pair(tmp_path_factory):
     a = tiny_llama(0, layers=4)
     b = perturbed(a, 0.3, seed=1)
     cfg = fit_settings(reuse_source="hidden", r_x=6, r_h=8, aligner_epochs=2, batch=16)
-    cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in _samples(16, 1)],
+    cal = Calibration(a, b, ModelSpec.from_config(a.config), "a:b", [s.prefix for s in random_samples(16, 1)],
                       tmp_path_factory.mktemp("cal"), cfg, progress=False, log=lambda s: None)
     cal.traces()
     return a, b, cal.artifacts_for(["exact", "hidden", "hidden", "hidden"])
@@ -30,7 +29,7 @@ def test_the_codes_alone_of_a_block_plan_rebuild_as_the_codes_did(pair):
     block = blocks.block_artifact(art, 2, None).with_tail(3)
     alone = codes_alone(block)
     assert alone.plan == art.plan and alone.tail_tokens == 0 and not alone.blocks
-    ids = _samples(1, 4)[0].prefix[None]
+    ids = random_samples(1, 4)[0].prefix[None]
     tr = capture(a, ids, torch.ones_like(ids))
     (got, _), (want, _) = (rebuild(b, x, encode(x, tr, ids)) for x in (alone, art))
     err = max((g - w).abs().max().item() for gk, wk in zip(got, want) for g, w in zip(gk, wk))
@@ -39,7 +38,7 @@ def test_the_codes_alone_of_a_block_plan_rebuild_as_the_codes_did(pair):
 
 def test_rows_compare_each_plan_with_raw_kv_and_droidspeak_at_its_counted_compute(pair):
     a, b, art = pair
-    held = _samples(3, 9, t=20)
+    held = random_samples(3, 9, t=20)
     rows = {r["method"]: r for r in curve_rows(Evaluator(a, b), held, art, [0, 5], [2], repeats=1, heads=(20,))}
     assert set(rows) == {"raw_kv", "droidspeak@2", "codes", "codes+tail5", "codes+head20", "codes+tail5+head20"}
     # the consumer's own first 20 of 20 tokens is its own cache: the oracle's KL (float noise), at a whole prefill

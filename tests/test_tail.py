@@ -119,8 +119,9 @@ def test_points_are_named_costed_and_compared_with_droidspeak_at_the_same_comput
     assert points.kind({"entry": 3, "stop": 7, "tail": 16, "rule": "suffix"}, n) == \
         "block below the top + selective, the request's reads"
     assert points.consumer_ratio(6, 20, n, t) == pytest.approx(0.25 + 0.2)
-    # the attention rule's window runs twice: counted again
+    # the attention rule's window runs twice: counted again; a tail within it is the window, run once
     assert points.consumer_ratio(6, 20, n, t, "attention") == pytest.approx(0.25 + (20 + points.SELECT_WINDOW) / t)
+    assert points.consumer_ratio(6, 8, n, t, "attention") == pytest.approx(0.25 + points.SELECT_WINDOW / t)
     # the suffix rule's first pass of the request: counted as a window too
     assert points.consumer_ratio(6, 20, n, t, "suffix") == pytest.approx(0.25 + (20 + points.SELECT_WINDOW) / t)
     rows = [{"method": "scd", "kl": 0.1}, {"method": "enter@6", "kl": 0.3}, {"method": "codes+tail25", "kl": 0.2},
