@@ -53,11 +53,15 @@ def parse_point(name: str, num_layers: int) -> tuple[int, int, str, int] | None:
 def consumer_ratio(entry: int, tail: int, num_layers: int, tokens: int, rule: str = "last",
                    stop: int | None = None) -> float:
     """A plan's compute over the consumer's own prefill of `tokens`, by count: its block's layers (entry up to
-    `stop`, the top by default), plus the
-    tail's tokens through every layer (and the attention rule's window, which runs twice; the suffix rule's
-    first pass of the request's tokens, counted as that many: a question's length)."""
-    window = SELECT_WINDOW if rule in ("attention", "suffix") and tail else 0
-    return ((stop or num_layers) - entry) / num_layers + min(tail + window, tokens) / tokens
+    `stop`, the top by default), plus the tail's tokens through every layer (and the attention rule's window,
+    which runs twice, or once as the whole selection when the tail is no larger; the suffix rule's first pass
+    of the request's tokens, counted as that many: a question's length)."""
+    run = tail
+    if tail and rule == "suffix":
+        run = tail + SELECT_WINDOW
+    elif tail and rule == "attention":
+        run = tail + SELECT_WINDOW if tail > SELECT_WINDOW else SELECT_WINDOW
+    return ((stop or num_layers) - entry) / num_layers + min(run, tokens) / tokens
 
 
 def chosen_name(chosen: dict | None, num_layers: int) -> str | None:
