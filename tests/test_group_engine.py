@@ -225,8 +225,8 @@ def test_an_every_layer_adapter_with_an_artifact_is_rebuilt_from_codes_of_the_ba
     art = every_artifacts[kind]
     engine.set_artifact("every", art, "v1")
     _, info, _ = engine.complete("every", PREFIX, SUFFIX, PARAMS)
-    if share is None:       # the attention rule's window and the suffix's first pass counted; the selector runs none
-        share = (6 + (SELECT_WINDOW if kind in ("selective", "suffix") else 0)) / len(PREFIX)
+    if share is None:       # the suffix's first pass counted; the attention rule's 6 lie within its window, which
+        share = {"selective": SELECT_WINDOW, "suffix": 6 + SELECT_WINDOW, "learned": 6}[kind] / len(PREFIX)  # runs alone
     assert (info.mode, info.artifact) == ("scd", "v1") and info.group["adapter_share"] == pytest.approx(share), \
         info.as_dict()
     assert engine.complete("top", PREFIX, SUFFIX, PARAMS)[1].group["base_cached"], "the base prefilled twice"

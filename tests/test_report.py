@@ -156,14 +156,14 @@ def test_a_curve_reads_by_plan_kind_at_each_budget_of_compute():
     from scd.fitting.points import BUDGETS, best_by_kind, kind
     c = _curve()
     got = best_by_kind(c["points"], 10)
-    assert list(got) == ["codes", "codes + its last tokens", "codes + selective, learned", "block",
-                         "codes + selective, attention", "block + selective, learned"], list(got)   # by compute
+    assert list(got) == ["codes", "codes + its last tokens", "codes + selective, learned",
+                         "codes + selective, attention", "block", "block + selective, learned"], list(got)   # by compute
     assert BUDGETS == (0.1, 0.2, 0.35, 0.5)
     kls = {k: [None if p is None else p["kl"] for p in best] for k, best in got.items()}
     assert kls["codes"] == [0.7] * 4                                       # costs nothing
     assert kls["codes + its last tokens"] == [0.5, 0.5, 0.35, 0.35]        # 0.1 and 0.3 of a prefill
     assert kls["codes + selective, learned"] == [0.4, 0.4, 0.3, 0.3]
-    assert kls["codes + selective, attention"] == [None, None, 0.55, 0.55]  # with its window: (10 + 16) / 100
+    assert kls["codes + selective, attention"] == [None, 0.55, 0.55, 0.55]  # 10 within its window: 16 / 100
     assert kls["block"] == [None, 0.6, 0.6, 0.18]                           # entering at 8: 0.2, at 5: 0.5
     assert kls["block + selective, learned"] == [None, None, 0.32, 0.32]
     assert kind(c["chosen"], 10) == "block"
