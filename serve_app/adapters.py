@@ -1,5 +1,6 @@
-"""What vLLM's run-time LoRA endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter) accept: pure checks of a
-request against what the deployment serves, each refusal an HTTP 400 naming the field (docs/lora-groups.md)."""
+"""vLLM's run-time LoRA endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter) beside the router: what they
+accept (pure checks of a request against what the deployment serves, each refusal an HTTP 400 naming the field),
+and the calibration an adapter loaded at run time gets in the background (docs/lora-groups.md)."""
 
 import logging
 import re
