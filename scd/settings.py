@@ -18,7 +18,14 @@ CODE_DTYPES = ("fp16", "bf16", "int8", "int4", "mixed")   # wire precisions of c
 EXACT_DTYPES = CODE_DTYPES + ("kivi4", "klt")
 # selective recompute's attention rule: the prefix's last positions whose attention picks the positions the
 # consumer recomputes (scd.online.selective.attention); they run twice, so a plan's count includes them again
+# (select_window_pass)
 SELECT_WINDOW = 16
+
+
+def select_window_pass(selected: int) -> int:
+    """The positions the attention rule runs first to choose, for a selection of `selected` (its window among
+    them): the window, or none when the selection is the window alone (its one pass is then the repair)."""
+    return SELECT_WINDOW if selected > SELECT_WINDOW else 0
 
 
 class CalibConfig(BaseModel):

@@ -30,6 +30,7 @@ from scd.online.artifacts import PairArtifacts, exact_plan, level_tag
 from scd.online.rebuild import encode, rebuild
 from scd.online.recompute import run_layers
 from scd.online.trace import Trace, capture
+from scd.settings import select_window_pass
 
 KV = tuple[torch.Tensor, torch.Tensor]
 METHODS = ("oracle", "base", "raw_kv", "int4_kv", "droidspeak", "reuse_only", "scd", "exact", "exact_int8",
@@ -198,8 +199,8 @@ class Selective(Method):
             window = selective.WINDOW if self.rule in ("attention", "suffix") else 0
         s = len(columns) if columns is not None else max(selective.count_for(torch.ones(1, t), self.fraction),
                                                           selective.WINDOW if self.rule == "attention" else 0)
-        if self.rule == "attention" and s <= selective.WINDOW:
-            window = 0                          # the selection is the window: its one pass is the repair
+        if self.rule == "attention":
+            window = select_window_pass(s)
         return selective.cost(config, t, s, self.layers if self.rule == "deviation" else 0, window, columns)
 
     def counted(self, config, t: int) -> float:

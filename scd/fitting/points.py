@@ -9,7 +9,7 @@ the ones its selector fitted at calibration scores highest (rule "learned"), or 
 tokens read most (rule "suffix")."""
 from __future__ import annotations
 
-from scd.settings import SELECT_WINDOW
+from scd.settings import SELECT_WINDOW, select_window_pass
 
 MARKS = {"last": "+tail", "attention": "+sel", "learned": "+lsel", "suffix": "+rsel"}
 
@@ -60,7 +60,8 @@ def consumer_ratio(entry: int, tail: int, num_layers: int, tokens: int, rule: st
     if tail and rule == "suffix":
         run = tail + SELECT_WINDOW
     elif tail and rule == "attention":
-        run = tail + SELECT_WINDOW if tail > SELECT_WINDOW else SELECT_WINDOW
+        selected = max(tail, SELECT_WINDOW)
+        run = selected + select_window_pass(selected)
     return ((stop or num_layers) - entry) / num_layers + min(run, tokens) / tokens
 
 
