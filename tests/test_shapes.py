@@ -119,7 +119,8 @@ def test_bench_size_times_every_plan_kind_against_the_own_prefill_and_says_timin
 
     from jobs.timing_family import PLAN_KINDS
     from tools.bench_size import main
-    assert main(["--shape", "tiny", "--tokens", "64,96", "--repeats", "1", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert main(["--shape", "tiny", "--tokens", "64,96", "--repeats", "1", "--device", "cpu", "--out", str(tmp_path),
+                 "--profile", "96"]) == 0
     r = json.loads((tmp_path / "size.json").read_text())
     assert r["timing_only"] and [(x["tokens"], x["kind"]) for x in r["rows"]] == \
         [(t, k) for t in (64, 96) for k in PLAN_KINDS], r["rows"]
@@ -127,6 +128,23 @@ def test_bench_size_times_every_plan_kind_against_the_own_prefill_and_says_timin
     assert ratio["codes"] < 0.15 < ratio["exact_half"] < ratio["alora"], ratio       # codes < half shared < all
     assert all(x["oracle_ms"] > 0 and x["consumer_ms"] >= 0 and x["fanout"]["8"] > 0 for x in r["rows"]), r["rows"]
     assert "timing-only" in (tmp_path / "size.md").read_text()
+    # --profile: every phase at 96 tokens under the profiler, its host operators and a trace each
+    phases = r["profile"]["phases"]
+    assert r["profile"]["tokens"] == 96 and [p["phase"].split(":")[0] for p in phases[2:2 + len(PLAN_KINDS)]] == \
+        list(PLAN_KINDS), [p["phase"] for p in phases]
+    assert [p["phase"] for p in phases[:2]] == ["oracle prefill", "producer prefill"], phases[:2]
+    assert sum("decode batch 1" in p["phase"] for p in phases) == 2, [p["phase"] for p in phases]
+    for p in phases:
+        assert p["wall_ms"] > 0 and p["host"] and p["host"][0]["ms"] > 0 and (tmp_path / p["trace"]).stat().st_size, p
+    md = (tmp_path / "profile.md").read_text()
+    assert "timing-only" in md and all(f"**{p['phase']}**" in md for p in phases), md[:400]
+
+
+def test_bench_size_refuses_a_profile_length_it_does_not_measure(capsys):
+    from tools.bench_size import main
+    with pytest.raises(SystemExit) as e:
+        main(["--shape", "tiny", "--tokens", "64,96", "--profile", "80"])
+    assert e.value.code == 2 and "--profile 80 is not one of --tokens 64,96" in capsys.readouterr().err
 
 
 def test_a_tiny_timing_family_serves_every_plan_kind_and_every_answer_says_timing_only(ray_cluster, tmp_path):

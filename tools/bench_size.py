@@ -27,10 +27,11 @@ import torch
 from cli.bench import fanout, measure, ttft
 from jobs.timing_family import PLAN_KINDS, random_artifact
 from scd.evaluation import methods
-from scd.online import fast_decode, shapes
+from scd.online import fast_decode, selective, shapes
 from scd.online.decode import Batch, Row
 from scd.online.models import ModelSpec
 from scd.online.trace import capture
+from tools import profile_phases
 
 GBPS = (25.0, 100.0, 400.0)
 FANOUT = (4, 8)
@@ -76,50 +77,90 @@ def weight_bytes(model) -> int:
                if p is not embed or p is head)
 
 
+def engine_stepper(consumer, kv, b: int, steps: int):
+    """A call that runs the engines' decode step (FastStep, the cache grown by a copy per token) for b rows
+    continuing the cache kv; every `steps` calls the rows go back to the prefix, so that every round is alike."""
+    dev = kv[0][0].device
+    batch = Batch()
+    for _ in range(b):
+        batch.join(Row(keys=[k for k, _ in kv], values=[v for _, v in kv],
+                       logits=torch.zeros(1, device=dev), params=None))
+    token = torch.zeros(b, dtype=torch.long, device=dev)
+    base_len = batch.mask.shape[1]
+
+    def step():
+        if batch.mask.shape[1] >= base_len + steps + 1:
+            batch.keys = [k[:, :, :base_len] for k in batch.keys]
+            batch.values = [v[:, :, :base_len] for v in batch.values]
+            batch.mask, batch.pos = batch.mask[:, :base_len], batch.pos - (batch.mask.shape[1] - base_len)
+        batch.step(consumer, token)
+    return step
+
+
+def static_stepper(consumer, kv, b: int, steps: int):
+    """The static-cache step (StaticStep, captured in a CUDA graph on a GPU) for b rows continuing the cache
+    kv, with room for two rounds of `steps` tokens: (the StaticStep, a call that runs one step)."""
+    t = kv[0][0].shape[2]
+    st = fast_decode.StaticStep(consumer, b, t + 2 * steps + 4)
+    for i in range(b):
+        st.load(i, [k for k, _ in kv], [v for _, v in kv])
+    if kv[0][0].device.type == "cuda":
+        st.capture()
+    token = torch.zeros(b, dtype=torch.long, device=kv[0][0].device)
+    return st, lambda: st.step(token)
+
+
 def decode_rates(consumer, kv_rebuilt, kv_own, batches, steps: int, bandwidth: float) -> list[dict]:
     """Tokens/s of a batch of rows continuing one cache (all rows alike), per batch size: the engines' step from
     the rebuilt cache, the static-cache step from the rebuilt cache and from the own prefill's, and the limit
     that memory bandwidth sets for that batch and cache length."""
     t = kv_rebuilt[0][0].shape[2]
-    dev = kv_rebuilt[0][0].device
-    fast = fast_decode.step_for(consumer)
     kv_token = sum(k[0, :, :1].numel() * k.element_size() * 2 for k, _ in kv_rebuilt)
     wbytes = weight_bytes(consumer)
     rows = []
     for b in batches:
         r = {"batch": b, "cache_tokens": t,
              "limit_tok_s": b / ((wbytes + b * (t + steps) * kv_token) / bandwidth)}
-        batch = Batch()
-        for _ in range(b):
-            batch.join(Row(keys=[k for k, _ in kv_rebuilt], values=[v for _, v in kv_rebuilt],
-                           logits=torch.zeros(1, device=dev), params=None))
-        token = torch.zeros(b, dtype=torch.long, device=dev)
-        base_len = batch.mask.shape[1]
-
-        def engine_step():
-            if batch.mask.shape[1] >= base_len + steps + 1:         # back to the prefix: every round alike
-                batch.keys = [k[:, :, :base_len] for k in batch.keys]
-                batch.values = [v[:, :, :base_len] for v in batch.values]
-                batch.mask, batch.pos = batch.mask[:, :base_len], batch.pos - (batch.mask.shape[1] - base_len)
-            batch.step(consumer, token)
-        r["engine_tok_s"] = b / _timed(engine_step, steps) if fast is not None else None
-        del batch
+        r["engine_tok_s"] = (b / _timed(engine_stepper(consumer, kv_rebuilt, b, steps), steps)
+                             if fast_decode.step_for(consumer) is not None else None)
         for name, kv in (("static_rebuilt_tok_s", kv_rebuilt), ("static_own_tok_s", kv_own)):
-            st = fast_decode.StaticStep(consumer, b, t + 2 * steps + 4)
-            for i in range(b):
-                st.load(i, [k for k, _ in kv], [v for _, v in kv])
-            if dev.type == "cuda":
-                st.capture()
-            r[name] = b / _timed(lambda: st.step(token), steps)
+            st, step = static_stepper(consumer, kv, b, steps)
+            r[name] = b / _timed(step, steps)
             r["graph"] = st.graph is not None
-            del st
+            del st, step
         rows.append(r)
     return rows
 
 
-def run(shape: str, tokens: list[int], repeats: int, device: str, save=lambda r: None) -> dict:
+def profile_request(producer, consumer, arts: dict, ids: torch.Tensor, device: str, trace_dir: Path | None,
+                   steps: int = 8) -> list[dict]:
+    """Each phase of a request at the prefix `ids` under the profiler (tools.profile_phases): the oracle's
+    prefill, the producer's, every plan kind's encode and consumer side, and `steps` decode steps at batch 1
+    from the rebuilt cache, by the engines' step and by the static-cache step."""
+    mask = torch.ones_like(ids)
+    trace = capture(producer, ids, mask, want_hidden=any(a.needs_hidden for a in arts.values()))
+    reader = ids[:, -selective.WINDOW:]
+    built = lambda art: methods.built_for(methods.SCDMethod(art), consumer, ids, mask, trace, reader)  # noqa: E731
+    phases = [("oracle prefill", lambda: capture(consumer, ids, mask, want_xnorm=False)),
+              ("producer prefill", lambda: capture(producer, ids, mask, want_hidden=arts["codes"].needs_hidden))]
+    phases += [(f"{kind}: encode + consumer side", lambda art=art: built(art)) for kind, art in arts.items()]
+    out = [profile_phases.profile_phase(name, fn, device, trace_dir) for name, fn in phases]
+    kv = built(arts["codes"]).kv
+    del trace
+    engine = engine_stepper(consumer, kv, 1, steps)
+    _, static = static_stepper(consumer, kv, 1, steps)
+    for name, step in ((f"decode batch 1, engine step x{steps}", engine),
+                       (f"decode batch 1, static step x{steps}", static)):
+        out.append(profile_phases.profile_phase(name, lambda step=step: [step() for _ in range(steps)], device,
+                                                trace_dir))
+    return out
+
+
+def run(shape: str, tokens: list[int], repeats: int, device: str, save=lambda r: None,
+        profile_tokens: int | None = None, profile_dir: Path | None = None) -> dict:
     """Decode rates first (short), then one row per prefix length and plan kind, shortest first; `save(out)`
-    after each part, so that a run stopped at its time limit keeps what it measured."""
+    after each part, so that a run stopped at its time limit keeps what it measured. At `profile_tokens`, after
+    its rows, every phase under the profiler (out["profile"], traces in profile_dir)."""
     producer, tok = shapes.build(f"{shapes.SCHEME}{shape}", device)
     consumer, _ = shapes.build(f"{shapes.SCHEME}{shape}?seed=1", device)
     spec = ModelSpec.from_config(producer.config)
@@ -158,6 +199,16 @@ def run(shape: str, tokens: list[int], repeats: int, device: str, save=lambda r:
             print(f"{t} tokens, {kind}: measured in {out['rows'][-1]['wall_s']:.1f} s "
                   f"(oracle {m['prefill_ms']:.1f} ms, consumer {s['consumer_ms']:.1f} ms)", flush=True)
             save(out)
+        if t == profile_tokens:             # a profiler that fails costs its tables, not the longer rows
+            t0 = time.perf_counter()
+            try:
+                out["profile"] = {"tokens": t, "phases": profile_request(producer, consumer, arts, ids, device,
+                                                                          profile_dir)}
+                print(f"{t} tokens profiled in {time.perf_counter() - t0:.1f} s", flush=True)
+            except Exception as e:  # noqa: BLE001
+                out["profile_error"] = f"{type(e).__name__}: {e}"
+                print(f"the profile at {t} tokens failed: {out['profile_error']}", flush=True)
+            save(out)
     return out
 
 
@@ -185,6 +236,11 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile_title(r: dict) -> str:
+    return (f"### Where the time goes: {r['shape']} at {r['profile']['tokens']} tokens on {r['device']} "
+            f"({r['dtype']}), {r['date']}: timing-only (random weights)\n\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tools.bench_size", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="rounds after a warm-up one; medians are reported")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="folder for size.md and size.json")
+    p.add_argument("--profile", type=int, metavar="TOKENS",
+                   help="after the rows at this prefix length (one of --tokens), every phase under torch.profiler: "
+                        "profile.md and a trace per phase under --out")
     args = p.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
+    if args.profile is not None and args.profile not in tokens:
+        p.error(f"--profile {args.profile} is not one of --tokens {args.tokens}")
     context = shapes.SHAPES[args.shape]["max_position_embeddings"]
     if max(tokens) > context:
         p.error(f"--tokens {max(tokens)} is over the {args.shape} shape's context of {context}")
@@ -205,9 +266,13 @@ def main(argv: list[str] | None = None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             (out / "size.md").write_text(markdown(r))
             (out / "size.json").write_text(json.dumps(r, indent=1))
+            if "profile" in r:
+                (out / "profile.md").write_text(profile_title(r) + profile_phases.markdown(r["profile"]["phases"]))
     with torch.inference_mode():
-        r = run(args.shape, tokens, args.repeats, args.device, save)
+        r = run(args.shape, tokens, args.repeats, args.device, save, args.profile, out)
     print(markdown(r))
+    if "profile" in r:
+        print(profile_title(r) + profile_phases.markdown(r["profile"]["phases"]))
     return 0
 
 

@@ -4,13 +4,16 @@
 #   1. tools.bench_size at the 1B, then the 8B shape: every plan kind against the own prefill at 4k, 16k and
 #      32k tokens (time to first token cold and cached, modeled links, fan-outs of 4 and 8);
 #      then decode tokens/s at batch 1, 8 and 32 (the engines' step and the static-cache CUDA-graph step);
+#      at 16k tokens every phase once more under torch.profiler (profile.md: the device's busy share, the top
+#      kernels and host operators; a Chrome trace per phase);
 #   2. the 8B timing family served: jobs.timing_family, `scd serve`, `scd loadtest --compare` at 8
 #      concurrent with 4k-token prefixes, /healthz, then SIGTERM;
 #   3. tools.bench_overhead on the 1B timing family: the request path against Serve's floor.
 # Without CUDA it rehearses the same steps on CPU at the tiny shape (short prefixes).
 # A GPU machine without Ray gets it from .devsite/site.tar.xz (tools/device_site.sh builds it; the device
 # tool carries it: carry [".devsite"]).
-# PARTS picks what runs: bench (step 1), serve (steps 2 and 3) or all (the default). Each bench_size row is
+# PARTS picks what runs: bench (step 1), serve (steps 2 and 3) or all (the default); SHAPES=llama-3.2-1b
+# runs step 1 at the 1B shape alone (for a short device budget). Each bench_size row is
 # written as it is measured (OUT_DIR/SHAPE/size.json), so a run stopped at its limit keeps what it measured.
 #   bash tools/gpu_size.sh [OUT_DIR] [PARTS]
 set -o pipefail
@@ -27,11 +30,12 @@ fi
 
 if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   nvidia-smi -L 2>&1 | tee "$OUT/device.txt"
-  SHAPES="llama-3.2-1b llama-3.1-8b"; TOKENS=4096,16384,32768; FAMILY=configs/timing-8b.yaml; PREFIX=4096
+  SHAPES=${SHAPES:-"llama-3.2-1b llama-3.1-8b"}; TOKENS=4096,16384,32768; PROFILE=16384
+  FAMILY=configs/timing-8b.yaml; PREFIX=4096
   OVERHEAD=configs/timing-1b.yaml
 else
   echo "no CUDA device: a rehearsal on CPU at the tiny shape" | tee "$OUT/device.txt"
-  SHAPES="tiny"; TOKENS=256,512; FAMILY=configs/timing-tiny.yaml; PREFIX=256; OVERHEAD=$FAMILY
+  SHAPES="tiny"; TOKENS=256,512; PROFILE=512; FAMILY=configs/timing-tiny.yaml; PREFIX=256; OVERHEAD=$FAMILY
 fi
 python3 -c "import torch, ray; print('torch', torch.__version__, 'ray', ray.__version__)" 2>&1 | tee -a "$OUT/device.txt"
 
@@ -51,6 +55,7 @@ for shape in $SHAPES; do
   [ "$PARTS" = serve ] && break
   step "bench_size $shape"
   timeout 200 python3 -m tools.bench_size --shape "$shape" --tokens "$TOKENS" --repeats 3 --out "$OUT/$shape" \
+    --profile "$PROFILE" \
     2>&1 | tee "$OUT/bench_size_$shape.log"
 done
 
