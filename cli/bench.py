@@ -49,13 +49,14 @@ def _ms(fn) -> tuple[float, object]:
 
 @torch.no_grad()
 def measure(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str | None = None,
-            every_method: bool = False) -> dict:
+            every_method: bool = False, wire: bool = False) -> dict:
     """Median milliseconds of each phase at one prefix length, the phases interleaved round by round:
     the consumer's own prefill (the oracle), the producer's prefill with its trace, and per method the
     producer-side work after the prefill (SCD's encode), the payload bytes and the consumer-side work.
-    Without every_method only SCD is measured (the default and --fanout views)."""
+    Without every_method only SCD is measured (the default and --fanout views); `wire`: SCD's payload stays
+    on the device (SCDMethod's wire)."""
     mask = torch.ones_like(ids)
-    scd = methods.SCDMethod(art, dtype=dtype)
+    scd = methods.SCDMethod(art, dtype=dtype, wire=wire)
     chosen = [scd]
     if every_method:
         # DroidSpeak's block position changes its quality, not its cost: any block of the same size will do

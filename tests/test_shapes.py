@@ -89,6 +89,30 @@ def test_random_artifacts_of_every_plan_kind_have_the_plans_and_payload_they_say
     assert 0.08 < sent < 0.12, f"the codes take {sent:.3f} of the raw KV, not about 0.1"
 
 
+@pytest.mark.parametrize("kind", ["codes", "block_1_3", "exact_half"])
+def test_a_payload_kept_on_the_device_rebuilds_the_cache_the_host_bytes_rebuild(kind):
+    """SCDMethod(wire=True), what tools.bench_size times on a GPU (the payload as a producer sends it over Ray
+    Direct Transport): the same cache as the host bytes' path, its payload the uncompressed body (a block's in
+    two parts, E-first)."""
+    from jobs.timing_family import random_artifact
+    from scd.evaluation import methods
+    from scd.online.models import ModelSpec
+    from scd.online.trace import capture
+    producer, tok = shapes.build(f"{shapes.SCHEME}tiny")
+    consumer, _ = shapes.build(f"{shapes.SCHEME}tiny?seed=1")
+    art = random_artifact(kind, f"base:{kind}", ModelSpec.from_config(producer.config), len(tok))
+    ids = torch.randint(len(tok), (1, 96), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        trace = capture(producer, ids, mask, want_hidden=art.needs_hidden)
+        host = methods.SCDMethod(art).build(consumer, ids, mask, trace)
+        device = methods.SCDMethod(art, wire=True).build(consumer, ids, mask, trace)
+    err = max((a - b).abs().max().item() for x, y in zip(host.kv, device.kv) for a, b in zip(x, y))
+    assert err == 0.0, f"the kept payload's cache differs from the host bytes' by {err:.3g}"
+    assert device.payload_bytes >= host.payload_bytes > 0, (device.payload_bytes, host.payload_bytes)
+    assert (device.entry_bytes > 0) == (host.entry_bytes > 0) == (kind != "codes"), (device.entry_bytes, host.entry_bytes)
+
+
 def test_a_random_plan_shape_can_end_its_block_below_the_top():
     """random_artifact(entry=, stop=): the shape of a calibrated block below the top (the consumer's layers
     entry..stop-1, codes below and above); a block that does not fit the layers is refused; and

@@ -7,9 +7,10 @@ and artifacts are random, so only the times and bytes mean anything.
 
 For each prefix length and each plan kind of jobs.timing_family (codes, blocks at 2/3 and 1/3, exact at half,
 aLoRA): the oracle's prefill, the producer's prefill and encode, the payload as sent (and over the raw bf16 KV),
-the consumer's side, time to first token modeled at 25, 100 and 400 Gbps with the prefix cold (the producer
-prefills) and cached (the producer holds it), and a fan-out of 4 and 8 specialists' device time against as
-many own prefills (cli.bench's measure, fanout, ttft). Then decode tokens/s at batch 1, 8 and 32 from a
+the consumer's side (the payload kept on the GPU, as served over cuda_ipc or nixl; host bytes on a CPU), time
+to first token modeled at 25, 100 and 400 Gbps with the prefix cold (the producer prefills) and cached (the
+producer holds it), and a fan-out of 4 and 8 specialists' device time against as many own prefills
+(cli.bench's measure, fanout, ttft). Then decode tokens/s at batch 1, 8 and 32 from a
 cache of the first prefix length, rebuilt from codes and from the specialist's own prefill: the engines' step
 (FastStep, the cache grown by a copy per token) and the static-cache step (StaticStep; replayed from a CUDA
 graph on a GPU), against the limit memory bandwidth sets (the weights and the KV read per step over the
@@ -37,6 +38,9 @@ GBPS = (25.0, 100.0, 400.0)
 FANOUT = (4, 8)
 BATCHES = (1, 8, 32)
 DECODE_STEPS = 32
+PAYLOAD = {"device": "kept on the device (codec.encode_wire: quantised and checksummed there, as a producer sends "
+                     "them over cuda_ipc or nixl)",
+           "host": "host bytes (codec.encode: quantised on the host, zstd, crc32, as over the object store)"}
 
 
 def attention_kernel(model, device: str) -> str:
@@ -140,7 +144,9 @@ def profile_request(producer, consumer, arts: dict, ids: torch.Tensor, device: s
     mask = torch.ones_like(ids)
     trace = capture(producer, ids, mask, want_hidden=any(a.needs_hidden for a in arts.values()))
     reader = ids[:, -selective.WINDOW:]
-    built = lambda art: methods.built_for(methods.SCDMethod(art), consumer, ids, mask, trace, reader)  # noqa: E731
+    wire = device.startswith("cuda")
+    built = lambda art: methods.built_for(methods.SCDMethod(art, wire=wire), consumer, ids, mask, trace,  # noqa: E731
+                                          reader)
     phases = [("oracle prefill", lambda: capture(consumer, ids, mask, want_xnorm=False)),
               ("producer prefill", lambda: capture(producer, ids, mask, want_hidden=arts["codes"].needs_hidden))]
     phases += [(f"{kind}: encode + consumer side", lambda art=art: built(art)) for kind, art in arts.items()]
@@ -168,6 +174,7 @@ def run(shape: str, tokens: list[int], repeats: int, device: str, save=lambda r:
     g = torch.Generator().manual_seed(0)
     out = {"shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
            "dtype": str(producer.dtype), "attention": attention_kernel(consumer, device), "timing_only": True,
+           "payload": "device" if device.startswith("cuda") else "host",
            "date": time.strftime("%Y-%m-%d"), "rows": []}
     t0 = time.perf_counter()
     ids = torch.randint(len(tok), (1, tokens[0]), generator=g).to(device)
@@ -186,7 +193,7 @@ def run(shape: str, tokens: list[int], repeats: int, device: str, save=lambda r:
         ids = torch.randint(len(tok), (1, t), generator=g).to(device)
         for kind, art in arts.items():
             t0 = time.perf_counter()
-            m = measure(producer, consumer, art, ids, repeats)
+            m = measure(producer, consumer, art, ids, repeats, wire=out["payload"] == "device")
             s = m["methods"]["scd"]
             raw = spec.kv_bytes_per_token * t
             cold, warm = ttft(m, list(GBPS)), ttft(m, list(GBPS), prefilled=True)
@@ -214,7 +221,7 @@ def run(shape: str, tokens: list[int], repeats: int, device: str, save=lambda r:
 
 def markdown(r: dict) -> str:
     lines = [f"### {r['shape']} on {r['device']} ({r['dtype']}), {r['date']}: timing-only (random weights)",
-             "", f"Attention: {r['attention']}.", "",
+             "", f"Attention: {r['attention']}. Payloads: {PAYLOAD[r['payload']]}.", "",
              "| tokens | plan | oracle ms | producer prefill ms | encode ms | consumer ms | payload / raw KV | "
              + " | ".join(f"TTFT cached {g:g} Gbps / oracle" for g in GBPS) + " | "
              + " | ".join(f"fan-out {n} / {n} prefills" for n in FANOUT) + " |",

@@ -5,7 +5,8 @@
 #      32k tokens (time to first token cold and cached, modeled links, fan-outs of 4 and 8);
 #      then decode tokens/s at batch 1, 8 and 32 (the engines' step and the static-cache CUDA-graph step);
 #      at 16k tokens every phase once more under torch.profiler (profile.md: the device's busy share, the top
-#      kernels and host operators; a Chrome trace per phase);
+#      kernels and host operators; a Chrome trace per phase); then tools.bench_transport: the payload's
+#      delivery between processes (cuda_ipc; nixl where it is installed) at the 8B codes' sizes;
 #   2. the 8B timing family served: jobs.timing_family, `scd serve`, `scd loadtest --compare` at 8
 #      concurrent with 4k-token prefixes, /healthz, then SIGTERM;
 #   3. tools.bench_overhead on the 1B timing family: the request path against Serve's floor.
@@ -31,11 +32,12 @@ fi
 if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   nvidia-smi -L 2>&1 | tee "$OUT/device.txt"
   SHAPES=${SHAPES:-"llama-3.2-1b llama-3.1-8b"}; TOKENS=4096,16384,32768; PROFILE=16384
-  FAMILY=configs/timing-8b.yaml; PREFIX=4096
+  FAMILY=configs/timing-8b.yaml; PREFIX=4096; PAYLOADS_MB=54,215,430    # codes at 0.1 of 4k, 16k, 32k
   OVERHEAD=configs/timing-1b.yaml
 else
   echo "no CUDA device: a rehearsal on CPU at the tiny shape" | tee "$OUT/device.txt"
   SHAPES="tiny"; TOKENS=256,512; PROFILE=512; FAMILY=configs/timing-tiny.yaml; PREFIX=256; OVERHEAD=$FAMILY
+  PAYLOADS_MB=0.1,1
 fi
 python3 -c "import torch, ray; print('torch', torch.__version__, 'ray', ray.__version__)" 2>&1 | tee -a "$OUT/device.txt"
 
@@ -59,6 +61,11 @@ for shape in $SHAPES; do
     2>&1 | tee "$OUT/bench_size_$shape.log"
 done
 
+if [ "$PARTS" != serve ]; then
+  step "bench_transport at the 8B shape's payload sizes"
+  timeout 120 python3 -m tools.bench_transport --sizes-mb "$PAYLOADS_MB" --repeats 5 --json "$OUT/transport.json" \
+    2>&1 | tee "$OUT/transport.log"
+fi
 if [ "$PARTS" = bench ]; then step "done"; rm -rf "$WORK"; exit 0; fi
 
 step "timing family served: $FAMILY"

@@ -222,12 +222,14 @@ class SCDMethod(Method):
     """Codes through the real wire format: producer encode -> bytes -> consumer decode + rebuild."""
 
     def __init__(self, art: PairArtifacts, name: str = "scd", dtype: str | None = None, artifact_id: str = "local",
-                 level: dict[str, int] | None = None, encoder: PairArtifacts | None = None):
+                 level: dict[str, int] | None = None, encoder: PairArtifacts | None = None, wire: bool = False):
         """dtype: the codes' wire precision (default: the one the artifact was calibrated for); level: the Reuse
         ranks sent, one of art.levels (default: the full ones); encoder: what the producer encodes with, when
-        not art (a family member's: FamilyArtifacts.encoder)."""
+        not art (a family member's: FamilyArtifacts.encoder); wire: the payload stays on the codes' device
+        (`codec.encode_wire`, as a producer sends it over Ray Direct Transport) instead of host bytes (as over
+        the object store)."""
         self.art, self.name, self.dtype, self.artifact_id = art, name, dtype or art.code_dtype, artifact_id
-        self.level, self.encoder = level, encoder or art
+        self.level, self.encoder, self.wire = level, encoder or art, wire
 
     @property
     def reads_request(self) -> bool:
@@ -241,13 +243,13 @@ class SCDMethod(Method):
         # as the producer sends it: E-first (entry part, then the rest) where the plan enters a block
         split = self.encoder is self.art and e_first.part_plans(self.art.payload_plan) is not None
         args = (self.art.pair, self.artifact_id)
-        payload = e_first.encode_parts(codes, *args, dims, self.dtype) if split else \
-            codec.encode(codes, *args, dims, self.dtype)
+        payload = e_first.encode_parts(codes, *args, dims, self.dtype, wire=self.wire) if split else \
+            (codec.encode_wire if self.wire else codec.encode)(codes, *args, dims, self.dtype)
         sync()
         t1 = time.perf_counter()
         codes = (e_first.decode_parts if split else codec.decode)(payload, *args, self.art.payload_plan, dims,
                                                                    self.art.x_codes)
-        codes = codes.to(next(consumer.parameters()).device)     # bytes decode on the host: the copy counts
+        codes = codes.to(next(consumer.parameters()).device)     # host bytes decode on the host: the copy counts
         sync()
         t2 = time.perf_counter()
         kv, phases = rebuild(consumer, self.art, codes, reader=reader)
