@@ -49,14 +49,12 @@ def _ms(fn) -> tuple[float, object]:
 
 @torch.no_grad()
 def measure(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str | None = None,
-            every_method: bool = False, wire: bool = False) -> dict:
+            every_method: bool = False) -> dict:
     """Median milliseconds of each phase at one prefix length, the phases interleaved round by round:
     the consumer's own prefill (the oracle), the producer's prefill with its trace, and per method the
     producer-side work after the prefill (SCD's encode), the payload bytes and the consumer-side work.
-    Without every_method only SCD is measured (the default and --fanout views); `wire`: SCD's payload stays
-    on the device (SCDMethod's wire)."""
-    mask = torch.ones_like(ids)
-    scd = methods.SCDMethod(art, dtype=dtype, wire=wire)
+    Without every_method only SCD is measured (the default and --fanout views)."""
+    scd = methods.SCDMethod(art, dtype=dtype)
     chosen = [scd]
     if every_method:
         # DroidSpeak's block position changes its quality, not its cost: any block of the same size will do
@@ -64,21 +62,30 @@ def measure(producer, consumer, art, ids: torch.Tensor, repeats: int, dtype: str
         if art.reuse_ranks:                      # fitted codes (an exact plan has neither Reuse nor levels)
             chosen[3:3] = [methods.reuse_only(art)]
             chosen += methods.at_levels(art)
+    return {**measure_methods(producer, consumer, chosen, ids, repeats, every_method or art.needs_hidden),
+            "plan": art.plan}
+
+
+@torch.no_grad()
+def measure_methods(producer, consumer, chosen: list, ids: torch.Tensor, repeats: int, want_hidden: bool) -> dict:
+    """`measure` of the methods `chosen` (each by its name), side by side over one prefix: per round the
+    oracle's prefill, the producer's (with its residual streams if `want_hidden`), then every method."""
+    mask = torch.ones_like(ids)
     rounds = []
     for _ in range(repeats + 1):                                 # the first round warms every path up
         # the consumer's own prefill as its fallback path runs it, and the producer's as the producer actor does
         r = {"prefill_ms": _ms(lambda: capture(consumer, ids, mask, want_xnorm=False))[0]}
-        r["producer_prefill_ms"], trace = _ms(lambda: capture(producer, ids, mask,
-                                                              want_hidden=every_method or art.needs_hidden))
+        r["producer_prefill_ms"], trace = _ms(lambda: capture(producer, ids, mask, want_hidden=want_hidden))
         for m in chosen:          # a plan by the suffix rule reads a request: 16 tokens, as its share counts one
             built = methods.built_for(m, consumer, ids, mask, trace, ids[:, -selective.WINDOW:])
             r[m.name] = {"producer_ms": built.phases.get("encode_ms", 0.0), "consumer_ms": built.consumer_ms,
                          "payload_bytes": built.payload_bytes, "entry_bytes": built.entry_bytes,
                          **{k: v for k, v in built.phases.items() if k != "encode_ms"}}
+        del trace
         rounds.append(r)
     rounds = rounds[1:]
     med = lambda key, sub=None: statistics.median(r[key] if sub is None else r[key][sub] for r in rounds)  # noqa: E731
-    out = {"tokens": ids.shape[1], "repeats": repeats, "plan": art.plan, "prefill_ms": med("prefill_ms"),
+    out = {"tokens": ids.shape[1], "repeats": repeats, "prefill_ms": med("prefill_ms"),
            "producer_prefill_ms": med("producer_prefill_ms"),
            "methods": {"oracle": {"producer_ms": 0.0, "consumer_ms": med("prefill_ms"), "payload_bytes": 0}}}
     for m in chosen:

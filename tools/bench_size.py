@@ -10,7 +10,7 @@ aLoRA): the oracle's prefill, the producer's prefill and encode, the payload as 
 the consumer's side (the payload kept on the GPU, as served over cuda_ipc or nixl; host bytes on a CPU), time
 to first token modeled at 25, 100 and 400 Gbps with the prefix cold (the producer prefills) and cached (the
 producer holds it), and a fan-out of 4 and 8 specialists' device time against as many own prefills
-(cli.bench's measure, fanout, ttft). Then decode tokens/s at batch 1, 8 and 32 from a
+(cli.bench's measure_methods, fanout, ttft). Then decode tokens/s at batch 1, 8 and 32 from a
 cache of the first prefix length, rebuilt from codes and from the specialist's own prefill: the engines' step
 (FastStep, the cache grown by a copy per token) and the static-cache step (StaticStep; replayed from a CUDA
 graph on a GPU), against the limit memory bandwidth sets (the weights and the KV read per step over the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from cli.bench import fanout, measure, ttft
+from cli.bench import fanout, measure_methods, ttft
 from jobs.timing_family import PLAN_KINDS, random_artifact
 from scd.evaluation import methods
 from scd.online import fast_decode, selective, shapes
@@ -142,13 +142,14 @@ def profile_request(producer, consumer, arts: dict, ids: torch.Tensor, device: s
     prefill, the producer's, every plan kind's encode and consumer side, and `steps` decode steps at batch 1
     from the rebuilt cache, by the engines' step and by the static-cache step."""
     mask = torch.ones_like(ids)
-    trace = capture(producer, ids, mask, want_hidden=any(a.needs_hidden for a in arts.values()))
+    hidden = any(a.needs_hidden for a in arts.values())
+    trace = capture(producer, ids, mask, want_hidden=hidden)
     reader = ids[:, -selective.WINDOW:]
     wire = device.startswith("cuda")
     built = lambda art: methods.built_for(methods.SCDMethod(art, wire=wire), consumer, ids, mask, trace,  # noqa: E731
                                           reader)
     phases = [("oracle prefill", lambda: capture(consumer, ids, mask, want_xnorm=False)),
-              ("producer prefill", lambda: capture(producer, ids, mask, want_hidden=arts["codes"].needs_hidden))]
+              ("producer prefill", lambda: capture(producer, ids, mask, want_hidden=hidden))]
     phases += [(f"{kind}: encode + consumer side", lambda art=art: built(art)) for kind, art in arts.items()]
     out = [profile_phases.profile_phase(name, fn, device, trace_dir) for name, fn in phases]
     kv = built(arts["codes"]).kv
@@ -164,13 +165,15 @@ def profile_request(producer, consumer, arts: dict, ids: torch.Tensor, device: s
 
 def run(shape: str, tokens: list[int], repeats: int, device: str, save=lambda r: None,
         profile_tokens: int | None = None, profile_dir: Path | None = None) -> dict:
-    """Decode rates first (short), then one row per prefix length and plan kind, shortest first; `save(out)`
-    after each part, so that a run stopped at its time limit keeps what it measured. At `profile_tokens`, after
+    """Decode rates first (short), then a row per plan kind at each prefix length, shortest first, the kinds
+    side by side round by round over one prefix (cli.bench.measure_methods); `save(out)` after each part, so
+    that a run stopped at its time limit keeps what it measured. At `profile_tokens`, after
     its rows, every phase under the profiler (out["profile"], traces in profile_dir)."""
     producer, tok = shapes.build(f"{shapes.SCHEME}{shape}", device)
     consumer, _ = shapes.build(f"{shapes.SCHEME}{shape}?seed=1", device)
     spec = ModelSpec.from_config(producer.config)
     arts = {k: random_artifact(k, f"base:{k}", spec, len(tok)).to(device) for k in PLAN_KINDS}
+    hidden = any(a.needs_hidden for a in arts.values())          # the producer's trace serves every kind
     g = torch.Generator().manual_seed(0)
     out = {"shape": shape, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
            "dtype": str(producer.dtype), "attention": attention_kernel(consumer, device), "timing_only": True,
@@ -191,21 +194,25 @@ def run(shape: str, tokens: list[int], repeats: int, device: str, save=lambda r:
     save(out)
     for t in tokens:
         ids = torch.randint(len(tok), (1, t), generator=g).to(device)
-        for kind, art in arts.items():
-            t0 = time.perf_counter()
-            m = measure(producer, consumer, art, ids, repeats, wire=out["payload"] == "device")
-            s = m["methods"]["scd"]
-            raw = spec.kv_bytes_per_token * t
-            cold, warm = ttft(m, list(GBPS)), ttft(m, list(GBPS), prefilled=True)
+        t0 = time.perf_counter()
+        chosen = [methods.SCDMethod(art, name=kind, wire=out["payload"] == "device") for kind, art in arts.items()]
+        m = measure_methods(producer, consumer, chosen, ids, repeats, hidden)
+        raw = spec.kv_bytes_per_token * t
+        for kind in arts:
+            s = m["methods"][kind]
+            one = {**m, "methods": {"oracle": m["methods"]["oracle"], "scd": s}}      # cli.bench's views of SCD
+            cold, warm = ttft(one, list(GBPS)), ttft(one, list(GBPS), prefilled=True)
             out["rows"].append({
                 "tokens": t, "kind": kind, "oracle_ms": m["prefill_ms"], "producer_prefill_ms": m["producer_prefill_ms"],
                 "encode_ms": s["producer_ms"], "consumer_ms": s["consumer_ms"], "payload_bytes": s["payload_bytes"],
                 "payload_ratio": s["payload_bytes"] / raw, "phases_ms": s,
                 "ttft_cold_ms": dict(zip(GBPS, cold["scd"])), "ttft_cached_ms": dict(zip(GBPS, warm["scd"])),
-                "fanout": {r["n"]: r["ratio"] for r in fanout(m, list(FANOUT))}, "wall_s": time.perf_counter() - t0})
-            print(f"{t} tokens, {kind}: measured in {out['rows'][-1]['wall_s']:.1f} s "
-                  f"(oracle {m['prefill_ms']:.1f} ms, consumer {s['consumer_ms']:.1f} ms)", flush=True)
-            save(out)
+                "fanout": {r["n"]: r["ratio"] for r in fanout(one, list(FANOUT))}})
+            print(f"{t} tokens, {kind}: oracle {m['prefill_ms']:.1f} ms, consumer {s['consumer_ms']:.1f} ms",
+                  flush=True)
+        out.setdefault("wall_s", {})[t] = time.perf_counter() - t0
+        print(f"{t} tokens: every plan kind measured in {out['wall_s'][t]:.1f} s", flush=True)
+        save(out)
         if t == profile_tokens:             # a profiler that fails costs its tables, not the longer rows
             t0 = time.perf_counter()
             try:
