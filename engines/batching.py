@@ -10,8 +10,9 @@ from scd.online.decode import Decoder, Row
 class BatchDecoder:
     """One thread per engine runs the Decoder's steps; `submit` queues a row for the next step."""
 
-    def __init__(self, model, eos_id: int | None, max_batch: int = 8):
-        self.decoder = Decoder(model, eos_id, max_batch)
+    def __init__(self, model, eos_id: int | None, max_batch: int = 8, static_capacity: int | None = None,
+                 graphs: bool = False):
+        self.decoder = Decoder(model, eos_id, max_batch, static_capacity, graphs)
         self.cond = threading.Condition()
         self.stopped = False
         threading.Thread(target=self._loop, daemon=True, name="decode-loop").start()

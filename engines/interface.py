@@ -37,6 +37,8 @@ class EngineConfig:
     base: str | None = None                # an adapter specialist's base folder (None: the one it names)
     members: dict[str, str] = field(default_factory=dict)   # a group: specialist name -> its adapter folder
     max_batch: int = 4                     # rows in one decode step
+    max_input_tokens: int | None = None    # prefix + prompt tokens of a request (None: the model's context)
+    max_tokens: int = 512                  # most tokens a request generates
     # where the actor finds what its engine serves from, and how it reports
     producer: str = ""                     # the producer's name: pairs are producer:specialist
     store_uri: str = ""                    # the artifact store
@@ -121,4 +123,17 @@ def build(config: EngineConfig, device: str) -> AnsweringEngine:
         return GroupEngine(LoraGroup(base, adapters), tok, device=device, max_batch=config.max_batch)
     from engines.specialist import SpecialistEngine
     model, tok, _ = load(config.model_path, base=config.base, device=device)
-    return SpecialistEngine(config.name, activated.to(model, device), tok, device=device, max_batch=config.max_batch)
+    model = activated.to(model, device)
+    return SpecialistEngine(config.name, model, tok, device=device, max_batch=config.max_batch,
+                            static_capacity=static_capacity(model, config, device))
+
+
+def static_capacity(model, config: EngineConfig, device: str) -> int | None:
+    """Positions of a row's static decode cache (scd.online.decode.StaticBatch: CUDA graphs) on a GPU, for a
+    model fast_decode covers: the longest request's input and answer; None (one batch grown per step) on a CPU
+    or for any other model."""
+    from scd.online import fast_decode
+    if not device.startswith("cuda") or fast_decode.step_for(model) is None:
+        return None
+    context = model.config.max_position_embeddings
+    return min(config.max_input_tokens or context, context) + config.max_tokens + 1

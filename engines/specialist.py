@@ -161,10 +161,13 @@ def collected(events: Iterator[tuple[str, object]]) -> tuple[str, ServedInfo, st
 class SpecialistEngine:
     def __init__(self, name: str, model, tokenizer, art: PairArtifacts | None = None, version: str | None = None,
                  unavailable_reason: str = FallbackReason.NO_ARTIFACT, device: str = "cpu", max_batch: int = 8,
-                 exact_cache_bytes: int = 256 << 20):
+                 exact_cache_bytes: int = 256 << 20, static_capacity: int | None = None):
+        """static_capacity: the decode loop's rows live in preallocated caches of that many positions, each step
+        shape replayed from a CUDA graph on a GPU (scd.online.decode.StaticBatch); None: one batch grown per step."""
         self.name, self.model, self.tok, self.device = name, model, tokenizer, device
         self.eos_id = tokenizer.eos_token_id
-        self.decoder = BatchDecoder(model, self.eos_id, max_batch)
+        self.decoder = BatchDecoder(model, self.eos_id, max_batch, static_capacity,
+                                    graphs=device.startswith("cuda"))
         self.min_drafts = 0           # exact mode: verify only once this many tokens are drafted (acceptance runs)
         self.accepted_avg = 4.0       # exact mode: drafts accepted per request, moving average (the draft budget)
         # exact mode: the own K and V of recent exact requests' prefixes (the next one on a prefix needs neither

@@ -118,7 +118,8 @@ def build(cfg: DeploymentConfig):
     handles = {}
     for s, members in cfg.engines():
         opts = specialist_options(cfg, s.name, caps[s.name])
-        common = {"max_batch": lim.specialist_max_ongoing, "producer": base, "store_uri": cfg.artifacts.uri,
+        common = {"max_batch": lim.specialist_max_ongoing, "max_input_tokens": lim.max_input_tokens,
+                  "max_tokens": lim.max_tokens, "producer": base, "store_uri": cfg.artifacts.uri,
                   "namespace": ns, "transport": transport, "control_timeout_s": lim.control_timeout_s,
                   "telemetry": telemetry_settings(cfg)}
         if members:                   # a LoRA group: one deployment, the producer's base and its members' adapters

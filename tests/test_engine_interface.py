@@ -62,3 +62,31 @@ def test_stop_ends_the_rows_running_with_an_error_event(adapter):
         pass
     assert ev == ("error", "error: the engine stopped"), ev
     assert group.active.get("top") == 0, "the stopped row still counts as running"
+
+
+def test_a_gpu_specialist_decodes_from_static_caches_sized_for_its_longest_request_and_answers_as_on_the_cpu():
+    """static_capacity: on a GPU (the device's name is all it reads) a model fast_decode covers gets static caches
+    of its longest input and answer; on a CPU none. A specialist given them (run eagerly here) answers token for
+    token as the one that grows its batch per step, exact mode included."""
+    from engines.interface import static_capacity
+    from engines.specialist import SpecialistEngine
+    from scd.online.models import load
+    model, tok, _ = load(str(DEMO / "qa"))
+    config = EngineConfig("specialist", "qa", str(DEMO / "qa"), max_input_tokens=100, max_tokens=20)
+    assert static_capacity(model, config, "cpu") is None
+    assert static_capacity(model, config, "cuda:0") == 121, static_capacity(model, config, "cuda:0")
+    context = model.config.max_position_embeddings
+    assert static_capacity(model, EngineConfig("specialist", "qa", "x"), "cuda") == context + 512 + 1
+    engines = [SpecialistEngine("qa", model, tok), SpecialistEngine("qa", model, tok, static_capacity=121)]
+    params = GenParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    try:
+        for exact in (False, True):
+            answers = [_answer(e, SpecialistRequest(PREFIX, SUFFIX, params, reason="no_artifact", exact=exact))
+                       for e in engines]
+            (dynamic, last_d), (static, last_s) = answers
+            assert [t[1] for t in dynamic] == [t[1] for t in static] and len(static) == 8, (exact, dynamic, static)
+            assert last_d[0] == last_s[0] == "done" and last_s[2] == "length", (last_d, last_s)
+        assert engines[1].decoder.decoder.batch.st.capacity == 121
+    finally:
+        for e in engines:
+            e.stop()

@@ -32,6 +32,27 @@ def test_rebuild_on_cuda_matches_cpu(tmp_path):
 
 
 @cuda
+def test_static_caches_replayed_from_cuda_graphs_decode_as_the_eager_steps_do(monkeypatch):
+    """decode.StaticBatch with graphs: each step shape captured once, in one memory pool, and replayed; the
+    tokens and logprobs of rows joining and leaving equal the eager static step's and the left-padded batch's."""
+    from scd.online.decode import Decoder, StaticBatch
+    from tests.conftest import tiny_llama
+    from tests.test_static_batch import _run
+    monkeypatch.setattr(StaticBatch, "MIN_LENGTH", 8)
+    model = tiny_llama(layers=2).cuda()
+    args = ([5, 40, 12, 23], [20, 4, 9, 14], {2: 3})
+    want = _run(Decoder(model, eos_id=1, max_batch=4), model, *args)
+    graphs = Decoder(model, eos_id=1, max_batch=4, static_capacity=80, graphs=True)
+    got = _run(graphs, model, *args)
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert [t for t, _ in w[:-1]] == [t for t, _ in g[:-1]], (i, w, g)
+        err = max(abs(a - b) for (_, a), (_, b) in zip(w[:-1], g[:-1]))
+        assert err < 1e-4, f"row {i}: logprobs differ from the left-padded batch's by {err:.2e}"
+    shapes = sorted(graphs.batch.st.graphs)
+    assert len(shapes) >= 3 and all(n in (1, 2, 4) and length in (8, 16, 32, 64, 80) for n, length in shapes), shapes
+
+
+@cuda
 def test_a_device_payload_is_encoded_checked_and_decoded_in_device_memory():
     """encode_wire on the GPU: the body is a CUDA tensor with a device checksum (sum64), decode reads it without
     a host copy (its codes are CUDA tensors), a flipped byte is refused, and the codes match the host path's

@@ -54,7 +54,8 @@ def test_a_config_names_shapes_and_an_unknown_one_is_a_config_error_naming_the_s
 
 def test_a_family_that_does_not_fit_is_refused_in_one_line_with_what_it_needs_and_what_there_is():
     cfg = load_config(REPO / "configs" / "timing-8b.yaml")
-    n, tokens, batch = 1 + len(cfg.specialists), cfg.limits.max_input_tokens, cfg.limits.specialist_max_ongoing
+    n, batch = 1 + len(cfg.specialists), cfg.limits.specialist_max_ongoing
+    tokens = cfg.limits.max_input_tokens + cfg.limits.max_tokens                # a row's prefix and its answer
     need = shapes.need_bytes(["llama-3.1-8b"] * n, tokens, batch)
     assert need == n * (shapes.params("llama-3.1-8b") * 2 + batch * shapes.kv_bytes("llama-3.1-8b", tokens)), need
     shapes.check_family(cfg, free_bytes=need)                   # fits exactly

@@ -11,9 +11,9 @@ the consumer's side (the payload kept on the GPU, as served over cuda_ipc or nix
 to first token modeled at 25, 100 and 400 Gbps with the prefix cold (the producer prefills) and cached (the
 producer holds it), and a fan-out of 4 and 8 specialists' device time against as many own prefills
 (cli.bench's measure_methods, fanout, ttft). Then decode tokens/s at batch 1, 8 and 32 from a
-cache of the first prefix length, rebuilt from codes and from the specialist's own prefill: the engines' step
-(FastStep, the cache grown by a copy per token) and the static-cache step (StaticStep; replayed from a CUDA
-graph on a GPU), against the limit memory bandwidth sets (the weights and the KV read per step over the
+cache of the first prefix length, rebuilt from codes and from the specialist's own prefill: the CPU engines'
+step (decode.Batch: FastStep, the cache grown by a copy per token) and the GPU engines' (decode.StaticBatch:
+static caches, each step shape replayed from a CUDA graph), against the limit memory bandwidth sets (the weights and the KV read per step over the
 bandwidth a device-to-device copy reaches in this run). Writes size.md and size.json under --out.
 """
 from __future__ import annotations
@@ -29,7 +29,8 @@ from cli.bench import fanout, measure_methods, ttft
 from jobs.timing_family import PLAN_KINDS, random_artifact
 from scd.evaluation import methods
 from scd.online import fast_decode, selective, shapes
-from scd.online.decode import Batch, Row
+from scd.online.api import GenParams
+from scd.online.decode import Batch, Row, StaticBatch
 from scd.online.models import ModelSpec
 from scd.online.trace import capture
 from tools import profile_phases
@@ -82,7 +83,7 @@ def weight_bytes(model) -> int:
 
 
 def engine_stepper(consumer, kv, b: int, steps: int):
-    """A call that runs the engines' decode step (FastStep, the cache grown by a copy per token) for b rows
+    """A call that runs the CPU engines' decode step (FastStep, the cache grown by a copy per token) for b rows
     continuing the cache kv; every `steps` calls the rows go back to the prefix, so that every round is alike."""
     dev = kv[0][0].device
     batch = Batch()
@@ -102,21 +103,21 @@ def engine_stepper(consumer, kv, b: int, steps: int):
 
 
 def static_stepper(consumer, kv, b: int, steps: int):
-    """The static-cache step (StaticStep, captured in a CUDA graph on a GPU) for b rows continuing the cache
-    kv, with room for two rounds of `steps` tokens: (the StaticStep, a call that runs one step)."""
-    t = kv[0][0].shape[2]
-    st = fast_decode.StaticStep(consumer, b, t + 2 * steps + 4)
-    for i in range(b):
-        st.load(i, [k for k, _ in kv], [v for _, v in kv])
-    if kv[0][0].device.type == "cuda":
-        st.capture()
-    token = torch.zeros(b, dtype=torch.long, device=kv[0][0].device)
-    return st, lambda: st.step(token)
+    """The engines' step on a GPU (decode.StaticBatch: static caches, each step shape captured in a CUDA graph
+    at its first use) for b rows continuing the cache kv, with room for two rounds of `steps` tokens: (the
+    StaticBatch, a call that runs one step)."""
+    t, dev = kv[0][0].shape[2], kv[0][0].device
+    batch = StaticBatch(consumer, b, t + 2 * steps + 4, graphs=dev.type == "cuda")
+    for _ in range(b):
+        batch.join(Row(keys=[k for k, _ in kv], values=[v for _, v in kv], logits=torch.zeros(1, device=dev),
+                       params=GenParams(max_tokens=2 * steps + 2)))
+    token = torch.zeros(b, dtype=torch.long, device=dev)
+    return batch, lambda: batch.step(consumer, token)
 
 
 def decode_rates(consumer, kv_rebuilt, kv_own, batches, steps: int, bandwidth: float) -> list[dict]:
-    """Tokens/s of a batch of rows continuing one cache (all rows alike), per batch size: the engines' step from
-    the rebuilt cache, the static-cache step from the rebuilt cache and from the own prefill's, and the limit
+    """Tokens/s of a batch of rows continuing one cache (all rows alike), per batch size: the CPU engines' step
+    from the rebuilt cache, the GPU engines' from the rebuilt cache and from the own prefill's, and the limit
     that memory bandwidth sets for that batch and cache length."""
     t = kv_rebuilt[0][0].shape[2]
     kv_token = sum(k[0, :, :1].numel() * k.element_size() * 2 for k, _ in kv_rebuilt)
@@ -128,10 +129,10 @@ def decode_rates(consumer, kv_rebuilt, kv_own, batches, steps: int, bandwidth: f
         r["engine_tok_s"] = (b / _timed(engine_stepper(consumer, kv_rebuilt, b, steps), steps)
                              if fast_decode.step_for(consumer) is not None else None)
         for name, kv in (("static_rebuilt_tok_s", kv_rebuilt), ("static_own_tok_s", kv_own)):
-            st, step = static_stepper(consumer, kv, b, steps)
+            batch, step = static_stepper(consumer, kv, b, steps)
             r[name] = b / _timed(step, steps)
-            r["graph"] = st.graph is not None
-            del st, step
+            r["graph"] = bool(batch.st.graphs)
+            del batch, step
         rows.append(r)
     return rows
 
@@ -140,7 +141,7 @@ def profile_request(producer, consumer, arts: dict, ids: torch.Tensor, device: s
                    steps: int = 8) -> list[dict]:
     """Each phase of a request at the prefix `ids` under the profiler (tools.profile_phases): the oracle's
     prefill, the producer's, every plan kind's encode and consumer side, and `steps` decode steps at batch 1
-    from the rebuilt cache, by the engines' step and by the static-cache step."""
+    from the rebuilt cache, by the CPU engines' step and by the GPU engines' (static caches)."""
     mask = torch.ones_like(ids)
     hidden = any(a.needs_hidden for a in arts.values())
     trace = capture(producer, ids, mask, want_hidden=hidden)
@@ -156,8 +157,8 @@ def profile_request(producer, consumer, arts: dict, ids: torch.Tensor, device: s
     del trace
     engine = engine_stepper(consumer, kv, 1, steps)
     _, static = static_stepper(consumer, kv, 1, steps)
-    for name, step in ((f"decode batch 1, engine step x{steps}", engine),
-                       (f"decode batch 1, static step x{steps}", static)):
+    for name, step in ((f"decode batch 1, dynamic batch x{steps}", engine),
+                       (f"decode batch 1, static caches x{steps}", static)):
         out.append(profile_phases.profile_phase(name, lambda step=step: [step() for _ in range(steps)], device,
                                                 trace_dir))
     return out
@@ -203,7 +204,8 @@ def run(shape: str, tokens: list[int], repeats: int, device: str, save=lambda r:
             one = {**m, "methods": {"oracle": m["methods"]["oracle"], "scd": s}}      # cli.bench's views of SCD
             cold, warm = ttft(one, list(GBPS)), ttft(one, list(GBPS), prefilled=True)
             out["rows"].append({
-                "tokens": t, "kind": kind, "oracle_ms": m["prefill_ms"], "producer_prefill_ms": m["producer_prefill_ms"],
+                "tokens": t, "kind": kind, "oracle_ms": m["prefill_ms"],
+                "producer_prefill_ms": m["producer_prefill_ms"],
                 "encode_ms": s["producer_ms"], "consumer_ms": s["consumer_ms"], "payload_bytes": s["payload_bytes"],
                 "payload_ratio": s["payload_bytes"] / raw, "phases_ms": s,
                 "ttft_cold_ms": dict(zip(GBPS, cold["scd"])), "ttft_cached_ms": dict(zip(GBPS, warm["scd"])),
@@ -240,9 +242,9 @@ def markdown(r: dict) -> str:
                      + " | ".join(f"{x['fanout'][n]:.3f}" for n in FANOUT) + " |")
     lines += ["", f"Decode from a cache of {r['decode'][0]['cache_tokens']} tokens, tokens/s (all rows); the limit: "
               f"weights and KV read per step over {r['bandwidth_gb_s']:.0f} GB/s (a device-to-device copy here). "
-              f"Static step replayed from a CUDA graph: {'yes' if r['decode'][0]['graph'] else 'no'}.", "",
-              "| batch | engine step, rebuilt | static step, rebuilt | static step, own prefill | limit | "
-              "static / limit |", "|---|---|---|---|---|---|"]
+              f"Static caches' steps replayed from CUDA graphs: {'yes' if r['decode'][0]['graph'] else 'no'}.", "",
+              "| batch | dynamic batch (CPU engines), rebuilt | static caches (GPU engines), rebuilt | "
+              "static caches, own prefill | limit | static / limit |", "|---|---|---|---|---|---|"]
     for d in r["decode"]:
         eng = f"{d['engine_tok_s']:.0f}" if d["engine_tok_s"] else "n/a"
         lines.append(f"| {d['batch']} | {eng} | {d['static_rebuilt_tok_s']:.0f} | {d['static_own_tok_s']:.0f} | "

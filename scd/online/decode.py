@@ -6,7 +6,9 @@ Each request first gets its own cache: its prefix rebuilt from codes or prefille
 prompt's own tokens) run on top, which gives its first next-token logits. From then on it is a row of one
 left-padded batch: every decode step is one forward pass for all running requests, whatever their lengths
 (per-row positions, padding masked out). Requests join between steps, up to `max_batch` rows; a longer
-one re-pads the batch on the left, and the columns nobody needs any more are trimmed when rows leave.
+one re-pads the batch on the left, and the columns nobody needs any more are trimmed when rows leave. On a GPU
+a model fast_decode covers decodes from preallocated caches instead (StaticBatch: the same interface, each
+step shape replayed from a CUDA graph).
 
 The loop deals in token ids only: each request's `on_token` callback gets every token it generates, with its
 logprobs when the request asked for them (detokenizing and stop strings are the caller's), and says whether to
@@ -159,6 +161,10 @@ class Batch:
         self.adapters = self.adapters.index_select(0, sel)
         self.rows = [self.rows[i] for i in idx]
 
+    @property
+    def device(self) -> torch.device:
+        return self.mask.device
+
     def step(self, model, tokens: torch.Tensor) -> torch.Tensor:
         """Feed each row its token (B,); returns the next logits (B, V). A LoRA group steps its rows of mixed
         adapters in one pass; a model fast_decode covers steps in plain torch, any other through transformers'
@@ -179,15 +185,78 @@ class Batch:
         return logits
 
 
+def _bucket(x: int, top: int, least: int = 1) -> int:
+    """The smallest power of two that is at least x and `least`, at most `top`."""
+    b = least
+    while b < x:
+        b *= 2
+    return min(b, top)
+
+
+class StaticBatch:
+    """Batch's interface (join, keep, step, rows, device) over preallocated caches (fast_decode.StaticStep), for
+    a GPU: `max_batch` rows of `capacity` positions each, allocated once. The running rows hold the first slots,
+    in order (a row that leaves makes the later ones move down). A step runs the rows' count rounded up to a
+    power of two over the longest row's length rounded up to one (at least MIN_LENGTH), so a few shapes serve
+    every batch; with `graphs` each shape's step is captured in a CUDA graph at its first use and replayed from
+    then on. A row whose cache and tokens to come do not fit its capacity is refused at join (ValueError)."""
+    MIN_LENGTH = 256
+
+    def __init__(self, model, max_batch: int, capacity: int, graphs: bool):
+        self.st = fast_decode.StaticStep(model, max_batch, capacity)
+        self.graphs = graphs
+        self.rows: list[Row] = []
+        self.lengths: list[int] = []                 # each row's cached tokens (its next position), on the host
+
+    @property
+    def device(self) -> torch.device:
+        return self.st.pos.device
+
+    def join(self, row: Row) -> None:
+        n = row.keys[0].shape[2]
+        if n + row.params.max_tokens - row.n_out >= self.st.capacity:
+            raise ValueError(f"a row of {n} cached tokens with {row.params.max_tokens - row.n_out} to come does "
+                             f"not fit the static cache's {self.st.capacity} positions")
+        self.st.load(len(self.rows), row.keys, row.values)
+        row.keys = row.values = None
+        self.rows.append(row)
+        self.lengths.append(n)
+
+    def keep(self, idx: list[int]) -> None:
+        """Only these rows stay (idx ascending), moved down to the first slots."""
+        for j, i in enumerate(idx):
+            if i != j:
+                self.st.move(i, j, self.lengths[i])
+        self.st.clear(len(idx), len(self.rows))
+        self.rows = [self.rows[i] for i in idx]
+        self.lengths = [self.lengths[i] for i in idx]
+
+    def step(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed each row its token (B,); returns the next logits (B, V)."""
+        n = len(self.rows)
+        shape = (_bucket(n, self.st.batch), _bucket(max(self.lengths) + 1, self.st.capacity, self.MIN_LENGTH))
+        self.st.clear(n, shape[0])                   # the slots past the rows: stepped too, attending to nothing
+        if self.graphs and shape not in self.st.graphs:
+            self.st.capture(*shape)
+        padded = torch.zeros(shape[0], dtype=torch.long, device=self.device)
+        padded[:n] = tokens
+        logits = self.st.step(padded, *shape)[:n].clone()
+        self.lengths = [t + 1 for t in self.lengths]
+        return logits
+
+
 class Decoder:
     """Rows waiting and the running batch: `admit()` lets waiting rows in (up to max_batch); `step()` picks
     each running row's token with its own sampling settings, hands it over, drops finished rows, and runs one
-    batched forward pass for the rest. One thread steps it (BatchDecoder's); others only append to `waiting`."""
+    batched forward pass for the rest. One thread steps it (BatchDecoder's); others only append to `waiting`.
+    `static_capacity`: the running rows' caches are preallocated, that many positions a row (StaticBatch;
+    `graphs`: each step shape replayed from a CUDA graph); None: one left-padded batch grown per step (Batch)."""
 
-    def __init__(self, model, eos_id: int | None, max_batch: int = 8):
+    def __init__(self, model, eos_id: int | None, max_batch: int = 8, static_capacity: int | None = None,
+                 graphs: bool = False):
         self.model, self.eos_id, self.max_batch = model, eos_id, max_batch
         self.waiting: deque[Row] = deque()
-        self.batch = Batch()
+        self.batch = Batch() if static_capacity is None else StaticBatch(model, max_batch, static_capacity, graphs)
         self.steps = 0                               # batched forward passes so far
         self.rows_stepped = 0                        # rows those passes carried (rows_stepped / steps = mean batch)
 
@@ -196,7 +265,11 @@ class Decoder:
 
     def admit(self) -> None:
         while self.waiting and len(self.batch.rows) < self.max_batch:
-            self.batch.join(self.waiting.popleft())
+            row = self.waiting.popleft()
+            try:
+                self.batch.join(row)
+            except ValueError as e:                  # a row the static caches cannot hold: it ends, the rest go on
+                row.on_done(f"error: {e}", row.n_out)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -244,7 +317,7 @@ class Decoder:
             self.batch.keep(live)
         if not live:
             return
-        tokens = torch.tensor(picked, device=self.batch.mask.device)
+        tokens = torch.tensor(picked, device=self.batch.device)
         logits = self.batch.step(self.model, tokens)
         self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + len(live)
         for row, lg in zip(self.batch.rows, logits):

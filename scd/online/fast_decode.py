@@ -185,9 +185,11 @@ class StaticStep:
     """Decode steps over preallocated caches, for a GPU: a batch of `batch` rows keeps its keys and values in
     buffers of a fixed capacity per layer (batch, n_kv, capacity, d); each step writes the new token's key and
     value in place at its row's position and attends over the buffer under a mask of the filled positions.
-    Nothing is allocated or reshaped between steps, so `capture()` records one step in a CUDA graph and `step`
-    replays it: one launch per token instead of one per kernel, and no copy of the cache per token (FastStep's
-    torch.cat). Without `capture()` (on a CPU) the same step runs eagerly.
+    A step may run the first `n` rows over the first `length` positions only (every row's position below it):
+    nothing is allocated or reshaped between steps of one shape, so `capture(n, length)` records that shape's
+    step in a CUDA graph and `step` replays it: one launch per token instead of one per kernel, and no copy of
+    the cache per token (FastStep's torch.cat). The graphs share one memory pool. Without a captured graph for
+    a shape (on a CPU) the same step runs eagerly.
 
     Grouped-query attention reads each KV head once: the query heads of a group attend as that group's rows."""
 
@@ -205,8 +207,8 @@ class StaticStep:
         self.tokens = torch.zeros(batch, dtype=torch.long, device=p.device)
         self.rows = torch.arange(batch, device=p.device)
         self.ones = torch.ones(batch, dtype=torch.bool, device=p.device)    # a captured step copies nothing in
-        self.logits: torch.Tensor | None = None
-        self.graph = None
+        self.graphs: dict[tuple[int, int], tuple] = {}          # (n, length) -> (its CUDA graph, its logits)
+        self.pool = None
 
     def load(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Row `row` continues from this cache: keys/values per layer (1, n_kv, n, d), post-RoPE."""
@@ -221,48 +223,78 @@ class StaticStep:
         self.filled[row, :n] = True
         self.pos[row] = n
 
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Row `dst` takes row `src`'s cache (its first `length` positions) and position."""
+        for buf in (*self.keys, *self.values):
+            buf[dst, :, :length].copy_(buf[src, :, :length])
+        self.filled[dst].copy_(self.filled[src])
+        self.pos[dst] = self.pos[src]
+
+    def clear(self, first: int, stop: int | None = None) -> None:
+        """Rows first..stop-1 hold nothing: no filled position, the next at 0 (a step over them then attends to
+        its own token alone, and never runs past the buffer)."""
+        self.filled[first:stop].zero_()
+        self.pos[first:stop].zero_()
+
     @torch.no_grad()
-    def _forward(self) -> torch.Tensor:
-        f, b, d = self.f, self.batch, self.f.d
+    def _forward(self, n: int, length: int) -> torch.Tensor:
+        f, d = self.f, self.f.d
         group = f.n_heads // f.n_kv
-        x = f.embed(self.tokens)[:, None]                                     # (B, 1, H)
-        cos, sin = f._rope(self.pos[:, None], x.dtype)
-        self.filled.index_put_((self.rows, self.pos), self.ones)
-        allowed = self.filled[:, None, None]                                  # (B, 1, 1, C)
+        rows, pos, filled = self.rows[:n], self.pos[:n], self.filled[:n, :length]
+        x = f.embed(self.tokens[:n])[:, None]                                 # (n, 1, H)
+        cos, sin = f._rope(pos[:, None], x.dtype)
+        filled.index_put_((rows, pos), self.ones[:n])
+        allowed = filled[:, None, None]                                       # (n, 1, 1, length)
         for (ln1, w_qkv, b_qkv, o_proj, ln2, w_gate_up, down), k_buf, v_buf in zip(f.layers, self.keys,
                                                                                   self.values):
-            q, k, v = f._qkv(x, ln1, w_qkv, b_qkv, cos, sin)                 # (B, heads or n_kv, 1, d)
-            k_buf[self.rows, :, self.pos] = k[:, :, 0]
-            v_buf[self.rows, :, self.pos] = v[:, :, 0]
-            o = F.scaled_dot_product_attention(q.reshape(b, f.n_kv, group, d), k_buf, v_buf, attn_mask=allowed)
-            x = x + o_proj(o.reshape(b, 1, f.n_heads * d))
+            q, k, v = f._qkv(x, ln1, w_qkv, b_qkv, cos, sin)                 # (n, heads or n_kv, 1, d)
+            k_buf, v_buf = k_buf[:n, :, :length], v_buf[:n, :, :length]
+            k_buf[rows, :, pos] = k[:, :, 0]
+            v_buf[rows, :, pos] = v[:, :, 0]
+            o = F.scaled_dot_product_attention(q.reshape(n, f.n_kv, group, d), k_buf, v_buf, attn_mask=allowed)
+            x = x + o_proj(o.reshape(n, 1, f.n_heads * d))
             x = f._mlp(x, ln2, w_gate_up, down)
-        self.pos.add_(1)
+        pos.add_(1)
         return f.head(f._rms(x[:, -1], f.norm.weight))
 
-    def capture(self) -> None:
-        """Record one step in a CUDA graph (after warm-up steps on a side stream, as torch requires). The
-        warm-up and the recording advance nothing: positions and filled slots are restored after them."""
+    def _shape(self, n: int | None, length: int | None) -> tuple[int, int]:
+        n, length = n or self.batch, length or self.capacity
+        if not (1 <= n <= self.batch and 1 <= length <= self.capacity):
+            raise ValueError(f"a step over {n} rows and {length} positions does not fit {self.batch} rows of "
+                             f"{self.capacity}")
+        return n, length
+
+    def capture(self, n: int | None = None, length: int | None = None) -> None:
+        """Record the step over the first n rows (default: all) and `length` positions (default: the capacity)
+        in a CUDA graph (after warm-up steps on a side stream, as torch requires). The warm-up and the recording
+        advance nothing: positions and filled slots are restored after them."""
+        n, length = self._shape(n, length)
         pos, filled = self.pos.clone(), self.filled.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward()
+                self._forward(n, length)
                 self.pos.copy_(pos)
                 self.filled.copy_(filled)
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._forward()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(n, length)
+        self.graphs[(n, length)] = (graph, logits)
         self.pos.copy_(pos)
         self.filled.copy_(filled)
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed each row its token (batch,); returns the next logits (batch, V). The captured graph's output
-        buffer is overwritten by the next step: copy what must outlive it."""
-        self.tokens.copy_(tokens)
-        if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        return self.logits
+    def step(self, tokens: torch.Tensor, n: int | None = None, length: int | None = None) -> torch.Tensor:
+        """Feed each of the first n rows (default: all) its token (n,); returns their next logits (n, V),
+        attending over the first `length` positions (default: the capacity). A captured graph's output buffer is
+        overwritten by the next step of any shape (the graphs share their memory): copy what must outlive it."""
+        n, length = self._shape(n, length)
+        self.tokens[:n].copy_(tokens)
+        if (n, length) not in self.graphs:
+            return self._forward(n, length)
+        graph, logits = self.graphs[(n, length)]
+        graph.replay()
+        return logits

@@ -148,15 +148,17 @@ def check_family(cfg, free_bytes: int | None = None) -> None:
     """Refuse (ShapeError, one line) a deployment whose timing models do not fit one device: the producer and
     each specialist's first replicas (`min_replicas`, at least one), each with the KV of the configured batch
     (`limits.specialist_max_ongoing`) of the longest prefix (`limits.max_input_tokens`, else the shape's
-    context). On GPUs: the free memory of this machine's first GPU in bf16; on the CPU: the available memory
-    in fp32. `free_bytes` overrides what is measured."""
+    context) and the most tokens a request generates (`limits.max_tokens`): what a GPU engine's static decode
+    caches hold (scd.online.decode.StaticBatch). On GPUs: the free memory of this machine's first GPU in
+    bf16; on the CPU: the available memory in fp32. `free_bytes` overrides what is measured."""
     models = [(m, 1) for m in [cfg.producer] if is_shape(m.path)]
     models += [(s, max(1, s.autoscaling.min_replicas)) for s in cfg.specialists if is_shape(s.path)]
     if not models:
         return
     names = [parse(m.path).name for m, copies in models for _ in range(copies)]
     gpu = any(m.num_gpus > 0 for m, _ in models)
-    tokens = cfg.limits.max_input_tokens or max(SHAPES[n]["max_position_embeddings"] for n in names)
+    tokens = (cfg.limits.max_input_tokens or max(SHAPES[n]["max_position_embeddings"] for n in names)) \
+        + cfg.limits.max_tokens
     if free_bytes is None:
         free_bytes = _free_bytes(gpu)
     where = "the GPU" if gpu else "this machine (CPU)"
