@@ -97,3 +97,21 @@ def test_a_step_shape_is_the_rows_and_the_longest_length_rounded_up_to_powers_of
     assert seen[-1] == (4, 24), seen[-1]
     spare = (int(b.st.filled[3].sum()), int(b.st.pos[3]))
     assert spare == (1, 1), f"after 11 steps the spare slot holds {spare[0]} positions, next at {spare[1]}"
+
+
+def test_a_graph_that_cannot_be_captured_leaves_the_static_caches_stepping_eagerly(monkeypatch, caplog):
+    model = tiny_llama(layers=2)
+    args = ([5, 12], [6, 3], {})
+    want = _run(Decoder(model, eos_id=1, max_batch=2), model, *args)
+    dec = Decoder(model, eos_id=1, max_batch=2, static_capacity=40, graphs=True)
+    tries = []
+
+    def refuse(n, length):
+        tries.append((n, length))
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(dec.batch.st, "capture", refuse)
+    with caplog.at_level("WARNING"):
+        got = _run(dec, model, *args)
+    assert [[t for t, _ in r[:-1]] for r in got] == [[t for t, _ in r[:-1]] for r in want], (got, want)
+    assert len(tries) == 1 and not dec.batch.graphs, tries            # tried once, then eager for good
+    assert "could not be captured (operation not permitted" in caplog.text, caplog.text

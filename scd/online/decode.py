@@ -16,6 +16,7 @@ go on. The end-of-sequence token ends a row unless the request masks it (`min_to
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -26,6 +27,8 @@ from scd.online import fast_decode
 from scd.online.api import GenParams, TokenLogprobs
 from scd.online.cache import assemble, cache_arg, extend
 from scd.online.lora_group import LoraGroup
+
+log = logging.getLogger(__name__)
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
@@ -237,7 +240,11 @@ class StaticBatch:
         shape = (_bucket(n, self.st.batch), _bucket(max(self.lengths) + 1, self.st.capacity, self.MIN_LENGTH))
         self.st.clear(n, shape[0])                   # the slots past the rows: stepped too, attending to nothing
         if self.graphs and shape not in self.st.graphs:
-            self.st.capture(*shape)
+            try:
+                self.st.capture(*shape)
+            except RuntimeError as e:            # the same steps, eagerly: slower, never wrong
+                log.warning("a CUDA graph of the decode step could not be captured (%s); stepping eagerly", e)
+                self.graphs = False
         padded = torch.zeros(shape[0], dtype=torch.long, device=self.device)
         padded[:n] = tokens
         logits = self.st.step(padded, *shape)[:n].clone()

@@ -270,22 +270,25 @@ class StaticStep:
         advance nothing: positions and filled slots are restored after them."""
         n, length = self._shape(n, length)
         pos, filled = self.pos.clone(), self.filled.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(n, length)
-                self.pos.copy_(pos)
-                self.filled.copy_(filled)
-        torch.cuda.current_stream().wait_stream(side)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(n, length)
-        self.graphs[(n, length)] = (graph, logits)
-        self.pos.copy_(pos)
-        self.filled.copy_(filled)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(n, length)
+                    self.pos.copy_(pos)
+                    self.filled.copy_(filled)
+            torch.cuda.current_stream().wait_stream(side)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: an engine's other threads (prefills, rebuilds) may use the device meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                logits = self._forward(n, length)
+            self.graphs[(n, length)] = (graph, logits)
+        finally:
+            self.pos.copy_(pos)
+            self.filled.copy_(filled)
 
     def step(self, tokens: torch.Tensor, n: int | None = None, length: int | None = None) -> torch.Tensor:
         """Feed each of the first n rows (default: all) its token (n,); returns their next logits (n, V),
