@@ -158,7 +158,9 @@ def test_bench_size_times_every_plan_kind_against_the_own_prefill_and_says_timin
     assert r["profile"]["tokens"] == 96 and [p["phase"].split(":")[0] for p in phases[2:2 + len(PLAN_KINDS)]] == \
         list(PLAN_KINDS), [p["phase"] for p in phases]
     assert [p["phase"] for p in phases[:2]] == ["oracle prefill", "producer prefill"], phases[:2]
-    assert sum("decode batch 1" in p["phase"] for p in phases) == 2, [p["phase"] for p in phases]
+    assert sum("decode batch 1" in p["phase"] for p in phases) == 3, [p["phase"] for p in phases]
+    rates = [(d["batch"], d["engine_tok_s"] > 0, d["static_rebuilt_tok_s"] > 0, d["loop_tok_s"] > 0) for d in r["decode"]]
+    assert rates == [(b, True, True, True) for b in (1, 8, 32)], rates
     for p in phases:
         assert p["wall_ms"] > 0 and p["host"] and p["host"][0]["ms"] > 0 and (tmp_path / p["trace"]).stat().st_size, p
     md = (tmp_path / "profile.md").read_text()

@@ -1,6 +1,7 @@
 """The decode loop over preallocated caches (StaticBatch, a GPU engine's; run eagerly here) answers as the
 left-padded batch does: the same tokens and logprobs for rows of different lengths that join between steps and
-leave at different times, through every step shape; and a row that does not fit is refused alone."""
+leave at different times, through every step shape; and a row that does not fit is refused alone. The loop's
+greedy rows pick in one pass."""
 import pytest
 import torch
 
@@ -115,3 +116,24 @@ def test_a_graph_that_cannot_be_captured_leaves_the_static_caches_stepping_eager
     assert [[t for t, _ in r[:-1]] for r in got] == [[t for t, _ in r[:-1]] for r in want], (got, want)
     assert len(tries) == 1 and not dec.batch.graphs, tries            # tried once, then eager for good
     assert "could not be captured (operation not permitted" in caplog.text, caplog.text
+
+
+def test_the_greedy_rows_of_a_step_pick_in_one_pass_what_each_picks_alone():
+    """Decoder._greedy: every greedy row's token from one argmax over the stacked logits equals pick() of its
+    own logits with its eos rule (masked with ignore_eos or before min_tokens); fed and sampled rows are left
+    to the per-row path."""
+    from scd.online.decode import mask_eos, pick
+    eos = 1
+    g = torch.Generator().manual_seed(5)
+    settings = [GenParams(), GenParams(ignore_eos=True), GenParams(min_tokens=3), GenParams(min_tokens=1),
+                GenParams(temperature=0.7), GenParams()]
+    rows = []
+    for i, p in enumerate(settings):
+        logits = torch.randn(97, generator=g)
+        logits[eos] = logits.max() + 1.0                 # eos the most likely: the rule decides every greedy row
+        rows.append(Row([], [], logits, p, n_out=2, feed=7 if i == 5 else None))
+    got = Decoder(tiny_llama(layers=1), eos_id=eos)._greedy(rows)
+    want = {i: int(pick(mask_eos(r.logits, r.params, r.n_out, eos), 0.0, 1.0, None)[0])
+            for i, r in enumerate(rows) if i < 4}
+    assert got == want, (got, want)
+    assert [got[i] == eos for i in range(4)] == [True, False, False, True], got      # min_tokens 3 > 2 tokens out

@@ -288,8 +288,22 @@ class Decoder:
                 row.on_done(f"error: {type(e).__name__}: {e}", row.n_out)
             self.batch.keep([])
 
+    def _greedy(self, rows: list[Row]) -> dict[int, int]:
+        """The next token of each row that picks greedily (temperature 0, nothing to feed), by index: one argmax
+        over their logits stacked, so the device is waited for once a step, not once a row."""
+        idx = [i for i, r in enumerate(rows) if r.feed is None and r.params.temperature <= 0]
+        if not idx:
+            return {}
+        logits = torch.stack([rows[i].logits for i in idx]).float()
+        if self.eos_id is not None:
+            masked = [j for j, i in enumerate(idx) if rows[i].params.ignore_eos
+                      or rows[i].n_out < rows[i].params.min_tokens]
+            logits[masked, self.eos_id] = float("-inf")
+        return dict(zip(idx, logits.argmax(-1).tolist()))
+
     def _step(self) -> None:
         rows = self.batch.rows
+        greedy = self._greedy(rows)
         picked, live = [], []
         for i, row in enumerate(rows):
             if row.feed is not None:
@@ -298,13 +312,16 @@ class Decoder:
                 row.feed = None
                 continue
             p = row.params
-            logits = mask_eos(row.logits, p, row.n_out, self.eos_id)
-            if row.draft_probs is not None and p.temperature > 0:
-                q = sampling_probs(logits, p.temperature, p.top_p)
-                row.draft_probs.append(q[0])
-                nxt = int(torch.multinomial(q, 1, generator=row.generator)[0, 0])
-            else:
-                nxt = int(pick(logits, p.temperature, p.top_p, row.generator)[0])
+            if i in greedy:
+                nxt = greedy[i]
+            else:                                    # sampled, with the row's own generator
+                logits = mask_eos(row.logits, p, row.n_out, self.eos_id)
+                if row.draft_probs is not None:
+                    q = sampling_probs(logits, p.temperature, p.top_p)
+                    row.draft_probs.append(q[0])
+                    nxt = int(torch.multinomial(q, 1, generator=row.generator)[0, 0])
+                else:
+                    nxt = int(pick(logits, p.temperature, p.top_p, row.generator)[0])
             finish = None
             if nxt == self.eos_id:
                 finish = "stop"
