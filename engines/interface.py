@@ -13,6 +13,7 @@ Also here, with no torch, for the processes that only forward requests: an E-fir
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Protocol
@@ -22,6 +23,8 @@ from actors.transport import INLINE_BYTES
 
 if TYPE_CHECKING:
     from scd.online import e_first
+
+log = logging.getLogger(__name__)
 
 
 class NotServed(ValueError):
@@ -128,12 +131,25 @@ def build(config: EngineConfig, device: str) -> AnsweringEngine:
                             static_capacity=static_capacity(model, config, device))
 
 
-def static_capacity(model, config: EngineConfig, device: str) -> int | None:
+def static_capacity(model, config: EngineConfig, device: str, free_bytes: int | None = None) -> int | None:
     """Positions of a row's static decode cache (scd.online.decode.StaticBatch: CUDA graphs) on a GPU, for a
-    model fast_decode covers: the longest request's input and answer; None (one batch grown per step) on a CPU
-    or for any other model."""
+    model fast_decode covers: the longest request's input and answer. None (one batch grown per step) on a CPU,
+    for any other model, or where the caches of `max_batch` such rows would take over half the device's free
+    memory (`free_bytes`, default: measured), which is logged with the limit that would make them fit."""
     from scd.online import fast_decode
+    from scd.online.models import ModelSpec
     if not device.startswith("cuda") or fast_decode.step_for(model) is None:
         return None
     context = model.config.max_position_embeddings
-    return min(config.max_input_tokens or context, context) + config.max_tokens + 1
+    capacity = min(config.max_input_tokens or context, context) + config.max_tokens + 1
+    per_token = ModelSpec.from_config(model.config).kv_bytes_per_token // 2 * next(model.parameters()).element_size()
+    need = config.max_batch * capacity * per_token
+    if free_bytes is None:
+        import torch
+        free_bytes = torch.cuda.mem_get_info(torch.device(device))[0]
+    if need > free_bytes / 2:
+        log.warning("%s: static decode caches of %d rows x %d positions need %.1f GiB, over half the %.1f GiB "
+                    "free; decoding without them (set limits.max_input_tokens to fit them)", config.name,
+                    config.max_batch, capacity, need / 2**30, free_bytes / 2**30)
+        return None
+    return capacity

@@ -64,7 +64,8 @@ def test_stop_ends_the_rows_running_with_an_error_event(adapter):
     assert group.active.get("top") == 0, "the stopped row still counts as running"
 
 
-def test_a_gpu_specialist_decodes_from_static_caches_sized_for_its_longest_request_and_answers_as_on_the_cpu():
+def test_a_gpu_specialist_decodes_from_static_caches_sized_for_its_longest_request_and_answers_as_on_the_cpu(
+        caplog):
     """static_capacity: on a GPU (the device's name is all it reads) a model fast_decode covers gets static caches
     of its longest input and answer; on a CPU none. A specialist given them (run eagerly here) answers token for
     token as the one that grows its batch per step, exact mode included."""
@@ -74,9 +75,17 @@ def test_a_gpu_specialist_decodes_from_static_caches_sized_for_its_longest_reque
     model, tok, _ = load(str(DEMO / "qa"))
     config = EngineConfig("specialist", "qa", str(DEMO / "qa"), max_input_tokens=100, max_tokens=20)
     assert static_capacity(model, config, "cpu") is None
-    assert static_capacity(model, config, "cuda:0") == 121, static_capacity(model, config, "cuda:0")
+    assert static_capacity(model, config, "cuda:0", free_bytes=1 << 30) == 121
     context = model.config.max_position_embeddings
-    assert static_capacity(model, EngineConfig("specialist", "qa", "x"), "cuda") == context + 512 + 1
+    assert static_capacity(model, EngineConfig("specialist", "qa", "x"), "cuda", 1 << 30) == context + 512 + 1
+    # caches over half the free memory: none, and the log says what would make them fit
+    c = model.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    need = config.max_batch * 121 * per_token                                      # fp32 on the CPU
+    assert static_capacity(model, config, "cuda:0", free_bytes=2 * need) == 121
+    with caplog.at_level("WARNING"):
+        assert static_capacity(model, config, "cuda:0", free_bytes=2 * need - 1) is None
+    assert "set limits.max_input_tokens to fit them" in caplog.text, caplog.text
     engines = [SpecialistEngine("qa", model, tok), SpecialistEngine("qa", model, tok, static_capacity=121)]
     params = GenParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     try:
