@@ -238,7 +238,7 @@ class StaticBatch:
         """Feed each row its token (B,); returns the next logits (B, V)."""
         n = len(self.rows)
         shape = (_bucket(n, self.st.batch), _bucket(max(self.lengths) + 1, self.st.capacity, self.MIN_LENGTH))
-        self.st.clear(n, shape[0])                   # the slots past the rows: stepped too, attending to nothing
+        self.st.clear(n, shape[0])                   # the slots past the rows: stepped too, over their own token
         if self.graphs and shape not in self.st.graphs:
             try:
                 self.st.capture(*shape)
