@@ -85,13 +85,14 @@ def weight_bytes(model) -> int:
 def engine_stepper(consumer, kv, b: int, steps: int):
     """A call that runs the CPU engines' decode step (FastStep, the cache grown by a copy per token) for b rows
     continuing the cache kv; every `steps` calls the rows go back to the prefix, so that every round is alike."""
-    dev = kv[0][0].device
-    batch = Batch()
-    for _ in range(b):
-        batch.join(Row(keys=[k for k, _ in kv], values=[v for _, v in kv],
-                       logits=torch.zeros(1, device=dev), params=None))
+    dev, base_len = kv[0][0].device, kv[0][0].shape[2]
+    # the batch that b rows joining one by one make, built at once (joins copy the growing batch each time:
+    # quadratic in b, minutes for 32 rows of a long cache at 8B)
+    batch = Batch(keys=[k.expand(b, -1, -1, -1).contiguous() for k, _ in kv],
+                  values=[v.expand(b, -1, -1, -1).contiguous() for _, v in kv],
+                  mask=torch.ones(b, base_len, dtype=torch.long, device=dev),
+                  pos=torch.full((b,), base_len, device=dev), adapters=torch.zeros(b, dtype=torch.long, device=dev))
     token = torch.zeros(b, dtype=torch.long, device=dev)
-    base_len = batch.mask.shape[1]
 
     def step():
         if batch.mask.shape[1] >= base_len + steps + 1:
