@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Figures at size on one GPU, from timing families (docs/timing-families.md: Llama 3's 1B and 8B shapes,
 # random weights built on the device, nothing to carry): tables under OUT_DIR (default runs/gpu-size).
+#   0. where pytest is installed: the static decode caches' CUDA graphs against the eager steps (tests);
 #   1. tools.bench_size at the 1B, then the 8B shape: every plan kind against the own prefill at 4k, 16k and
 #      32k tokens (time to first token cold and cached, modeled links, fan-outs of 4 and 8);
 #      then decode tokens/s at batch 1, 8 and 32 (the engines' step and the static-cache CUDA-graph step);
@@ -53,6 +54,11 @@ EOF
   python3 -m jobs.timing_family --config "$2" 2>&1 | tee -a "$OUT/timing_family.log"
 }
 
+if [ "$PARTS" != serve ] && python3 -c "import pytest" 2>/dev/null; then
+  step "the static decode caches' CUDA graphs against the eager steps"   # what the decode figures rest on
+  timeout 120 python3 -m pytest -q -o addopts="" -p no:warnings -p no:cacheprovider tests/test_static_batch.py \
+    tests/test_gpu.py -k "static or greedy" 2>&1 | tail -5 | tee "$OUT/static_tests.log"
+fi
 for shape in $SHAPES; do
   [ "$PARTS" = serve ] && break
   step "bench_size $shape"
