@@ -46,6 +46,26 @@ def test_a_tail_over_the_consumers_own_cache_is_its_own_cache_and_over_another_i
     assert _err(whole, first, slice(0, 1)) == 0 and _err(whole, first, slice(1, None)) > 1e-2
 
 
+def test_one_unpadded_row_runs_its_tail_in_plain_torch_as_transformers_does(monkeypatch):
+    """A served request's tail (one row, no padding) goes through fast_decode.FastStep.extend: the same K and V
+    as transformers' forward gives the same row (fast_decode turned off)."""
+    from scd.online import fast_decode, selective
+    a, b = tiny_llama(0), perturbed(tiny_llama(0), 0.3)
+    ids = torch.randint(2, 97, (1, 14), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    raw = capture(a, ids, mask, want_xnorm=False)
+    raw_kv = list(zip(raw.keys, raw.values))
+    used = []
+    real = fast_decode.step_for
+    monkeypatch.setattr(selective.fast_decode, "step_for", lambda m: used.append(m) or real(m))
+    fast = run_tail(b, raw_kv, ids, mask, 5)
+    monkeypatch.setattr(selective.fast_decode, "step_for", lambda m: None)
+    hf = run_tail(b, raw_kv, ids, mask, 5)
+    err = _err(fast, hf)
+    assert used == [b] and err < 1e-5, f"plain torch's tail differs from transformers' by {err:.2e}"
+    assert _err(fast, raw_kv, slice(None, -5)) == 0 and _err(fast, raw_kv, slice(-5, None)) > 1e-2
+
+
 def test_an_artifact_keeps_its_tail_through_a_save_and_load_and_rebuilds_with_it(tmp_path):
     a = tiny_llama(0, layers=4)
     b = perturbed(tiny_llama(0, layers=4), 0.3, seed=1)

@@ -36,6 +36,7 @@ import re
 
 import torch
 
+from scd.online import fast_decode
 from scd.online.cache import assemble, cache_arg, extend
 from scd.online.recompute import run_layers
 from scd.online.rope import apply_rope, cos_sin, positions_from_mask
@@ -95,6 +96,11 @@ def run_tail(model, kv: list[KV], token_ids: torch.Tensor, mask: torch.Tensor, t
     s = t - min(tokens, t - 1)
     if s >= t:
         return kv
+    if token_ids.shape[0] == 1 and bool(mask.all()) and (fast := fast_decode.step_for(model)) is not None:
+        # one unpadded row (a served request): plain torch, without transformers' per-call machinery
+        _, keys, values = fast.extend([k[..., :s, :] for k, _ in kv], [v[..., :s, :] for _, v in kv],
+                                      token_ids[:, s:])
+        return list(zip(keys, values))
     c = assemble(model, [(k[..., :s, :], v[..., :s, :]) for k, v in kv])
     extend(model, c, mask[:, :s], token_ids[:, s:], mask[:, s:], logits=False)
     return [(layer.keys, layer.values) for layer in c.layers]
