@@ -245,9 +245,7 @@ class StaticBatch:
             except RuntimeError as e:            # the same steps, eagerly: slower, never wrong
                 log.warning("a CUDA graph of the decode step could not be captured (%s); stepping eagerly", e)
                 self.graphs = False
-        padded = torch.zeros(shape[0], dtype=torch.long, device=self.device)
-        padded[:n] = tokens
-        logits = self.st.step(padded, *shape)[:n].clone()
+        logits = self.st.step(tokens, *shape)[:n].clone()
         self.lengths = [t + 1 for t in self.lengths]
         return logits
 

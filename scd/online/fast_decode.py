@@ -291,11 +291,12 @@ class StaticStep:
             self.filled.copy_(filled)
 
     def step(self, tokens: torch.Tensor, n: int | None = None, length: int | None = None) -> torch.Tensor:
-        """Feed each of the first n rows (default: all) its token (n,); returns their next logits (n, V),
-        attending over the first `length` positions (default: the capacity). A captured graph's output buffer is
-        overwritten by the next step of any shape (the graphs share their memory): copy what must outlive it."""
+        """Step the first n rows (default: all) over the first `length` positions (default: the capacity): the
+        first len(tokens) of them are fed `tokens`, the rest their last token again (spare rows, whose output
+        nobody reads); returns the n rows' next logits (n, V). A captured graph's output buffer is overwritten
+        by the next step of any shape (the graphs share their memory): copy what must outlive it."""
         n, length = self._shape(n, length)
-        self.tokens[:n].copy_(tokens)
+        self.tokens[:len(tokens)].copy_(tokens)
         if (n, length) not in self.graphs:
             return self._forward(n, length)
         graph, logits = self.graphs[(n, length)]
