@@ -13,8 +13,8 @@ producer holds it), and a fan-out of 4 and 8 specialists' device time against as
 (cli.bench's measure_methods, fanout, ttft). Then decode tokens/s at batch 1, 8 and 32 from a
 cache of the first prefix length, rebuilt from codes and from the specialist's own prefill: the CPU engines'
 step (decode.Batch: FastStep, the cache grown by a copy per token) and the GPU engines' (decode.StaticBatch:
-static caches, each step shape replayed from a CUDA graph), against the limit memory bandwidth sets (the weights and the KV read per step over the
-bandwidth a device-to-device copy reaches in this run). Writes size.md and size.json under --out.
+static caches, each step shape replayed from a CUDA graph), against the limit memory bandwidth sets (the
+weights and the KV read per step over the bandwidth a device-to-device copy reaches in this run). Writes size.md and size.json under --out.
 """
 from __future__ import annotations
 
@@ -103,32 +103,35 @@ def engine_stepper(consumer, kv, b: int, steps: int):
     return step
 
 
+def _alike_rows(kv, b: int, steps: int, **row) -> tuple[int, list[Row]]:
+    """(a static cache's capacity with room for two rounds of `steps` tokens, b rows continuing the cache kv
+    that generate at most that many; `row`: the rows' other fields)."""
+    params = GenParams(max_tokens=2 * steps + 2, ignore_eos=True)
+    rows = [Row(keys=[k for k, _ in kv], values=[v for _, v in kv], params=params, **row) for _ in range(b)]
+    return kv[0][0].shape[2] + 2 * steps + 4, rows
+
+
 def static_stepper(consumer, kv, b: int, steps: int):
     """The engines' step on a GPU (decode.StaticBatch: static caches, each step shape captured in a CUDA graph
-    at its first use) for b rows continuing the cache kv, with room for two rounds of `steps` tokens: (the
-    StaticBatch, a call that runs one step)."""
-    t, dev = kv[0][0].shape[2], kv[0][0].device
-    batch = StaticBatch(consumer, b, t + 2 * steps + 4, graphs=dev.type == "cuda")
-    for _ in range(b):
-        batch.join(Row(keys=[k for k, _ in kv], values=[v for _, v in kv], logits=torch.zeros(1, device=dev),
-                       params=GenParams(max_tokens=2 * steps + 2)))
+    at its first use) for b rows continuing the cache kv: (the StaticBatch, a call that runs one step)."""
+    dev = kv[0][0].device
+    capacity, rows = _alike_rows(kv, b, steps, logits=torch.zeros(1, device=dev))
+    batch = StaticBatch(consumer, b, capacity, graphs=dev.type == "cuda")
+    for row in rows:
+        batch.join(row)
     token = torch.zeros(b, dtype=torch.long, device=dev)
     return batch, lambda: batch.step(consumer, token)
 
 
 def loop_stepper(consumer, kv, b: int, steps: int):
     """One step of the engines' whole decode loop on this device (decode.Decoder: every row's pick, then the
-    batch's step: static caches with CUDA graphs on a GPU) for b greedy rows continuing the cache kv, with room
-    for two rounds of `steps` tokens."""
-    t, dev = kv[0][0].shape[2], kv[0][0].device
+    batch's step: static caches with CUDA graphs on a GPU) for b greedy rows continuing the cache kv."""
+    dev = kv[0][0].device
     gpu = dev.type == "cuda"
-    dec = Decoder(consumer, eos_id=None, max_batch=b, static_capacity=t + 2 * steps + 4 if gpu else None,
-                  graphs=gpu)
-    for _ in range(b):
-        dec.waiting.append(Row(keys=[k for k, _ in kv], values=[v for _, v in kv],
-                               logits=torch.zeros(consumer.config.vocab_size, device=dev),
-                               params=GenParams(max_tokens=2 * steps + 2, ignore_eos=True),
-                               on_token=lambda token, lp: True, on_done=lambda finish, n: None))
+    capacity, rows = _alike_rows(kv, b, steps, logits=torch.zeros(consumer.config.vocab_size, device=dev),
+                                 on_token=lambda token, lp: True, on_done=lambda finish, n: None)
+    dec = Decoder(consumer, eos_id=None, max_batch=b, static_capacity=capacity if gpu else None, graphs=gpu)
+    dec.waiting.extend(rows)
     dec.admit()
     return dec.step
 
@@ -277,9 +280,10 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_title(r: dict) -> str:
+def profile_markdown(r: dict) -> str:
     return (f"### Where the time goes: {r['shape']} at {r['profile']['tokens']} tokens on {r['device']} "
-            f"({r['dtype']}), {r['date']}: timing-only (random weights)\n\n")
+            f"({r['dtype']}), {r['date']}: timing-only (random weights)\n\n"
+            + profile_phases.markdown(r["profile"]["phases"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,12 +312,12 @@ def main(argv: list[str] | None = None) -> int:
             (out / "size.md").write_text(markdown(r))
             (out / "size.json").write_text(json.dumps(r, indent=1))
             if "profile" in r:
-                (out / "profile.md").write_text(profile_title(r) + profile_phases.markdown(r["profile"]["phases"]))
+                (out / "profile.md").write_text(profile_markdown(r))
     with torch.inference_mode():
         r = run(args.shape, tokens, args.repeats, args.device, save, args.profile, out)
     print(markdown(r))
     if "profile" in r:
-        print(profile_title(r) + profile_phases.markdown(r["profile"]["phases"]))
+        print(profile_markdown(r))
     return 0
 
 
