@@ -27,6 +27,7 @@ from engines.group import GroupEngine
 from cluster.config import load_config
 from scd.data.samples import pair_data
 from scd.online import activated, fast_decode
+from scd.online.cache import cache_of
 from scd.online.decode import GenParams
 from scd.online.lora_group import AdapterError, LoraGroup, read_adapter
 from scd.online.model_files import is_adapter, named_base
@@ -224,7 +225,7 @@ def decode_rate(base, group: LoraGroup, merged: dict, vocab: int, args, b: int =
     """Tokens/s of b rows mixed over the adapters against b rows on one merged model."""
     names = list(merged)
     ids = torch.randint(vocab, (1, args.cache), generator=torch.Generator().manual_seed(0))
-    out = base(input_ids=ids, use_cache=True).past_key_values
+    out = cache_of(base(input_ids=ids, use_cache=True))
     keys, values = batch_caches([([layer.keys for layer in out.layers], [layer.values for layer in out.layers])] * b)
     mask, pos = torch.ones(b, args.cache + 1, dtype=torch.long), torch.full((b,), args.cache)
     tok_in = torch.zeros(b, dtype=torch.long)

@@ -15,6 +15,7 @@ import time
 import torch
 
 from scd.online import selective
+from scd.online.cache import cache_of
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     ids = torch.randint(100, consumer.config.vocab_size - 100, (1, t), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(1, t, dtype=torch.long)
     with torch.no_grad():
-        kv = [(lay.keys, lay.values) for lay in producer(input_ids=ids, attention_mask=mask, use_cache=True).cache.layers]
+        out = producer(input_ids=ids, attention_mask=mask, use_cache=True)
+        kv = [(lay.keys, lay.values) for lay in cache_of(out).layers]
     sel = selective.attention(consumer, kv, ids, mask, args.fraction)
     print(f"{args.pair}, {t} tokens, {sel.shape[1]} positions (the attention rule at {args.fraction:g})")
     for chunk in [t + sel.shape[1], selective.CHUNK] * args.repeats:          # alternated: one pass, chunks

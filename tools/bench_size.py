@@ -29,6 +29,7 @@ from cli.bench import fanout, measure_methods, ttft
 from jobs.timing_family import PLAN_KINDS, random_artifact
 from scd.evaluation import methods
 from scd.online import fast_decode, selective, shapes
+from scd.online.cache import cache_of
 from scd.online.api import GenParams
 from scd.online.decode import Batch, Decoder, Row, StaticBatch
 from scd.online.models import ModelSpec
@@ -212,7 +213,7 @@ def run(shape: str, tokens: list[int], repeats: int, device: str, save=lambda r:
     trace = capture(producer, ids, mask, want_hidden=arts["codes"].needs_hidden)
     rebuilt = methods.SCDMethod(arts["codes"]).build(consumer, ids, mask, trace).kv
     del trace
-    own = consumer(input_ids=ids, use_cache=True).past_key_values
+    own = cache_of(consumer(input_ids=ids, use_cache=True))
     own = [(layer.keys, layer.values) for layer in own.layers]
     out["bandwidth_gb_s"] = copy_bandwidth(device) / 1e9
     out["decode"] = decode_rates(consumer, rebuilt, own, BATCHES, DECODE_STEPS, out["bandwidth_gb_s"] * 1e9)
