@@ -35,10 +35,12 @@ from engines.interface import ProducerConfig
 
 class Busy:
     """How much of the last `window_s` seconds the producer spent encoding (its prefill load), and how long
-    encodes waited in its queue: what the pool autoscales on."""
+    encodes waited in its queue: what the pool autoscales on. Encodes run one at a time, so the spans kept are
+    disjoint and in order: their summed length is kept as they come and go, and only the oldest can reach back
+    past the window."""
 
     def __init__(self, window_s: float = 10.0):
-        self.window_s, self.spans, self.since = window_s, deque(), None
+        self.window_s, self.spans, self.since, self.total = window_s, deque(), None, 0.0
         self.waits: deque = deque(maxlen=64)
 
     def start(self, waited_s: float | None) -> None:
@@ -49,14 +51,24 @@ class Busy:
     def stop(self) -> None:
         now = time.monotonic()
         self.spans.append((self.since, now))
+        self.total += now - self.since
         self.since = None
-        while self.spans and self.spans[0][1] < now - self.window_s:
-            self.spans.popleft()
+        self._drop(now - self.window_s)
+
+    def _drop(self, lo: float) -> None:
+        """Forget the spans that ended before `lo`."""
+        while self.spans and self.spans[0][1] < lo:
+            a, b = self.spans.popleft()
+            self.total -= b - a
 
     def fraction(self) -> float:
         now = time.monotonic()
-        spans = list(self.spans) + ([(self.since, now)] if self.since is not None else [])
-        return min(1.0, sum(max(0.0, b - max(a, now - self.window_s)) for a, b in spans) / self.window_s)
+        lo = now - self.window_s
+        self._drop(lo)
+        busy = self.total - (max(0.0, lo - self.spans[0][0]) if self.spans else 0.0)
+        if self.since is not None:
+            busy += now - max(self.since, lo)
+        return min(1.0, max(0.0, busy) / self.window_s)
 
     def queue_wait_ms(self) -> float:
         return round(statistics.median(self.waits) * 1e3, 2) if self.waits else 0.0

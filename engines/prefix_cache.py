@@ -3,13 +3,20 @@ and artifact version), and a specialist's own K and V of the prefixes of its exa
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 
-def prefix_key(token_ids: list[int], pair: str, version: str) -> str:
-    h = hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
-    return f"{pair}@{version}:{len(token_ids)}:{h}"
+def prefix_digest(token_ids: list[int]) -> str:
+    """A prefix's identity: its length and the SHA-256 of its ids as 64-bit integers."""
+    return f"{len(token_ids)}:{hashlib.sha256(array('q', token_ids).tobytes()).hexdigest()}"
+
+
+def prefix_key(token_ids: list[int], pair: str, version: str, digest: str | None = None) -> str:
+    """The cache key of a prefix for a pair at a version. `digest`: prefix_digest(token_ids), where the caller
+    has it already (one prefix, several keys)."""
+    return f"{pair}@{version}:{digest or prefix_digest(token_ids)}"
 
 
 @dataclass

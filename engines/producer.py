@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.messages import FallbackReason
-from engines.prefix_cache import PrefixCodeCache, prefix_key
+from engines.prefix_cache import PrefixCodeCache, prefix_digest, prefix_key
 from scd.online import codec, e_first, links
 from scd.online.artifacts import PairArtifacts, level_tag
 from scd.online.family_artifacts import FamilyArtifacts
@@ -93,7 +93,11 @@ class ProducerEngine:
                     res.per_pair[pair] = Encoded(None, None, FallbackReason.NO_ARTIFACT)
                 else:
                     units.append((pair, *self.artifacts[pair], [pair]))
-        key = lambda uid, version, level: prefix_key(prefix_ids, uid, f"{version}/{level_tag(level)}")  # noqa: E731
+        digest = prefix_digest(prefix_ids)
+
+        def key(uid: str, version: str, level) -> str:
+            return prefix_key(prefix_ids, uid, f"{version}/{level_tag(level)}", digest)
+
         todo = []
         for uid, art, version, served in units:
             # a cached code is sent at once: the largest level that fits the whole target, or a smaller one

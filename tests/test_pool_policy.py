@@ -1,5 +1,6 @@
 """The producer pool's decisions, without Ray: how busy a producer is, how many producers the load wants, and
 what a health report may say about an exception."""
+import random
 import time
 
 import pytest
@@ -35,6 +36,35 @@ def test_busy_is_the_fraction_of_the_window_spent_encoding():
     time.sleep(0.6)
     assert b.fraction() == 0.0, "nothing in the last window"
     assert b.queue_wait_ms() == pytest.approx(4.0)
+
+
+def test_busy_keeps_its_sum_as_spans_come_and_go_and_clips_the_one_that_reaches_past_the_window(monkeypatch):
+    """Busy's running sum against the fraction summed span by span, on a clock of its own: spans that end in
+    the window, one that starts before it, one still open, and the window emptied."""
+    import actors.producer_actor as pa
+    clock = [0.0]
+    monkeypatch.setattr(pa.time, "monotonic", lambda: clock[0])
+    b, spans = Busy(window_s=1.0), []
+
+    def summed(now: float, open_since: float | None) -> float:
+        lo = now - 1.0
+        held = spans + ([(open_since, now)] if open_since is not None else [])
+        return min(1.0, sum(max(0.0, e - max(s, lo)) for s, e in held if e >= lo))
+
+    rng = random.Random(0)
+    for _ in range(200):
+        clock[0] += rng.uniform(0.0, 0.3)
+        start = clock[0]
+        b.start(None)
+        clock[0] += rng.uniform(0.0, 0.2)
+        assert abs(b.fraction() - summed(clock[0], start)) < 1e-9, "with an encode running"
+        b.stop()
+        spans.append((start, clock[0]))
+        clock[0] += rng.uniform(0.0, 0.4)
+        assert abs(b.fraction() - summed(clock[0], None)) < 1e-9, f"{b.fraction()} != {summed(clock[0], None)}"
+    assert len(b.spans) < 20, f"{len(b.spans)} spans kept for a window of 1 s"
+    clock[0] += 5.0
+    assert b.fraction() == 0.0 and not b.spans
 
 
 def test_one_line_drops_remote_tracebacks_and_colour_codes():

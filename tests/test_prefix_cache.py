@@ -1,6 +1,6 @@
 import pytest
 
-from engines.prefix_cache import PrefixCodeCache, prefix_key
+from engines.prefix_cache import PrefixCodeCache, prefix_digest, prefix_key
 
 
 def test_lru_eviction_respects_the_byte_budget():
@@ -21,6 +21,9 @@ def test_keys_separate_prefixes_pairs_and_versions():
     assert k != prefix_key([1, 2, 3], "base:prose", "v1")
     assert k != prefix_key([1, 2, 3], "base:qa", "v2")
     assert prefix_key([12, 3], "p:c", "v") != prefix_key([1, 23], "p:c", "v")
+    assert prefix_key([1, 2], "p:c", "v") != prefix_key([1, 2, 0], "p:c", "v"), "a trailing 0 is a token too"
+    ids = [5, 151_000, 2**40]
+    assert prefix_key(ids, "p:c", "v", prefix_digest(ids)) == prefix_key(ids, "p:c", "v"), "a digest given is the same"
 
 
 def test_negative_budget_is_refused():
