@@ -1,16 +1,17 @@
 """The request path against Serve's floor, side by side in one run on one machine.
 
-    python -m tools.bench_overhead [--config ray_config.yaml] [--model qa] [--n 200]
+    python -m tools.bench_overhead [--config ray_config.yaml] [--model qa] [--n 200] [--prefix-tokens N]
 
 Ours: one-token completions (`max_tokens: 1`) of one specialist through the deployed app, the prefix's codes
-already in the producer's cache. The floor: a bare Serve app of our shape, each step returning at once: a
-FastAPI ingress, one actor call (the producer), one handle call (the specialist replica), one actor call from
-the replica (its engine actor). A third app is the floor whose engine actor waits as long as our model work
-takes (the median of ours in the warm-up) before it answers: every process on the path then waits as long as
-ours do, and waking from such a wait costs more than answering at once (on this 2-core VM, ~1 ms per waiting
-process). All three are asked over one keep-alive HTTP connection, in interleaved blocks of 10, after a
-warm-up. Reported: medians of the floors, of ours, of ours less the model work its answer reports
-(`serve_app.schemas.model_compute_ms`), the differences, and where each went (`overhead_parts_ms`).
+already in the producer's cache (the demo's prefix, or with --prefix-tokens one of about N tokens, padded as `scd
+loadtest --prefix-tokens` pads them: what the path does per prefix token shows there). The floor: a bare Serve app
+of our shape, each step returning at once: a FastAPI ingress, one actor call (the producer), one handle call (the
+specialist replica), one actor call from the replica (its engine actor). A third app is the floor whose engine
+actor waits as long as our model work takes (the median of ours in the warm-up) before it answers: every process
+on the path then waits as long as ours do, and waking from such a wait costs more than answering at once (on this
+2-core VM, ~1 ms per waiting process). All three are asked over one keep-alive HTTP connection, in interleaved
+blocks of 10, after a warm-up. Reported: medians of the floors, of ours, of ours less the model work its answer
+reports (`serve_app.schemas.model_compute_ms`), the differences, and where each went (`overhead_parts_ms`).
 Needs the config's pairs calibrated (`make demo` does it once).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fastapi import FastAPI
 from ray import serve
 
 from actors.messages import pair_id
+from cli import loadtest
 from cli.demo import demo_prompts, usable
 from cluster.config import load_config
 from scd.data.samples import domain
@@ -131,7 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "ray_config.yaml"))
     ap.add_argument("--model", default=None, help="the specialist (default: the config's first)")
     ap.add_argument("--n", type=int, default=200, help="requests to each app")
+    ap.add_argument("--prefix-tokens", type=int, default=0, metavar="N",
+                    help="a prefix of about N tokens (default: the demo's)")
     args = ap.parse_args(argv)
+    if args.prefix_tokens < 0:
+        ap.error("--prefix-tokens must be >= 0")
     cfg = load_config(args.config)
     name = args.model or cfg.specialists[0].name
     if name not in {s.name for s in cfg.specialists}:
@@ -142,8 +148,12 @@ def main(argv: list[str] | None = None) -> dict:
     from scd.online.model_files import load_tokenizer
     from serve_app.app import deploy, undeploy, wait_healthy
     tok = load_tokenizer(cfg.producer.path)
-    prefix, suffixes = demo_prompts(tok)
-    body = {"model": name, "prefix": prefix, "prompt": suffixes.get(domain(name), "\nThe"), "max_tokens": 1}
+    if args.prefix_tokens:
+        prefix, suffix = loadtest.prompt(0, loadtest.Shape(prefix_tokens=args.prefix_tokens))
+    else:
+        prefix, suffixes = demo_prompts(tok)
+        suffix = suffixes.get(domain(name), "\nThe")
+    body = {"model": name, "prefix": prefix, "prompt": suffix, "max_tokens": 1}
     ray.init(address="local", num_cpus=cfg.ray.num_cpus or 8, include_dashboard=False, namespace=cfg.ray.namespace,
              log_to_driver=False)
     try:
@@ -155,12 +165,14 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         undeploy(cfg)
         ray.shutdown()
-    print(f"one-token completions of {name} ({r['n']} each, medians, modes {r['modes']}, "
-          f"model work {r['model_work_ms']} ms):")
-    for k, label in (("floor", "floor (bare Serve app of our shape)"), ("floor_waiting", "floor waiting as long as our model work"),
-                     ("ours", "ours")):
+    n_prefix = len(tok(prefix, add_special_tokens=False)["input_ids"])
+    print(f"one-token completions of {name} after a prefix of {n_prefix} tokens ({r['n']} each, medians, "
+          f"modes {r['modes']}, model work {r['model_work_ms']} ms):")
+    for k, label in (("floor", "floor (bare Serve app of our shape)"),
+                     ("floor_waiting", "floor waiting as long as our model work"), ("ours", "ours")):
         print(f"  {label:42s} {r[k]['ms']:7.2f} ms, less model work {r[k]['less_work_ms']:7.2f} ms")
-    print(f"  ours over the floor: +{r['over_floor_ms']:.2f} ms; over the waiting floor: +{r['over_floor_waiting_ms']:.2f} ms")
+    print(f"  ours over the floor: +{r['over_floor_ms']:.2f} ms; "
+          f"over the waiting floor: +{r['over_floor_waiting_ms']:.2f} ms")
     for k in ("floor", "floor_waiting", "ours"):
         print(f"  where {k} went: " + ", ".join(f"{p} {v}" for p, v in r[k]["parts_ms"].items()))
     return r
