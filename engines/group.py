@@ -34,6 +34,7 @@ from engines.specialist import ServedInfo, TextStream, answer_events, collected,
 from scd.fitting import points
 from scd.online import selective
 from scd.online.artifacts import PairArtifacts
+from scd.online.cache import id_row
 from scd.online.decode import GenParams, Row
 from scd.online.lora_group import LoraGroup, adapter_view
 from scd.online.rebuild import encode, prepare, rebuild
@@ -176,7 +177,7 @@ class GroupEngine:
         when it is served from an artifact; its own prefill for the oracle, and for `exact` where the cache
         would be rebuilt), its suffix on top, the first next-token logits."""
         i = self.group.index(name)
-        ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
+        ids = id_row(prefix_ids, self.device)
         keys = values = self.group.fast.empty()
         cached, plan = False, None
         own = oracle or (exact and name in self.plans)

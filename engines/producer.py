@@ -13,6 +13,7 @@ from actors.messages import FallbackReason
 from engines.prefix_cache import PrefixCodeCache, prefix_digest, prefix_key
 from scd.online import codec, e_first, links
 from scd.online.artifacts import PairArtifacts, level_tag
+from scd.online.cache import id_row
 from scd.online.family_artifacts import FamilyArtifacts
 from scd.online.rebuild import encode
 from scd.online.trace import capture
@@ -113,7 +114,7 @@ class ProducerEngine:
                 res.per_pair[p] = Encoded(hit[1], version, cache_hit=True, level=levels[keys.index(hit[0])], family=fid)
         if not todo:
             return res
-        ids = torch.tensor([prefix_ids], device=self.device)
+        ids = id_row(prefix_ids, self.device)
         t0 = time.perf_counter()
         trace = capture(self.model, ids, torch.ones_like(ids),   # residual streams when a plan enters from one
                         want_hidden=any(art.needs_hidden for _, art, _, _ in todo))

@@ -212,7 +212,7 @@ class SpecialistEngine:
         which a plan repaired by the suffix rule reads."""
         if not prefix_ids:                                      # nothing to cache: the suffix is the whole input
             return [], ServedInfo("fallback", FallbackReason.PREFIX_TOO_SHORT, self.version, 0, timings)
-        ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
+        ids = cache.id_row(prefix_ids, self.device)
         if reason == FallbackReason.NO_ARTIFACT and self.art is None:   # the producer has none; this side may know why
             reason = self.unavailable_reason
         if payload is not None and reason is None and activated.of(self.model) is not None and \
@@ -352,7 +352,7 @@ class SpecialistEngine:
         """Exact mode's exact cache: (the specialist's own cache of prefix and suffix, its mask, the logits after
         the suffix, ms). The prefix's K and V are kept for the next exact request on it."""
         t0 = time.perf_counter()
-        kv = self._prefill(torch.tensor([prefix_ids], dtype=torch.long, device=self.device))
+        kv = self._prefill(cache.id_row(prefix_ids, self.device))
         with self.exact_lock:
             self.exact_cache.put(prefix_key(prefix_ids, self.name, "exact"), kv)
         c = cache.assemble(self.model, kv)

@@ -189,3 +189,10 @@ def test_a_trace_holds_no_autograd_graph_whatever_the_callers_grad_mode():
     held = {"keys": tr.keys, "values": tr.values, "content": tr.content, "xnorm": tr.xnorm, "hidden": tr.hidden}
     carrying = [f"{name}[{i}]" for name, ts in held.items() for i, t in enumerate(ts) if t.requires_grad]
     assert not carrying, f"trace tensors carrying a graph: {carrying}"
+
+
+def test_id_row_is_the_row_torch_tensor_makes():
+    for ids in ([5, 151_000, 2**40], (3, 1, 2), list(range(4000)), []):
+        want = torch.tensor([list(ids)], dtype=torch.long)
+        got = cache.id_row(ids)
+        assert got.dtype == torch.long and got.shape == want.shape and torch.equal(got, want), (ids[:5], got.shape)

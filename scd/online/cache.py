@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -16,6 +17,12 @@ from transformers.cache_utils import DynamicLayer
 from scd.online import activated
 
 KV = tuple[torch.Tensor, torch.Tensor]
+
+
+def id_row(token_ids: list[int], device="cpu") -> torch.Tensor:
+    """A request's token ids as the (1, n) int64 row a forward pass reads. Through numpy: torch.tensor reads a
+    long Python list about four times slower (0.25 against 0.06 ms at 3.5k tokens)."""
+    return torch.from_numpy(np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))).view(1, len(token_ids)).to(device)
 
 
 @functools.lru_cache(maxsize=None)
