@@ -58,11 +58,16 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> t
     return torch.multinomial(sampling_probs(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
 
 
+def eos_masked(params: GenParams, n_out: int) -> bool:
+    """Whether a row that has generated n_out tokens may not end now: `min_tokens` not reached, or `ignore_eos`."""
+    return params.ignore_eos or n_out < params.min_tokens
+
+
 def mask_eos(logits: torch.Tensor, params: GenParams, n_out: int, eos_id: int | None) -> torch.Tensor:
     """A row's next-token logits (V,) as the sampler sees them, (1, V) float, once it has generated n_out
-    tokens: eos masked out while `min_tokens` are not reached, or always with `ignore_eos`."""
+    tokens: eos masked out where `eos_masked`."""
     logits = logits[None].float()
-    if eos_id is not None and (params.ignore_eos or n_out < params.min_tokens):
+    if eos_id is not None and eos_masked(params, n_out):
         logits[0, eos_id] = float("-inf")
     return logits
 
@@ -294,8 +299,7 @@ class Decoder:
             return {}
         logits = torch.stack([rows[i].logits for i in idx]).float()
         if self.eos_id is not None:
-            masked = [j for j, i in enumerate(idx) if rows[i].params.ignore_eos
-                      or rows[i].n_out < rows[i].params.min_tokens]
+            masked = [j for j, i in enumerate(idx) if eos_masked(rows[i].params, rows[i].n_out)]
             logits[masked, self.eos_id] = float("-inf")
         return dict(zip(idx, logits.argmax(-1).tolist()))
 
