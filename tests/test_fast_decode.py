@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from scd.online import fast_decode
-from scd.online.cache import assemble, cache_arg
+from scd.online.cache import assemble, cache_arg, cache_of
 from scd.online.decode import Batch
 from tests.conftest import left_padded_batch, tiny_llama
 
@@ -32,8 +32,8 @@ def test_a_step_equals_transformers_on_a_left_padded_batch(make):
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                     use_cache=True)
-    keys = [layer.keys for layer in out.past_key_values.layers]
-    values = [layer.values for layer in out.past_key_values.layers]
+    keys = [layer.keys for layer in cache_of(out).layers]
+    values = [layer.values for layer in cache_of(out).layers]
     step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
     pos, tokens = mask.sum(1), torch.tensor([5, 17, 42])
     fast = fast_decode.step_for(model)
@@ -58,8 +58,8 @@ def test_the_batch_steps_through_it_and_a_model_it_does_not_cover_through_transf
         ids = torch.tensor([[3, 9, 27, 4]])
         with torch.no_grad():
             out = model(input_ids=ids, use_cache=True)
-        batch = Batch([layer.keys for layer in out.past_key_values.layers],
-                      [layer.values for layer in out.past_key_values.layers], torch.ones_like(ids), torch.tensor([4]))
+        batch = Batch([layer.keys for layer in cache_of(out).layers],
+                      [layer.values for layer in cache_of(out).layers], torch.ones_like(ids), torch.tensor([4]))
         with torch.no_grad():
             got = batch.step(model, torch.tensor([11]))
             want = model(input_ids=torch.tensor([[3, 9, 27, 4, 11]])).logits[:, -1]
@@ -85,8 +85,8 @@ def test_the_static_cache_step_equals_transformers_over_rows_of_different_length
     with torch.no_grad():
         for i, ids in enumerate(rows):
             out = model(input_ids=ids, use_cache=True)
-            st.load(i, [layer.keys for layer in out.past_key_values.layers],
-                    [layer.values for layer in out.past_key_values.layers])
+            st.load(i, [layer.keys for layer in cache_of(out).layers],
+                    [layer.values for layer in cache_of(out).layers])
         for step in range(3):
             tokens = torch.tensor([5 + step, 17, 42 - step])
             got = st.step(tokens).clone()
@@ -110,12 +110,12 @@ def test_a_suffix_on_a_cache_equals_transformers_forward(make):
         out = model(input_ids=prefix, use_cache=True)
         whole = model(input_ids=torch.cat([prefix, suffix], 1), use_cache=True)
     fast = fast_decode.step_for(model)
-    logits, keys, values = fast.extend([layer.keys for layer in out.past_key_values.layers],
-                                       [layer.values for layer in out.past_key_values.layers], suffix)
+    logits, keys, values = fast.extend([layer.keys for layer in cache_of(out).layers],
+                                       [layer.values for layer in cache_of(out).layers], suffix)
     err = (logits - whole.logits[:, -1]).abs().max().item()
     assert err < 1e-5, f"the suffix's last logits differ from transformers' by {err:.2e}"
-    for layer, (a, b) in enumerate(zip(keys + values, [lay.keys for lay in whole.past_key_values.layers]
-                                       + [lay.values for lay in whole.past_key_values.layers])):
+    for layer, (a, b) in enumerate(zip(keys + values, [lay.keys for lay in cache_of(whole).layers]
+                                       + [lay.values for lay in cache_of(whole).layers])):
         kv_err = (a - b).abs().max().item()
         assert a.shape == b.shape and kv_err < 1e-5, f"layer {layer % len(keys)}: K/V differ by {kv_err:.2e}"
 

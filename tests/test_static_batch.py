@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from scd.online.api import GenParams
+from scd.online.cache import cache_of
 from scd.online.decode import Decoder, Row, StaticBatch
 from tests.conftest import tiny_llama
 
@@ -20,7 +21,7 @@ def _rows(model, lengths: list[int], max_tokens: list[int]) -> list[tuple[Row, l
         with torch.no_grad():
             o = model(input_ids=ids, use_cache=True)
         got: list = []
-        layers = o.past_key_values.layers
+        layers = cache_of(o).layers
         row = Row([layer.keys for layer in layers], [layer.values for layer in layers], o.logits[0, -1],
                   GenParams(max_tokens=m, ignore_eos=True, logprobs=0),
                   on_token=lambda t, lp, got=got: got.append((t, lp.logprob)) is None,

@@ -14,7 +14,8 @@ producer holds it), and a fan-out of 4 and 8 specialists' device time against as
 cache of the first prefix length, rebuilt from codes and from the specialist's own prefill: the CPU engines'
 step (decode.Batch: FastStep, the cache grown by a copy per token) and the GPU engines' (decode.StaticBatch:
 static caches, each step shape replayed from a CUDA graph), against the limit memory bandwidth sets (the
-weights and the KV read per step over the bandwidth a device-to-device copy reaches in this run). Writes size.md and size.json under --out.
+weights and the KV read per step over the bandwidth a device-to-device copy reaches in this run). Writes
+size.md and size.json under --out.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from cli.bench import fanout, measure_methods, ttft
 from jobs.timing_family import PLAN_KINDS, random_artifact
 from scd.evaluation import methods
 from scd.online import fast_decode, selective, shapes
-from scd.online.cache import cache_of
 from scd.online.api import GenParams
+from scd.online.cache import cache_of
 from scd.online.decode import Batch, Decoder, Row, StaticBatch
 from scd.online.models import ModelSpec
 from scd.online.trace import capture
