@@ -3,6 +3,7 @@ followed side by side, the count of failures returned. `scd calibrate` and the d
 from __future__ import annotations
 
 import asyncio
+import logging
 import shlex
 import time
 from pathlib import Path
@@ -14,9 +15,30 @@ from cluster.runtime import use_token_auth
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
+# What Ray's job client logs on each submission that says nothing to the person following the jobs: the package
+# it builds of the working dir (INFO: ignore files read, uploading, already uploaded), and that `.git` is now
+# left out of it by default (a WARNING once a process; the submissions here exclude it themselves).
+QUIET_LOGGERS = ("ray._private.runtime_env.packaging", "ray.dashboard.modules.dashboard_sdk")
+
+
+class _DefaultExcludes(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is now ignored by default" not in record.getMessage()
+
+
+def quiet_job_client_logs() -> None:
+    """QUIET_LOGGERS at WARNING, and the working dir's default-excludes warning filtered out (idempotent)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    working_dir = logging.getLogger("ray._private.runtime_env.working_dir")
+    if not any(isinstance(f, _DefaultExcludes) for f in working_dir.filters):
+        working_dir.addFilter(_DefaultExcludes())
+
+
 def _client(address: str):
     use_token_auth()                  # Ray 2.60 clusters require a bearer token
     from ray.job_submission import JobSubmissionClient
+    quiet_job_client_logs()
     return JobSubmissionClient(address)
 
 
@@ -26,6 +48,8 @@ def _client(address: str):
 # lost (it resumes from its checkpoints): submit it again, which uploads the package anew.
 RESUBMIT = {"RUNTIME_ENV_SETUP_FAILURE"}
 LOST_PACKAGE = "Failed to download runtime_env file package"
+# what a job's copy of the working dir leaves out
+EXCLUDES = ("/runs/", "/.git/", "__pycache__")
 
 
 async def _follow(client, job_id: str, pair: str) -> bool:
@@ -101,7 +125,7 @@ def submit_and_follow(address: str, pairs: list[str], config_path: str, working_
     common = ["--config", str(Path(config_path).resolve()), "--store", cfg.artifacts.uri,
               "--work-dir", cfg.calibration.work_dir, *(extra or [])]
     client = _client(address)
-    env = {"working_dir": working_dir, "excludes": ["/runs/", "/.git/", "__pycache__"]}
+    env = {"working_dir": working_dir, "excludes": list(EXCLUDES)}
     entries = {pair: shlex.join(["python", "-m", "jobs.calibrate", "--pair", pair, *common]) for pair in pairs}
     failed = 0
     for pair, status in asyncio.run(_run_all(client, entries, env)).items():
@@ -135,7 +159,7 @@ def calibrate_adapter(cfg, name: str, adapter_path: str, report: Callable[[str],
     entry = shlex.join(["python", "-m", "jobs.calibrate", "--pair", pair, "--config", str(config), "--adapter",
                         adapter_path, "--store", cfg.artifacts.uri, "--work-dir", cfg.calibration.work_dir])
     root = Path(__file__).resolve().parents[1]
-    env = {"working_dir": str(root), "excludes": ["/runs/", "/.git/", "__pycache__"]}
+    env = {"working_dir": str(root), "excludes": list(EXCLUDES)}
     client = _client(address if address.startswith("http") else f"http://{address}")
 
     async def watch(job_id: str) -> bool:             # its status, not its log: the router has no one to print to

@@ -1,6 +1,7 @@
 """Calibration jobs as submitted through the Jobs API (cluster.jobs), against a stand-in client: a job for which
 Ray lost its working-dir package (before it started, or under its actors, as its log says) is submitted again;
 any other failure is not."""
+import logging
 from types import SimpleNamespace
 
 from cluster import jobs
@@ -54,3 +55,24 @@ def test_a_job_whose_package_ray_lost_is_submitted_again_and_other_failures_are_
 def test_a_job_is_submitted_again_once_at_most(tmp_path, monkeypatch):
     failed, pairs, _ = _run(tmp_path, monkeypatch, {"base:qa": [("FAILED", "RUNTIME_ENV_SETUP_FAILURE")] * 2})
     assert pairs == ["base:qa", "base:qa"] and failed == 1, (pairs, failed)
+
+
+def test_the_job_clients_package_chatter_is_quiet_and_other_warnings_pass(caplog):
+    """What Ray's job client logs about building the working dir's package (INFO) and the `.git` default exclude
+    (a WARNING) stays out of the jobs' output; a warning of the same loggers about anything else does not."""
+    jobs.quiet_job_client_logs()
+    jobs.quiet_job_client_logs()                            # idempotent: one filter, not two
+    packaging = logging.getLogger("ray._private.runtime_env.packaging")
+    working_dir = logging.getLogger("ray._private.runtime_env.working_dir")
+    assert sum(isinstance(f, jobs._DefaultExcludes) for f in working_dir.filters) == 1
+    ray_logger = logging.getLogger("ray")                   # Ray's loggers do not propagate to the root one
+    ray_logger.addHandler(caplog.handler)
+    try:
+        packaging.info("Ignoring upload to cluster for these files: [PosixPath('.gitignore')]")
+        logging.getLogger("ray.dashboard.modules.dashboard_sdk").info("Uploading package gcs://_ray_pkg_1.zip.")
+        working_dir.warning("Directory %r is now ignored by default when packaging the working directory.", ".git")
+        working_dir.warning("working_dir is too large")
+        packaging.warning("a package could not be read")
+    finally:
+        ray_logger.removeHandler(caplog.handler)
+    assert [r.getMessage() for r in caplog.records] == ["working_dir is too large", "a package could not be read"]
