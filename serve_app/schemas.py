@@ -293,13 +293,16 @@ def overhead_parts_ms(latency_ms: float, scd: dict) -> dict[str, float]:
     """Where one completion's serving overhead went, from its `scd` timings (they sum to latency minus
     model_compute_ms): HTTP, the Serve proxy and the router's own work; the router's call to the producer
     beyond the producer's prefill and encode; the Serve handle hop to the specialist replica; the replica's call
-    to its engine actor; the engine actor's own work around the model (receiving the codes, thread hand-offs)."""
+    to its engine actor; the engine actor receiving the codes (its `transfer`: read from the ticket, or pulled
+    from the producer); the engine actor's other work around the model (thread hand-offs, loading an artifact
+    version)."""
     t = scd.get("timings_ms") or {}
     return {"http_and_router": latency_ms - t.get("specialist_call", 0.0) - t.get("producer_call", 0.0),
             "producer_hop": t.get("producer_call", 0.0) - _producer_work_ms(scd),
             "specialist_hop": t.get("specialist_call", 0.0) - t.get("replica", 0.0),
             "engine_hop": t.get("replica", 0.0) - t.get("engine", 0.0),
-            "engine": t.get("engine", 0.0) - t.get("total", 0.0)}
+            "codes_in": t.get("transfer", 0.0),
+            "engine": t.get("engine", 0.0) - t.get("total", 0.0) - t.get("transfer", 0.0)}
 
 
 class LoadLoraRequest(_Body):

@@ -295,10 +295,10 @@ def test_overhead_is_reported_for_completions_and_fanouts_not_streams(fake, caps
 def test_overhead_parts_add_up_to_latency_minus_model_work():
     from serve_app.schemas import model_compute_ms, overhead_parts_ms
     scd = {"mode": "scd", "timings_ms": {"prefill": 5.0, "encode": 1.0, "producer_call": 9.0, "total": 12.0,
-                                         "engine": 12.5, "replica": 13.5, "specialist_call": 21.0}}
+                                         "transfer": 0.25, "engine": 12.5, "replica": 13.5, "specialist_call": 21.0}}
     parts = overhead_parts_ms(50.0, scd)
     assert parts == {"http_and_router": 20.0, "producer_hop": 3.0, "specialist_hop": 7.5, "engine_hop": 1.0,
-                     "engine": 0.5}
+                     "codes_in": 0.25, "engine": 0.25}
     assert sum(parts.values()) == 50.0 - model_compute_ms([scd])
 
 
