@@ -10,7 +10,9 @@
 #      delivery between processes (cuda_ipc; nixl where it is installed) at the 8B codes' sizes;
 #   2. the 8B timing family served: jobs.timing_family, `scd serve`, `scd loadtest --compare` at 8
 #      concurrent with 4k-token prefixes, /healthz, then SIGTERM;
-#   3. tools.bench_overhead on the 1B timing family: the request path against Serve's floor.
+#   3. tools.bench_overhead on the 1B timing family: the request path against Serve's floor; then, when the run
+#      is under 7.5 minutes, the same with payloads of up to 1 MiB in their tickets (the 1B codes of the
+#      bench's 110-token prefix, ~0.36 MB, then skip the pull from the producer).
 # Without CUDA it rehearses the same steps on CPU at the tiny shape (short prefixes).
 # A GPU machine without Ray gets it from .devsite/site.tar.xz (tools/device_site.sh builds it; the device
 # tool carries it: carry [".devsite"]).
@@ -90,5 +92,17 @@ kill -TERM $SERVE 2>/dev/null; wait $SERVE; echo "scd serve exited $?" | tee -a 
 step "bench_overhead: $OVERHEAD"
 family "$OVERHEAD" "$WORK/overhead.yaml"
 timeout 120 python3 -m tools.bench_overhead --config "$WORK/overhead.yaml" --n 100 2>&1 | tee "$OUT/overhead.log"
+if [ "$SECONDS" -lt 450 ]; then     # time left in the run's 9 minutes: the same with the codes in their tickets
+  step "bench_overhead: $OVERHEAD, payloads of up to 1 MiB in their tickets (no pull)"
+  python3 - "$WORK/overhead.yaml" "$WORK/overhead_inline.yaml" <<'EOF'
+import sys, yaml
+from pathlib import Path
+raw = yaml.safe_load(Path(sys.argv[1]).read_text())
+raw["transport_inline_bytes"] = 1 << 20
+Path(sys.argv[2]).write_text(yaml.safe_dump(raw))
+EOF
+  timeout 120 python3 -m tools.bench_overhead --config "$WORK/overhead_inline.yaml" --n 100 2>&1 \
+    | tee "$OUT/overhead_inline.log"
+fi
 step "done"
 rm -rf "$WORK"
