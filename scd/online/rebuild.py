@@ -214,40 +214,9 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
                        cos, sin)
         v = _decode_stacked(dec_v[:, :r_v], mu_v, [dense(codes.layers[l]["z_v"], dtype) for l in reuse])
         kv.update({l: (k[i], v[i]) for i, l in enumerate(reuse)})
-    if by_kind["hidden"]:                               # one code per token -> K and V of every head
-        keys = bigram_keys(codes.token_ids, codes.mask).reshape(-1) if art.hidden_bigrams(tuple(by_kind["hidden"])) \
-            else None
-        # (B, T, G, n_kv, d) -> (G, B, n_kv, T, d) views; the keys rotated into one tensor, the values kept where
-        # the matmul wrote them
-        split = lambda y, g: y.view(b, t, g, n_kv, d_h).permute(2, 0, 3, 1, 4)  # noqa: E731
-        for src, (layers, dec_k, mu_k, dec_v, mu_v) in art.hidden_decoders(dtype).items():
-            z = dense(codes.layers[src]["z_x"], dtype)   # the layers of a group share their code: dequantised once,
-            r = z.shape[-1]                              # decoded by one matmul for their keys, one for values
-            z = z.reshape(b * t, r)
-            # token (and bigram) tables: each position's bias row, gathered into the output the matmul adds to
-            # (addmm would copy them there first)
-            if mu_k.dim() == 2:
-                rows = art.reuse_x[src].bias_rows(codes.token_ids.reshape(-1), keys)
-                k = mu_k.index_select(0, rows).addmm_(z, dec_k[:r])
-                v = mu_v.index_select(0, rows).addmm_(z, dec_v[:r])
-            else:
-                k, v = torch.addmm(mu_k, z, dec_k[:r]), torch.addmm(mu_v, z, dec_v[:r])
-            k = apply_rope(split(k, len(layers)), cos, sin)
-            v = split(v, len(layers))
-            kv.update({l: (k[i], v[i]) for i, l in enumerate(layers)})
-    shared = [l for l, k in enumerate(art.plan) if k == "shared"]
-    for l in shared:                                    # the producer's own K and V, as sent
-        if art.code_dtype == "klt":                     # or as transform codes, their sinks computed here
-            kv[l] = (apply_rope(klt.decode(art.klt_k[l], codes.layers[l]["k"], dtype), cos, sin),
-                     klt.decode(art.klt_v[l], codes.layers[l]["v"], dtype))
-        else:
-            kv[l] = (dense(codes.layers[l]["k"], dtype), dense(codes.layers[l]["v"], dtype))
-    if shared and art.code_dtype == "klt":
-        base = activated.of(model).base if activated.of(model) is not None else model   # an aLoRA's: its base's
-        for l, (k, v) in enumerate(klt.sink_kv(base, codes.token_ids, codes.mask, shared[-1] + 1)):
-            if l in kv and l in shared:
-                klt.set_sinks(kv[l][0], k, codes.mask)
-                klt.set_sinks(kv[l][1], v, codes.mask)
+    if hidden := by_kind["hidden"]:                     # one code per token -> K and V of every head
+        kv.update(_hidden_kv(art, codes, hidden, dtype, cos, sin))
+    kv.update(_shared_kv(model, art, codes, dtype, cos, sin))
     t_patch = time.perf_counter()
     if patch := by_kind["patch"]:                       # all Patch layers at once
         x0 = tables.x0(codes.token_ids) if art.aligner_tokens and not tables.vocab_kept else None
@@ -265,6 +234,56 @@ def rebuild(model, art: PairArtifacts, codes: Codes, own: Callable[[], dict[int,
         out = selective.run_tail(model, out, codes.token_ids, codes.mask, art.tail_for(t))
     return out, {"rebuild_ms": (t_patch - t0) * 1e3, "patch_ms": (t_run - t_patch) * 1e3,
                  "recompute_ms": (t_end - t_run) * 1e3, "tail_ms": (time.perf_counter() - t_end) * 1e3}
+
+
+def _hidden_kv(art: PairArtifacts, codes: Codes, hidden: list[int], dtype, cos: torch.Tensor, sin: torch.Tensor
+               ) -> dict[int, KV]:
+    """The K (post-RoPE) and V of the `hidden` layers: one code per token decodes to every head of every layer
+    of its group, by one matmul for the group's keys and one for its values."""
+    b, t = codes.token_ids.shape
+    n_kv, d_h = art.spec.num_kv_heads, art.spec.head_dim
+    kv: dict[int, KV] = {}
+    keys = bigram_keys(codes.token_ids, codes.mask).reshape(-1) if art.hidden_bigrams(tuple(hidden)) else None
+    # (B, T, G, n_kv, d) -> (G, B, n_kv, T, d) views; the keys rotated into one tensor, the values kept where
+    # the matmul wrote them
+    split = lambda y, g: y.view(b, t, g, n_kv, d_h).permute(2, 0, 3, 1, 4)  # noqa: E731
+    for src, (layers, dec_k, mu_k, dec_v, mu_v) in art.hidden_decoders(dtype).items():
+        z = dense(codes.layers[src]["z_x"], dtype)   # the layers of a group share their code: dequantised once,
+        r = z.shape[-1]                              # decoded by one matmul for their keys, one for values
+        z = z.reshape(b * t, r)
+        # token (and bigram) tables: each position's bias row, gathered into the output the matmul adds to
+        # (addmm would copy them there first)
+        if mu_k.dim() == 2:
+            rows = art.reuse_x[src].bias_rows(codes.token_ids.reshape(-1), keys)
+            k = mu_k.index_select(0, rows).addmm_(z, dec_k[:r])
+            v = mu_v.index_select(0, rows).addmm_(z, dec_v[:r])
+        else:
+            k, v = torch.addmm(mu_k, z, dec_k[:r]), torch.addmm(mu_v, z, dec_v[:r])
+        k = apply_rope(split(k, len(layers)), cos, sin)
+        v = split(v, len(layers))
+        kv.update({l: (k[i], v[i]) for i, l in enumerate(layers)})
+    return kv
+
+
+def _shared_kv(model, art: PairArtifacts, codes: Codes, dtype, cos: torch.Tensor, sin: torch.Tensor
+               ) -> dict[int, KV]:
+    """The shared layers' K and V: the producer's own, as sent (dense, or transform codes whose attention sinks
+    are computed here)."""
+    kv: dict[int, KV] = {}
+    shared = [l for l, k in enumerate(art.plan) if k == "shared"]
+    for l in shared:
+        if art.code_dtype == "klt":
+            kv[l] = (apply_rope(klt.decode(art.klt_k[l], codes.layers[l]["k"], dtype), cos, sin),
+                     klt.decode(art.klt_v[l], codes.layers[l]["v"], dtype))
+        else:
+            kv[l] = (dense(codes.layers[l]["k"], dtype), dense(codes.layers[l]["v"], dtype))
+    if shared and art.code_dtype == "klt":
+        base = activated.of(model).base if activated.of(model) is not None else model   # an aLoRA's: its base's
+        for l, (k, v) in enumerate(klt.sink_kv(base, codes.token_ids, codes.mask, shared[-1] + 1)):
+            if l in kv:
+                klt.set_sinks(kv[l][0], k, codes.mask)
+                klt.set_sinks(kv[l][1], v, codes.mask)
+    return kv
 
 
 @torch.no_grad()
