@@ -1,7 +1,8 @@
 """`scd serve`: run the Serve app until Ctrl-C or SIGTERM, or print a `serve deploy` config for a cluster.
 
-Startup refuses, before starting anything, a port that is already taken (another `scd serve`?) and an
-address reachable from other machines without an API key. "ready" is printed only once /healthz answers.
+Startup refuses, before starting anything, a port that is already taken (another `scd serve`?), an address
+reachable from other machines without an API key, and (on an embedded cluster) a model path that is not a model
+or adapter folder. "ready" is printed only once /healthz answers.
 Ctrl-C and SIGTERM (what supervisors send) stop Serve, the producer and the embedded Ray cluster; a SIGKILL
 takes the embedded cluster down with the process (Ray's head processes share the driver's fate).
 """

@@ -94,6 +94,20 @@ def group_base(cfg: DeploymentConfig, group: str) -> str:
 ROUTER_QUEUE_FACTOR = 8     # Serve's queue of each proxy before the router, in router slots (see build)
 
 
+def check_model_folders(cfg: DeploymentConfig) -> None:
+    """ConfigError, one line per model, for a model path that is not a model or adapter folder, when the cluster
+    is embedded (this machine serves: its folders are the ones the replicas read). A cluster joined at an
+    address reads its own machines' folders, which this one may not have."""
+    from scd.online.model_files import model_problem
+    if cfg.ray.address:
+        return
+    lines = [f"  {m.name}.path: {problem}" for m in [cfg.producer, *cfg.specialists]
+             if not shapes.is_shape(m.path) and (problem := model_problem(m.path, m.base))]
+    if lines:
+        raise ConfigError(f"{len(lines)} model(s) not found (relative paths are read from the config file's "
+                          "folder; a real family's producer is built by `scd fetch-family`):\n" + "\n".join(lines))
+
+
 def build(cfg: DeploymentConfig):
     """The Serve application (router bound to every specialist deployment). Refuses to serve a non-loopback
     address without an API key unless the config says `auth.allow_unauthenticated: true`."""
@@ -106,6 +120,7 @@ def build(cfg: DeploymentConfig):
         shapes.check_family(cfg)
     except shapes.ShapeError as e:
         raise ConfigError(str(e)) from None
+    check_model_folders(cfg)
     ns, base, lim = cfg.ray.namespace, cfg.producer.name, cfg.limits
     transport = cfg.resolved_transport()
     cores = embedded_cores(cfg)

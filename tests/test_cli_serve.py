@@ -145,3 +145,22 @@ def test_api_key_env_that_is_not_set_is_a_clear_error(tmp_path):
     p = _scd("serve", "--config", cfg, env=env)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 2 and f"${key_env}" in err, (p.returncode, err)
+
+
+def test_model_folders_that_are_not_there_are_refused_in_one_line_each_before_anything_starts(tmp_path):
+    """A model path that does not exist (here: relative paths read from the config file's folder, where the demo
+    models are not) and an adapter whose base is no local folder are refused by name, before Ray starts."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "org/not-here"}')
+    cfg = _config(tmp_path, specialists=[{"name": "qa", "path": "demo_models/qa"},
+                                         {"name": "prose", "path": str(DEMO / "prose")},
+                                         {"name": "code", "path": "adapter"}])
+    p = subprocess.Popen([sys.executable, "-c", NO_RAY, "serve", "--config", cfg], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out, err = p.communicate(timeout=120)
+    assert "RAY WAS STARTED" not in err, f"a refused start still started Ray: {err[-2000:]}"
+    assert p.returncode == 2 and "Traceback" not in err, (p.returncode, err)
+    assert f"qa.path: {tmp_path / 'demo_models' / 'qa'} does not exist" in err, err
+    assert "code.path: the base model of adapter" in err and "org/not-here" in err, err
+    assert "prose.path" not in err and "base.path" not in err, err

@@ -58,6 +58,23 @@ def invocation_tokens(adapter_dir: str | Path | None) -> tuple[int, ...] | None:
     return tuple(int(t) for t in tokens) if tokens else None
 
 
+def model_problem(path: str | Path, base: str | Path | None = None) -> str | None:
+    """Why `path` is neither a model folder (config.json) nor a PEFT adapter folder whose base is a local model
+    folder (`base`, or the one its adapter_config.json names), in one line; None when it is one of them."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return f"{path} does not exist" if not p.exists() else f"{path} is not a folder"
+    if (p / "config.json").is_file():
+        return None
+    if not (p / "adapter_config.json").is_file():
+        return f"{path} is neither a model folder (config.json) nor a PEFT adapter folder (adapter_config.json)"
+    try:
+        adapter_base(p, base)
+    except (FileNotFoundError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def adapter_problem(path: str | Path, base_folder: str | Path, base: str | Path | None = None) -> str | None:
     """Why `path` is not a PEFT adapter of the model in `base_folder` (`base`: the base its config should
     name instead of its own), in one line; None when it is one."""
