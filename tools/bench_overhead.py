@@ -1,6 +1,7 @@
 """The request path against Serve's floor, side by side in one run on one machine.
 
     python -m tools.bench_overhead [--config ray_config.yaml] [--model qa] [--n 200] [--prefix-tokens N]
+                                   [--computing-floor]
 
 Ours: one-token completions (`max_tokens: 1`) of one specialist through the deployed app, the prefix's codes
 already in the producer's cache (the demo's prefix, or with --prefix-tokens one of about N tokens, padded as `scd
@@ -9,7 +10,9 @@ of our shape, each step returning at once: a FastAPI ingress, one actor call (th
 specialist replica), one actor call from the replica (its engine actor). A third app is the floor whose engine
 actor waits as long as our model work takes (the median of ours in the warm-up) before it answers: every process
 on the path then waits as long as ours do, and waking from such a wait costs more than answering at once (on this
-2-core VM, ~1 ms per waiting process). All three are asked over one keep-alive HTTP connection, in interleaved
+2-core VM, ~1 ms per waiting process). With --computing-floor a fourth app's engine actor computes (matmuls on
+the host) for as long instead: on a machine whose cores our model work fills, what the busy cores alone cost
+the other processes on the path. All of them are asked over one keep-alive HTTP connection, in interleaved
 blocks of 10, after a warm-up. Reported: medians of the floors, of ours, of ours less the model work its answer
 reports (`serve_app.schemas.model_compute_ms`), the differences, and where each went (`overhead_parts_ms`).
 Needs the config's pairs calibrated (`make demo` does it once).
@@ -41,8 +44,14 @@ floor_api = FastAPI()
 class Instant:
     """Stands in for the producer and for an engine actor: answers at once."""
 
-    def call(self, x, wait_ms: float = 0.0):
-        if wait_ms:
+    def call(self, x, wait_ms: float = 0.0, compute: bool = False):
+        """x, after waiting `wait_ms` (asleep, or with `compute` computing on the host's cores all along)."""
+        if compute:
+            import torch
+            a, end = torch.randn(256, 256), time.perf_counter() + wait_ms / 1e3
+            while time.perf_counter() < end:
+                a @ a
+        elif wait_ms:
             time.sleep(wait_ms / 1e3)
         return x
 
@@ -52,9 +61,9 @@ class FloorReplica:
     def __init__(self):
         self.engine = Instant.remote()
 
-    async def generate(self, x, wait_ms: float):
+    async def generate(self, x, wait_ms: float, compute: bool):
         t0 = time.perf_counter()
-        await self.engine.call.remote(x, wait_ms)
+        await self.engine.call.remote(x, wait_ms, compute)
         return {"replica": (time.perf_counter() - t0) * 1e3, "engine": wait_ms, "total": wait_ms}
 
 
@@ -69,7 +78,7 @@ class FloorRouter:
         t0 = time.perf_counter()
         codes = await self.producer.call.remote(body.get("prefix"))
         t1 = time.perf_counter()
-        t = await self.replica.generate.remote(codes, float(body.get("wait_ms", 0.0)))
+        t = await self.replica.generate.remote(codes, float(body.get("wait_ms", 0.0)), bool(body.get("compute")))
         t.update(producer_call=(t1 - t0) * 1e3, specialist_call=(time.perf_counter() - t1) * 1e3)
         return {"scd": {"mode": "floor", "timings_ms": t}}
 
@@ -93,13 +102,16 @@ class Client:
         return ms, json.loads(out)
 
 
-def measure(url: str, body: dict, n: int, block: int = 10) -> dict:
-    """Medians of ours, the floor and the floor that waits; their parts."""
+def measure(url: str, body: dict, n: int, block: int = 10, computing: bool = False) -> dict:
+    """Medians of ours, the floor and the floor that waits (and, `computing`, the one that computes); their
+    parts."""
     client = Client(url)
     warm = [client.post("/v1/completions", body)[1]["scd"] for _ in range(3 * block)]   # codes cached, links open
     wait_ms = statistics.median(model_compute_ms([x]) for x in warm)
     apps = {"ours": ("/v1/completions", body), "floor": ("/floor/v1/completions", body),
             "floor_waiting": ("/floor/v1/completions", {**body, "wait_ms": wait_ms})}
+    if computing:
+        apps["floor_computing"] = ("/floor/v1/completions", {**body, "wait_ms": wait_ms, "compute": True})
     for path, b in apps.values():
         client.post(path, b)
     latency = {k: [] for k in apps}
@@ -124,6 +136,8 @@ def measure(url: str, body: dict, n: int, block: int = 10) -> dict:
                 "parts_ms": {p: round(med(x[p] for x in parts[k]), 2) for p in parts[k][0]}}
     r["over_floor_ms"] = round(r["ours"]["less_work_ms"] - r["floor"]["less_work_ms"], 2)
     r["over_floor_waiting_ms"] = round(r["ours"]["less_work_ms"] - r["floor_waiting"]["less_work_ms"], 2)
+    if computing:
+        r["over_floor_computing_ms"] = round(r["ours"]["less_work_ms"] - r["floor_computing"]["less_work_ms"], 2)
     return r
 
 
@@ -135,6 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--n", type=int, default=200, help="requests to each app")
     ap.add_argument("--prefix-tokens", type=int, default=0, metavar="N",
                     help="a prefix of about N tokens (default: the demo's)")
+    ap.add_argument("--computing-floor", action="store_true",
+                    help="also a floor whose engine actor computes on the host as long as our model work")
     args = ap.parse_args(argv)
     if args.prefix_tokens < 0:
         ap.error("--prefix-tokens must be >= 0")
@@ -161,19 +177,23 @@ def main(argv: list[str] | None = None) -> dict:
         url = f"http://{cfg.http.host}:{cfg.http.port}"
         wait_healthy(url)
         serve.run(FloorRouter.bind(FloorReplica.bind()), name="floor", route_prefix="/floor")
-        r = measure(url, body, args.n)
+        r = measure(url, body, args.n, computing=args.computing_floor)
     finally:
         undeploy(cfg)
         ray.shutdown()
     n_prefix = len(tok(prefix, add_special_tokens=False)["input_ids"])
     print(f"one-token completions of {name} after a prefix of {n_prefix} tokens ({r['n']} each, medians, "
           f"modes {r['modes']}, model work {r['model_work_ms']} ms):")
-    for k, label in (("floor", "floor (bare Serve app of our shape)"),
-                     ("floor_waiting", "floor waiting as long as our model work"), ("ours", "ours")):
-        print(f"  {label:42s} {r[k]['ms']:7.2f} ms, less model work {r[k]['less_work_ms']:7.2f} ms")
+    apps = [k for k in ("floor", "floor_waiting", "floor_computing", "ours") if k in r]
+    labels = {"floor": "floor (bare Serve app of our shape)", "ours": "ours",
+              "floor_waiting": "floor waiting as long as our model work",
+              "floor_computing": "floor computing as long as our model work"}
+    for k in apps:
+        print(f"  {labels[k]:42s} {r[k]['ms']:7.2f} ms, less model work {r[k]['less_work_ms']:7.2f} ms")
     print(f"  ours over the floor: +{r['over_floor_ms']:.2f} ms; "
-          f"over the waiting floor: +{r['over_floor_waiting_ms']:.2f} ms")
-    for k in ("floor", "floor_waiting", "ours"):
+          f"over the waiting floor: +{r['over_floor_waiting_ms']:.2f} ms"
+          + (f"; over the computing floor: +{r['over_floor_computing_ms']:.2f} ms" if args.computing_floor else ""))
+    for k in apps:
         print(f"  where {k} went: " + ", ".join(f"{p} {v}" for p, v in r[k]["parts_ms"].items()))
     return r
 
