@@ -124,7 +124,11 @@ def submit_and_follow(address: str, pairs: list[str], config_path: str, working_
     # absolute paths: the job runs from a copy of the working dir, results must land in this one
     common = ["--config", str(Path(config_path).resolve()), "--store", cfg.artifacts.uri,
               "--work-dir", cfg.calibration.work_dir, *(extra or [])]
-    client = _client(address)
+    try:
+        client = _client(address)
+    except ConnectionError as e:
+        raise SystemExit(f"cannot reach a Ray Jobs API at {address} ({str(e).splitlines()[0]}): is the cluster "
+                         "running? `scd serve` prints its address") from None
     env = {"working_dir": working_dir, "excludes": list(EXCLUDES)}
     entries = {pair: shlex.join(["python", "-m", "jobs.calibrate", "--pair", pair, *common]) for pair in pairs}
     failed = 0

@@ -4,6 +4,8 @@ any other failure is not."""
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from cluster import jobs
 from tests.conftest import write_config
 
@@ -76,3 +78,14 @@ def test_the_job_clients_package_chatter_is_quiet_and_other_warnings_pass(caplog
     finally:
         ray_logger.removeHandler(caplog.handler)
     assert [r.getMessage() for r in caplog.records] == ["working_dir is too large", "a package could not be read"]
+
+
+def test_a_jobs_api_that_does_not_answer_is_one_line_not_a_traceback(tmp_path):
+    from cli.serve import port_taken
+    from tests.conftest import free_port
+    port = free_port()
+    assert not port_taken("127.0.0.1", port)
+    with pytest.raises(SystemExit) as e:
+        jobs.submit_and_follow(f"http://127.0.0.1:{port}", ["base:qa"], str(write_config(tmp_path)))
+    msg = str(e.value)
+    assert msg.startswith(f"cannot reach a Ray Jobs API at http://127.0.0.1:{port}") and "\n" not in msg, msg

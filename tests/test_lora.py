@@ -81,8 +81,11 @@ def test_an_adapter_whose_base_is_not_local_needs_the_base_named(base, tmp_path)
         load(tmp_path / "a")
     model, _, _ = load(tmp_path / "a", base=base)
     assert model.config.num_hidden_layers == 2
-    with pytest.raises(FileNotFoundError, match="nor a PEFT adapter"):
+    with pytest.raises(FileNotFoundError, match="nothing-here does not exist"):
         load(tmp_path / "nothing-here")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither a model folder .* nor a PEFT adapter"):
+        load(tmp_path / "empty")
 
 
 def test_a_pair_whose_adapter_names_a_hub_base_merges_it_into_the_producer_and_says_so(base, tmp_path):

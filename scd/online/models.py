@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from scd.online import activated, shapes
-from scd.online.model_files import adapter_base, invocation_tokens, is_adapter, named_base
+from scd.online.model_files import adapter_base, invocation_tokens, is_adapter, model_problem, named_base
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -152,11 +152,10 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path 
         model, tokenizer = shapes.build(str(path), device)
         return model, tokenizer, ModelSpec.from_config(model.config)
     p = Path(path).expanduser()
+    if (problem := model_problem(p, base)) is not None:
+        raise FileNotFoundError(problem)
     adapter = is_adapter(p)
     src = adapter_base(p, base) if adapter else p
-    if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"{p} is not a model folder (no config.json) nor a PEFT adapter folder "
-                                "(no adapter_config.json)")
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=True)
     if adapter:
         from peft import PeftModel
