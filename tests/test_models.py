@@ -50,7 +50,7 @@ def test_incompatible_pairs_are_refused_naming_each_mismatch(tmp_path):
 
 
 def test_unsupported_architecture_and_missing_folder(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="nothing does not exist"):
         load(tmp_path / "nothing")
     cfg = AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=10)
     with pytest.raises(IncompatiblePairError, match="not supported"):
