@@ -133,26 +133,21 @@ def _session_cluster():
     another test (which takes 52365) works alongside it. Its temporary folder is its own, and names it in its
     address file: a job's driver joins the cluster that its supervisor's folder names (Ray resolves "auto"
     there), and with no name there, any cluster running on the machine (another worker's, a `scd serve`'s).
-    Ray's test Cluster writes the name into /tmp/ray instead, where `scd serve` clusters of other tests look:
-    that file is put back as it was."""
+    Ray's test Cluster would write the name into /tmp/ray as well, where the clusters `scd serve` starts in other
+    tests keep theirs (a job submitted to one of them meanwhile would join this one): it is kept from doing so."""
     import shutil
     import tempfile
+    from unittest import mock
 
     import ray
     from ray.cluster_utils import Cluster
     from ray._common.utils import get_ray_address_file
     temp_dir = tempfile.mkdtemp(prefix="scd-ray-", dir="/tmp")       # short: Ray's socket paths live under it
-    shared = Path(get_ray_address_file(None))
-    before = shared.read_text() if shared.is_file() else None
-    shared.parent.mkdir(parents=True, exist_ok=True)       # a fresh machine has no /tmp/ray yet
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "include_dashboard": True, "dashboard_port": free_port(),
-        "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(), "temp_dir": temp_dir})
+    with mock.patch.object(ray._private.utils, "write_ray_address", lambda *args, **kwargs: None):
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 4, "include_dashboard": True, "dashboard_port": free_port(),
+            "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(), "temp_dir": temp_dir})
     Path(get_ray_address_file(temp_dir)).write_text(cluster.address)
-    if before is None:
-        shared.unlink(missing_ok=True)
-    else:
-        shared.write_text(before)
     ctx = ray.init(address=cluster.address, namespace="scd-test", log_to_driver=False)
     yield "http://" + ctx.dashboard_url
     ray.shutdown()
