@@ -3,11 +3,12 @@
     python -m tools.bench_hops [--tokens 3519] [--n 300]
 
 An async caller actor (as the router and the replicas are) awaits calls to another actor that answers at once,
-interleaved in a new order each round, and reports the median round trip of each kind: an empty call; a prefix's token ids as a list of
-ints (what the router sends the producer and the replicas), and as 64-bit bytes; an object reference nested in
-the arguments (what a ticket to a payload in the object store is, passed on by router and replica) and in the
-return value (the producer answering with such a ticket); the ids with `--tokens` tokens and with 110 (the
-demo's prefix). What `tools.bench_overhead` reports per hop above its floor is the sum of such costs.
+interleaved in a new order each round, and reports the median round trip of each kind: an empty call; a
+prefix's token ids as a list of ints (what the router sends the producer and the replicas), and as 64-bit bytes;
+an object reference nested in the arguments (what a ticket to a payload in the object store is, passed on by
+router and replica) and in the return value (the producer answering with such a ticket); the ids with
+`--tokens` tokens and with 110 (the demo's prefix). What `tools.bench_overhead` reports per hop above its
+floor is the sum of such costs.
 """
 from __future__ import annotations
 

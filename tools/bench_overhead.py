@@ -42,7 +42,7 @@ floor_api = FastAPI()
 
 @ray.remote(num_cpus=0)
 class Instant:
-    """Stands in for the producer and for an engine actor: answers at once."""
+    """Stands in for the producer and for an engine actor: answers at once, or after `wait_ms`."""
 
     def call(self, x, wait_ms: float = 0.0, compute: bool = False):
         """x, after waiting `wait_ms` (asleep, or with `compute` computing on the host's cores all along)."""
@@ -134,10 +134,9 @@ def measure(url: str, body: dict, n: int, block: int = 10, computing: bool = Fal
     for k in apps:
         r[k] = {"ms": round(med(latency[k]), 2), "less_work_ms": round(med(overhead[k]), 2),
                 "parts_ms": {p: round(med(x[p] for x in parts[k]), 2) for p in parts[k][0]}}
-    r["over_floor_ms"] = round(r["ours"]["less_work_ms"] - r["floor"]["less_work_ms"], 2)
-    r["over_floor_waiting_ms"] = round(r["ours"]["less_work_ms"] - r["floor_waiting"]["less_work_ms"], 2)
-    if computing:
-        r["over_floor_computing_ms"] = round(r["ours"]["less_work_ms"] - r["floor_computing"]["less_work_ms"], 2)
+    for k in apps:                                   # over_floor_ms, over_floor_waiting_ms, ...
+        if k != "ours":
+            r[f"over_{k}_ms"] = round(r["ours"]["less_work_ms"] - r[k]["less_work_ms"], 2)
     return r
 
 
@@ -184,15 +183,14 @@ def main(argv: list[str] | None = None) -> dict:
     n_prefix = len(tok(prefix, add_special_tokens=False)["input_ids"])
     print(f"one-token completions of {name} after a prefix of {n_prefix} tokens ({r['n']} each, medians, "
           f"modes {r['modes']}, model work {r['model_work_ms']} ms):")
-    apps = [k for k in ("floor", "floor_waiting", "floor_computing", "ours") if k in r]
-    labels = {"floor": "floor (bare Serve app of our shape)", "ours": "ours",
+    floors = {"floor": "floor (bare Serve app of our shape)",
               "floor_waiting": "floor waiting as long as our model work",
               "floor_computing": "floor computing as long as our model work"}
+    apps = [k for k in (*floors, "ours") if k in r]
     for k in apps:
-        print(f"  {labels[k]:42s} {r[k]['ms']:7.2f} ms, less model work {r[k]['less_work_ms']:7.2f} ms")
-    print(f"  ours over the floor: +{r['over_floor_ms']:.2f} ms; "
-          f"over the waiting floor: +{r['over_floor_waiting_ms']:.2f} ms"
-          + (f"; over the computing floor: +{r['over_floor_computing_ms']:.2f} ms" if args.computing_floor else ""))
+        print(f"  {floors.get(k, k):42s} {r[k]['ms']:7.2f} ms, less model work {r[k]['less_work_ms']:7.2f} ms")
+    over = {"floor": "the floor", "floor_waiting": "the waiting floor", "floor_computing": "the computing floor"}
+    print("  ours over " + "; over ".join(f"{over[k]}: +{r[f'over_{k}_ms']:.2f} ms" for k in floors if k in r))
     for k in apps:
         print(f"  where {k} went: " + ", ".join(f"{p} {v}" for p, v in r[k]["parts_ms"].items()))
     return r
