@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import shlex
 import time
 from pathlib import Path
@@ -16,9 +17,11 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
 # What Ray's job client logs on each submission that says nothing to the person following the jobs: the package
-# it builds of the working dir (INFO: ignore files read, uploading, already uploaded), and that `.git` is now
-# left out of it by default (a WARNING once a process; the submissions here exclude it themselves).
-QUIET_LOGGERS = ("ray._private.runtime_env.packaging", "ray.dashboard.modules.dashboard_sdk")
+# it builds of the working dir (INFO: ignore files read, uploading, already uploaded), that `.git` is now
+# left out of it by default (a WARNING once a process; the submissions here exclude it themselves), and that the
+# log stream of a job that ended closed (INFO).
+QUIET_LOGGERS = ("ray._private.runtime_env.packaging", "ray.dashboard.modules.dashboard_sdk",
+                 "ray.dashboard.modules.job.sdk")
 
 
 class _DefaultExcludes(logging.Filter):
@@ -50,16 +53,56 @@ RESUBMIT = {"RUNTIME_ENV_SETUP_FAILURE"}
 LOST_PACKAGE = "Failed to download runtime_env file package"
 # what a job's copy of the working dir leaves out
 EXCLUDES = ("/runs/", "/.git/", "__pycache__")
+# the environment of a job and of the actors it starts: no transformers bar per model loaded (it ends within a
+# second and would print twice per load through the job's log)
+JOB_ENV_VARS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+class JobLog:
+    """What of one job's log is printed. A progress bar (tqdm's line: `desc: 40%|####| 4/10 [00:12<00:18, ...]`,
+    or `desc: 7it [00:03, ...]` without a total) writes a line per update, which a job's log keeps one under the
+    other: of each bar, a line is printed when its elapsed time crosses a multiple of `every_s`, and its last one
+    (n = total) once, unless the bar ended within `every_s` (the log line that follows a stage says it is done).
+    Lines with nothing but an actor's name (`(TraceActor pid=12)`, what remains of a bar it drew) are dropped.
+    Everything else passes unchanged."""
+
+    BAR = re.compile(r"(?:\d+%\|[^|]*\| (?P<n>\d+)/(?P<total>\d+)|(?P<count>\d+)it) "
+                     r"\[(?P<elapsed>(?:\d+:)?\d+:\d+)[<,\]]")
+    COLOR = r"(?:\x1b\[[0-9;]*m)*"
+    ACTOR_ONLY = re.compile(rf"^\s*{COLOR}\([A-Za-z_][\w.]* pid=\d+(?:, ip=[\d.]+)?\){COLOR}\s*$")
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s = every_s
+        self.bars: dict[str, tuple[int, int, int]] = {}   # desc -> (its last line's n and elapsed s, mark printed)
+
+    def keep(self, line: str) -> bool:
+        if not line.strip() or self.ACTOR_ONLY.match(line):
+            return False
+        bar = self.BAR.search(line)
+        if not bar:
+            return True
+        desc = line[:bar.start()].rstrip(": ")
+        n = int(bar["n"] or bar["count"])
+        elapsed = sum(int(p) * 60 ** i for i, p in enumerate(reversed(bar["elapsed"].split(":"))))
+        last_n, last_elapsed, printed = self.bars.get(desc, (-1, 0, 0))
+        if n < last_n or elapsed < last_elapsed:          # a new bar under the same name
+            last_n, printed = -1, 0
+        if bar["total"] and n == int(bar["total"]):
+            keep = n != last_n and elapsed >= self.every_s   # tqdm writes its last line again when the bar closes
+        else:
+            keep = elapsed // self.every_s > printed
+        self.bars[desc] = (n, elapsed, int(elapsed // self.every_s) if keep else printed)
+        return keep
 
 
 async def _follow(client, job_id: str, pair: str) -> bool:
     """Print the job's log lines prefixed by its pair until it ends; whether Ray lost its package (LOST_PACKAGE)."""
-    lost = False
+    lost, log = False, JobLog()
     async for chunk in client.tail_job_logs(job_id):
         for line in chunk.splitlines():
-            if line.strip():
+            if log.keep(line):
                 print(f"[{pair}] {line}", flush=True)
-                lost |= LOST_PACKAGE in line
+            lost |= LOST_PACKAGE in line
     return lost
 
 
@@ -129,7 +172,7 @@ def submit_and_follow(address: str, pairs: list[str], config_path: str, working_
     except ConnectionError as e:
         raise SystemExit(f"cannot reach a Ray Jobs API at {address} ({str(e).splitlines()[0]}): is the cluster "
                          "running? `scd serve` prints its address") from None
-    env = {"working_dir": working_dir, "excludes": list(EXCLUDES)}
+    env = {"working_dir": working_dir, "excludes": list(EXCLUDES), "env_vars": dict(JOB_ENV_VARS)}
     entries = {pair: shlex.join(["python", "-m", "jobs.calibrate", "--pair", pair, *common]) for pair in pairs}
     failed = 0
     for pair, status in asyncio.run(_run_all(client, entries, env)).items():
@@ -163,7 +206,7 @@ def calibrate_adapter(cfg, name: str, adapter_path: str, report: Callable[[str],
     entry = shlex.join(["python", "-m", "jobs.calibrate", "--pair", pair, "--config", str(config), "--adapter",
                         adapter_path, "--store", cfg.artifacts.uri, "--work-dir", cfg.calibration.work_dir])
     root = Path(__file__).resolve().parents[1]
-    env = {"working_dir": str(root), "excludes": list(EXCLUDES)}
+    env = {"working_dir": str(root), "excludes": list(EXCLUDES), "env_vars": dict(JOB_ENV_VARS)}
     client = _client(address if address.startswith("http") else f"http://{address}")
 
     async def watch(job_id: str) -> bool:             # its status, not its log: the router has no one to print to

@@ -225,7 +225,7 @@ def tracers(job: PairJob):
     (--no-actors)."""
     if job.no_actors:
         return None
-    connect(job.cfg.ray)
+    connect(job.cfg.ray, logging_level="WARNING")      # not Ray's two lines on joining the cluster in the job's log
     return actor_capture(job.cfg.producer.path, job.member.path, (job.cfg.producer.num_gpus, job.member.num_gpus),
                          job.member.base)
 

@@ -2,6 +2,9 @@
 Ray lost its working-dir package (before it started, or under its actors, as its log says) is submitted again;
 any other failure is not."""
 import logging
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -16,9 +19,10 @@ class FakeClient:
     """Scripted outcomes per pair, one per submission: (status, error_type, log lines...)."""
 
     def __init__(self, outcomes: dict[str, list[tuple]]):
-        self.outcomes, self.submitted, self.jobs = outcomes, [], {}
+        self.outcomes, self.submitted, self.jobs, self.runtime_envs = outcomes, [], {}, []
 
     def submit_job(self, entrypoint, runtime_env, submission_id):
+        self.runtime_envs.append(runtime_env)
         pair = entrypoint.split("--pair ")[1].split()[0]
         self.jobs[submission_id] = self.outcomes[pair].pop(0)
         self.submitted.append((pair, submission_id))
@@ -89,3 +93,49 @@ def test_a_jobs_api_that_does_not_answer_is_one_line_not_a_traceback(tmp_path):
         jobs.submit_and_follow(f"http://127.0.0.1:{port}", ["base:qa"], str(write_config(tmp_path)))
     msg = str(e.value)
     assert msg.startswith(f"cannot reach a Ray Jobs API at http://127.0.0.1:{port}") and "\n" not in msg, msg
+
+
+def _bar(desc: str, n: int, total: int | None, elapsed: float) -> str:
+    from tqdm import tqdm
+    return tqdm.format_meter(n, total, elapsed, prefix=desc)
+
+
+def test_a_jobs_progress_bars_print_a_line_per_ten_seconds_and_their_end_once():
+    """A bar's line per update (one under the other in a job's log) is thinned to the lines that cross a multiple
+    of 10 s of its elapsed time, and its last line printed once (tqdm writes it again on close); a bar that ends
+    within 10 s prints nothing, another bar of the same name after it is a new bar; lines that are nothing but an
+    actor's name are dropped and every other line passes."""
+    log = jobs.JobLog(every_s=10)
+    traces = [_bar("traces", n, 16, 24 + 0.5 * n) for n in range(1, 17)] + [_bar("traces", 16, 16, 32.1)]
+    kept = [line for line in traces if log.keep(line)]
+    assert kept == [traces[0], traces[11], traces[15]], kept    # 24.5 s crosses 20 s, 30 s; the end at 32 s
+    quick = [_bar("levels", n, 4, n) for n in range(5)] + [_bar("levels", 4, 4, 4.1)]
+    assert not any(log.keep(line) for line in quick), "a bar that ended within 10 s printed"
+    again = [_bar("traces", n, 4, 7 * n) for n in range(5)]
+    assert [line for line in again if log.keep(line)] == [again[2], again[3], again[4]]   # 14, 21, 28 s
+    gram = [_bar("gram", n, None, 4 * n) for n in range(8)]          # no total: `gram: 3it [00:12, ...]`
+    assert [line for line in gram if log.keep(line)] == [gram[3], gram[5]], gram     # 12 s and 20 s
+    assert not log.keep("\x1b[36m(TraceActor pid=2852)\x1b[0m ") and not log.keep("   ")
+    for line in ("[calibrate] stage traces: done (20480 rows in 16 chunks)", LOST, "(TraceActor pid=12) loaded"):
+        assert log.keep(line), line
+
+
+def test_a_followed_jobs_log_is_thinned_and_its_lost_package_still_seen(tmp_path, monkeypatch, capsys):
+    bars = [_bar("traces", n, 16, 2.5 * n) for n in range(17)]
+    failed, pairs, client = _run(tmp_path, monkeypatch, {
+        "base:qa": [("FAILED", "JOB_ENTRYPOINT_COMMAND_ERROR", *bars, "\x1b[36m(TraceActor pid=9)\x1b[0m", LOST),
+                    ("SUCCEEDED", None)]})
+    out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[base:qa]")]
+    printed = [line for line in out if "traces" in line]
+    assert len(printed) == 4 and printed[-1].endswith(bars[-1]), printed    # at 10, 20, 30 s and its end (40 s)
+    assert pairs == ["base:qa", "base:qa"] and failed == 0, (pairs, failed)
+    assert not any("TraceActor" in line for line in out), out
+    assert all(env["env_vars"]["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" for env in client.runtime_envs)
+
+
+def test_the_job_environment_turns_transformers_loading_bars_off():
+    """JOB_ENV_VARS reach the job and its actors as environment variables; transformers reads them on import."""
+    probe = "import transformers.utils.logging as l; print(l.is_progress_bar_enabled())"
+    env = {**os.environ, **jobs.JOB_ENV_VARS}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", out
