@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from cluster.config import ConfigError, load_config
-from cluster.runtime import use_token_auth
+from cluster.runtime import drop_messages, use_token_auth
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
@@ -24,18 +24,11 @@ QUIET_LOGGERS = ("ray._private.runtime_env.packaging", "ray.dashboard.modules.da
                  "ray.dashboard.modules.job.sdk")
 
 
-class _DefaultExcludes(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "is now ignored by default" not in record.getMessage()
-
-
 def quiet_job_client_logs() -> None:
-    """QUIET_LOGGERS at WARNING, and the working dir's default-excludes warning filtered out (idempotent)."""
+    """QUIET_LOGGERS at WARNING, and the working dir's default-excludes warning dropped (idempotent)."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    working_dir = logging.getLogger("ray._private.runtime_env.working_dir")
-    if not any(isinstance(f, _DefaultExcludes) for f in working_dir.filters):
-        working_dir.addFilter(_DefaultExcludes())
+    drop_messages("ray._private.runtime_env.working_dir", "is now ignored by default")
 
 
 def _client(address: str):

@@ -5,6 +5,7 @@ Ray gave them; they never choose GPUs themselves.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -30,6 +31,26 @@ def connect(settings: RaySettings, **overrides) -> dict:
             if kwargs["include_dashboard"]:
                 name_for_jobs()
     return ray.cluster_resources()
+
+
+class DropMessages(logging.Filter):
+    """Drops the records whose message contains one of `parts`."""
+
+    def __init__(self, *parts: str):
+        super().__init__()
+        self.parts = parts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(part in message for part in self.parts)
+
+
+def drop_messages(logger: str, *parts: str) -> None:
+    """Keep the records of `logger` (itself, not its children) whose message contains one of `parts` out of the
+    output; idempotent."""
+    target = logging.getLogger(logger)
+    if not any(isinstance(f, DropMessages) and f.parts == parts for f in target.filters):
+        target.addFilter(DropMessages(*parts))
 
 
 LOCAL_STARTS = 3        # Ray gives a new node's raylet 30 s to register, which a machine busy enough can miss

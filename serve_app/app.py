@@ -16,7 +16,7 @@ from actors.adapter_book import stop_book
 from actors.producer_pool import start_pool, stop_pool
 from actors.registry import stop_registry
 from cluster.config import ConfigError, DeploymentConfig
-from cluster.runtime import actor_options, connect, machine_cores, replica_caps
+from cluster.runtime import actor_options, connect, drop_messages, machine_cores, replica_caps
 from engines.interface import EngineConfig
 from scd.online import shapes
 from serve_app.errors import key_digest
@@ -205,6 +205,9 @@ def start_proxy(cfg: DeploymentConfig, tries: int = 3) -> None:
         try:
             serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port},
                         logging_config=logging_config(cfg))
+            # serve.run, which follows, says that it found Serve running and applies no new http_options: it
+            # passes none (Serve warns of any that differ)
+            drop_messages("ray.serve", "Connecting to existing Serve app")
             return
         except (ray.exceptions.RayActorError, TimeoutError) as e:
             if attempt == tries:

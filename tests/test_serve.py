@@ -389,6 +389,23 @@ def wait_for(predicate, bound_s: float, every_s: float = 1.0) -> bool:
     return predicate()
 
 
+def test_serve_started_again_does_not_say_it_found_serve_running(served, caplog):
+    """serve.run after our serve.start (and any later start) finds Serve running and says so at INFO, adding
+    that it applies no new http_options, which reads as if ours were lost: deploy keeps that line out."""
+    import logging
+    from ray import serve
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="ray.serve"):
+            serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+            serve_logger.info("another message")
+    finally:
+        serve_logger.removeHandler(caplog.handler)
+    messages = [r.getMessage() for r in caplog.records if r.name == "ray.serve"]
+    assert messages == ["another message"], messages
+
+
 def test_a_timed_out_handle_call_is_a_timeout_even_when_serve_answers_the_cancel_with_its_own_error():
     """Serve raises RequestCancelledError from a handle call that asyncio.wait_for cancels, and wait_for
     passes it on; `within` makes it the timeout it is (a busy specialist is 'busy' in /healthz, a slow
