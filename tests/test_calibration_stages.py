@@ -2,6 +2,7 @@
 where a changed setting reaches, aligners trained on their own prefixes, ranks chosen by validation KL within the
 payload budget as the wire counts bytes, and the stages after the ranks redone when those change."""
 import json
+import re
 
 import pytest
 import torch
@@ -54,7 +55,9 @@ def test_a_changed_setting_redoes_only_the_stages_that_depend_on_it(tmp_path):
         cal.run(v, tune_samples=tune)
         return cal, " | ".join(logs)
 
-    first, _ = run(cfg)
+    first, out = run(cfg)
+    trained = re.findall(r"aligner for layer (\d+) trained", out)
+    assert trained and not [l for l in trained if f"aligner for layer {l} resumed" in out], out   # loaded again
     # fine-tuning settings: traces, aligners, ranks and policy are reused, fine-tuning is redone
     second, out = run(CalibConfig(**{**cfg.__dict__, "finetune_lr": 3e-4}))
     assert "traces: resumed" in out and "policy: resumed" in out and "finetune: resumed" not in out, out

@@ -353,9 +353,9 @@ class Calibration:
         if trained:
             self.log(f"stage policy: aligner for layer {layer} trained (best val {min(curve['val']):.4f} "
                      f"at epoch {curve['best_epoch']})")
-        elif layer not in self._aligners_logged:
+        elif layer not in self._aligners_logged:      # once a layer, and not when it was trained in this run
             self.log(f"stage policy: aligner for layer {layer} resumed from checkpoint")
-            self._aligners_logged.add(layer)
+        self._aligners_logged.add(layer)
         return g, curve
 
     def artifacts_for(self, plan: list[str], r_k: int | None = None, r_v: int | None = None,
