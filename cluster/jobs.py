@@ -46,9 +46,6 @@ RESUBMIT = {"RUNTIME_ENV_SETUP_FAILURE"}
 LOST_PACKAGE = "Failed to download runtime_env file package"
 # what a job's copy of the working dir leaves out
 EXCLUDES = ("/runs/", "/.git/", "__pycache__")
-# the environment of a job and of the actors it starts: no transformers bar per model loaded (it ends within a
-# second and would print twice per load through the job's log)
-JOB_ENV_VARS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 class JobLog:
@@ -165,7 +162,7 @@ def submit_and_follow(address: str, pairs: list[str], config_path: str, working_
     except ConnectionError as e:
         raise SystemExit(f"cannot reach a Ray Jobs API at {address} ({str(e).splitlines()[0]}): is the cluster "
                          "running? `scd serve` prints its address") from None
-    env = {"working_dir": working_dir, "excludes": list(EXCLUDES), "env_vars": dict(JOB_ENV_VARS)}
+    env = {"working_dir": working_dir, "excludes": list(EXCLUDES)}
     entries = {pair: shlex.join(["python", "-m", "jobs.calibrate", "--pair", pair, *common]) for pair in pairs}
     failed = 0
     for pair, status in asyncio.run(_run_all(client, entries, env)).items():
@@ -199,7 +196,7 @@ def calibrate_adapter(cfg, name: str, adapter_path: str, report: Callable[[str],
     entry = shlex.join(["python", "-m", "jobs.calibrate", "--pair", pair, "--config", str(config), "--adapter",
                         adapter_path, "--store", cfg.artifacts.uri, "--work-dir", cfg.calibration.work_dir])
     root = Path(__file__).resolve().parents[1]
-    env = {"working_dir": str(root), "excludes": list(EXCLUDES), "env_vars": dict(JOB_ENV_VARS)}
+    env = {"working_dir": str(root), "excludes": list(EXCLUDES)}
     client = _client(address if address.startswith("http") else f"http://{address}")
 
     async def watch(job_id: str) -> bool:             # its status, not its log: the router has no one to print to

@@ -2,9 +2,6 @@
 Ray lost its working-dir package (before it started, or under its actors, as its log says) is submitted again;
 any other failure is not."""
 import logging
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -19,10 +16,9 @@ class FakeClient:
     """Scripted outcomes per pair, one per submission: (status, error_type, log lines...)."""
 
     def __init__(self, outcomes: dict[str, list[tuple]]):
-        self.outcomes, self.submitted, self.jobs, self.runtime_envs = outcomes, [], {}, []
+        self.outcomes, self.submitted, self.jobs = outcomes, [], {}
 
     def submit_job(self, entrypoint, runtime_env, submission_id):
-        self.runtime_envs.append(runtime_env)
         pair = entrypoint.split("--pair ")[1].split()[0]
         self.jobs[submission_id] = self.outcomes[pair].pop(0)
         self.submitted.append((pair, submission_id))
@@ -130,12 +126,3 @@ def test_a_followed_jobs_log_is_thinned_and_its_lost_package_still_seen(tmp_path
     assert len(printed) == 4 and printed[-1].endswith(bars[-1]), printed    # at 10, 20, 30 s and its end (40 s)
     assert pairs == ["base:qa", "base:qa"] and failed == 0, (pairs, failed)
     assert not any("TraceActor" in line for line in out), out
-    assert all(env["env_vars"]["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" for env in client.runtime_envs)
-
-
-def test_the_job_environment_turns_transformers_loading_bars_off():
-    """JOB_ENV_VARS reach the job and its actors as environment variables; transformers reads them on import."""
-    probe = "import transformers.utils.logging as l; print(l.is_progress_bar_enabled())"
-    env = {**os.environ, **jobs.JOB_ENV_VARS}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False", out

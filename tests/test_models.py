@@ -78,6 +78,20 @@ def test_scd_core_imports_without_ray_fastapi_or_distributed():
     assert r.returncode == 0, f"scd pulled in {r.stdout.strip()} {r.stderr[-500:]}"
 
 
+def test_a_model_loaded_with_stderr_not_a_terminal_draws_no_loading_bar():
+    """A job's or an actor's stderr is a log file, which keeps each update of transformers' bar as a line:
+    `load` turns the bar off there (a process on a terminal keeps it)."""
+    from tests.conftest import DEMO
+    code = ("import sys; from scd.online.models import load\n"
+            f"load({str(DEMO / 'qa')!r}); load({str(DEMO / 'base')!r})\n"
+            "from transformers import AutoModelForCausalLM\n"
+            f"AutoModelForCausalLM.from_pretrained({str(DEMO / 'base')!r})\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and "Loading weights" not in r.stderr, r.stderr[-1500:]
+    bare = subprocess.run([sys.executable, "-c", code.split("\n", 2)[2]], capture_output=True, text=True)
+    assert "Loading weights" in bare.stderr, f"transformers drew no bar of its own: {bare.stderr[-500:]}"
+
+
 def test_the_processes_that_only_forward_requests_load_no_torch():
     """The router, the Serve replicas' shims, the producer pool, the registry and the adapter book forward
     requests, create or name actors and read small files: their modules, the messages they unpickle, and the

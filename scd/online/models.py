@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -148,6 +149,9 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, base: str | Path 
     A merged model carries `scd_weights_digest` = sha256(base folder digest + adapter digest): its identity
     for artifact fingerprints, which the float rounding of a merge on another machine cannot change."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not sys.stderr.isatty():      # a log (a job's, an actor's) keeps each update of transformers' loading bar
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
     if shapes.is_shape(path):
         model, tokenizer = shapes.build(str(path), device)
         return model, tokenizer, ModelSpec.from_config(model.config)
