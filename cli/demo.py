@@ -157,14 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     from scd.online.model_files import load_tokenizer
     tok = load_tokenizer(cfg.producer.path)
 
-    import ray
     from ray import serve
 
-    from cluster.runtime import connect, name_for_jobs, shutdown
+    from cluster.runtime import connect, name_for_jobs, shutdown, start_local
     from serve_app.app import deploy, wait_healthy
 
-    ctx = ray.init(address="local", num_cpus=cfg.ray.num_cpus or 8, include_dashboard=True, namespace=cfg.ray.namespace,
-                   log_to_driver=False)
+    ctx = start_local(num_cpus=cfg.ray.num_cpus or 8, include_dashboard=True, namespace=cfg.ray.namespace,
+                      log_to_driver=False, logging_level=cfg.ray.log_level)
     name_for_jobs()
     phases.done("cluster start")
     try:

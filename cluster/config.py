@@ -38,6 +38,10 @@ class RaySettings(_Strict):
                               "they hold its engine beyond the producers and every specialist's first replicas")
     dashboard_port: int | None = Field(None, ge=1, le=65535, description="the embedded cluster's dashboard (the "
                                        "Jobs API that `ray job submit` talks to) on this port; null: no dashboard")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="Ray's and Ray Serve's own log lines (the cluster's start, Serve's controller, HTTP "
+                               "proxy and replicas; terminal and Serve's log files) at this level and up: INFO "
+                               "shows each deployment step; telemetry.access_log logs Serve at INFO")
 
 
 class ModelSettings(_Strict):

@@ -5,6 +5,7 @@ Ray gave them; they never choose GPUs themselves.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -19,7 +20,8 @@ def connect(settings: RaySettings, **overrides) -> dict:
     `ray job submit`), else start an embedded local cluster. Returns the cluster's resources."""
     if not ray.is_initialized():
         address = settings.address or os.environ.get("RAY_ADDRESS", "")
-        kwargs = {"namespace": settings.namespace, "log_to_driver": True, **overrides}
+        kwargs = {"namespace": settings.namespace, "log_to_driver": True, "logging_level": settings.log_level,
+                  **overrides}
         if address:
             ray.init(address=address, **kwargs)
         else:
@@ -56,16 +58,35 @@ def drop_messages(logger: str, *parts: str) -> None:
 LOCAL_STARTS = 3        # Ray gives a new node's raylet 30 s to register, which a machine busy enough can miss
 
 
-def start_local(**kwargs) -> None:
+@contextlib.contextmanager
+def environ(**values: str):
+    """These environment variables set while the block runs (processes it starts inherit them), then as before."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def start_local(**kwargs):
     """`ray.init(address="local")`, started again (up to LOCAL_STARTS times) when its raylet did not register in
-    time; the processes of a start that timed out are stopped first (Ray leaves them running)."""
+    time; the processes of a start that timed out are stopped first (Ray leaves them running). Ray's loggers in
+    the cluster's worker processes (its actors', a Ray Job's supervisor's, whose lines reach this terminal) log at
+    this driver's `logging_level`. Returns ray.init's context."""
     import sys
 
     from ray._common.utils import get_default_ray_temp_dir
+    level = kwargs.get("logging_level", logging.INFO)
+    level = logging.getLevelName(level) if isinstance(level, int) else level
     for attempt in range(1, LOCAL_STARTS + 1):
         try:
-            ray.init(address="local", **kwargs)
-            return
+            with environ(RAY_LOGGER_LEVEL=level.lower()):      # read by each worker process Ray starts
+                return ray.init(address="local", **kwargs)
         except Exception as e:
             if "timed out during startup" not in str(e) or attempt == LOCAL_STARTS:
                 raise

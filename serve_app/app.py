@@ -59,8 +59,12 @@ def specialist_options(cfg: DeploymentConfig, name: str, max_replicas: int | Non
 
 
 def logging_config(cfg: DeploymentConfig) -> dict:
-    """Serve's logging of our deployments: its per-request access log only when the config asks for it."""
-    return {"enable_access_log": cfg.telemetry.access_log}
+    """Serve's logging (its controller and proxy, our deployments): its own lines at `ray.log_level` and up, and
+    its per-request access log only when the config asks for it, which needs INFO (an access line's level)."""
+    level = cfg.ray.log_level
+    if cfg.telemetry.access_log and logging.getLevelName(level) > logging.INFO:
+        level = "INFO"
+    return {"enable_access_log": cfg.telemetry.access_log, "log_level": level}
 
 
 def embedded_cores(cfg: DeploymentConfig) -> int | None:
@@ -203,6 +207,7 @@ def start_proxy(cfg: DeploymentConfig, tries: int = 3) -> None:
     import ray
     for attempt in range(1, tries + 1):
         try:
+            logging.getLogger("ray.serve").setLevel(logging_config(cfg)["log_level"])    # this driver's lines
             serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port},
                         logging_config=logging_config(cfg))
             # serve.run, which follows, says that it found Serve running and applies no new http_options: it

@@ -76,6 +76,23 @@ def test_serve_deploy_config_carries_autoscaling_and_placement():
     assert out["applications"][0]["args"] == {"config": "/etc/scd.yaml"}
 
 
+def test_serves_own_lines_log_at_the_configured_level_and_an_access_log_at_info():
+    """Serve's controller, proxy and our deployments log at ray.log_level (WARNING unless set); an access log's
+    lines are INFO, so asking for one logs Serve at INFO, and a finer level than that is kept."""
+    from serve_app.app import logging_config
+    cases = [({}, {"enable_access_log": False, "log_level": "WARNING"}),
+             ({"ray": {"log_level": "INFO"}}, {"enable_access_log": False, "log_level": "INFO"}),
+             ({"telemetry": {"access_log": True}}, {"enable_access_log": True, "log_level": "INFO"}),
+             ({"ray": {"log_level": "DEBUG"}, "telemetry": {"access_log": True}},
+              {"enable_access_log": True, "log_level": "DEBUG"})]
+    for extra, expected in cases:
+        cfg = parse({**GOOD, **extra})
+        assert logging_config(cfg) == expected, extra
+        assert serve_deploy_config(cfg, "/c.yaml")["applications"][0]["deployments"][0]["logging_config"] == expected
+    with pytest.raises(ConfigError, match="log_level"):
+        parse({**GOOD, "ray": {"log_level": "LOUD"}})
+
+
 def test_the_autoscaling_window_is_longer_than_serves_metrics_interval(monkeypatch):
     """A window with no measurement in it is refused, in one line that says why; Serve's interval is its own
     setting (10 s unless its environment variable says otherwise)."""
