@@ -53,20 +53,24 @@ class JobLog:
     or `desc: 7it [00:03, ...]` without a total) writes a line per update, which a job's log keeps one under the
     other: of each bar, a line is printed when its elapsed time crosses a multiple of `every_s`, and its last one
     (n = total) once, unless the bar ended within `every_s` (the log line that follows a stage says it is done).
-    Lines with nothing but an actor's name (`(TraceActor pid=12)`, what remains of a bar it drew) are dropped.
-    Everything else passes unchanged."""
+    Lines with nothing but an actor's name (`(TraceActor pid=12)`, what remains of a bar it drew) are dropped, and
+    the two Ray's job manager writes at the top of every job's log (its INFO line that the runtime env is being set
+    up, and the entrypoint command it runs, which `ray job logs` still shows). Everything else passes unchanged."""
 
     BAR = re.compile(r"(?:\d+%\|[^|]*\| (?P<n>\d+)/(?P<total>\d+)|(?P<count>\d+)it) "
                      r"\[(?P<elapsed>(?:\d+:)?\d+:\d+)[<,\]]")
     COLOR = r"(?:\x1b\[[0-9;]*m)*"
     ACTOR_ONLY = re.compile(rf"^\s*{COLOR}\([A-Za-z_][\w.]* pid=\d+(?:, ip=[\d.]+)?\){COLOR}\s*$")
+    RAY_INFO = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+INFO ")      # Ray's log format, at INFO
+    ENTRYPOINT = "Running entrypoint for job "
 
     def __init__(self, every_s: float = 10.0):
         self.every_s = every_s
         self.bars: dict[str, tuple[int, int, int]] = {}   # desc -> (its last line's n and elapsed s, mark printed)
 
     def keep(self, line: str) -> bool:
-        if not line.strip() or self.ACTOR_ONLY.match(line):
+        if not line.strip() or self.ACTOR_ONLY.match(line) or self.RAY_INFO.match(line) or \
+                line.startswith(self.ENTRYPOINT):
             return False
         bar = self.BAR.search(line)
         if not bar:

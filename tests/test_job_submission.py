@@ -100,7 +100,7 @@ def test_a_jobs_progress_bars_print_a_line_per_ten_seconds_and_their_end_once():
     """A bar's line per update (one under the other in a job's log) is thinned to the lines that cross a multiple
     of 10 s of its elapsed time, and its last line printed once (tqdm writes it again on close); a bar that ends
     within 10 s prints nothing, another bar of the same name after it is a new bar; lines that are nothing but an
-    actor's name are dropped and every other line passes."""
+    actor's name, and Ray's job manager's INFO and entrypoint lines, are dropped and every other line passes."""
     log = jobs.JobLog(every_s=10)
     traces = [_bar("traces", n, 16, 24 + 0.5 * n) for n in range(1, 17)] + [_bar("traces", 16, 16, 32.1)]
     kept = [line for line in traces if log.keep(line)]
@@ -112,6 +112,10 @@ def test_a_jobs_progress_bars_print_a_line_per_ten_seconds_and_their_end_once():
     gram = [_bar("gram", n, None, 4 * n) for n in range(8)]          # no total: `gram: 3it [00:12, ...]`
     assert [line for line in gram if log.keep(line)] == [gram[3], gram[5]], gram     # 12 s and 20 s
     assert not log.keep("\x1b[36m(TraceActor pid=2852)\x1b[0m ") and not log.keep("   ")
+    ray_lines = ("2026-12-02 04:56:47,353\tINFO job_manager.py:581 -- Runtime env is setting up.",
+                 "Running entrypoint for job calibrate-base-qa-1796187406: python -m jobs.calibrate --pair base:qa")
+    assert not any(log.keep(line) for line in ray_lines), "Ray's job manager lines printed"
+    assert log.keep("2026-12-02 04:56:47,353\tWARNING job_manager.py:581 -- something to see")
     for line in ("[calibrate] stage traces: done (20480 rows in 16 chunks)", LOST, "(TraceActor pid=12) loaded"):
         assert log.keep(line), line
 
