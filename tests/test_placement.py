@@ -137,3 +137,29 @@ def test_a_local_cluster_whose_raylet_missed_rays_startup_deadline_is_started_ag
         assert len(calls) == 2, calls
     finally:
         left.kill()
+
+
+def test_an_embedded_clusters_processes_log_at_the_configs_level_and_the_drivers_environment_is_left_as_it_was(
+        monkeypatch):
+    """`ray.log_level` reaches ray.init (the driver's Ray logger) and, through the environment the cluster's
+    processes inherit while it starts, Ray's loggers in its workers; the driver's own environment is as before."""
+    import os
+
+    import ray
+
+    from cluster import runtime
+    from cluster.config import RaySettings
+    seen = []
+
+    def init(**kwargs):
+        seen.append((kwargs["logging_level"], os.environ.get("RAY_LOGGER_LEVEL")))
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.delenv("RAY_LOGGER_LEVEL", raising=False)
+    runtime.connect(RaySettings(log_level="ERROR"))
+    assert seen == [("ERROR", "error")] and "RAY_LOGGER_LEVEL" not in os.environ, seen
+    monkeypatch.setenv("RAY_LOGGER_LEVEL", "debug")
+    runtime.start_local(logging_level=30)                    # an int level, as ray.init takes too
+    assert seen[-1] == (30, "warning") and os.environ["RAY_LOGGER_LEVEL"] == "debug", seen
