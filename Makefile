@@ -2,8 +2,9 @@
 PY ?= python3
 
 .PHONY: install demo demo-real test
+# as root (a container, a GPU box) pip would warn on every run that root installs into the system's Python
 install:
-	$(PY) -m pip install -q -e '.[dev]'
+	PIP_ROOT_USER_ACTION=ignore $(PY) -m pip install -q -e '.[dev]'
 
 # the demo prints its phases' wall-clock times at the end, the install's included
 demo:
