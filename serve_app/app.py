@@ -205,11 +205,11 @@ def start_proxy(cfg: DeploymentConfig, tries: int = 3) -> None:
     (it then raises ActorDiedError, or TimeoutError after 60 s); the controller and the new proxy remain,
     and a second call waits for them."""
     import ray
+    logs = logging_config(cfg)
+    logging.getLogger("ray.serve").setLevel(logs["log_level"])              # this driver's own Serve lines
     for attempt in range(1, tries + 1):
         try:
-            logging.getLogger("ray.serve").setLevel(logging_config(cfg)["log_level"])    # this driver's lines
-            serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port},
-                        logging_config=logging_config(cfg))
+            serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port}, logging_config=logs)
             # serve.run, which follows, says that it found Serve running and applies no new http_options: it
             # passes none (Serve warns of any that differ)
             drop_messages("ray.serve", "Connecting to existing Serve app")
