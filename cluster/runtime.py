@@ -60,7 +60,9 @@ LOCAL_STARTS = 3        # Ray gives a new node's raylet 30 s to register, which 
 
 @contextlib.contextmanager
 def environ(**values: str):
-    """These environment variables set while the block runs (processes it starts inherit them), then as before."""
+    """These environment variables set while the block runs (processes it starts inherit them), then as before;
+    only these: variables the block sets itself stay (ray.init sets PYTHONBREAKPOINT in the driver), which
+    `mock.patch.dict(os.environ)`, restoring the whole environment, would undo."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
